@@ -1,0 +1,237 @@
+//! The master's connection to one worker daemon.
+//!
+//! A [`WorkerConn`] is cheap to clone (it shares one HTTP/2 connection) and every call has a deadline, so a
+//! daemon killed with `kill -9` or a link that goes down turns into [`NetError`] in bounded time, never a hang.
+
+use std::time::{Duration, Instant};
+
+use ddlf_core::auth::{Token, TOKEN_HEADER};
+use ddlf_proto::worker_client::WorkerClient;
+use ddlf_proto::{
+    CallReply, CallRequest, HelloReply, HelloRequest, PingRequest, ShutdownRequest, StatusReply,
+    StatusRequest, PROTOCOL_VERSION, VERSION,
+};
+use tonic::metadata::MetadataValue;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Status};
+
+use crate::error::{describe_error, NetError};
+
+/// How the master connects to its workers.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// Bound on establishing the TCP connection and the version handshake.
+    pub connect_timeout: Duration,
+    /// HTTP/2 keepalive: a worker whose host vanished is detected within interval + timeout even while a long
+    /// call is waiting.
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+    /// The shared token, sent on every request.
+    pub token: Option<Token>,
+    /// The largest reply the master accepts.
+    pub max_message_size: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            connect_timeout: Duration::from_secs(10),
+            keepalive_interval: Duration::from_secs(5),
+            keepalive_timeout: Duration::from_secs(10),
+            token: None,
+            max_message_size: usize::MAX,
+        }
+    }
+}
+
+/// Adds the token header to every outgoing request.
+#[derive(Clone)]
+pub struct ClientAuth {
+    header: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl tonic::service::Interceptor for ClientAuth {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(h) = &self.header {
+            req.metadata_mut().insert(TOKEN_HEADER, h.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Inner = WorkerClient<InterceptedService<Channel, ClientAuth>>;
+
+/// A live, version-checked connection to one worker daemon.
+#[derive(Clone)]
+pub struct WorkerConn {
+    address: String,
+    client: Inner,
+    hello: HelloReply,
+}
+
+impl WorkerConn {
+    /// Connect to `address` (`host:port`), and check that the worker speaks our protocol version.
+    pub async fn connect(address: &str, config: &ClientConfig) -> Result<Self, NetError> {
+        let uri = format!("http://{address}");
+        let invalid = |reason: String| NetError::InvalidAddress {
+            address: address.to_string(),
+            reason,
+        };
+        let endpoint = Endpoint::from_shared(uri)
+            .map_err(|e| invalid(describe_error(&e)))?
+            .connect_timeout(config.connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(config.keepalive_interval)
+            .keep_alive_timeout(config.keepalive_timeout)
+            .keep_alive_while_idle(true)
+            .initial_stream_window_size(crate::STREAM_WINDOW)
+            .initial_connection_window_size(crate::CONNECTION_WINDOW);
+        let connect = tokio::time::timeout(config.connect_timeout, endpoint.connect());
+        let channel = match connect.await {
+            Err(_) => {
+                return Err(NetError::DeadlineExceeded {
+                    address: address.to_string(),
+                    after: config.connect_timeout,
+                })
+            }
+            Ok(Err(e)) => {
+                return Err(NetError::Unavailable {
+                    address: address.to_string(),
+                    reason: describe_error(&e),
+                })
+            }
+            Ok(Ok(ch)) => ch,
+        };
+        let header = match &config.token {
+            Some(t) => Some(t.header_value().parse().map_err(|_| NetError::Rejected {
+                address: address.to_string(),
+                code: "InvalidArgument".into(),
+                message: "the token contains characters that cannot travel in a header".into(),
+            })?),
+            None => None,
+        };
+        let client = WorkerClient::with_interceptor(channel, ClientAuth { header })
+            .max_decoding_message_size(config.max_message_size)
+            .max_encoding_message_size(usize::MAX);
+        let mut conn = WorkerConn {
+            address: address.to_string(),
+            client,
+            hello: HelloReply::default(),
+        };
+        let hello = conn
+            .unary(Some(config.connect_timeout), |mut c| async move {
+                c.hello(HelloRequest {
+                    protocol_version: PROTOCOL_VERSION,
+                    client_version: VERSION.to_string(),
+                })
+                .await
+            })
+            .await?;
+        if hello.protocol_version != PROTOCOL_VERSION {
+            return Err(NetError::ProtocolMismatch {
+                address: address.to_string(),
+                ours: PROTOCOL_VERSION,
+                our_version: VERSION.to_string(),
+                theirs: hello.protocol_version,
+                their_version: hello.worker_version,
+            });
+        }
+        tracing::debug!(address, worker_version = %hello.worker_version, pid = hello.pid, "connected");
+        conn.hello = hello;
+        Ok(conn)
+    }
+
+    /// The address this connection was made to.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// What the worker said about itself at connect time.
+    pub fn hello(&self) -> &HelloReply {
+        &self.hello
+    }
+
+    /// Run one unary call with an optional deadline, mapping every failure to a [`NetError`].
+    async fn unary<T, F, Fut>(&self, timeout: Option<Duration>, f: F) -> Result<T, NetError>
+    where
+        F: FnOnce(Inner) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let start = Instant::now();
+        let fut = f(self.client.clone());
+        let result = match timeout {
+            Some(t) => match tokio::time::timeout(t, fut).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return Err(NetError::DeadlineExceeded {
+                        address: self.address.clone(),
+                        after: t,
+                    })
+                }
+            },
+            None => fut.await,
+        };
+        result
+            .map(|r| r.into_inner())
+            .map_err(|s| {
+                // The channel's own deadline layer reports an expired `grpc-timeout` as a cancelled
+                // transport error; the clock tells the two apart.
+                let expired = timeout.is_some_and(|t| start.elapsed() >= t);
+                match NetError::from_status(&self.address, &s) {
+                    NetError::DeadlineExceeded { address, .. } => NetError::DeadlineExceeded {
+                        address,
+                        after: timeout.unwrap_or_default(),
+                    },
+                    NetError::Unavailable { address, .. } if expired => {
+                        NetError::DeadlineExceeded {
+                            address,
+                            after: timeout.unwrap_or_default(),
+                        }
+                    }
+                    e => e,
+                }
+            })
+    }
+
+    /// Run an operation on the worker's interpreter thread.
+    pub async fn call(
+        &self,
+        request: CallRequest,
+        timeout: Option<Duration>,
+    ) -> Result<CallReply, NetError> {
+        self.unary(timeout, |mut c| async move {
+            let mut req = Request::new(request);
+            if let Some(t) = timeout {
+                req.set_timeout(t);
+            }
+            c.call(req).await
+        })
+        .await
+    }
+
+    /// Round-trip time of a ping answered by the worker's network runtime (never by its Python thread).
+    pub async fn ping(&self, timeout: Option<Duration>) -> Result<Duration, NetError> {
+        let start = Instant::now();
+        self.unary(timeout, |mut c| async move {
+            c.ping(PingRequest { nonce: 1 }).await
+        })
+        .await?;
+        Ok(start.elapsed())
+    }
+
+    /// The worker's status (answered without its Python thread).
+    pub async fn status(&self, timeout: Option<Duration>) -> Result<StatusReply, NetError> {
+        self.unary(timeout, |mut c| async move { c.status(StatusRequest {}).await })
+            .await
+    }
+
+    /// Ask the daemon to exit.
+    pub async fn shutdown(&self, timeout: Option<Duration>) -> Result<(), NetError> {
+        self.unary(timeout, |mut c| async move {
+            c.shutdown(ShutdownRequest {}).await
+        })
+        .await
+        .map(|_| ())
+    }
+}

@@ -1,0 +1,19 @@
+//! ddlf networking: the master's connections to worker daemons and the plumbing every daemon's server shares.
+//!
+//! * [`client`]: connect with a deadline, version handshake, calls with deadlines, ping/status/shutdown.
+//! * [`server`]: the configured tonic server builder, token authentication, listener.
+//! * [`error`]: [`NetError`], what can go wrong talking to a worker, always naming its address.
+
+pub mod client;
+pub mod error;
+pub mod server;
+
+pub use client::{ClientConfig, WorkerConn};
+pub use error::NetError;
+pub use server::{ServerAuth, ServerConfig};
+
+/// HTTP/2 flow-control windows. The defaults (64 KiB) throttle bulk transfers on fast links; weights are
+/// tens to hundreds of megabytes, so both sides advertise large windows.
+pub const STREAM_WINDOW: u32 = 16 * 1024 * 1024;
+/// See [`STREAM_WINDOW`].
+pub const CONNECTION_WINDOW: u32 = 64 * 1024 * 1024;

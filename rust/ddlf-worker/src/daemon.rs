@@ -1,0 +1,199 @@
+//! Starting and stopping a worker daemon on its own tokio runtime.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ddlf_core::auth::Token;
+use ddlf_net::server::is_loopback;
+use ddlf_net::{ServerAuth, ServerConfig};
+use ddlf_proto::worker_server::WorkerServer;
+use tokio::sync::watch;
+use tonic::service::interceptor::InterceptedService;
+
+use crate::jobs::{queue, JobReceiver, JobSender};
+use crate::service::WorkerService;
+use crate::state::WorkerState;
+
+/// Why a daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("cannot listen on {address}: {source}")]
+    Bind {
+        address: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "refusing to listen on non-loopback address {address} without a token: pushed code runs with this \
+         daemon's privileges. Set DDLF_TOKEN or --token-file, or pass --insecure if you really mean it"
+    )]
+    InsecureRefused { address: SocketAddr },
+    #[error("cannot start the network runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// How to run a daemon.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// `host:port`; port 0 picks a free one (see [`Daemon::local_addr`]).
+    pub listen: String,
+    pub token: Option<Token>,
+    /// Allow a non-loopback address without a token.
+    pub insecure: bool,
+    pub server: ServerConfig,
+    pub name: String,
+    /// Threads of the network runtime.
+    pub runtime_threads: usize,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            listen: "127.0.0.1:7070".into(),
+            token: None,
+            insecure: false,
+            server: ServerConfig::default(),
+            name: String::new(),
+            runtime_threads: 2,
+        }
+    }
+}
+
+/// A running daemon's network side. The interpreter side is the [`JobReceiver`] returned by [`Daemon::start`].
+pub struct Daemon {
+    runtime: Option<tokio::runtime::Runtime>,
+    local_addr: SocketAddr,
+    state: Arc<WorkerState>,
+    stop: watch::Sender<bool>,
+    jobs: JobSender,
+    server: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Daemon {
+    /// Bind, start serving, and return the daemon and the interpreter's end of its queue.
+    pub fn start(config: DaemonConfig) -> Result<(Daemon, JobReceiver), DaemonError> {
+        let std_listener =
+            std::net::TcpListener::bind(&config.listen).map_err(|source| DaemonError::Bind {
+                address: config.listen.clone(),
+                source,
+            })?;
+        let local_addr = std_listener.local_addr().map_err(|source| DaemonError::Bind {
+            address: config.listen.clone(),
+            source,
+        })?;
+        if config.token.is_none() && !config.insecure && !is_loopback(&local_addr) {
+            return Err(DaemonError::InsecureRefused {
+                address: local_addr,
+            });
+        }
+        std_listener
+            .set_nonblocking(true)
+            .map_err(|source| DaemonError::Bind {
+                address: config.listen.clone(),
+                source,
+            })?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.runtime_threads.max(1))
+            .thread_name("ddlf-net")
+            .enable_all()
+            .build()
+            .map_err(DaemonError::Runtime)?;
+
+        let name = if config.name.is_empty() {
+            local_addr.to_string()
+        } else {
+            config.name.clone()
+        };
+        let state = Arc::new(WorkerState::new(name));
+        let (jobs, receiver) = queue(state.clone());
+        let (stop, mut stopped) = watch::channel(false);
+        let service = WorkerService::new(state.clone(), jobs.clone(), stop.clone());
+        let server = WorkerServer::new(service)
+            .max_decoding_message_size(config.server.max_message_size)
+            .max_encoding_message_size(usize::MAX);
+        let auth = ServerAuth::new(config.token.clone(), state.rejected.clone());
+        let svc = InterceptedService::new(server, auth);
+        let builder = config.server.builder();
+        let server = runtime.spawn(async move {
+            let listener = match tokio::net::TcpListener::from_std(std_listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot register the listener");
+                    return;
+                }
+            };
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            let mut builder = builder;
+            let result = builder
+                .add_service(svc)
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = result {
+                tracing::error!(error = %e, "server stopped with an error");
+            }
+        });
+        tracing::info!(
+            address = %local_addr,
+            auth = config.token.is_some(),
+            version = ddlf_proto::VERSION,
+            "worker listening"
+        );
+        Ok((
+            Daemon {
+                runtime: Some(runtime),
+                local_addr,
+                state,
+                stop,
+                jobs,
+                server: Some(server),
+            },
+            receiver,
+        ))
+    }
+
+    /// The address actually bound (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The shared state (counters, what is running).
+    pub fn state(&self) -> &Arc<WorkerState> {
+        &self.state
+    }
+
+    /// Stop serving: close the listener, let in-flight replies finish (up to `grace`), stop the runtime.
+    pub fn stop(mut self, grace: Duration) {
+        self.shutdown_now(grace);
+    }
+
+    fn shutdown_now(&mut self, grace: Duration) {
+        let _ = self.stop.send(true);
+        self.jobs.shutdown();
+        // Blocking is impossible from inside another runtime (a test, an embedding app): then the server is
+        // only told to stop and the runtime is released in the background.
+        let inside_runtime = tokio::runtime::Handle::try_current().is_ok();
+        if let (Some(rt), Some(server), false) =
+            (self.runtime.as_ref(), self.server.take(), inside_runtime)
+        {
+            let _ = rt.block_on(async { tokio::time::timeout(grace, server).await });
+        }
+        if let Some(rt) = self.runtime.take() {
+            if inside_runtime {
+                rt.shutdown_background();
+            } else {
+                rt.shutdown_timeout(Duration::from_millis(100));
+            }
+        }
+        tracing::info!(address = %self.local_addr, "worker stopped");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.runtime.is_some() {
+            self.shutdown_now(Duration::from_secs(1));
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! The ddlf worker daemon, minus Python.
+//!
+//! The daemon's network side runs on tokio and answers hello, ping, status and shutdown by itself. Every
+//! operation that needs the interpreter becomes a [`jobs::Job`] on a queue; the interpreter thread (owned by the
+//! Python bindings, which are the only layer that knows about the GIL) takes jobs in request order and answers
+//! each through its oneshot channel. A long `model.fit` therefore never delays a heartbeat.
+//!
+//! * [`daemon`]: start/stop a daemon on its own runtime.
+//! * [`service`]: the gRPC service.
+//! * [`jobs`]: the queue between the service and the interpreter thread.
+//! * [`state`]: what the daemon knows about itself (uptime, counters, what is running).
+
+pub mod daemon;
+pub mod jobs;
+pub mod service;
+pub mod state;
+
+pub use daemon::{Daemon, DaemonConfig, DaemonError};
+pub use jobs::{Job, JobReceiver, Next};

@@ -1,0 +1,180 @@
+//! The daemon's network side against a Rust stand-in for the interpreter thread, on loopback.
+
+use std::time::Duration;
+
+use ddlf_core::auth::Token;
+use ddlf_net::{ClientConfig, NetError, ServerConfig, WorkerConn};
+use ddlf_proto::{CallReply, CallRequest, Op, Value};
+use ddlf_worker::{Daemon, DaemonConfig, JobReceiver, Next};
+
+/// Echoes the request's value; `sleep` ops make the interpreter busy for the given milliseconds.
+fn echo_interpreter(rx: JobReceiver) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let mut served = 0;
+        loop {
+            match rx.next(Duration::from_millis(20)) {
+                Next::Job(job) => {
+                    if job.request.name == "sleep" {
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                    let value = job.request.value.clone();
+                    job.respond(CallReply {
+                        value,
+                        ..Default::default()
+                    });
+                    served += 1;
+                }
+                Next::Idle => {}
+                Next::Shutdown => return served,
+            }
+        }
+    })
+}
+
+fn start(token: Option<&str>, max_message_size: usize) -> (Daemon, std::thread::JoinHandle<u64>) {
+    let (daemon, rx) = Daemon::start(DaemonConfig {
+        listen: "127.0.0.1:0".into(),
+        token: token.and_then(Token::new),
+        server: ServerConfig {
+            max_message_size,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    (daemon, echo_interpreter(rx))
+}
+
+fn client_config(token: Option<&str>) -> ClientConfig {
+    ClientConfig {
+        token: token.and_then(Token::new),
+        connect_timeout: Duration::from_secs(2),
+        ..Default::default()
+    }
+}
+
+fn run_request(name: &str, payload: &[u8]) -> CallRequest {
+    CallRequest {
+        op: Op::Run as i32,
+        name: name.into(),
+        value: Some(Value {
+            pickle: payload.to_vec().into(),
+            buffers: vec![],
+        }),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn call_round_trip_and_auth() {
+    let (daemon, interp) = start(Some("secret"), 1 << 20);
+    let addr = daemon.local_addr().to_string();
+
+    let conn = WorkerConn::connect(&addr, &client_config(Some("secret")))
+        .await
+        .unwrap();
+    assert_eq!(conn.hello().protocol_version, ddlf_proto::PROTOCOL_VERSION);
+    let reply = conn.call(run_request("f", b"hello"), None).await.unwrap();
+    assert_eq!(&reply.value.unwrap().pickle[..], b"hello");
+
+    // Wrong token and no token are refused at the handshake, before anything runs.
+    for bad in [Some("wrong"), None] {
+        match WorkerConn::connect(&addr, &client_config(bad)).await {
+            Err(NetError::Unauthenticated { address, .. }) => assert_eq!(address, addr),
+            Err(e) => panic!("expected Unauthenticated, got {e}"),
+            Ok(_) => panic!("expected Unauthenticated, got a connection"),
+        }
+    }
+    let status = conn.status(None).await.unwrap();
+    assert_eq!(status.requests_served, 1);
+    assert_eq!(status.requests_rejected, 2);
+
+    // Oversized requests are refused and the worker keeps serving.
+    let big = vec![7u8; 2 << 20];
+    match conn.call(run_request("f", &big), None).await {
+        Err(NetError::Rejected { code, message, .. }) => {
+            assert!(code == "OutOfRange" || code == "ResourceExhausted", "{code}");
+            assert!(message.contains("message length too large"), "{message}");
+        }
+        other => panic!("expected Rejected, got {:?}", other.map(|_| ())),
+    }
+    let reply = conn.call(run_request("f", b"still"), None).await.unwrap();
+    assert_eq!(&reply.value.unwrap().pickle[..], b"still");
+
+    // An unknown op code is refused.
+    let mut bad = run_request("f", b"x");
+    bad.op = 999;
+    assert!(matches!(
+        conn.call(bad, None).await,
+        Err(NetError::Rejected { .. })
+    ));
+
+    conn.shutdown(Some(Duration::from_secs(2))).await.unwrap();
+    tokio::task::spawn_blocking(move || {
+        assert_eq!(interp.join().unwrap(), 2);
+        daemon.stop(Duration::from_secs(1));
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_and_status_answer_while_interpreter_is_busy() {
+    let (daemon, _interp) = start(None, 1 << 20);
+    let addr = daemon.local_addr().to_string();
+    let conn = WorkerConn::connect(&addr, &client_config(None)).await.unwrap();
+    let busy = {
+        let conn = conn.clone();
+        tokio::spawn(async move { conn.call(run_request("sleep", b""), None).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let rtt = conn.ping(Some(Duration::from_millis(200))).await.unwrap();
+    assert!(rtt < Duration::from_millis(200));
+    let status = conn.status(Some(Duration::from_millis(200))).await.unwrap();
+    assert_eq!(status.running, "run:sleep");
+    // A deadline shorter than the work gives DeadlineExceeded, not a hang.
+    let err = conn
+        .call(run_request("sleep", b""), Some(Duration::from_millis(50)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, NetError::DeadlineExceeded { .. }), "{err}");
+    busy.await.unwrap().unwrap();
+    tokio::task::spawn_blocking(move || daemon.stop(Duration::from_secs(1)))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn unreachable_worker_is_reported_with_its_address() {
+    // Bind then drop, so the port is (almost certainly) closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    match WorkerConn::connect(&addr, &client_config(None)).await {
+        Err(NetError::Unavailable { address, .. }) => assert_eq!(address, addr),
+        Err(e) => panic!("expected Unavailable, got {e}"),
+        Ok(_) => panic!("expected Unavailable, got a connection"),
+    }
+}
+
+#[test]
+fn non_loopback_without_token_is_refused() {
+    let err = Daemon::start(DaemonConfig {
+        listen: "0.0.0.0:0".into(),
+        ..Default::default()
+    })
+    .err()
+    .expect("must refuse");
+    assert!(err.to_string().contains("--insecure"));
+    // With --insecure it starts.
+    let (daemon, _rx) = Daemon::start(DaemonConfig {
+        listen: "0.0.0.0:0".into(),
+        insecure: true,
+        ..Default::default()
+    })
+    .unwrap();
+    daemon.stop(Duration::from_millis(100));
+}
