@@ -172,26 +172,22 @@ impl WorkerConn {
             },
             None => fut.await,
         };
-        result
-            .map(|r| r.into_inner())
-            .map_err(|s| {
-                // The channel's own deadline layer reports an expired `grpc-timeout` as a cancelled
-                // transport error; the clock tells the two apart.
-                let expired = timeout.is_some_and(|t| start.elapsed() >= t);
-                match NetError::from_status(&self.address, &s) {
-                    NetError::DeadlineExceeded { address, .. } => NetError::DeadlineExceeded {
-                        address,
-                        after: timeout.unwrap_or_default(),
-                    },
-                    NetError::Unavailable { address, .. } if expired => {
-                        NetError::DeadlineExceeded {
-                            address,
-                            after: timeout.unwrap_or_default(),
-                        }
-                    }
-                    e => e,
-                }
-            })
+        result.map(|r| r.into_inner()).map_err(|s| {
+            // The channel's own deadline layer reports an expired `grpc-timeout` as a cancelled
+            // transport error; the clock tells the two apart.
+            let expired = timeout.is_some_and(|t| start.elapsed() >= t);
+            match NetError::from_status(&self.address, &s) {
+                NetError::DeadlineExceeded { address, .. } => NetError::DeadlineExceeded {
+                    address,
+                    after: timeout.unwrap_or_default(),
+                },
+                NetError::Unavailable { address, .. } if expired => NetError::DeadlineExceeded {
+                    address,
+                    after: timeout.unwrap_or_default(),
+                },
+                e => e,
+            }
+        })
     }
 
     /// Run an operation on the worker's interpreter thread.
@@ -222,8 +218,11 @@ impl WorkerConn {
 
     /// The worker's status (answered without its Python thread).
     pub async fn status(&self, timeout: Option<Duration>) -> Result<StatusReply, NetError> {
-        self.unary(timeout, |mut c| async move { c.status(StatusRequest {}).await })
-            .await
+        self.unary(
+            timeout,
+            |mut c| async move { c.status(StatusRequest {}).await },
+        )
+        .await
     }
 
     /// Ask the daemon to exit.

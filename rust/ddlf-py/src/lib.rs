@@ -1,0 +1,43 @@
+//! `ddlf._ddlf`: the Python bindings. Only conversions, GIL handling and error mapping live here; the logic is
+//! in the crates below (`ddlf-net`, `ddlf-worker`, `ddlf-core`).
+//!
+//! * [`client`]: `Client`, the master's connections to its workers.
+//! * [`worker`]: `serve_worker`, the daemon's interpreter loop.
+//! * [`buffers`]: `RecvBuffer`, received bytes exposed to Python without a copy; reading Python buffers.
+//! * [`errors`]: Rust errors to `ddlf.errors` exception classes.
+//! * [`logging`]: `tracing` output, configured from `DDLF_LOG` / `RUST_LOG`.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+mod buffers;
+mod client;
+mod errors;
+mod logging;
+mod worker;
+
+#[pymodule]
+fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", ddlf_proto::VERSION)?;
+    m.add("PROTOCOL_VERSION", ddlf_proto::PROTOCOL_VERSION)?;
+    m.add_class::<client::Client>()?;
+    m.add_class::<buffers::RecvBuffer>()?;
+    m.add_function(wrap_pyfunction!(worker::serve_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(logging::init_logging, m)?)?;
+    // Operation and error codes straight from the generated protocol, so Python never re-declares them.
+    let ops = PyDict::new(m.py());
+    for code in 0..64 {
+        if let Ok(op) = ddlf_proto::Op::try_from(code) {
+            ops.set_item(op.as_str_name().trim_start_matches("OP_"), code)?;
+        }
+    }
+    m.add("OPS", ops)?;
+    let kinds = PyDict::new(m.py());
+    for code in 0..64 {
+        if let Ok(kind) = ddlf_proto::ErrorKind::try_from(code) {
+            kinds.set_item(kind.as_str_name().trim_start_matches("ERROR_KIND_"), code)?;
+        }
+    }
+    m.add("ERROR_KINDS", kinds)?;
+    Ok(())
+}

@@ -77,10 +77,12 @@ impl Daemon {
                 address: config.listen.clone(),
                 source,
             })?;
-        let local_addr = std_listener.local_addr().map_err(|source| DaemonError::Bind {
-            address: config.listen.clone(),
-            source,
-        })?;
+        let local_addr = std_listener
+            .local_addr()
+            .map_err(|source| DaemonError::Bind {
+                address: config.listen.clone(),
+                source,
+            })?;
         if config.token.is_none() && !config.insecure && !is_loopback(&local_addr) {
             return Err(DaemonError::InsecureRefused {
                 address: local_addr,

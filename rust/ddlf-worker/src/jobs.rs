@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ddlf_proto::{CallReply, CallRequest, Op};
@@ -45,7 +45,10 @@ impl Job {
 /// `op:name`, for logs and status.
 pub fn label(request: &CallRequest) -> String {
     let op = Op::try_from(request.op).unwrap_or(Op::Unspecified);
-    let op = op.as_str_name().trim_start_matches("OP_").to_ascii_lowercase();
+    let op = op
+        .as_str_name()
+        .trim_start_matches("OP_")
+        .to_ascii_lowercase();
     if request.name.is_empty() {
         op
     } else {
@@ -64,14 +67,17 @@ pub enum Next {
 
 /// The interpreter thread's end of the queue.
 pub struct JobReceiver {
-    rx: mpsc::Receiver<Message>,
+    // Behind a mutex only so that the receiver is `Sync` (the interpreter thread waits on it with the GIL
+    // released); there is one consumer, so the lock is never contended.
+    rx: Mutex<mpsc::Receiver<Message>>,
     state: Arc<WorkerState>,
 }
 
 impl JobReceiver {
     /// Wait up to `timeout` for the next job.
     pub fn next(&self, timeout: Duration) -> Next {
-        match self.rx.recv_timeout(timeout) {
+        let rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+        match rx.recv_timeout(timeout) {
             Ok(Message::Job(job)) => {
                 self.state.queued.fetch_sub(1, Ordering::Relaxed);
                 self.state.begin(&job.label());
@@ -123,7 +129,10 @@ pub fn queue(state: Arc<WorkerState>) -> (JobSender, JobReceiver) {
             tx,
             state: state.clone(),
         },
-        JobReceiver { rx, state },
+        JobReceiver {
+            rx: Mutex::new(rx),
+            state,
+        },
     )
 }
 

@@ -107,7 +107,10 @@ impl Worker for WorkerService {
         Ok(Response::new(reply))
     }
 
-    async fn shutdown(&self, _: Request<ShutdownRequest>) -> Result<Response<ShutdownReply>, Status> {
+    async fn shutdown(
+        &self,
+        _: Request<ShutdownRequest>,
+    ) -> Result<Response<ShutdownReply>, Status> {
         tracing::info!("shutdown requested by the master");
         let stop = self.stop.clone();
         let jobs = self.jobs.clone();

@@ -33,7 +33,8 @@ impl WorkerState {
 
     /// Record that the interpreter started `op`.
     pub fn begin(&self, op: &str) {
-        *self.running.lock().unwrap_or_else(|e| e.into_inner()) = Some((op.to_string(), Instant::now()));
+        *self.running.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((op.to_string(), Instant::now()));
     }
 
     /// Record that the interpreter finished its operation.

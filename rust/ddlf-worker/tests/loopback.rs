@@ -93,7 +93,10 @@ async fn call_round_trip_and_auth() {
     let big = vec![7u8; 2 << 20];
     match conn.call(run_request("f", &big), None).await {
         Err(NetError::Rejected { code, message, .. }) => {
-            assert!(code == "OutOfRange" || code == "ResourceExhausted", "{code}");
+            assert!(
+                code == "OutOfRange" || code == "ResourceExhausted",
+                "{code}"
+            );
             assert!(message.contains("message length too large"), "{message}");
         }
         other => panic!("expected Rejected, got {:?}", other.map(|_| ())),
@@ -122,7 +125,9 @@ async fn call_round_trip_and_auth() {
 async fn ping_and_status_answer_while_interpreter_is_busy() {
     let (daemon, _interp) = start(None, 1 << 20);
     let addr = daemon.local_addr().to_string();
-    let conn = WorkerConn::connect(&addr, &client_config(None)).await.unwrap();
+    let conn = WorkerConn::connect(&addr, &client_config(None))
+        .await
+        .unwrap();
     let busy = {
         let conn = conn.clone();
         tokio::spawn(async move { conn.call(run_request("sleep", b""), None).await })

@@ -1,0 +1,44 @@
+"""ddlf: distributed deep learning on a Rust master/worker runtime.
+
+Start worker daemons (``ddlf-worker --listen HOST:PORT``, or ``Cluster.local(n)`` on this machine), push
+persistent variables and functions to them, and call those functions from your script.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from ._ddlf import PROTOCOL_VERSION, __version__
+from ._executor import WorkerContext
+from .cluster import Cluster
+from .errors import (
+    AuthenticationError,
+    DdlfError,
+    DeadlineExceeded,
+    InsecureConfiguration,
+    NotFoundError,
+    ProtocolError,
+    RemoteError,
+    RequestRejected,
+    SerializationError,
+    WorkerStartError,
+    WorkerUnavailable,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AuthenticationError",
+    "Cluster",
+    "DdlfError",
+    "DeadlineExceeded",
+    "InsecureConfiguration",
+    "NotFoundError",
+    "ProtocolError",
+    "RemoteError",
+    "RequestRejected",
+    "SerializationError",
+    "WorkerContext",
+    "WorkerStartError",
+    "WorkerUnavailable",
+    "__version__",
+    "errors",
+]

@@ -1,0 +1,269 @@
+"""The worker side of every operation: what a daemon's interpreter thread runs for each request.
+
+One :class:`Executor` lives as long as its daemon. It holds the persistent state that masters push: variables,
+functions, the globals of executed code segments and uploaded modules. It outlives connections, so a second
+script that connects later finds everything the first one left.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import cloudpickle
+
+from . import _ddlf, serialization
+
+OPS = _ddlf.OPS
+KINDS = _ddlf.ERROR_KINDS
+
+
+class _Failure(Exception):
+    """An expected failure reported with a specific error kind (not a user exception)."""
+
+    def __init__(self, kind: str, type_name: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.type_name = type_name
+
+
+class WorkerContext:
+    """What a function whose first parameter is named ``worker`` receives.
+
+    Attributes:
+        id: this worker's 0-based index in the connected cluster.
+        n_workers: the number of workers in that cluster.
+        vars: the persistent variables (a dict shared with ``cluster.set``/``get``).
+        globals: the namespace of code run with ``cluster.exec``.
+        address: the address the daemon listens on.
+    """
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self.id = 0
+        self.n_workers = 1
+
+    @property
+    def vars(self) -> dict[str, Any]:
+        return self._executor.variables
+
+    @property
+    def globals(self) -> dict[str, Any]:
+        return self._executor.namespace
+
+    @property
+    def address(self) -> str:
+        return self._executor.address
+
+    def __repr__(self) -> str:
+        return f"<WorkerContext id={self.id} n_workers={self.n_workers} address={self.address}>"
+
+
+class _Function:
+    __slots__ = ("digest", "fn", "wants_worker")
+
+    def __init__(self, fn: Callable[..., Any], digest: str) -> None:
+        self.fn = fn
+        self.digest = digest
+        self.wants_worker = _first_parameter(fn) == "worker"
+
+
+def _first_parameter(fn: Callable[..., Any]) -> str | None:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params[0] if params else None
+
+
+class Executor:
+    """Runs the operations of one worker daemon. Called only from the daemon's interpreter thread."""
+
+    def __init__(self, ready_file: str | None = None, module_dir: str | None = None) -> None:
+        self.variables: dict[str, Any] = {}
+        self.functions: dict[str, _Function] = {}
+        self.namespace: dict[str, Any] = {"__name__": "__ddlf_worker__"}
+        self.context = WorkerContext(self)
+        self.address = ""
+        self._ready_file = ready_file
+        self.module_dir = Path(module_dir or tempfile.mkdtemp(prefix="ddlf-modules-"))
+        self.module_dir.mkdir(parents=True, exist_ok=True)
+        if str(self.module_dir) not in sys.path:
+            sys.path.insert(0, str(self.module_dir))
+        self._handlers: dict[int, Callable[[str, str, Any], Any]] = {
+            OPS["SET_VAR"]: self._set_var,
+            OPS["GET_VAR"]: self._get_var,
+            OPS["DEL_VAR"]: self._del_var,
+            OPS["LIST_VARS"]: lambda name, digest, value: sorted(self.variables),
+            OPS["ADD_FUNCTION"]: self._add_function,
+            OPS["REMOVE_FUNCTION"]: self._remove_function,
+            OPS["LIST_FUNCTIONS"]: lambda name, digest, value: sorted(self.functions),
+            OPS["RUN"]: self._run,
+            OPS["EXEC"]: self._exec,
+            OPS["CLEAN"]: self._clean,
+            OPS["UPLOAD_MODULE"]: self._upload_module,
+            OPS["CONTEXT"]: self._set_context,
+        }
+
+    # -- called by the Rust daemon ------------------------------------------------------------------------
+
+    def on_listening(self, address: str) -> None:
+        """The daemon is bound to ``address``; tell whoever waits for it (``Cluster.local``)."""
+        self.address = address
+        if self._ready_file:
+            tmp = self._ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(address)
+            os.replace(tmp, self._ready_file)
+
+    def handle(self, op: int, name: str, digest: str, pickle: bytes, buffers: list[Any]) -> tuple[Any, ...]:
+        """Run one operation. Returns ``(0, pickle, buffers)`` or ``(kind, (type, message, traceback))``."""
+        try:
+            handler = self._handlers.get(op)
+            if handler is None:
+                raise _Failure("BAD_REQUEST", "ProtocolError", f"unknown operation code {op}")
+            value = self._decode(op, pickle, buffers)
+            result = handler(name, digest, value)
+        except _Failure as f:
+            return (KINDS[f.kind], (f.type_name, str(f), ""))
+        except Exception as exc:
+            return (KINDS["USER"], _describe(exc))
+        try:
+            data, bufs = serialization.dumps(result)
+        except Exception as exc:
+            return (
+                KINDS["SERIALIZATION"],
+                (
+                    "SerializationError",
+                    f"the result of {name or 'the call'} ({type(result).__name__}) cannot be pickled: {exc}",
+                    "",
+                ),
+            )
+        return (0, data, [b.raw() for b in bufs])
+
+    @staticmethod
+    def _decode(op: int, pickle: bytes, buffers: list[Any]) -> Any:
+        if not pickle:
+            return None
+        if op == OPS["ADD_FUNCTION"]:
+            return pickle  # unpickled by _add_function, with a clearer error
+        try:
+            return serialization.loads(pickle, buffers)
+        except Exception as exc:
+            raise _Failure("BAD_REQUEST", "SerializationError", f"cannot decode the request: {exc}") from exc
+
+    # -- operations ---------------------------------------------------------------------------------------
+
+    def _set_var(self, name: str, digest: str, value: Any) -> None:
+        _check_name(name, "variable")
+        self.variables[name] = value
+
+    def _get_var(self, name: str, digest: str, value: Any) -> Any:
+        try:
+            return self.variables[name]
+        except KeyError:
+            raise _Failure("NOT_FOUND", "NotFoundError", f"no variable named {name!r}") from None
+
+    def _del_var(self, name: str, digest: str, value: Any) -> None:
+        if self.variables.pop(name, _MISSING) is _MISSING:
+            raise _Failure("NOT_FOUND", "NotFoundError", f"no variable named {name!r}")
+
+    def _add_function(self, name: str, digest: str, blob: bytes) -> None:
+        _check_name(name, "function")
+        try:
+            fn = cloudpickle.loads(blob)
+        except Exception as exc:
+            raise _Failure(
+                "USER",
+                type(exc).__qualname__,
+                f"cannot load function {name!r} on this worker: {exc} "
+                "(if it imports a local module, ship it with cluster.upload_module)",
+            ) from exc
+        if not callable(fn):
+            raise _Failure("BAD_REQUEST", "TypeError", f"{name!r} is not callable")
+        self.functions[name] = _Function(fn, digest)
+
+    def _remove_function(self, name: str, digest: str, value: Any) -> None:
+        if self.functions.pop(name, None) is None:
+            raise _Failure("NOT_FOUND", "NotFoundError", f"no function named {name!r}")
+
+    def _run(self, name: str, digest: str, value: Any) -> Any:
+        args, kwargs = value if value is not None else ((), {})
+        entry = self.functions.get(name)
+        if entry is None:
+            if digest:
+                raise _Failure("MISSING_FUNCTION", "NotFoundError", f"function {name!r} not pushed yet")
+            fn = self.namespace.get(name)
+            if not callable(fn):
+                raise _Failure("NOT_FOUND", "NotFoundError", f"no function named {name!r}")
+            entry = _Function(fn, "")
+        elif digest and entry.digest != digest:
+            raise _Failure("MISSING_FUNCTION", "NotFoundError", f"function {name!r} has changed")
+        if entry.wants_worker:
+            return entry.fn(self.context, *args, **kwargs)
+        return entry.fn(*args, **kwargs)
+
+    def _exec(self, name: str, digest: str, code: Any) -> None:
+        if not isinstance(code, str):
+            raise _Failure("BAD_REQUEST", "TypeError", "exec expects source code as a string")
+        compiled = compile(code, "<ddlf exec>", "exec")
+        exec(compiled, self.namespace)
+
+    def _clean(self, name: str, digest: str, value: Any) -> dict[str, int]:
+        dropped = {"variables": len(self.variables), "functions": len(self.functions)}
+        self.variables.clear()
+        self.functions.clear()
+        self.namespace.clear()
+        self.namespace["__name__"] = "__ddlf_worker__"
+        return dropped
+
+    def _set_context(self, name: str, digest: str, value: Any) -> None:
+        self.context.id = int(value["worker_id"])
+        self.context.n_workers = int(value["n_workers"])
+
+    def _upload_module(self, name: str, digest: str, value: Any) -> list[str]:
+        files: dict[str, bytes] = value
+        written = []
+        root = self.module_dir.resolve()
+        for rel, content in files.items():
+            path = PurePosixPath(rel)
+            if path.is_absolute() or ".." in path.parts or not path.parts:
+                raise _Failure("BAD_REQUEST", "ValueError", f"refusing module path {rel!r}")
+            target = root.joinpath(*path.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(target.suffix + ".tmp")
+            tmp.write_bytes(content)
+            os.replace(tmp, target)
+            written.append(str(target))
+        # Forget any previously imported version, so the next import sees the new code.
+        for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[mod]
+        importlib.invalidate_caches()
+        return written
+
+
+_MISSING = object()
+
+
+def _check_name(name: str, what: str) -> None:
+    if not name or not isinstance(name, str):
+        raise _Failure("BAD_REQUEST", "ValueError", f"a {what} needs a non-empty name")
+
+
+def _describe(exc: BaseException) -> tuple[str, str, str]:
+    cls = type(exc)
+    module = cls.__module__
+    type_name = cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"
+    # Drop ddlf's own frames: the traceback starts in the user's code.
+    tb_obj = exc.__traceback__
+    while tb_obj is not None and tb_obj.tb_frame.f_code.co_filename == __file__:
+        tb_obj = tb_obj.tb_next
+    tb = "".join(traceback.format_exception(cls, exc, tb_obj))
+    return type_name, str(exc), tb

@@ -1,0 +1,48 @@
+"""Thread-pool limits for math libraries, so that several workers on one machine share its cores instead of
+each one starting a pool as large as the machine."""
+
+from __future__ import annotations
+
+import os
+
+_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "TF_NUM_INTRAOP_THREADS",
+    "TF_NUM_INTEROP_THREADS",
+)
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """Environment variables that cap BLAS/OpenMP, TensorFlow, torch and XLA (JAX) pools at ``threads``."""
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    env = {name: str(threads) for name in _VARIABLES}
+    xla = os.environ.get("XLA_FLAGS", "")
+    extra = f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} intra_op_parallelism_threads={threads}"
+    env["XLA_FLAGS"] = (xla + " " + extra).strip()
+    return env
+
+
+def limit_threads(threads: int) -> None:
+    """Apply :func:`thread_env` to this process (before the math libraries are imported)."""
+    os.environ.update(thread_env(threads))
+    try:  # torch reads its own setting at run time
+        import sys
+
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
+def cpu_count() -> int:
+    """Cores this process may use (honours affinity masks and cgroup-limited containers)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,102 @@
+"""The worker daemon command: ``ddlf-worker --listen HOST:PORT``.
+
+The network side (gRPC, heartbeats, status) runs on Rust threads; this process's main thread runs the
+functions that masters push, one request at a time, in arrival order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from . import _ddlf
+from ._executor import Executor
+from .errors import WorkerStartError
+from .threads import limit_threads
+
+DEFAULT_LISTEN = "127.0.0.1:7070"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ddlf-worker",
+        description="Run a ddlf worker daemon. Logs go to stderr; set DDLF_LOG=debug for one line per request.",
+    )
+    p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"address to serve on (default {DEFAULT_LISTEN})")
+    p.add_argument(
+        "--token-file",
+        help="file holding the shared token (default: the DDLF_TOKEN environment variable, if set)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback address without a token (anyone who can reach it can run code)",
+    )
+    p.add_argument("--name", default=None, help="a name for this worker in logs and status")
+    p.add_argument(
+        "--max-message-size",
+        type=int,
+        default=None,
+        help="largest request accepted, in bytes (default 2 GiB)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for math libraries (BLAS, XLA, torch); set it when several workers share a machine",
+    )
+    p.add_argument("--network-threads", type=int, default=2, help="threads of the network runtime")
+    p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _read_token(path: str | None) -> str | None:
+    if path:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"ddlf-worker: cannot read --token-file: {exc}") from exc
+        if not token:
+            raise SystemExit(f"ddlf-worker: the token file {path} is empty")
+        return token
+    token = os.environ.get("DDLF_TOKEN", "").strip()
+    return token or None
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ddlf-worker``."""
+    args = _parser().parse_args(argv)
+    token = _read_token(args.token_file)
+    if args.threads:
+        limit_threads(args.threads)
+    _ddlf.init_logging("info")
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    executor = Executor(ready_file=args.ready_file)
+    try:
+        _ddlf.serve_worker(
+            executor,
+            args.listen,
+            token=token,
+            insecure=args.insecure,
+            max_message_size=args.max_message_size,
+            name=args.name,
+            network_threads=args.network_threads,
+        )
+    except WorkerStartError as exc:
+        print(f"ddlf-worker: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+//! Moving bytes between Python and Rust.
+//!
+//! Received buffers become [`RecvBuffer`]s: Python objects that expose the received `Bytes` through the buffer
+//! protocol, so `pickle.loads(..., buffers=...)` builds numpy arrays on the received memory without a copy.
+//! Outgoing Python buffers (pickle protocol-5 `PickleBuffer`s, numpy arrays) are copied once into `Bytes`,
+//! with the GIL released for large ones.
+
+use std::ffi::c_int;
+
+use bytes::Bytes;
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::prelude::*;
+
+/// Read-only bytes received from the network, shared with Python without a copy.
+#[pyclass(frozen, module = "ddlf._ddlf")]
+pub struct RecvBuffer {
+    data: Bytes,
+}
+
+impl RecvBuffer {
+    pub fn new(data: Bytes) -> Self {
+        RecvBuffer { data }
+    }
+}
+
+#[pymethods]
+impl RecvBuffer {
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<RecvBuffer {} bytes>", self.data.len())
+    }
+
+    /// # Safety
+    /// Called by CPython with a valid `view`; the exported memory is owned by `slf`, which the view keeps alive.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if flags & pyo3::ffi::PyBUF_WRITABLE == pyo3::ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err(
+                "received buffers are read-only; copy the array to get a writable one",
+            ));
+        }
+        let (ptr, len) = {
+            let this = slf.get();
+            (this.data.as_ptr(), this.data.len())
+        };
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut std::ffi::c_void,
+                len as pyo3::ffi::Py_ssize_t,
+                1,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+}
+
+/// A raw pointer that may cross into a GIL-free section. The buffer it points into is pinned by a live
+/// `PyUntypedBuffer` for the whole section.
+struct SendPtr(*const u8, usize);
+unsafe impl Send for SendPtr {}
+
+/// Above this size the copy runs with the GIL released.
+const DETACH_COPY_BYTES: usize = 1 << 20;
+
+/// Copy Python buffer-protocol objects (C-contiguous) into owned `Bytes`, one copy each.
+pub fn copy_buffers(py: Python<'_>, objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Bytes>> {
+    let mut held = Vec::with_capacity(objs.len());
+    let mut total = 0usize;
+    for obj in objs {
+        let buf = PyUntypedBuffer::get(obj)?;
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err(
+                "out-of-band buffers must be C-contiguous",
+            ));
+        }
+        total += buf.len_bytes();
+        held.push(buf);
+    }
+    let ptrs: Vec<SendPtr> = held
+        .iter()
+        .map(|b| SendPtr(b.buf_ptr() as *const u8, b.len_bytes()))
+        .collect();
+    let copy = move || -> Vec<Bytes> {
+        ptrs.into_iter()
+            .map(|SendPtr(p, n)| {
+                if n == 0 {
+                    return Bytes::new();
+                }
+                // SAFETY: `held` keeps every exporter alive and its memory pinned until after this returns.
+                Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(p, n) })
+            })
+            .collect()
+    };
+    let out = if total >= DETACH_COPY_BYTES {
+        py.detach(copy)
+    } else {
+        copy()
+    };
+    drop(held);
+    Ok(out)
+}
+
+/// Wrap received buffers for Python.
+pub fn to_recv_buffers(py: Python<'_>, bufs: Vec<Bytes>) -> PyResult<Vec<Py<RecvBuffer>>> {
+    bufs.into_iter()
+        .map(|b| Py::new(py, RecvBuffer::new(b)))
+        .collect()
+}

@@ -1,0 +1,399 @@
+//! `Client`: the master's connections to its worker daemons.
+//!
+//! Every method releases the GIL while it waits, sends to many workers concurrently, and stays interruptible
+//! with Ctrl-C. Per-worker outcomes come back as tuples that `ddlf.cluster` turns into values or exceptions, so a
+//! failure of one worker never hides the answers of the others.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ddlf_core::auth::Token;
+use ddlf_net::{ClientConfig, NetError, WorkerConn};
+use ddlf_proto::{CallReply, CallRequest, Value};
+use futures_util::future::join_all;
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::buffers::{copy_buffers, to_recv_buffers};
+use crate::errors::{net_error, net_error_instance};
+
+/// Outcome codes of one worker's answer, as seen by `ddlf.cluster`.
+const OK: u8 = 0;
+const REMOTE_ERROR: u8 = 1;
+const NET_ERROR: u8 = 2;
+
+/// How often a waiting call checks for Ctrl-C.
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// Connections to a fixed list of worker daemons.
+#[pyclass(frozen, module = "ddlf._ddlf")]
+pub struct Client {
+    rt: tokio::runtime::Runtime,
+    conns: Vec<WorkerConn>,
+}
+
+fn seconds(s: Option<f64>) -> PyResult<Option<Duration>> {
+    match s {
+        None => Ok(None),
+        Some(v) if v.is_finite() && v > 0.0 => Ok(Some(Duration::from_secs_f64(v))),
+        Some(v) => Err(PyValueError::new_err(format!(
+            "timeout must be a positive number of seconds, got {v}"
+        ))),
+    }
+}
+
+impl Client {
+    /// Run `fut` on the client runtime with the GIL released, checking for Ctrl-C while it waits.
+    fn wait<F>(&self, py: Python<'_>, fut: F) -> PyResult<F::Output>
+    where
+        F: Future + Send,
+        F::Output: Send,
+    {
+        py.detach(|| {
+            self.rt.block_on(async move {
+                tokio::pin!(fut);
+                loop {
+                    tokio::select! {
+                        out = &mut fut => return Ok(out),
+                        _ = tokio::time::sleep(SIGNAL_POLL) => {
+                            Python::attach(|py| py.check_signals())?;
+                        }
+                    }
+                }
+            })
+        })
+    }
+
+    fn conns_for(&self, targets: &[usize]) -> PyResult<Vec<WorkerConn>> {
+        targets
+            .iter()
+            .map(|&i| {
+                self.conns.get(i).cloned().ok_or_else(|| {
+                    PyIndexError::new_err(format!(
+                        "worker index {i} out of range: the cluster has {} workers",
+                        self.conns.len()
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// Send one request per target concurrently and wait for all answers.
+    fn fan_out(
+        &self,
+        py: Python<'_>,
+        targets: &[usize],
+        requests: Vec<CallRequest>,
+        timeout: Option<Duration>,
+    ) -> PyResult<Vec<Result<CallReply, NetError>>> {
+        let conns = self.conns_for(targets)?;
+        self.wait(py, async move {
+            if conns.len() == 1 {
+                let req = requests.into_iter().next().unwrap_or_default();
+                return vec![conns[0].call(req, timeout).await];
+            }
+            join_all(
+                conns
+                    .iter()
+                    .zip(requests)
+                    .map(|(c, req)| c.call(req, timeout)),
+            )
+            .await
+        })
+    }
+
+    fn outcomes(
+        &self,
+        py: Python<'_>,
+        targets: &[usize],
+        results: Vec<Result<CallReply, NetError>>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        results
+            .into_iter()
+            .zip(targets)
+            .map(|(r, &id)| -> PyResult<Py<PyAny>> {
+                let t = match r {
+                    Ok(reply) if reply.error == 0 => {
+                        let value = reply.value.unwrap_or_default();
+                        let pickle = PyBytes::new(py, &value.pickle);
+                        let bufs = to_recv_buffers(py, value.buffers)?;
+                        (OK, pickle, bufs, reply.compute_seconds).into_pyobject(py)?
+                    }
+                    Ok(reply) => {
+                        let e = reply.exception.unwrap_or_default();
+                        (
+                            REMOTE_ERROR,
+                            reply.error,
+                            (e.type_name, e.message, e.traceback),
+                            reply.compute_seconds,
+                        )
+                            .into_pyobject(py)?
+                    }
+                    Err(e) => {
+                        let exc = net_error_instance(py, &e, Some(id))?;
+                        (NET_ERROR, exc, py.None(), 0.0f64).into_pyobject(py)?
+                    }
+                };
+                Ok(t.into_any().unbind())
+            })
+            .collect()
+    }
+
+    fn simple<T, F, Fut>(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        f: F,
+        convert: impl Fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
+    ) -> PyResult<Vec<Py<PyAny>>>
+    where
+        T: Send,
+        F: Fn(WorkerConn) -> Fut + Send,
+        Fut: Future<Output = Result<T, NetError>> + Send,
+    {
+        let conns = self.conns_for(&targets)?;
+        let results = self.wait(py, async move { join_all(conns.into_iter().map(f)).await })?;
+        results
+            .into_iter()
+            .zip(targets)
+            .map(|(r, id)| match r {
+                Ok(v) => convert(py, v),
+                Err(e) => Ok(net_error_instance(py, &e, Some(id))?.unbind()),
+            })
+            .collect()
+    }
+}
+
+#[pymethods]
+impl Client {
+    /// Connect to every address concurrently and check versions. Raises the first failure.
+    #[new]
+    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0))]
+    fn new(
+        py: Python<'_>,
+        addresses: Vec<String>,
+        token: Option<String>,
+        connect_timeout: f64,
+        keepalive_interval: f64,
+        keepalive_timeout: f64,
+    ) -> PyResult<Self> {
+        if addresses.is_empty() {
+            return Err(PyValueError::new_err(
+                "a cluster needs at least one worker address",
+            ));
+        }
+        let token = match token {
+            Some(t) => Some(
+                Token::new(t)
+                    .ok_or_else(|| PyValueError::new_err("the token must not be empty"))?,
+            ),
+            None => None,
+        };
+        let config = ClientConfig {
+            connect_timeout: seconds(Some(connect_timeout))?.unwrap_or_default(),
+            keepalive_interval: seconds(Some(keepalive_interval))?.unwrap_or_default(),
+            keepalive_timeout: seconds(Some(keepalive_timeout))?.unwrap_or_default(),
+            token,
+            ..Default::default()
+        };
+        // The master's runtime runs on the calling thread inside `block_on`: a call costs no thread hop on the
+        // master side, and calls to many workers still overlap on the one thread.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| PyValueError::new_err(format!("cannot start the client runtime: {e}")))?;
+        let mut client = Client { rt, conns: vec![] };
+        let results = client.wait(py, {
+            let config = config.clone();
+            let addresses = addresses.clone();
+            async move { join_all(addresses.iter().map(|a| WorkerConn::connect(a, &config))).await }
+        })?;
+        let mut conns = Vec::with_capacity(results.len());
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(c) => conns.push(c),
+                Err(e) => return Err(net_error(py, &e, Some(i))),
+            }
+        }
+        client.conns = conns;
+        Ok(client)
+    }
+
+    /// The worker addresses, in worker order.
+    #[getter]
+    fn addresses(&self) -> Vec<String> {
+        self.conns.iter().map(|c| c.address().to_string()).collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// What each worker said about itself at connect time.
+    fn worker_info<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.conns
+            .iter()
+            .map(|c| {
+                let h = c.hello();
+                let d = PyDict::new(py);
+                d.set_item("address", c.address())?;
+                d.set_item("version", &h.worker_version)?;
+                d.set_item("protocol_version", h.protocol_version)?;
+                d.set_item("name", &h.worker_name)?;
+                d.set_item("pid", h.pid)?;
+                d.set_item("hostname", &h.hostname)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Run one operation on each target with the same value: serialized once, the same bytes go to every
+    /// worker concurrently. Returns one outcome tuple per target.
+    #[pyo3(signature = (targets, op, name, digest, pickle, buffers, timeout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn call(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        op: i32,
+        name: String,
+        digest: String,
+        pickle: &[u8],
+        buffers: Vec<Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let timeout = seconds(timeout)?;
+        let value = Value {
+            pickle: Bytes::copy_from_slice(pickle),
+            buffers: copy_buffers(py, &buffers)?,
+        };
+        let requests = targets
+            .iter()
+            .map(|_| CallRequest {
+                op,
+                name: name.clone(),
+                digest: digest.clone(),
+                value: Some(value.clone()),
+                request_id: 0,
+            })
+            .collect();
+        let results = self.fan_out(py, &targets, requests, timeout)?;
+        self.outcomes(py, &targets, results)
+    }
+
+    /// Like `call`, with one `(pickle, buffers)` value per target.
+    #[pyo3(signature = (targets, op, name, digest, values, timeout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn call_each(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        op: i32,
+        name: String,
+        digest: String,
+        values: Vec<(Vec<u8>, Vec<Bound<'_, PyAny>>)>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        if values.len() != targets.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} values for {} workers",
+                values.len(),
+                targets.len()
+            )));
+        }
+        let timeout = seconds(timeout)?;
+        let mut requests = Vec::with_capacity(values.len());
+        for (pickle, bufs) in values {
+            requests.push(CallRequest {
+                op,
+                name: name.clone(),
+                digest: digest.clone(),
+                value: Some(Value {
+                    pickle: pickle.into(),
+                    buffers: copy_buffers(py, &bufs)?,
+                }),
+                request_id: 0,
+            });
+        }
+        let results = self.fan_out(py, &targets, requests, timeout)?;
+        self.outcomes(py, &targets, results)
+    }
+
+    /// Round-trip seconds per target (or an exception instance for a worker that did not answer).
+    #[pyo3(signature = (targets, timeout = None))]
+    fn ping(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let timeout = seconds(timeout)?;
+        self.simple(
+            py,
+            targets,
+            move |c| async move { c.ping(timeout).await },
+            |py, d: Duration| Ok(d.as_secs_f64().into_pyobject(py)?.into_any().unbind()),
+        )
+    }
+
+    /// Status dict per target (or an exception instance).
+    #[pyo3(signature = (targets, timeout = None))]
+    fn status(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let timeout = seconds(timeout)?;
+        self.simple(
+            py,
+            targets,
+            move |c| async move {
+                c.status(timeout)
+                    .await
+                    .map(|s| (c.address().to_string(), s))
+            },
+            |py, (address, s)| {
+                let d = PyDict::new(py);
+                d.set_item("address", address)?;
+                d.set_item("version", s.worker_version)?;
+                d.set_item("hostname", s.hostname)?;
+                d.set_item("pid", s.pid)?;
+                d.set_item("uptime_s", s.uptime_ms as f64 / 1000.0)?;
+                d.set_item("rss_bytes", s.rss_bytes)?;
+                d.set_item(
+                    "running",
+                    if s.running.is_empty() {
+                        None
+                    } else {
+                        Some(s.running)
+                    },
+                )?;
+                d.set_item("running_for_s", s.running_for_ms as f64 / 1000.0)?;
+                d.set_item("requests_served", s.requests_served)?;
+                d.set_item("requests_rejected", s.requests_rejected)?;
+                d.set_item("queue_depth", s.queue_depth)?;
+                Ok(d.into_any().unbind())
+            },
+        )
+    }
+
+    /// Ask each target daemon to exit. Returns None per target, or an exception instance.
+    #[pyo3(signature = (targets, timeout = None))]
+    fn shutdown(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let timeout = seconds(timeout)?;
+        self.simple(
+            py,
+            targets,
+            move |c| async move { c.shutdown(timeout).await },
+            |py, ()| Ok(py.None()),
+        )
+    }
+}

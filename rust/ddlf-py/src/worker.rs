@@ -1,0 +1,175 @@
+//! `serve_worker`: run a worker daemon in this process. The network side runs on its own tokio threads; this
+//! (the calling, main) thread becomes the interpreter thread that runs every job in request order, and releases
+//! the GIL whenever it waits for the next one.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ddlf_core::auth::Token;
+use ddlf_net::ServerConfig;
+use ddlf_proto::{CallReply, CallRequest, ErrorKind, RemoteException, Value};
+use ddlf_worker::{Daemon, DaemonConfig, Job, Next};
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+use crate::buffers::{copy_buffers, to_recv_buffers};
+use crate::errors::daemon_error;
+
+/// How long the interpreter thread waits for a job before checking for signals (SIGINT/SIGTERM).
+const IDLE_POLL: Duration = Duration::from_millis(100);
+
+/// Serve worker requests until a shutdown request or a signal. `executor` is the Python object that runs the
+/// operations (`ddlf._executor.Executor`): `executor.handle(op, name, digest, pickle, buffers)` returns
+/// `(0, pickle, buffers)` or `(error_kind, (type_name, message, traceback))`. `executor.on_listening(address)`
+/// is called once the port is bound.
+#[pyfunction]
+#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 2))]
+#[allow(clippy::too_many_arguments)]
+pub fn serve_worker(
+    py: Python<'_>,
+    executor: Bound<'_, PyAny>,
+    listen: String,
+    token: Option<String>,
+    insecure: bool,
+    max_message_size: Option<usize>,
+    name: Option<String>,
+    network_threads: usize,
+) -> PyResult<()> {
+    let token = match token {
+        Some(t) => Some(Token::new(t).ok_or_else(|| PyValueError::new_err("the token is empty"))?),
+        None => None,
+    };
+    let mut server = ServerConfig::default();
+    if let Some(m) = max_message_size {
+        server.max_message_size = m;
+    }
+    let config = DaemonConfig {
+        listen,
+        token,
+        insecure,
+        server,
+        name: name.unwrap_or_default(),
+        runtime_threads: network_threads,
+    };
+    let (daemon, jobs) = py
+        .detach(|| Daemon::start(config))
+        .map_err(|e| daemon_error(py, &e))?;
+    let stop = |daemon: Daemon| py.detach(|| daemon.stop(Duration::from_secs(2)));
+    if let Err(e) = executor.call_method1(
+        intern!(py, "on_listening"),
+        (daemon.local_addr().to_string(),),
+    ) {
+        stop(daemon);
+        return Err(e);
+    }
+    loop {
+        match py.detach(|| jobs.next(IDLE_POLL)) {
+            Next::Idle => {
+                if let Err(e) = py.check_signals() {
+                    stop(daemon);
+                    return Err(e);
+                }
+            }
+            Next::Shutdown => break,
+            Next::Job(job) => {
+                if let Err(fatal) = run_job(py, &executor, job) {
+                    // SystemExit / KeyboardInterrupt raised inside user code (a signal arrived): stop serving.
+                    stop(daemon);
+                    return Err(fatal);
+                }
+            }
+        }
+    }
+    stop(daemon);
+    Ok(())
+}
+
+fn remote_exception(kind: ErrorKind, type_name: &str, message: String) -> CallReply {
+    CallReply {
+        error: kind as i32,
+        exception: Some(RemoteException {
+            type_name: type_name.into(),
+            message,
+            traceback: String::new(),
+        }),
+        ..Default::default()
+    }
+}
+
+/// Run one job on the executor and answer it. Returns Err only for exceptions that must stop the daemon.
+fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResult<()> {
+    let queue_seconds = job.enqueued_at.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let CallRequest {
+        op,
+        name,
+        digest,
+        value,
+        ..
+    } = std::mem::take(&mut job.request);
+    let value = value.unwrap_or_default();
+    let outcome = (|| -> PyResult<Bound<'_, PyAny>> {
+        let pickle = PyBytes::new(py, &value.pickle);
+        let buffers = to_recv_buffers(py, value.buffers)?;
+        executor.call_method1(intern!(py, "handle"), (op, name, digest, pickle, buffers))
+    })();
+    let mut reply = match outcome {
+        Ok(result) => match encode_result(py, &result) {
+            Ok(reply) => reply,
+            Err(e) => remote_exception(
+                ErrorKind::Serialization,
+                "SerializationError",
+                format!("the worker could not encode its reply: {e}"),
+            ),
+        },
+        Err(e) if !e.is_instance_of::<PyException>(py) => {
+            let reply = remote_exception(
+                ErrorKind::User,
+                "WorkerStopping",
+                format!("the worker is stopping: {e}"),
+            );
+            job.respond(reply);
+            return Err(e);
+        }
+        // The executor catches user exceptions itself; anything reaching here is a bug in ddlf's own code.
+        Err(e) => remote_exception(
+            ErrorKind::User,
+            "InternalError",
+            format!("ddlf worker internal error: {e}"),
+        ),
+    };
+    reply.compute_seconds = start.elapsed().as_secs_f64();
+    reply.queue_seconds = queue_seconds;
+    job.respond(reply);
+    Ok(())
+}
+
+/// `(0, pickle, buffers)` or `(kind, (type_name, message, traceback))` to a reply.
+fn encode_result(py: Python<'_>, result: &Bound<'_, PyAny>) -> PyResult<CallReply> {
+    let tuple = result.cast::<PyTuple>()?;
+    let kind: i32 = tuple.get_item(0)?.extract()?;
+    if kind == 0 {
+        let pickle: Vec<u8> = tuple.get_item(1)?.extract()?;
+        let bufs: Vec<Bound<'_, PyAny>> = tuple.get_item(2)?.extract()?;
+        let buffers = copy_buffers(py, &bufs)?;
+        return Ok(CallReply {
+            value: Some(Value {
+                pickle: Bytes::from(pickle),
+                buffers,
+            }),
+            ..Default::default()
+        });
+    }
+    let (type_name, message, traceback): (String, String, String) = tuple.get_item(1)?.extract()?;
+    Ok(CallReply {
+        error: kind,
+        exception: Some(RemoteException {
+            type_name,
+            message,
+            traceback,
+        }),
+        ..Default::default()
+    })
+}

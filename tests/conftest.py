@@ -1,0 +1,104 @@
+"""Shared fixtures: real worker daemons on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import ddlf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MNIST_DIR = os.path.join(REPO, "examples", "data", "mnist")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ddlf.Cluster]:
+    """Two local daemons shared by a test module; cleaned between tests."""
+    with ddlf.Cluster.local(n_workers=2, threads=1) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _clean_between_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        if not c.closed:
+            c.clean()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class Daemon:
+    """A `ddlf-worker` process started by a test, with its own token."""
+
+    def __init__(self, *args: str, token: str | None = "test-token", env: dict[str, str] | None = None) -> None:
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="ddlf-test-")
+        self.ready = os.path.join(self.dir, "addr")
+        full_env = dict(os.environ)
+        full_env.pop("DDLF_TOKEN", None)
+        if token is not None:
+            full_env["DDLF_TOKEN"] = token
+        full_env.update(env or {})
+        self.token = token
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ddlf.worker",
+                "--listen",
+                "127.0.0.1:0",
+                "--ready-file",
+                self.ready,
+                *args,
+            ],
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        if not wait_until(lambda: os.path.exists(self.ready) or self.proc.poll() is not None, 30):
+            raise RuntimeError("daemon did not start")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited: {self.proc.stderr.read().decode()}")
+        with open(self.ready) as f:
+            self.address = f.read().strip()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = Daemon()
+    yield d
+    d.stop()

@@ -1,0 +1,483 @@
+"""End-to-end tests of the core runtime: real daemons on loopback, every public call of the Cluster API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf import _ddlf
+
+from .conftest import Daemon, pid_alive, wait_until
+
+# -- variables -----------------------------------------------------------------------------------------
+
+
+def test_set_get_delete_variables(cluster: ddlf.Cluster) -> None:
+    cluster.set("lr", 0.01)
+    assert cluster.get("lr") == [0.01, 0.01]
+    cluster.set("cfg", {"layers": [1, 2], "name": "x"})
+    assert cluster.variables() == [["cfg", "lr"], ["cfg", "lr"]]
+    cluster.delete("lr")
+    assert cluster.variables() == [["cfg"], ["cfg"]]
+
+
+def test_scatter_gives_each_worker_its_own_value(cluster: ddlf.Cluster) -> None:
+    a0, a1 = np.arange(5, dtype=np.float32), np.ones((2, 3), dtype=np.float64)
+    cluster.scatter("shard", [a0, a1])
+    got = cluster.get("shard")
+    np.testing.assert_array_equal(got[0], a0)
+    np.testing.assert_array_equal(got[1], a1)
+    assert got[1].dtype == np.float64 and got[1].shape == (2, 3)
+
+
+def test_scatter_needs_one_value_per_worker(cluster: ddlf.Cluster) -> None:
+    with pytest.raises(ValueError, match="one per worker"):
+        cluster.scatter("x", [1, 2, 3])
+
+
+def test_set_on_a_subset_of_workers(cluster: ddlf.Cluster) -> None:
+    cluster.set("only1", 5, workers=[1])
+    assert cluster.variables() == [[], ["only1"]]
+    with pytest.raises(IndexError):
+        cluster.set("x", 1, workers=[7])
+
+
+def test_unknown_variable_is_a_clear_error_naming_it(cluster: ddlf.Cluster) -> None:
+    with pytest.raises(ddlf.NotFoundError, match="no variable named 'nope'") as info:
+        cluster.get("nope")
+    assert info.value.worker_id == 0
+    assert info.value.address == cluster.addresses[0]
+    with pytest.raises(ddlf.NotFoundError, match="nope"):
+        cluster.delete("nope")
+
+
+# -- functions ------------------------------------------------------------------------------------------
+
+
+def step(worker, x):
+    worker.vars["n"] = worker.vars.get("n", 0) + x
+    return worker.id, worker.vars["n"]
+
+
+def test_functions_persist_and_receive_the_worker_context(cluster: ddlf.Cluster) -> None:
+    assert cluster.add_function(step) == "step"
+    assert cluster.functions() == [["step"], ["step"]]
+    assert cluster.run("step", 1) == [(0, 1), (1, 1)]
+    assert cluster.run(step, 1) == [(0, 2), (1, 2)]
+    assert cluster.run_on(1, "step", 5) == (1, 7)
+    assert cluster.run_each("step", [(1,), (2,)]) == [(0, 3), (1, 9)]
+    assert cluster.run(lambda worker: worker.n_workers) == [2, 2]
+    cluster.remove_function("step")
+    assert "step" not in cluster.functions()[0]
+    with pytest.raises(ddlf.NotFoundError, match="no function named 'step'"):
+        cluster.run("step", 1)
+
+
+def test_functions_are_sent_once_then_called_by_name(cluster: ddlf.Cluster) -> None:
+    def square(x):
+        return x * x
+
+    before = [s["requests_served"] for s in cluster.status()]
+    for i in range(5):
+        assert cluster.run(square, i) == [i * i, i * i]
+    after = [s["requests_served"] for s in cluster.status()]
+    # One push of the function plus five calls by name on each worker: never a second push.
+    assert [a - b for a, b in zip(after, before)] == [6, 6]
+
+
+def test_closures_lambdas_and_kwargs(cluster: ddlf.Cluster) -> None:
+    offset = 10
+
+    def add(x, *, y=0):
+        return x + y + offset
+
+    assert cluster.run(add, 1, y=2) == [13, 13]
+    assert cluster.call(add, (1,), {"y": 5}, workers=[0]) == [16]
+    assert cluster.run(lambda a, b: a * b, 3, 4) == [12, 12]
+
+
+def test_a_changed_function_is_pushed_again(cluster: ddlf.Cluster) -> None:
+    def f():
+        return 1
+
+    assert cluster.run(f) == [1, 1]
+
+    def f():
+        return 2
+
+    assert cluster.run(f) == [2, 2]
+
+
+def test_exec_names_persist_in_worker_globals(cluster: ddlf.Cluster) -> None:
+    cluster.exec("import math\nk = math.pi\ndef twice(x):\n    return 2 * x\n")
+    assert cluster.run(lambda worker: worker.globals["k"]) == [np.pi, np.pi]
+    assert cluster.run("twice", 21) == [42, 42]
+
+
+def test_numpy_arrays_round_trip_without_pickling_inline(cluster: ddlf.Cluster) -> None:
+    w = [np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32), np.arange(10)]
+    out = cluster.run(lambda ws: [x * 2 for x in ws], w)
+    for got in out:
+        np.testing.assert_array_equal(got[0], w[0] * 2)
+        np.testing.assert_array_equal(got[1], w[1] * 2)
+
+
+def test_async_twins(cluster: ddlf.Cluster) -> None:
+    async def main():
+        await cluster.set_async("a", 3)
+        r1, r2 = await asyncio.gather(
+            cluster.run_async(lambda worker: worker.vars["a"] + worker.id),
+            cluster.get_async("a"),
+        )
+        return r1, r2
+
+    assert asyncio.run(main()) == ([3, 4], [3, 3])
+
+
+def test_upload_module_makes_local_code_importable(cluster: ddlf.Cluster, tmp_path) -> None:
+    pkg = tmp_path / "mylocalpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .helpers import triple\n")
+    (pkg / "helpers.py").write_text("def triple(x):\n    return 3 * x\n")
+    assert cluster.upload_module(pkg) == "mylocalpkg"
+
+    def use():
+        import mylocalpkg
+
+        return mylocalpkg.triple(7)
+
+    assert cluster.run(use) == [21, 21]
+    # A new version replaces the old one.
+    (pkg / "helpers.py").write_text("def triple(x):\n    return 300 * x\n")
+    cluster.upload_module(pkg)
+    assert cluster.run(use) == [2100, 2100]
+
+
+def test_upload_module_rejects_bad_input(cluster: ddlf.Cluster, tmp_path) -> None:
+    with pytest.raises(ValueError):
+        cluster.upload_module(tmp_path / "missing.py")
+    empty_dir = tmp_path / "notapackage"
+    empty_dir.mkdir()
+    with pytest.raises(ValueError, match="not a package"):
+        cluster.upload_module(empty_dir)
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+
+def test_remote_exception_carries_type_message_traceback_and_worker(cluster: ddlf.Cluster) -> None:
+    def fails(worker):
+        if worker.id == 1:
+            raise ValueError(f"bad value on {worker.id}")
+        return "ok"
+
+    with pytest.raises(ddlf.RemoteError) as info:
+        cluster.run(fails)
+    err = info.value
+    assert err.worker_id == 1
+    assert err.address == cluster.addresses[1]
+    assert err.remote_type == "ValueError"
+    assert err.remote_message == "bad value on 1"
+    assert "in fails" in err.remote_traceback and "raise ValueError" in err.remote_traceback
+    assert "_executor.py" not in err.remote_traceback
+    # The worker keeps serving.
+    assert cluster.run(lambda: "alive") == ["alive", "alive"]
+
+
+def test_unpicklable_result_is_a_clear_error(cluster: ddlf.Cluster) -> None:
+    with pytest.raises(ddlf.SerializationError, match="cannot be pickled"):
+        cluster.run(lambda: __import__("threading").Lock())
+    assert cluster.run(lambda: 1) == [1, 1]
+
+
+def test_unpicklable_argument_is_a_clear_error(cluster: ddlf.Cluster) -> None:
+    import threading
+
+    with pytest.raises(ddlf.SerializationError, match="cannot serialize"):
+        cluster.run(lambda x: x, threading.Lock())
+
+
+def test_function_that_cannot_load_on_workers(cluster: ddlf.Cluster, tmp_path) -> None:
+    # A function pickled by reference to a module that only exists on the master.
+    (tmp_path / "masteronly_mod.py").write_text("def f():\n    return 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import masteronly_mod
+
+        with pytest.raises(ddlf.RemoteError, match="upload_module"):
+            cluster.add_function(masteronly_mod.f)
+        cluster.upload_module(tmp_path / "masteronly_mod.py")
+        assert cluster.run(masteronly_mod.f) == [1, 1]
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_malformed_requests_are_refused_and_the_worker_keeps_serving(cluster: ddlf.Cluster) -> None:
+    client = cluster._client
+    # Garbage where a pickle should be.
+    [outcome] = client.call([0], _ddlf.OPS["SET_VAR"], "x", "", b"\x80\x05garbage", [], 5.0)
+    assert outcome[0] == 1 and outcome[1] == _ddlf.ERROR_KINDS["BAD_REQUEST"]
+    # An operation code the protocol does not define.
+    [outcome] = client.call([0], 999, "x", "", b"", [], 5.0)
+    assert isinstance(outcome[1], ddlf.RequestRejected)
+    # A function payload that is not a function.
+    [outcome] = client.call([0], _ddlf.OPS["ADD_FUNCTION"], "f", "d", b"not a pickle", [], 5.0)
+    assert outcome[0] == 1
+    # Empty names.
+    with pytest.raises(ddlf.RemoteError, match="non-empty name"):
+        cluster.set("", 1)
+    # Module paths that escape the module directory.
+    [outcome] = client.call(
+        [0], _ddlf.OPS["UPLOAD_MODULE"], "evil", "", __import__("pickle").dumps({"../evil.py": b"x"}), [], 5.0
+    )
+    assert outcome[0] == 1 and "refusing module path" in outcome[2][1]
+    assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]
+    assert cluster.status()[0]["requests_rejected"] >= 1
+
+
+def test_oversized_request_is_refused_and_the_worker_keeps_serving() -> None:
+    d = Daemon("--max-message-size", "100000")
+    try:
+        c = ddlf.Cluster([d.address], d.token)
+        with pytest.raises(ddlf.RequestRejected, match="too large"):
+            c.set("big", np.zeros(1_000_000, dtype=np.uint8))
+        c.set("small", np.zeros(10))
+        assert c.variables() == [["small"]]
+    finally:
+        d.stop()
+
+
+def test_timeout_gives_deadline_exceeded_not_a_hang(cluster: ddlf.Cluster) -> None:
+    start = time.monotonic()
+    with pytest.raises(ddlf.DeadlineExceeded) as info:
+        cluster.run(lambda: time.sleep(1.5), timeout=0.3)
+    assert time.monotonic() - start < 1.2
+    assert isinstance(info.value, ddlf.WorkerUnavailable)
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_ping_and_status_answer_while_a_function_runs(cluster: ddlf.Cluster) -> None:
+    async def main():
+        slow = asyncio.ensure_future(cluster.run_on_async(0, lambda: time.sleep(1.0) or "done"))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        rtts = cluster.ping(timeout=0.5)
+        status = cluster.status(timeout=0.5)
+        elapsed = time.monotonic() - t0
+        return await slow, rtts, status, elapsed
+
+    result, rtts, status, elapsed = asyncio.run(main())
+    assert result == "done"
+    assert all(r < 0.5 for r in rtts)
+    assert status[0]["running"] == "run:<lambda>#" + status[0]["running"].split("#")[1]
+    assert status[0]["running_for_s"] > 0.1
+    assert status[1]["running"] is None
+    assert elapsed < 0.5
+
+
+# -- persistence, connections, auth ---------------------------------------------------------------------
+
+
+def test_state_persists_across_separate_connections(daemon: Daemon) -> None:
+    first = ddlf.Cluster([daemon.address], daemon.token)
+    first.set("kept", [1, 2, 3])
+
+    def remembered(worker):
+        return worker.vars["kept"][::-1]
+
+    first.add_function(remembered)
+    first.close()
+    # A second script: a new process connecting later sees what the first left.
+    code = textwrap.dedent(
+        f"""
+        import ddlf
+        c = ddlf.Cluster([{daemon.address!r}], {daemon.token!r})
+        print(c.get("kept")[0], c.run("remembered")[0], c.functions()[0])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1, 2, 3] [3, 2, 1] ['remembered']"
+
+
+def test_wrong_or_missing_token_is_refused_and_nothing_runs(daemon: Daemon, tmp_path) -> None:
+    marker = tmp_path / "side-effect"
+    with pytest.raises(ddlf.AuthenticationError) as info:
+        ddlf.Cluster([daemon.address], "wrong-token", connect_timeout=5)
+    assert info.value.address == daemon.address
+    with pytest.raises(ddlf.AuthenticationError):
+        _connect_without_token(daemon.address)
+    # Even a hand-built call with the wrong token: refused before the body is decoded; the file never appears.
+    good = ddlf.Cluster([daemon.address], daemon.token)
+    assert good.status()[0]["requests_rejected"] == 2
+    bad_client = _raw_client_or_none(daemon.address, "wrong-token")
+    assert bad_client is None
+    assert not marker.exists()
+    good.run(lambda p: open(p, "w").close(), str(marker))
+    assert marker.exists()
+
+
+def _connect_without_token(address: str) -> ddlf.Cluster:
+    saved = os.environ.pop("DDLF_TOKEN", None)
+    try:
+        return ddlf.Cluster([address], None, connect_timeout=5)
+    finally:
+        if saved is not None:
+            os.environ["DDLF_TOKEN"] = saved
+
+
+def _raw_client_or_none(address: str, token: str):
+    try:
+        return _ddlf.Client([address], token, 5.0)
+    except ddlf.AuthenticationError:
+        return None
+
+
+def test_non_loopback_without_token_refuses_to_start() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DDLF_TOKEN"}
+    out = subprocess.run(
+        [sys.executable, "-m", "ddlf.worker", "--listen", "0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert "--insecure" in out.stderr
+
+
+def test_token_file_is_used(tmp_path) -> None:
+    tf = tmp_path / "token"
+    tf.write_text("from-a-file\n")
+    d = Daemon("--token-file", str(tf), token=None)
+    try:
+        assert ddlf.Cluster([d.address], "from-a-file").ping()[0] < 1
+        with pytest.raises(ddlf.AuthenticationError):
+            ddlf.Cluster([d.address], "other")
+    finally:
+        d.stop()
+
+
+def test_unreachable_address_raises_worker_unavailable_quickly() -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    start = time.monotonic()
+    with pytest.raises(ddlf.WorkerUnavailable, match=f"127.0.0.1:{port}"):
+        ddlf.Cluster([f"127.0.0.1:{port}"], "t", connect_timeout=2)
+    assert time.monotonic() - start < 3
+
+
+def test_kill_9_mid_call_raises_worker_unavailable_without_hanging(daemon: Daemon) -> None:
+    c = ddlf.Cluster([daemon.address], daemon.token)
+
+    async def main():
+        call = asyncio.ensure_future(c.run_async(lambda: time.sleep(30)))
+        await asyncio.sleep(0.5)
+        daemon.proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ddlf.WorkerUnavailable) as info:
+            await call
+        return time.monotonic() - t0, info.value
+
+    elapsed, err = asyncio.run(main())
+    assert elapsed < 5
+    assert err.address == daemon.address
+    # Later calls fail fast too.
+    t0 = time.monotonic()
+    with pytest.raises(ddlf.WorkerUnavailable):
+        c.run(lambda: 1, timeout=5)
+    assert time.monotonic() - t0 < 6
+
+
+def test_shutdown_request_stops_the_daemon(daemon: Daemon) -> None:
+    c = ddlf.Cluster([daemon.address], daemon.token)
+    c.shutdown()
+    assert daemon.proc.wait(10) == 0
+
+
+def test_sigterm_and_sigint_stop_the_daemon_cleanly() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        d = Daemon()
+        d.proc.send_signal(sig)
+        assert d.proc.wait(10) == 0
+        assert b"worker stopped" in d.proc.stderr.read()
+
+
+def test_ctrl_c_interrupts_a_waiting_master(daemon: Daemon) -> None:
+    code = textwrap.dedent(
+        f"""
+        import time, ddlf
+        c = ddlf.Cluster([{daemon.address!r}], {daemon.token!r})
+        print("calling", flush=True)
+        try:
+            c.run(lambda: time.sleep(20))
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "calling"
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=10)
+    assert "interrupted" in out
+    assert time.monotonic() - t0 < 2
+
+
+# -- local clusters: no orphans -------------------------------------------------------------------------
+
+
+def test_local_cluster_leaves_no_processes_after_close() -> None:
+    c = ddlf.Cluster.local(2, threads=1)
+    pids = c._local.pids()
+    assert all(pid_alive(p) for p in pids)
+    c.close()
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 10)
+    with pytest.raises(ddlf.DdlfError, match="closed"):
+        c.run(lambda: 1)
+    c.close()  # idempotent
+
+
+def test_local_cluster_workers_die_when_the_master_is_killed() -> None:
+    code = textwrap.dedent(
+        """
+        import sys, time, ddlf
+        c = ddlf.Cluster.local(2, threads=1)
+        print(*c._local.pids(), flush=True)
+        time.sleep(60)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    assert len(pids) == 2 and all(pid_alive(x) for x in pids)
+    p.kill()
+    p.wait()
+    assert wait_until(lambda: not any(pid_alive(x) for x in pids), 10)
+
+
+def test_local_cluster_stops_at_interpreter_exit() -> None:
+    code = "import ddlf\nc = ddlf.Cluster.local(2, threads=1)\nprint(*c._local.pids(), flush=True)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pids = [int(x) for x in out.stdout.split()]
+    assert len(pids) == 2
+    assert wait_until(lambda: not any(pid_alive(x) for x in pids), 10)
+
+
+def test_version_handshake_reports_versions(cluster: ddlf.Cluster) -> None:
+    info = cluster.worker_info()
+    assert [i["version"] for i in info] == [ddlf.__version__] * 2
+    assert all(i["protocol_version"] == ddlf.PROTOCOL_VERSION for i in info)
