@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="threads for math libraries (BLAS, XLA, torch); set it when several workers share a machine",
     )
-    p.add_argument("--network-threads", type=int, default=2, help="threads of the network runtime")
+    p.add_argument("--network-threads", type=int, default=1, help="threads of the network runtime (default 1)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
 

@@ -25,7 +25,7 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 /// `(0, pickle, buffers)` or `(error_kind, (type_name, message, traceback))`. `executor.on_listening(address)`
 /// is called once the port is bound.
 #[pyfunction]
-#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 2))]
+#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 1))]
 #[allow(clippy::too_many_arguments)]
 pub fn serve_worker(
     py: Python<'_>,

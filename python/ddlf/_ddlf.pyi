@@ -1,0 +1,75 @@
+"""Type stubs for ``ddlf._ddlf``, the Rust extension module (see rust/ddlf-py)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+from typing_extensions import Buffer
+
+__version__: str
+PROTOCOL_VERSION: int
+OPS: dict[str, int]
+"""Operation codes of the wire protocol, by name without the ``OP_`` prefix."""
+ERROR_KINDS: dict[str, int]
+"""Error kinds of the wire protocol, by name without the ``ERROR_KIND_`` prefix."""
+
+Outcome = tuple[int, Any, Any, float]
+"""Per-worker result of a call: ``(0, pickle, buffers, compute_s)``, ``(1, error_kind, (type, message, traceback),
+compute_s)`` or ``(2, exception_instance, None, 0.0)``."""
+
+class RecvBuffer:
+    """Read-only bytes received from the network, exposed through the buffer protocol without a copy."""
+
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+class Client:
+    """Connections to worker daemons. Every method releases the GIL while it waits and is interruptible."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        token: str | None = None,
+        connect_timeout: float = 10.0,
+        keepalive_interval: float = 5.0,
+        keepalive_timeout: float = 10.0,
+    ) -> None: ...
+    @property
+    def addresses(self) -> list[str]: ...
+    def __len__(self) -> int: ...
+    def worker_info(self) -> list[dict[str, Any]]: ...
+    def call(
+        self,
+        targets: Sequence[int],
+        op: int,
+        name: str,
+        digest: str,
+        pickle: bytes,
+        buffers: Sequence[Buffer],
+        timeout: float | None = None,
+    ) -> list[Outcome]: ...
+    def call_each(
+        self,
+        targets: Sequence[int],
+        op: int,
+        name: str,
+        digest: str,
+        values: Sequence[tuple[bytes, Sequence[Buffer]]],
+        timeout: float | None = None,
+    ) -> list[Outcome]: ...
+    def ping(self, targets: Sequence[int], timeout: float | None = None) -> list[float | BaseException]: ...
+    def status(self, targets: Sequence[int], timeout: float | None = None) -> list[dict[str, Any] | BaseException]: ...
+    def shutdown(self, targets: Sequence[int], timeout: float | None = None) -> list[BaseException | None]: ...
+
+def serve_worker(
+    executor: Any,
+    listen: str,
+    token: str | None = None,
+    insecure: bool = False,
+    max_message_size: int | None = None,
+    name: str | None = None,
+    network_threads: int = 1,
+) -> None:
+    """Run a worker daemon in this process until shutdown or a signal; this thread runs the jobs."""
+
+def init_logging(default: str = "warn") -> bool:
+    """Send Rust ``tracing`` logs to stderr, filtered by ``DDLF_LOG``/``RUST_LOG`` (else ``default``)."""

@@ -1,0 +1,75 @@
+"""Floors measured next to ddlf: a raw Python TCP socket echo on loopback, run in a separate process."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import socket
+import struct
+import time
+from typing import Any
+
+_HDR = struct.Struct("!Q")
+
+
+def _recv_exact(sock: socket.socket, n: int, buf: bytearray | None = None) -> memoryview:
+    view = memoryview(buf) if buf is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError("peer closed")
+        got += r
+    return view[:n]
+
+
+def _echo_server(port_q: Any) -> None:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(1 << 20)
+    try:
+        while True:
+            (n,) = _HDR.unpack(_recv_exact(conn, _HDR.size))
+            if n == 0:
+                break
+            data = _recv_exact(conn, n, buf if n <= len(buf) else None)
+            conn.sendall(_HDR.pack(n))
+            conn.sendall(data)
+    except ConnectionError:
+        pass
+    finally:
+        conn.close()
+        srv.close()
+
+
+class RawEcho:
+    """A length-prefixed echo server in another process, and a client socket to it."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.proc = ctx.Process(target=_echo_server, args=(q,), daemon=True)
+        self.proc.start()
+        port = q.get(timeout=30)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = bytearray(1 << 20)
+
+    def round_trip(self, payload: bytes) -> float:
+        """Send payload, read it back; returns seconds."""
+        t0 = time.perf_counter()
+        self.sock.sendall(_HDR.pack(len(payload)) + payload)
+        (n,) = _HDR.unpack(_recv_exact(self.sock, _HDR.size))
+        _recv_exact(self.sock, n, self._buf if n <= len(self._buf) else None)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.sendall(_HDR.pack(0))
+        self.sock.close()
+        self.proc.join(5)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install everything ddlf needs into ./.venv, from nothing but Python 3.10+ and a Rust toolchain:
+# the Python dependencies (numpy, cloudpickle, Keras + JAX on CPU, test tools) and ddlf itself, built from
+# source in release mode. protoc comes with the build (the protoc-bin-vendored crate); no system package needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if ! command -v cargo >/dev/null 2>&1; then
+  if [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+  else
+    echo "install.sh: a Rust toolchain (cargo) is required: https://rustup.rs" >&2
+    exit 1
+  fi
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet \
+  "maturin>=1.5,<2" "numpy>=1.24" "cloudpickle>=3.0" "keras>=3.0" "jax>=0.4" \
+  "pytest>=7" "pytest-timeout>=2" "ruff>=0.4"
+# Build the Rust extension (release) and install the package in editable mode.
+VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
+.venv/bin/python -c "import ddlf; print('ddlf', ddlf.__version__, 'installed in .venv')"
