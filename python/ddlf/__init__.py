@@ -6,9 +6,10 @@ persistent variables and functions to them, and call those functions from your s
 
 from __future__ import annotations
 
-from . import errors
+from . import callbacks, datasets, errors, ops
 from ._ddlf import PROTOCOL_VERSION, __version__
 from ._executor import WorkerContext
+from .app import IApp
 from .cluster import Cluster
 from .errors import (
     AuthenticationError,
@@ -23,6 +24,7 @@ from .errors import (
     WorkerStartError,
     WorkerUnavailable,
 )
+from .history import History
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -30,6 +32,8 @@ __all__ = [
     "Cluster",
     "DdlfError",
     "DeadlineExceeded",
+    "History",
+    "IApp",
     "InsecureConfiguration",
     "NotFoundError",
     "ProtocolError",
@@ -40,5 +44,8 @@ __all__ = [
     "WorkerStartError",
     "WorkerUnavailable",
     "__version__",
+    "callbacks",
+    "datasets",
     "errors",
+    "ops",
 ]

@@ -268,6 +268,35 @@ class Cluster:
         for known in self._known:
             known.clear()
 
+    # -- datasets ---------------------------------------------------------------------------------------------
+
+    def load_dataset(
+        self, key: str, loader: Callable[[], Any], *, timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Have every worker load ``loader()`` into its dataset store under ``key``, unless it already holds
+        ``key`` (then nothing is loaded). Returns each worker's description, with ``cached`` telling which."""
+        from .datasets import _remote_load
+
+        return self.call(_remote_load, (key, loader), timeout=timeout)
+
+    def put_dataset(self, key: str, value: Any, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Send arrays (an array, or a tuple of arrays with the same number of rows) to every worker's store."""
+        from .datasets import _remote_put
+
+        return self.call(_remote_put, (key, value), timeout=timeout)
+
+    def datasets(self, *, timeout: float | None = None) -> list[list[dict[str, Any]]]:
+        """What each worker's dataset store holds: key, rows, arrays, bytes, load time, memory-mapped."""
+        from .datasets import _remote_describe
+
+        return self.call(_remote_describe, timeout=timeout)
+
+    def drop_dataset(self, key: str, *, timeout: float | None = None) -> list[bool]:
+        """Free dataset ``key`` on every worker; returns whether each worker held it."""
+        from .datasets import _remote_drop
+
+        return self.call(_remote_drop, (key,), timeout=timeout)
+
     # -- health -------------------------------------------------------------------------------------------
 
     def ping(self, *, timeout: float | None = 10.0) -> list[float]:
@@ -463,6 +492,10 @@ _ASYNC_METHODS = (
     "exec",
     "upload_module",
     "clean",
+    "load_dataset",
+    "put_dataset",
+    "datasets",
+    "drop_dataset",
     "ping",
     "status",
     "shutdown",

@@ -2,5 +2,11 @@
 //! `cargo test` alone.
 //!
 //! * [`auth`]: shared-token checks in constant time.
+//! * [`shuffle`]: seeded permutations and per-worker index partitions.
+//! * [`gather`]: rows of a dataset into a contiguous batch.
+//! * [`kernels`]: weighted averages, in-place updates, deltas and half-precision conversion of weight lists.
 
 pub mod auth;
+pub mod gather;
+pub mod kernels;
+pub mod shuffle;

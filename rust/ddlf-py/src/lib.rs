@@ -4,6 +4,8 @@
 //! * [`client`]: `Client`, the master's connections to its workers.
 //! * [`worker`]: `serve_worker`, the daemon's interpreter loop.
 //! * [`buffers`]: `RecvBuffer`, received bytes exposed to Python without a copy; reading Python buffers.
+//! * [`ops`]: `ddlf.ops` kernels (merge, precision, shuffle, gather).
+//! * [`pipeline`]: `BatchPipeline`, batches gathered and prefetched by a Rust thread.
 //! * [`errors`]: Rust errors to `ddlf.errors` exception classes.
 //! * [`logging`]: `tracing` output, configured from `DDLF_LOG` / `RUST_LOG`.
 
@@ -14,6 +16,8 @@ mod buffers;
 mod client;
 mod errors;
 mod logging;
+mod ops;
+mod pipeline;
 mod worker;
 
 #[pymodule]
@@ -22,6 +26,17 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PROTOCOL_VERSION", ddlf_proto::PROTOCOL_VERSION)?;
     m.add_class::<client::Client>()?;
     m.add_class::<buffers::RecvBuffer>()?;
+    m.add_class::<pipeline::BatchPipeline>()?;
+    m.add_function(wrap_pyfunction!(ops::weighted_average, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::axpy_, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::delta, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::to_half, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::from_half, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::permutation, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::partitions, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::partition_for, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::split_sizes, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::gather, m)?)?;
     m.add_function(wrap_pyfunction!(worker::serve_worker, m)?)?;
     m.add_function(wrap_pyfunction!(logging::init_logging, m)?)?;
     // Operation and error codes straight from the generated protocol, so Python never re-declares them.

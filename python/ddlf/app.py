@@ -1,0 +1,239 @@
+"""``IApp``: subclass it, implement ``load_dataset()`` and ``create_model()``, and train on the cluster.
+
+```python
+class MnistApp(ddlf.IApp):
+    dataset_key = "mnist-v1"
+    def load_dataset(self):            # runs once per worker; cached under dataset_key
+        (x, y), _ = ddlf.datasets.mnist("examples/data/mnist")
+        return x, y
+    def create_model(self):            # runs on the master and on each worker
+        ...
+        return model
+
+with ddlf.Cluster.local(2) as cluster:
+    history = MnistApp(cluster).train(epochs=10, batch_size=64, mode="sync")
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import site
+import sys
+import sysconfig
+import time
+from collections.abc import Sequence
+from typing import Any
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import cloudpickle
+
+from .callbacks import Callback, ProgressBar
+from .cluster import Cluster
+from .history import History
+from .training import worker as remote
+from .training.asynchronous import train_async as _train_async
+from .training.common import TrainConfig
+from .training.sync import train_sync as _train_sync
+
+
+def _is_local_module(module: Any) -> bool:
+    """A module that is not part of an installed package (not under site-packages or the standard library)."""
+    if module.__name__ == "__main__":
+        return False  # cloudpickle already pickles __main__ by value
+    path = getattr(module, "__file__", None)
+    if not path:
+        return False
+    path = os.path.abspath(path)
+    installed = [
+        os.path.abspath(p) for p in (*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_path("stdlib"))
+    ]
+    return not any(path.startswith(p) for p in installed) and not module.__name__.startswith("ddlf")
+
+
+class IApp:
+    """A distributed training application.
+
+    Subclasses implement :meth:`load_dataset` (runs once on each worker, result cached in the worker's dataset
+    store under :attr:`dataset_key`) and :meth:`create_model` (a compiled Keras model; runs on the master and on
+    every worker). Optionally :meth:`preprocess` turns each raw batch into model inputs on the worker, so the store
+    can keep compact raw data (uint8 images) and convert per batch.
+    """
+
+    dataset_key: str | None = None
+    """Worker-side cache key of the dataset; defaults to the class's qualified name."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.model: Any = None
+        self.stop_training = False
+        self._rows = 0
+        self._epochs_done = 0
+        if self.dataset_key is None:
+            self.dataset_key = f"{type(self).__module__}.{type(self).__qualname__}"
+
+    # -- to implement -----------------------------------------------------------------------------------
+
+    def load_dataset(self) -> Any:
+        """Return the training data as ``(x, y)`` (or ``{"x": ..., "y": ...}``) numpy arrays. Runs on workers."""
+        raise NotImplementedError
+
+    def create_model(self) -> Any:
+        """Return a compiled Keras model. Runs on the master and on every worker."""
+        raise NotImplementedError
+
+    def preprocess(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """Turn one raw batch into model inputs (default: unchanged). Runs on workers, per batch."""
+        return x, y
+
+    # -- training ---------------------------------------------------------------------------------------
+
+    def train(
+        self,
+        epochs: int = 1,
+        batch_size: int = 32,
+        mode: str = "sync",
+        *,
+        seed: int = 0,
+        averaging_frequency: int | None = None,
+        average_optimizer_state: bool = False,
+        shuffle: str = "indices",
+        worker_shares: Sequence[float] | None = None,
+        compression: str | None = None,
+        prefetch: int = 2,
+        staleness: str = "none",
+        max_staleness: int | None = None,
+        validation_data: tuple[Any, Any] | None = None,
+        callbacks: Sequence[Callback] = (),
+        verbose: int = 1,
+        initial_epoch: int = 0,
+        _slow_worker: tuple[int, float] | None = None,
+    ) -> History:
+        """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
+
+        Args:
+            mode: ``"sync"`` (parameter averaging) or ``"async"`` (each worker at its own pace).
+            averaging_frequency: batches per round. Sync: default one whole partition (one round per epoch).
+                Async: batches per chunk (default 10).
+            average_optimizer_state: sync only: also average the optimizer state (Adam moments) each round.
+            shuffle: ``"indices"`` (the master sends each worker its index partition) or ``"seeded"`` (the master
+                sends only the seed and epoch; workers regenerate the same partition).
+            worker_shares: relative amount of data per worker (for workers of unequal speed).
+            compression: ``None``, ``"float16"`` or ``"bfloat16"``: workers send back deltas in half precision.
+            staleness, max_staleness: async staleness control (``"dynsgd"`` scales a delta by 1/(staleness+1)).
+            validation_data: ``(x, y)`` evaluated on the master's model after each epoch (``val_*`` metrics).
+        """
+        cfg = TrainConfig(
+            epochs=epochs,
+            batch_size=batch_size,
+            seed=seed,
+            averaging_frequency=averaging_frequency,
+            average_optimizer_state=average_optimizer_state,
+            shuffle=shuffle,
+            shares=list(worker_shares) if worker_shares is not None else None,
+            compression=compression,
+            prefetch=prefetch,
+            staleness=staleness,
+            max_staleness=max_staleness,
+            verbose=verbose,
+            slow_worker=_slow_worker,
+        )
+        cfg.check()
+        if mode == "sync":
+            return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
+        if mode == "async":
+            return self.train_async(cfg, validation_data, callbacks, initial_epoch)
+        raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
+
+    def train_sync(
+        self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Callback] = (), initial_epoch: int = 0
+    ) -> History:
+        """Synchronous training (see :mod:`ddlf.training.sync`). Override to customise."""
+        return self._run(_train_sync, cfg, validation_data, callbacks, initial_epoch, "sync")
+
+    def train_async(
+        self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Callback] = (), initial_epoch: int = 0
+    ) -> History:
+        """Asynchronous training (see :mod:`ddlf.training.asynchronous`). Override to customise."""
+        return self._run(_train_async, cfg, validation_data, callbacks, initial_epoch, "async")
+
+    def evaluate(self, x: Any, y: Any, batch_size: int = 256, **kwargs: Any) -> Any:
+        """Evaluate the master's model (``model.evaluate``), applying :meth:`preprocess` first."""
+        x, y = self.preprocess(x, y)
+        return self.model.evaluate(x, y, batch_size=batch_size, verbose=kwargs.pop("verbose", 0), **kwargs)
+
+    # -- internals --------------------------------------------------------------------------------------
+
+    def _validate(self, data: tuple[Any, Any]) -> dict[str, float]:
+        x, y = self.preprocess(*data)
+        out = self.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
+        return {f"val_{k}": float(v) for k, v in out.items()}
+
+    def _shipped_copy(self) -> bytes:
+        """What travels to workers: the app without its cluster connection or model, pickled by value when its
+        class lives in a local module (a script's neighbour file) that workers could not import."""
+        clone = copy.copy(self)
+        clone.cluster = None  # type: ignore[assignment]
+        clone.model = None
+        module = sys.modules.get(type(self).__module__)
+        if module is not None and _is_local_module(module):
+            cloudpickle.register_pickle_by_value(module)
+        return cloudpickle.dumps(clone)
+
+    def _run(
+        self,
+        loop: Any,
+        cfg: TrainConfig,
+        validation_data: Any,
+        callbacks: Sequence[Callback],
+        initial_epoch: int,
+        mode: str,
+    ) -> History:
+        import keras
+
+        t_start = time.perf_counter()
+        keras.utils.set_random_seed(cfg.seed)
+        if self.model is None:
+            self.model = self.create_model()
+        info = self.cluster.call(remote.setup, (cfg.run_id, self._shipped_copy(), cfg.seed))
+        rows = {i["rows"] for i in info}
+        if len(rows) != 1:
+            raise ValueError(f"workers loaded datasets of different sizes: {sorted(rows)}")
+        self._rows = rows.pop()
+        self.stop_training = False
+        history = History(
+            params={
+                "epochs": cfg.epochs,
+                "batch_size": cfg.batch_size,
+                "mode": mode,
+                "workers": len(self.cluster),
+                "samples": self._rows,
+                "setup": info,
+                "compression": cfg.compression,
+            }
+        )
+        cbs = list(callbacks)
+        if cfg.verbose:
+            cbs.insert(0, ProgressBar(cfg.epochs, self._rows))
+            cached = sum(bool(i["cached"]) for i in info)
+            saved = sum(i["first_load_seconds"] for i in info if i["cached"])
+            print(
+                f"ddlf: {mode} training on {len(self.cluster)} workers, {self._rows} samples per epoch; "
+                f"dataset {self.dataset_key!r} cached on {cached}/{len(info)} workers"
+                + (f" (saved {saved:.2f} s of loading)" if cached else "")
+                + f"; ready in {time.perf_counter() - t_start:.2f} s"
+            )
+        for cb in cbs:
+            cb.set_app(self)
+            cb.on_train_begin()
+        try:
+            loop(self, cfg, history, cbs, initial_epoch, validation_data)
+        finally:
+            with contextlib.suppress(Exception):  # a lost worker must not hide the real error
+                self.cluster.call(remote.teardown, (cfg.run_id,))
+        for cb in cbs:
+            cb.on_train_end({"history": history.history})
+        return history

@@ -1,0 +1,160 @@
+"""Callbacks for ``app.train``, with Keras' hooks: ``on_train_begin/end``, ``on_epoch_begin/end`` and
+(ddlf's own) ``on_round_end``. A callback sees the app (``self.app``) and the master's model (``self.model``);
+setting ``self.app.stop_training = True`` ends training after the current epoch."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+
+class Callback:
+    """Base class: override the hooks you need."""
+
+    app: Any = None
+    model: Any = None
+
+    def set_app(self, app: Any) -> None:
+        self.app = app
+        self.model = app.model
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_round_end(self, round: int, logs: dict[str, Any] | None = None) -> None: ...
+
+
+class ProgressBar(Callback):
+    """One line per epoch on the master (and a live line during the epoch when writing to a terminal):
+    epoch, time, samples/s, loss and metrics."""
+
+    def __init__(self, epochs: int, samples_per_epoch: int, stream: TextIO | None = None) -> None:
+        self.epochs = epochs
+        self.samples = samples_per_epoch
+        self.stream = stream or sys.stdout
+        self._live = self.stream.isatty()
+        self._t0 = 0.0
+        self._done = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._t0 = time.perf_counter()
+        self._done = 0
+
+    def on_round_end(self, round: int, logs: dict[str, Any] | None = None) -> None:
+        if not self._live or not logs:
+            return
+        self._done = logs.get("samples_done", self._done)
+        frac = min(1.0, self._done / max(1, self.samples))
+        bar = "=" * int(frac * 30)
+        self.stream.write(f"\r{self._done}/{self.samples} [{bar:<30}] loss: {logs.get('loss', float('nan')):.4f}")
+        self.stream.flush()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        dt = time.perf_counter() - self._t0
+        parts = [f"Epoch {epoch + 1}/{self.epochs}", f"{dt:.1f}s", f"{self.samples / max(dt, 1e-9):,.0f} samples/s"]
+        parts += [f"{k}: {v:.4f}" for k, v in (logs or {}).items() if isinstance(v, float)]
+        if self._live:
+            self.stream.write("\r")
+        self.stream.write(" - ".join(parts) + "\n")
+        self.stream.flush()
+
+
+class ModelCheckpoint(Callback):
+    """Save the master's model (``.keras`` path) or weights (``.weights.h5``) after each epoch.
+
+    ``filepath`` may contain ``{epoch}`` and any log name (``{val_accuracy:.4f}``). With ``save_best_only``,
+    only epochs that improve ``monitor`` are saved. Files are written to a temporary name and renamed, so a crash
+    never leaves a half-written checkpoint.
+    """
+
+    def __init__(self, filepath: str, monitor: str = "val_loss", save_best_only: bool = False, mode: str = "auto"):
+        self.filepath = filepath
+        self.monitor = monitor
+        self.save_best_only = save_best_only
+        self._better = _comparator(monitor, mode)
+        self.best: float | None = None
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        logs = logs or {}
+        if self.save_best_only:
+            value = logs.get(self.monitor)
+            if value is None or (self.best is not None and not self._better(value, self.best)):
+                return
+            self.best = value
+        path = self.filepath.format(epoch=epoch + 1, **logs)
+        base, ext = os.path.splitext(path)
+        if path.endswith(".weights.h5"):
+            tmp = path[: -len(".weights.h5")] + ".tmp.weights.h5"
+            self.model.save_weights(tmp)
+        else:
+            tmp = f"{base}.tmp{ext}"
+            self.model.save(tmp)
+        os.replace(tmp, path)
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs; optionally put back the
+    best weights seen."""
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        patience: int = 0,
+        min_delta: float = 0.0,
+        mode: str = "auto",
+        restore_best_weights: bool = False,
+    ) -> None:
+        self.monitor = monitor
+        self.patience = patience
+        self.min_delta = abs(min_delta)
+        self.restore_best_weights = restore_best_weights
+        self._better = _comparator(monitor, mode, self.min_delta)
+        self.best: float | None = None
+        self.best_weights: list[Any] | None = None
+        self.wait = 0
+        self.stopped_epoch: int | None = None
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.best, self.best_weights, self.wait, self.stopped_epoch = None, None, 0, None
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        value = (logs or {}).get(self.monitor)
+        if value is None or math.isnan(value):
+            return
+        if self.best is None or self._better(value, self.best):
+            self.best, self.wait = value, 0
+            if self.restore_best_weights:
+                self.best_weights = self.model.get_weights()
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            self.stopped_epoch = epoch
+            self.app.stop_training = True
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self.restore_best_weights and self.best_weights is not None and self.stopped_epoch is not None:
+            self.model.set_weights(self.best_weights)
+
+
+class LambdaCallback(Callback):
+    """A callback from plain functions: ``LambdaCallback(on_epoch_end=lambda epoch, logs: ...)``."""
+
+    def __init__(self, **hooks: Any) -> None:
+        for name, fn in hooks.items():
+            if not name.startswith("on_"):
+                raise TypeError(f"unknown hook {name!r}")
+            setattr(self, name, fn)
+
+
+def _comparator(monitor: str, mode: str, min_delta: float = 0.0):
+    if mode == "auto":
+        mode = "max" if any(k in monitor for k in ("acc", "auc", "precision", "recall")) else "min"
+    if mode == "max":
+        return lambda new, best: new > best + min_delta
+    if mode == "min":
+        return lambda new, best: new < best - min_delta
+    raise ValueError(f"mode must be 'auto', 'min' or 'max', not {mode!r}")

@@ -1,0 +1,265 @@
+"""Dataset loaders, and the worker-side dataset store.
+
+Loaders return numpy arrays: MNIST (IDX, gzip or raw), CIFAR-10 (binary version), ``.npy``/``.npz`` files
+(``.npy`` memory-mapped, so worker processes on one machine share one copy through the page cache) and arrays
+registered from Python.
+
+The store keeps what ``load_dataset`` returned on each worker under a key chosen by the app, for the life of
+the daemon: a second run (another app, another script) with the same key skips loading entirely.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, malformed or inconsistent. The message names the file."""
+
+
+# -- MNIST ------------------------------------------------------------------------------------------------
+
+_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4")}
+
+
+def _open_maybe_gz(path: Path) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            return gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise DatasetError(f"{path}: corrupt gzip data: {exc}") from exc
+    return raw
+
+
+def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+    """Read one IDX file (optionally gzip-compressed) into an array of its declared type and shape."""
+    path = Path(path)
+    data = _open_maybe_gz(path)
+    if len(data) < 4:
+        raise DatasetError(f"{path}: too short for an IDX header")
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code not in _IDX_TYPES or ndim == 0:
+        raise DatasetError(f"{path}: wrong magic number {data[:4].hex()} (not an IDX file)")
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise DatasetError(f"{path}: truncated header")
+    dims = struct.unpack(">" + "I" * ndim, data[4:header])
+    dtype = np.dtype(_IDX_TYPES[dtype_code])
+    expected = int(np.prod(dims)) * dtype.itemsize
+    if len(data) - header != expected:
+        raise DatasetError(
+            f"{path}: header says {dims} ({expected} bytes of data) but the file holds {len(data) - header} bytes"
+        )
+    return np.frombuffer(data, dtype=dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="), copy=False)
+
+
+def _find(directory: Path, stem: str) -> Path:
+    for name in (stem + ".gz", stem):
+        if (directory / name).exists():
+            return directory / name
+    raise DatasetError(f"{directory / stem}[.gz]: file not found")
+
+
+def mnist(directory: str | os.PathLike[str]) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """MNIST from a directory of the four IDX files: ``((x_train, y_train), (x_test, y_test))``, uint8,
+    images of shape (N, 28, 28)."""
+    d = Path(directory)
+    out = []
+    for split in ("train", "t10k"):
+        images_path = _find(d, f"{split}-images-idx3-ubyte")
+        labels_path = _find(d, f"{split}-labels-idx1-ubyte")
+        x, y = read_idx(images_path), read_idx(labels_path)
+        if x.ndim != 3:
+            raise DatasetError(f"{images_path}: expected 3 dimensions (images), found {x.ndim}")
+        if y.ndim != 1:
+            raise DatasetError(f"{labels_path}: expected 1 dimension (labels), found {y.ndim}")
+        if len(x) != len(y):
+            raise DatasetError(f"{labels_path}: {len(y)} labels for {len(x)} images in {images_path.name}")
+        out.append((x, y))
+    return out[0], out[1]
+
+
+# -- CIFAR-10 ---------------------------------------------------------------------------------------------
+
+CIFAR_RECORD = 1 + 3 * 32 * 32
+
+
+def read_cifar10_batch(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-10 binary batch file: ``(images (N, 32, 32, 3) uint8, labels (N,) uint8)``."""
+    path = Path(path)
+    try:
+        raw = np.fromfile(path, dtype=np.uint8)
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read: {exc}") from exc
+    if raw.size == 0 or raw.size % CIFAR_RECORD:
+        raise DatasetError(f"{path}: {raw.size} bytes is not a whole number of {CIFAR_RECORD}-byte CIFAR-10 records")
+    records = raw.reshape(-1, CIFAR_RECORD)
+    labels = records[:, 0].copy()
+    if labels.max(initial=0) > 9:
+        raise DatasetError(f"{path}: label {int(labels.max())} out of range 0-9")
+    images = records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).copy()
+    return images, labels
+
+
+def cifar10(directory: str | os.PathLike[str]) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """CIFAR-10 (binary version) from its directory: ``data_batch_1..5.bin`` and ``test_batch.bin``."""
+    d = Path(directory)
+    train = [read_cifar10_batch(d / f"data_batch_{i}.bin") for i in range(1, 6) if (d / f"data_batch_{i}.bin").exists()]
+    if not train:
+        raise DatasetError(f"{d}: no data_batch_*.bin files")
+    test_path = d / "test_batch.bin"
+    if not test_path.exists():
+        raise DatasetError(f"{test_path}: file not found")
+    x_test, y_test = read_cifar10_batch(test_path)
+    return (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])), (x_test, y_test)
+
+
+# -- numpy files ------------------------------------------------------------------------------------------
+
+
+def npy(path: str | os.PathLike[str], mmap: bool = True) -> np.ndarray:
+    """A ``.npy`` array, memory-mapped read-only by default (processes on one machine share its pages)."""
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{path}: {exc}") from exc
+
+
+def npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` archive (loaded into memory; use ``.npy`` files to memory-map)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{path}: {exc}") from exc
+
+
+# -- the worker-side store ----------------------------------------------------------------------------------
+
+
+@dataclass
+class StoredDataset:
+    """A dataset held by a worker: its arrays and how it got there."""
+
+    key: str
+    value: Any
+    load_seconds: float
+    loaded_at: float = field(default_factory=time.time)
+    shard: tuple[int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in _arrays(self.value))
+
+    def describe(self) -> dict[str, Any]:
+        arrays = _arrays(self.value)
+        return {
+            "key": self.key,
+            "nbytes": self.nbytes,
+            "rows": len(arrays[0]) if arrays else 0,
+            "arrays": [(tuple(a.shape), str(a.dtype)) for a in arrays],
+            "load_seconds": self.load_seconds,
+            "memory_mapped": any(isinstance(a, np.memmap) for a in arrays),
+            "shard": self.shard,
+        }
+
+
+def _arrays(value: Any) -> list[np.ndarray]:
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, Mapping):
+        return [v for v in value.values() if isinstance(v, np.ndarray)]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, np.ndarray)]
+    return []
+
+
+class DatasetStore:
+    """The datasets a worker process holds, by key. One per process (:data:`STORE`)."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, StoredDataset] = {}
+        self._lock = threading.Lock()
+
+    def get_or_load(
+        self, key: str, loader: Callable[[], Any], shard: tuple[int, int] | None = None
+    ) -> tuple[StoredDataset, bool]:
+        """The dataset under ``key``, loading it with ``loader()`` if absent. Returns ``(dataset, was_cached)``."""
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                return item, True
+            t0 = time.perf_counter()
+            value = loader()
+            arrays = _arrays(value)
+            if not arrays:
+                raise TypeError(f"load_dataset for {key!r} returned {type(value).__name__}, not numpy arrays")
+            rows = {len(a) for a in arrays}
+            if len(rows) != 1:
+                raise ValueError(f"dataset {key!r}: arrays have different numbers of rows {sorted(rows)}")
+            item = StoredDataset(key, value, time.perf_counter() - t0, shard=shard)
+            self._items[key] = item
+            return item, False
+
+    def put(self, key: str, value: Any) -> StoredDataset:
+        """Register arrays under ``key`` (replacing any previous value)."""
+        with self._lock:
+            self._items.pop(key, None)
+        return self.get_or_load(key, lambda: value)[0]
+
+    def get(self, key: str) -> StoredDataset:
+        try:
+            return self._items[key]
+        except KeyError:
+            raise KeyError(f"no dataset {key!r} on this worker (held: {sorted(self._items)})") from None
+
+    def drop(self, key: str) -> bool:
+        with self._lock:
+            return self._items.pop(key, None) is not None
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [d.describe() for d in self._items.values()]
+
+
+STORE = DatasetStore()
+"""This process's dataset store (on a worker: kept for the daemon's lifetime)."""
+
+
+# Functions the master runs on workers through the cluster (importable there, so they travel by reference).
+
+
+def _remote_describe() -> list[dict[str, Any]]:
+    return STORE.describe()
+
+
+def _remote_drop(key: str) -> bool:
+    return STORE.drop(key)
+
+
+def _remote_put(key: str, value: Any) -> dict[str, Any]:
+    # Received arrays are read-only views of the network buffer; the store keeps its own copy.
+    arrays = value if isinstance(value, (tuple, list)) else [value]
+    copied = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
+    stored = STORE.put(key, tuple(copied) if isinstance(value, (tuple, list)) else copied[0])
+    return stored.describe()
+
+
+def _remote_load(key: str, loader: Callable[[], Any]) -> dict[str, Any]:
+    item, cached = STORE.get_or_load(key, loader)
+    info = item.describe()
+    info["cached"] = cached
+    return info

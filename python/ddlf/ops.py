@@ -1,0 +1,81 @@
+"""Rust kernels for weight lists and index handling. Each releases the GIL and splits large arrays across cores.
+
+Weight lists are sequences of float32/float64 numpy arrays (any shapes, C-contiguous), as returned by
+``model.get_weights()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import _ddlf
+
+BatchPipeline = _ddlf.BatchPipeline
+
+
+def weighted_average(lists: Sequence[Sequence[np.ndarray]], weights: Sequence[float] | None = None) -> list[np.ndarray]:
+    """``sum_i weights[i] * lists[i] / sum(weights)``, array by array (equal weights by default)."""
+    return _ddlf.weighted_average([list(x) for x in lists], None if weights is None else [float(w) for w in weights])
+
+
+def axpy_(weights: Sequence[np.ndarray], delta: Sequence[np.ndarray], alpha: float = 1.0) -> None:
+    """In place: ``weights[i] += alpha * delta[i]``."""
+    _ddlf.axpy_(list(weights), list(delta), float(alpha))
+
+
+def delta(new: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``new[i] - old[i]`` for every array."""
+    return _ddlf.delta(list(new), list(old))
+
+
+def to_half(arrays: Sequence[np.ndarray], dtype: str = "float16") -> list[np.ndarray]:
+    """float32 arrays to ``"float16"`` or ``"bfloat16"`` (halves the bytes on the wire)."""
+    return _ddlf.to_half(list(arrays), dtype)
+
+
+def from_half(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """float16/bfloat16 arrays back to float32."""
+    return _ddlf.from_half(list(arrays))
+
+
+def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The seeded permutation of ``range(n)`` for ``(seed, epoch)`` (uint32), identical on every machine."""
+    return _ddlf.permutation(int(n), int(seed), int(epoch))
+
+
+def partitions(n: int, seed: int, epoch: int, shares: Sequence[float]) -> list[np.ndarray]:
+    """Each worker's indices for one epoch: a seeded permutation split in proportion to ``shares``
+    (equal shares: sizes differ by at most one; every sample is assigned)."""
+    return _ddlf.partitions(int(n), int(seed), int(epoch), [float(s) for s in shares])
+
+
+def split_sizes(n: int, shares: Sequence[float]) -> list[int]:
+    """The sizes :func:`partitions` gives each worker, without drawing the permutation."""
+    return _ddlf.split_sizes(int(n), [float(s) for s in shares])
+
+
+def partition_for(n: int, seed: int, epoch: int, shares: Sequence[float], worker: int) -> np.ndarray:
+    """Worker ``worker``'s partition, regenerated locally from the same inputs as :func:`partitions`."""
+    return _ddlf.partition_for(int(n), int(seed), int(epoch), [float(s) for s in shares], int(worker))
+
+
+def gather(array: np.ndarray, indices: np.ndarray | Sequence[int]) -> np.ndarray:
+    """``array[indices]`` along the first axis, gathered in Rust into a new contiguous array."""
+    return _ddlf.gather(array, indices)
+
+
+__all__ = [
+    "BatchPipeline",
+    "axpy_",
+    "delta",
+    "from_half",
+    "gather",
+    "partition_for",
+    "partitions",
+    "permutation",
+    "split_sizes",
+    "to_half",
+    "weighted_average",
+]

@@ -1,0 +1,128 @@
+"""Asynchronous training: every worker at its own pace.
+
+Each epoch's permutation is cut into chunks of ``averaging_frequency`` batches (default: 10), queued, and each
+worker repeatedly takes the next chunk, pulls the newest global weights with their version, trains, and pushes
+its delta. The master applies each delta atomically (in Rust, in place) and bumps the version. A delta computed
+from weights ``s`` versions old has staleness ``s``: with ``staleness="dynsgd"`` it is scaled by ``1/(s+1)``;
+beyond ``max_staleness`` it is dropped and the worker simply pulls fresh weights for its next chunk. A slow worker
+takes fewer chunks and never stalls the others.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..history import History, RoundStats
+from . import worker as remote
+from .common import TrainConfig, as_float32, nbytes, weighted_logs
+
+DEFAULT_CHUNK_BATCHES = 10
+
+
+@dataclass
+class _Epoch:
+    """The shared state of one asynchronous epoch: chunks left, results so far."""
+
+    epoch: int
+    chunks: deque[np.ndarray]
+    results: list[dict[str, Any]] = field(default_factory=list)
+    done: int = 0
+
+
+def train_async(
+    app: Any, cfg: TrainConfig, history: History, callbacks: list[Any], initial_epoch: int, validation_data: Any
+) -> History:
+    cluster = app.cluster
+    n_workers = len(cluster)
+    rows = app._rows
+    chunk_rows = (cfg.averaging_frequency or DEFAULT_CHUNK_BATCHES) * cfg.batch_size
+    weights = [np.ascontiguousarray(w, dtype=w.dtype) for w in app.model.get_weights()]
+    lock = threading.Lock()
+    state = {"version": 0, "round": 0, "error": None}
+    for epoch in range(initial_epoch, cfg.epochs):
+        t_epoch = time.perf_counter()
+        for cb in callbacks:
+            cb.on_epoch_begin(epoch)
+        perm = ops.permutation(rows, cfg.seed, epoch)
+        ep = _Epoch(epoch, deque(perm[i : i + chunk_rows] for i in range(0, rows, chunk_rows)))
+
+        def work(w: int, ep: _Epoch) -> None:
+            while True:
+                with lock:
+                    if not ep.chunks or state["error"] is not None:
+                        return
+                    chunk = ep.chunks.popleft()
+                    start_weights = [a.copy() for a in weights]
+                    version = state["version"]
+                t0 = time.perf_counter()
+                kw: dict[str, Any] = {
+                    "weights": start_weights,
+                    "return_delta": True,
+                    "compression": cfg.compression,
+                    "prefetch": cfg.prefetch,
+                }
+                if cfg.slow_worker and cfg.slow_worker[0] == w:
+                    kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
+                try:
+                    res = cluster.call(remote.train_chunk, (cfg.run_id, chunk, cfg.batch_size), kw, workers=[w])[0]
+                except BaseException as exc:  # surfaced by the master thread
+                    with lock:
+                        state["error"] = exc
+                    return
+                wall = time.perf_counter() - t0
+                delta = as_float32(res["weights"])
+                with lock:
+                    staleness = state["version"] - version
+                    dropped = cfg.max_staleness is not None and staleness > cfg.max_staleness
+                    if not dropped:
+                        scale = 1.0 / (staleness + 1) if cfg.staleness == "dynsgd" else 1.0
+                        ops.axpy_(weights, delta, scale)
+                        state["version"] += 1
+                    ep.results.append(res)
+                    ep.done += res["samples"]
+                    history.stats.append(
+                        RoundStats(
+                            epoch=ep.epoch,
+                            round=state["round"],
+                            worker=w,
+                            samples=res["samples"],
+                            compute_seconds=res["compute_seconds"],
+                            wait_seconds=max(0.0, wall - res["compute_seconds"]),
+                            data_wait_seconds=res["data_wait_seconds"],
+                            bytes_sent=nbytes(start_weights),
+                            bytes_received=nbytes(res["weights"]),
+                            staleness=staleness,
+                            dropped=dropped,
+                        )
+                    )
+                    state["round"] += 1
+                    round_no = state["round"]
+                    logs = dict(res["logs"], samples_done=ep.done)
+                for cb in callbacks:
+                    cb.on_round_end(round_no, logs)
+
+        threads = [threading.Thread(target=work, args=(w, ep), name=f"ddlf-async-{w}") for w in range(n_workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if state["error"] is not None:
+            raise state["error"]
+        app.model.set_weights(weights)
+        logs = weighted_logs([r for r in ep.results if r["samples"] > 0])
+        if validation_data is not None:
+            logs.update(app._validate(validation_data))
+        history.record_epoch(logs, time.perf_counter() - t_epoch)
+        for cb in callbacks:
+            cb.on_epoch_end(epoch, logs)
+        app._epochs_done = epoch + 1
+        if app.stop_training:
+            break
+    return history

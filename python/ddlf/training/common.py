@@ -1,0 +1,80 @@
+"""Pieces shared by the synchronous and asynchronous loops."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``app.train`` was asked to do."""
+
+    epochs: int
+    batch_size: int
+    seed: int = 0
+    averaging_frequency: int | None = None  # batches per round; None = the whole partition (one round per epoch)
+    average_optimizer_state: bool = False
+    shuffle: str = "indices"  # or "seeded"
+    shares: list[float] | None = None
+    compression: str | None = None
+    prefetch: int = 2
+    staleness: str = "none"
+    max_staleness: int | None = None
+    verbose: int = 1
+    slow_worker: tuple[int, float] | None = None  # (worker, seconds per batch): for experiments
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def check(self) -> None:
+        if self.epochs < 0 or self.batch_size < 1:
+            raise ValueError("epochs must be >= 0 and batch_size >= 1")
+        if self.shuffle not in ("indices", "seeded"):
+            raise ValueError(f"shuffle must be 'indices' or 'seeded', not {self.shuffle!r}")
+        if self.compression not in (None, "float16", "bfloat16"):
+            raise ValueError(f"compression must be None, 'float16' or 'bfloat16', not {self.compression!r}")
+        if self.staleness not in ("none", "dynsgd"):
+            raise ValueError(f"staleness must be 'none' or 'dynsgd', not {self.staleness!r}")
+        if self.averaging_frequency is not None and self.averaging_frequency < 1:
+            raise ValueError("averaging_frequency must be at least 1 batch")
+
+
+def nbytes(arrays: Any) -> int:
+    """Bytes of the arrays in a (nested) list/tuple/dict."""
+    if isinstance(arrays, np.ndarray):
+        return arrays.nbytes
+    if isinstance(arrays, dict):
+        return sum(nbytes(v) for v in arrays.values())
+    if isinstance(arrays, (list, tuple)):
+        return sum(nbytes(v) for v in arrays)
+    return 0
+
+
+def as_float32(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """Decompress half-precision arrays to float32 (others pass through)."""
+    if arrays and str(arrays[0].dtype) in ("float16", "bfloat16"):
+        return ops.from_half(arrays)
+    return arrays
+
+
+def weighted_logs(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Average the workers' Keras logs, weighted by samples."""
+    total = sum(r["samples"] for r in results) or 1
+    keys = set().union(*(r["logs"].keys() for r in results)) if results else set()
+    return {k: sum(r["logs"].get(k, 0.0) * r["samples"] for r in results) / total for k in sorted(keys)}
+
+
+def average_states(states: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
+    """Average optimizer states: float arrays weighted, integer ones (step counters) from the first worker."""
+    out = []
+    for j in range(len(states[0])):
+        arrays = [s[j] for s in states]
+        if arrays[0].dtype.kind == "f" and arrays[0].dtype.itemsize in (4, 8):
+            out.append(ops.weighted_average([[np.ascontiguousarray(a)] for a in arrays], weights)[0])
+        else:
+            out.append(np.array(arrays[0]))
+    return out

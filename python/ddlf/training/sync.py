@@ -1,0 +1,114 @@
+"""Synchronous training by parameter averaging.
+
+Each round the master broadcasts its weights once (serialized once, sent to every worker concurrently); each
+worker trains ``averaging_frequency`` batches of its partition of the epoch's permutation (default: the whole
+partition, one round per epoch) and returns its weights; the master averages them in Rust, weighted by the
+samples each worker trained. With ``average_optimizer_state`` the optimizer state (Adam moments) is averaged and
+sent back too, as Deeplearning4j's ``saveUpdater`` does. Same seed, data and config: same final weights.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..history import History, RoundStats
+from . import worker as remote
+from .common import TrainConfig, as_float32, average_states, nbytes, weighted_logs
+
+
+def train_sync(
+    app: Any, cfg: TrainConfig, history: History, callbacks: list[Any], initial_epoch: int, validation_data: Any
+) -> History:
+    cluster = app.cluster
+    n_workers = len(cluster)
+    shares = cfg.shares or [1.0] * n_workers
+    rows = app._rows
+    weights = [np.ascontiguousarray(w) for w in app.model.get_weights()]
+    opt_state: list[np.ndarray] | None = None
+    round_no = 0
+    for epoch in range(initial_epoch, cfg.epochs):
+        t_epoch = time.perf_counter()
+        for cb in callbacks:
+            cb.on_epoch_begin(epoch)
+        if cfg.shuffle == "indices":
+            parts = ops.partitions(rows, cfg.seed, epoch, shares)
+            sizes = [len(p) for p in parts]
+        else:
+            parts = None
+            sizes = ops.split_sizes(rows, shares)
+        per_round = (cfg.averaging_frequency or 0) * cfg.batch_size or max(sizes)
+        n_rounds = max(1, -(-max(sizes) // per_round))
+        epoch_results = []
+        done = 0
+        for r in range(n_rounds):
+            start, stop = r * per_round, (r + 1) * per_round
+            t0 = time.perf_counter()
+            cluster.set("__ddlf_weights", weights)
+            args = []
+            for w in range(n_workers):
+                kw: dict[str, Any] = {
+                    "batch_size": cfg.batch_size,
+                    "return_delta": cfg.compression is not None,
+                    "compression": cfg.compression,
+                    "prefetch": cfg.prefetch,
+                    "return_optimizer_state": cfg.average_optimizer_state,
+                    "optimizer_state": opt_state,
+                }
+                if cfg.slow_worker and cfg.slow_worker[0] == w:
+                    kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
+                if parts is not None:
+                    args.append(((cfg.run_id, parts[w][start:stop]), kw))
+                else:
+                    kw["seeded"] = (cfg.seed, epoch, shares, w, start, stop)
+                    args.append(((cfg.run_id, None), kw))
+            results = cluster.run_each(remote.train_chunk, [a for a, _ in args], [k for _, k in args])
+            wall = time.perf_counter() - t0
+            live = [res for res in results if res["samples"] > 0]
+            if live:
+                payloads = [as_float32(res["weights"]) for res in live]
+                merged = ops.weighted_average(payloads, [res["samples"] for res in live])
+                if cfg.compression is not None:  # workers sent deltas
+                    ops.axpy_(weights, merged)
+                else:
+                    weights = merged
+                if cfg.average_optimizer_state:
+                    opt_state = average_states(
+                        [res["optimizer_state"] for res in live], [res["samples"] for res in live]
+                    )
+            sent = nbytes(weights) + (nbytes(opt_state) if opt_state else 0)
+            for w, res in enumerate(results):
+                history.stats.append(
+                    RoundStats(
+                        epoch=epoch,
+                        round=round_no,
+                        worker=w,
+                        samples=res["samples"],
+                        compute_seconds=res["compute_seconds"],
+                        wait_seconds=max(0.0, wall - res["compute_seconds"]),
+                        data_wait_seconds=res["data_wait_seconds"],
+                        bytes_sent=sent,
+                        bytes_received=nbytes(res["weights"]) + nbytes(res.get("optimizer_state")),
+                    )
+                )
+            epoch_results += results
+            done += sum(res["samples"] for res in results)
+            round_logs = weighted_logs(live) if live else {}
+            round_logs["samples_done"] = done
+            for cb in callbacks:
+                cb.on_round_end(round_no, round_logs)
+            round_no += 1
+        app.model.set_weights(weights)
+        logs = weighted_logs([res for res in epoch_results if res["samples"] > 0])
+        if validation_data is not None:
+            logs.update(app._validate(validation_data))
+        history.record_epoch(logs, time.perf_counter() - t_epoch)
+        for cb in callbacks:
+            cb.on_epoch_end(epoch, logs)
+        app._epochs_done = epoch + 1
+        if app.stop_training:
+            break
+    return history

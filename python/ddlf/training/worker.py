@@ -1,0 +1,136 @@
+"""What runs on a worker during training. These functions are importable on every worker (ddlf is installed
+there), so the master calls them by reference: only their arguments travel.
+
+A training session holds the app, its model and its dataset (from the worker's dataset store) for one run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..datasets import STORE
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+
+@dataclass
+class Session:
+    app: Any
+    model: Any
+    x: Any
+    y: Any
+    rows: int
+
+
+_SESSIONS: dict[str, Session] = {}
+
+
+def _split_xy(value: Any) -> tuple[Any, Any]:
+    if isinstance(value, dict):
+        return value["x"], value["y"]
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return value[0], value[1]
+    raise TypeError("load_dataset must return (x, y) or {'x': ..., 'y': ...}")
+
+
+def setup(worker: Any, run_id: str, app_blob: bytes, seed: int) -> dict[str, Any]:
+    """Load (or reuse) the app's dataset and build its model on this worker."""
+    import cloudpickle
+    import keras
+
+    app = cloudpickle.loads(app_blob)
+    t0 = time.perf_counter()
+    keras.utils.set_random_seed(seed + 1000 * (worker.id + 1))
+    item, cached = STORE.get_or_load(app.dataset_key, app.load_dataset)
+    x, y = _split_xy(item.value)
+    model = app.create_model()
+    _SESSIONS.clear()  # one training run at a time per worker
+    _SESSIONS[run_id] = Session(app, model, x, y, len(x))
+    return {
+        "rows": len(x),
+        "cached": cached,
+        "load_seconds": 0.0 if cached else item.load_seconds,
+        "first_load_seconds": item.load_seconds,
+        "setup_seconds": time.perf_counter() - t0,
+    }
+
+
+def teardown(run_id: str) -> None:
+    """Forget a run's session (the dataset stays cached)."""
+    _SESSIONS.pop(run_id, None)
+
+
+def _optimizer_state(model: Any) -> list[np.ndarray]:
+    return [np.asarray(v.numpy()) for v in model.optimizer.variables]
+
+
+def _set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
+    variables = model.optimizer.variables
+    if len(variables) != len(state):
+        return  # not built yet on this worker: it builds on the first step and adopts the state next round
+    for v, s in zip(variables, state):
+        v.assign(s)
+
+
+def train_chunk(
+    worker: Any,
+    run_id: str,
+    indices: np.ndarray | None,
+    batch_size: int,
+    weights: list[np.ndarray] | None = None,
+    seeded: tuple[int, int, list[float], int, int, int] | None = None,
+    optimizer_state: list[np.ndarray] | None = None,
+    return_optimizer_state: bool = False,
+    return_delta: bool = False,
+    compression: str | None = None,
+    prefetch: int = 2,
+    slow_seconds_per_batch: float = 0.0,
+) -> dict[str, Any]:
+    """Train on the given rows, starting from ``weights`` (or from the broadcast variable ``__ddlf_weights``).
+
+    ``seeded``, instead of ``indices``: ``(seed, epoch, shares, worker, start, stop)``; the partition is regenerated
+    here and rows ``start:stop`` of it are used. Returns the new weights (or their delta from the start weights),
+    samples trained, the Keras logs and timings.
+    """
+    session = _SESSIONS[run_id]
+    model = session.model
+    t0 = time.perf_counter()
+    if weights is None:
+        weights = worker.vars["__ddlf_weights"]
+    if seeded is not None:
+        seed, epoch, shares, w, start, stop = seeded
+        indices = ops.partition_for(session.rows, seed, epoch, shares, w)[start:stop]
+    model.set_weights(weights)
+    if optimizer_state is not None:
+        _set_optimizer_state(model, optimizer_state)
+    model.reset_metrics()
+    pipeline = ops.BatchPipeline([session.x, session.y], indices, batch_size, prefetch=prefetch)
+    logs: dict[str, float] = {}
+    preprocess = session.app.preprocess
+    for bx, by in pipeline:
+        bx, by = preprocess(bx, by)
+        out = model.train_on_batch(bx, by, return_dict=True)
+        if slow_seconds_per_batch:
+            time.sleep(slow_seconds_per_batch)
+        logs = out
+    new = model.get_weights()
+    stats = pipeline.stats()
+    result: dict[str, Any] = {
+        "samples": int(stats["rows"]),
+        "logs": {k: float(v) for k, v in logs.items()},
+        "compute_seconds": time.perf_counter() - t0,
+        "data_wait_seconds": float(stats["wait_seconds"]),
+    }
+    payload = ops.delta(new, weights) if return_delta else new
+    if compression in ("float16", "bfloat16"):
+        payload = ops.to_half([np.ascontiguousarray(p, dtype=np.float32) for p in payload], compression)
+    result["weights"] = payload
+    if return_optimizer_state:
+        result["optimizer_state"] = _optimizer_state(model)
+    return result
