@@ -17,7 +17,13 @@ BatchPipeline = _ddlf.BatchPipeline
 
 def weighted_average(lists: Sequence[Sequence[np.ndarray]], weights: Sequence[float] | None = None) -> list[np.ndarray]:
     """``sum_i weights[i] * lists[i] / sum(weights)``, array by array (equal weights by default)."""
-    return _ddlf.weighted_average([list(x) for x in lists], None if weights is None else [float(w) for w in weights])
+    if not lists:
+        return _ddlf.weighted_average([], None)
+    # 0-d arrays (optimizer step counters, learning rates) export no buffer shape: average them as 1-element arrays.
+    shapes = [np.shape(a) for a in lists[0]]
+    flat = [[np.reshape(a, -1) if np.ndim(a) == 0 else a for a in lst] for lst in lists]
+    out = _ddlf.weighted_average(flat, None if weights is None else [float(w) for w in weights])
+    return [o.reshape(s) if len(s) == 0 else o for o, s in zip(out, shapes)]
 
 
 def axpy_(weights: Sequence[np.ndarray], delta: Sequence[np.ndarray], alpha: float = 1.0) -> None:
@@ -37,7 +43,9 @@ def to_half(arrays: Sequence[np.ndarray], dtype: str = "float16") -> list[np.nda
 
 def from_half(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     """float16/bfloat16 arrays back to float32."""
-    return _ddlf.from_half(list(arrays))
+    flags = [str(a.dtype) == "bfloat16" for a in arrays]
+    views = [a.view(np.uint16) if bf else a for a, bf in zip(arrays, flags)]
+    return _ddlf.from_half(views, flags)
 
 
 def permutation(n: int, seed: int, epoch: int) -> np.ndarray:

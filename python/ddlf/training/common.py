@@ -74,7 +74,7 @@ def average_states(states: list[list[np.ndarray]], weights: list[float]) -> list
     for j in range(len(states[0])):
         arrays = [s[j] for s in states]
         if arrays[0].dtype.kind == "f" and arrays[0].dtype.itemsize in (4, 8):
-            out.append(ops.weighted_average([[np.ascontiguousarray(a)] for a in arrays], weights)[0])
+            out.append(ops.weighted_average([[np.require(a, requirements="C")] for a in arrays], weights)[0])
         else:
             out.append(np.array(arrays[0]))
     return out

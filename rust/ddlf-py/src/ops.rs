@@ -9,6 +9,7 @@ use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 /// Arrays larger than this are split across threads.
 const PARALLEL_BYTES: usize = 1 << 20;
@@ -23,6 +24,8 @@ enum DType {
     F64,
     F16,
     Bf16,
+    /// Raw 16-bit words: bfloat16 bits viewed as uint16.
+    U16,
 }
 
 /// A borrowed view of one array's memory, usable without the GIL while `_buf` lives.
@@ -50,6 +53,7 @@ impl View {
             ("f", 4) => DType::F32,
             ("d", 8) => DType::F64,
             ("e", 2) => DType::F16,
+            ("H", 2) => DType::U16,
             _ => {
                 // numpy exports bfloat16 (ml_dtypes) as an opaque 2-byte type; accept it by dtype name.
                 let name: String = obj
@@ -70,7 +74,11 @@ impl View {
             ptr: buf.buf_ptr() as *mut u8,
             len: buf.item_count(),
             dtype,
-            shape: buf.shape().to_vec(),
+            shape: if buf.dimensions() == 0 {
+                vec![]
+            } else {
+                buf.shape().to_vec()
+            },
             readonly: buf.readonly(),
             _buf: buf,
         })
@@ -92,8 +100,9 @@ fn into_numpy<'py, T: numpy::Element>(
     data: Vec<T>,
     shape: &[usize],
 ) -> PyResult<Bound<'py, PyAny>> {
-    let arr = PyArray1::from_vec(py, data);
-    Ok(arr.reshape(shape.to_vec())?.into_any())
+    let arr = PyArray1::from_vec(py, data).into_any();
+    // numpy's own reshape: handles 0-d (scalar) shapes, which optimizer states contain.
+    arr.call_method1("reshape", (PyTuple::new(py, shape)?,))
 }
 
 fn numpy_half<'py>(
@@ -383,13 +392,23 @@ pub fn to_half<'py>(
     Ok(out)
 }
 
-/// float16 or bfloat16 arrays back to float32.
+/// float16 or bfloat16 arrays back to float32. bfloat16 arrays cannot export a buffer, so they arrive viewed
+/// as uint16 with `bfloat16[i]` set.
 #[pyfunction]
+#[pyo3(signature = (arrays, bfloat16 = None))]
 pub fn from_half<'py>(
     py: Python<'py>,
     arrays: Vec<Bound<'py, PyAny>>,
+    bfloat16: Option<Vec<bool>>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let vs = views(&arrays, "from_half")?;
+    let mut vs = views(&arrays, "from_half")?;
+    if let Some(flags) = bfloat16 {
+        for (v, bf) in vs.iter_mut().zip(flags) {
+            if bf && v.dtype == DType::U16 {
+                v.dtype = DType::Bf16;
+            }
+        }
+    }
     let mut out = Vec::with_capacity(vs.len());
     for (i, v) in vs.iter().enumerate() {
         let data = py.detach(|| -> Result<Vec<f32>, String> {

@@ -1,0 +1,155 @@
+"""ddlf.ops: the Rust kernels against numpy, and every bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddlf import ops
+
+
+def rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_weighted_average_matches_numpy(dtype) -> None:
+    r = rng()
+    lists = [[r.standard_normal((300, 700)).astype(dtype), r.standard_normal(5).astype(dtype)] for _ in range(3)]
+    w = [1.0, 2.0, 5.0]
+    got = ops.weighted_average(lists, w)
+    for j in range(2):
+        want = sum(wi * lst[j] for wi, lst in zip(w, lists)) / sum(w)
+        assert got[j].dtype == dtype and got[j].shape == lists[0][j].shape
+        np.testing.assert_allclose(got[j], want, rtol=1e-5, atol=1e-6)
+    eq = ops.weighted_average(lists)
+    np.testing.assert_allclose(eq[1], np.mean([lst[1] for lst in lists], axis=0), rtol=1e-5)
+
+
+def test_weighted_average_bad_inputs() -> None:
+    a = [np.ones(3, np.float32)]
+    with pytest.raises(ValueError, match="nothing to average"):
+        ops.weighted_average([])
+    with pytest.raises(ValueError, match="weights"):
+        ops.weighted_average([a, a], [1.0])
+    with pytest.raises(ValueError):
+        ops.weighted_average([a, a], [0.0, 0.0])
+    with pytest.raises(ValueError, match="shape"):
+        ops.weighted_average([a, [np.ones(4, np.float32)]])
+    with pytest.raises(ValueError, match="arrays"):
+        ops.weighted_average([a, a + a])
+    with pytest.raises(TypeError):
+        ops.weighted_average([[np.ones(3, np.int64)], [np.ones(3, np.int64)]])
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.weighted_average([[np.ones((4, 4), np.float32)[:, ::2]], [np.ones((4, 2), np.float32)]])
+
+
+def test_axpy_in_place_and_delta() -> None:
+    r = rng()
+    old = [r.standard_normal((100, 100)).astype(np.float32), r.standard_normal(7)]
+    new = [o + 1.5 for o in old]
+    d = ops.delta(new, old)
+    np.testing.assert_allclose(d[0], 1.5, rtol=1e-6)
+    w = [o.copy() for o in old]
+    ops.axpy_(w, d, 2.0)
+    np.testing.assert_allclose(w[0], old[0] + 3.0, rtol=1e-5)
+    np.testing.assert_allclose(w[1], old[1] + 3.0)
+    ro = old[0].copy()
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        ops.axpy_([ro], [d[0]])
+    with pytest.raises(ValueError):
+        ops.axpy_(w, d[:1])
+    with pytest.raises(ValueError):
+        ops.delta(new, old[:1])
+
+
+def test_half_precision_round_trip() -> None:
+    x = [rng().standard_normal((64, 64)).astype(np.float32)]
+    h = ops.to_half(x)
+    assert h[0].dtype == np.float16 and h[0].nbytes == x[0].nbytes // 2
+    np.testing.assert_allclose(ops.from_half(h)[0], x[0], atol=5e-3)
+    np.testing.assert_array_equal(h[0], x[0].astype(np.float16))
+    b = ops.to_half(x, "bfloat16")
+    assert str(b[0].dtype) == "bfloat16"
+    np.testing.assert_allclose(ops.from_half(b)[0], x[0], rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="dtype"):
+        ops.to_half(x, "int8")
+    with pytest.raises(TypeError, match="float32"):
+        ops.to_half([np.ones(3)])
+    with pytest.raises(TypeError):
+        ops.from_half(x)
+
+
+def test_permutation_and_partitions() -> None:
+    p = ops.permutation(1000, 3, 1)
+    assert p.dtype == np.uint32 and sorted(p.tolist()) == list(range(1000))
+    np.testing.assert_array_equal(p, ops.permutation(1000, 3, 1))
+    assert not np.array_equal(p, ops.permutation(1000, 3, 2))
+    parts = ops.partitions(1001, 3, 1, [1, 1, 1])
+    assert [len(x) for x in parts] == [334, 334, 333] == ops.split_sizes(1001, [1, 1, 1])
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1001))
+    for w in range(3):
+        np.testing.assert_array_equal(parts[w], ops.partition_for(1001, 3, 1, [1, 1, 1], w))
+    uneven = ops.partitions(100, 0, 0, [3, 1])
+    assert [len(x) for x in uneven] == [75, 25]
+    with pytest.raises(ValueError):
+        ops.partitions(10, 0, 0, [])
+    with pytest.raises(ValueError):
+        ops.partitions(10, 0, 0, [-1, 2])
+    with pytest.raises(ValueError):
+        ops.partition_for(10, 0, 0, [1, 1], 5)
+
+
+def test_gather_matches_fancy_indexing() -> None:
+    x = rng().integers(0, 255, (500, 28, 28), dtype=np.uint8)
+    idx = rng().integers(0, 500, 64)
+    np.testing.assert_array_equal(ops.gather(x, idx), x[idx])
+    y = np.arange(500, dtype=np.int64)
+    np.testing.assert_array_equal(ops.gather(y, idx), y[idx])
+    with pytest.raises(ValueError, match="out of range"):
+        ops.gather(x, [0, 500])
+    with pytest.raises(ValueError, match="negative"):
+        ops.gather(x, [-1])
+    with pytest.raises(TypeError, match="integers"):
+        ops.gather(x, [0.5])
+
+
+def test_batch_pipeline_yields_the_gathered_batches() -> None:
+    x = rng().standard_normal((1000, 8)).astype(np.float32)
+    y = np.arange(1000, dtype=np.int32)
+    idx = ops.permutation(1000, 1, 0)[:250]
+    pl = ops.BatchPipeline([x, y], idx, 64, prefetch=3)
+    assert len(pl) == 4
+    seen = 0
+    for b, (bx, by) in enumerate(pl):
+        chunk = idx[b * 64 : (b + 1) * 64]
+        np.testing.assert_array_equal(bx, x[chunk])
+        np.testing.assert_array_equal(by, y[chunk])
+        seen += len(bx)
+    assert seen == 250
+    stats = pl.stats()
+    assert stats["batches"] == 4 and stats["rows"] == 250
+    assert len(ops.BatchPipeline([x], idx, 64, drop_last=True)) == 3
+    single = list(ops.BatchPipeline([x], idx[:10], 4))
+    assert isinstance(single[0], np.ndarray) and single[-1].shape == (2, 8)
+
+
+def test_batch_pipeline_bad_inputs() -> None:
+    x = np.zeros((10, 2), np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.BatchPipeline([x], [0, 10], 2)
+    with pytest.raises(ValueError, match="rows"):
+        ops.BatchPipeline([x, np.zeros(9)], [0], 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        ops.BatchPipeline([x], [0], 0)
+    with pytest.raises(ValueError):
+        ops.BatchPipeline([], [0], 1)
+
+
+def test_batch_pipeline_dropped_early_releases_its_thread() -> None:
+    x = np.zeros((100_000, 16), np.float32)
+    for _ in range(20):
+        pl = ops.BatchPipeline([x], np.arange(100_000), 100, prefetch=2)
+        next(iter(pl))
+        del pl  # the prefetch thread is blocked on a full queue: dropping must unblock and join it

@@ -1,0 +1,160 @@
+"""IApp training end to end on a local 2-worker cluster: sync, async, determinism, compression, callbacks."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
+
+from .conftest import MNIST_DIR
+
+
+class SmallMnist(ddlf.IApp):
+    """A small dense model on the first 3,000 MNIST images: seconds per epoch on two cores."""
+
+    dataset_key = "mnist-small-test"
+    rows = 3000
+
+    def load_dataset(self):
+        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+        return x[: self.rows], y[: self.rows]
+
+    def preprocess(self, x, y):
+        return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
+
+    def create_model(self):
+        import keras
+
+        model = keras.Sequential(
+            [keras.Input(shape=(784,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, "softmax")]
+        )
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+
+@pytest.fixture(scope="module")
+def test_set():
+    _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+    return xt[:2000], yt[:2000]
+
+
+def test_sync_training_learns_and_records_history(cluster: ddlf.Cluster, test_set) -> None:
+    app = SmallMnist(cluster)
+    h = app.train(epochs=3, batch_size=32, mode="sync", averaging_frequency=20, validation_data=test_set, verbose=0)
+    assert set(h.history) >= {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert len(h.history["loss"]) == 3
+    assert h.history["loss"][-1] < h.history["loss"][0]
+    _, acc = app.evaluate(*test_set)
+    assert acc > 0.80
+    # 1,500 rows per worker, 20 batches of 32 per round: 3 rounds per epoch, one stats row per worker per round.
+    assert len(h.stats) == 3 * 3 * 2
+    assert sum(s.samples for s in h.stats) == 3 * 3000
+    assert all(s.bytes_sent > 0 and s.bytes_received > 0 for s in h.stats)
+    assert '"summary"' in h.to_json()
+
+
+def test_sync_is_deterministic_and_seeded_mode_matches_index_mode(cluster: ddlf.Cluster) -> None:
+    runs = []
+    for shuffle in ("indices", "indices", "seeded"):
+        app = SmallMnist(cluster)
+        app.train(epochs=2, batch_size=64, mode="sync", seed=7, shuffle=shuffle, verbose=0)
+        runs.append(app.model.get_weights())
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_second_run_reuses_the_cached_dataset(cluster: ddlf.Cluster) -> None:
+    SmallMnist(cluster).train(epochs=0, batch_size=32, verbose=0)
+    app = SmallMnist(cluster)
+    h = app.train(epochs=1, batch_size=64, verbose=0)
+    assert all(i["cached"] for i in h.params["setup"])
+    assert all(i["load_seconds"] == 0.0 for i in h.params["setup"])
+
+
+def test_async_training_learns_and_reports_staleness(cluster: ddlf.Cluster, test_set) -> None:
+    app = SmallMnist(cluster)
+    h = app.train(epochs=2, batch_size=32, mode="async", averaging_frequency=5, staleness="dynsgd", verbose=0)
+    _, acc = app.evaluate(*test_set)
+    assert acc > 0.80
+    assert sum(s.samples for s in h.stats) == 2 * 3000
+    assert {s.worker for s in h.stats} == {0, 1}
+    assert max(s.staleness for s in h.stats) >= 1  # two workers interleave
+
+
+def test_async_max_staleness_drops_stale_deltas(cluster: ddlf.Cluster) -> None:
+    h = SmallMnist(cluster).train(
+        epochs=1, batch_size=32, mode="async", averaging_frequency=2, max_staleness=0, verbose=0
+    )
+    dropped = [s for s in h.stats if s.dropped]
+    assert all(s.staleness > 0 for s in dropped)
+    assert all(not s.dropped for s in h.stats if s.staleness == 0)
+
+
+@pytest.mark.parametrize("compression", ["float16", "bfloat16"])
+def test_compression_halves_bytes_back_at_equal_accuracy(cluster: ddlf.Cluster, test_set, compression) -> None:
+    accuracy, received = {}, {}
+    for c in (None, compression):
+        app = SmallMnist(cluster)
+        h = app.train(epochs=2, batch_size=32, averaging_frequency=20, seed=3, compression=c, verbose=0)
+        accuracy[c] = app.evaluate(*test_set)[1]
+        received[c] = h.stats[0].bytes_received
+    assert received[compression] * 2 == received[None]
+    assert accuracy[compression] > 0.7  # 2 epochs on 3,000 images
+    assert abs(accuracy[compression] - accuracy[None]) < 0.02
+
+
+def test_optimizer_state_averaging_and_uneven_shares(cluster: ddlf.Cluster) -> None:
+    h = SmallMnist(cluster).train(
+        epochs=1, batch_size=32, averaging_frequency=10, average_optimizer_state=True, worker_shares=[3, 1], verbose=0
+    )
+    per_worker = h.summary()["workers"]
+    assert per_worker[0]["samples"] == 2250 and per_worker[1]["samples"] == 750
+
+
+def test_callbacks(cluster: ddlf.Cluster, test_set, tmp_path) -> None:
+    seen = []
+    stop = EarlyStopping(monitor="loss", patience=0, min_delta=10.0)
+    ckpt = ModelCheckpoint(str(tmp_path / "e{epoch}.weights.h5"), monitor="val_accuracy")
+    hook = LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append((epoch, round(logs["loss"], 6))))
+    h = SmallMnist(cluster).train(
+        epochs=5, batch_size=64, validation_data=test_set, callbacks=[stop, ckpt, hook], verbose=0
+    )
+    assert len(h.history["loss"]) == 2  # the second epoch did not improve by 10: stop
+    assert [e for e, _ in seen] == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == ["e1.weights.h5", "e2.weights.h5"]
+
+
+def test_progress_bar_prints_epochs(cluster: ddlf.Cluster, capsys) -> None:
+    SmallMnist(cluster).train(epochs=1, batch_size=64, verbose=1)
+    out = capsys.readouterr().out
+    assert "ddlf: sync training on 2 workers" in out
+    assert "Epoch 1/1" in out and "samples/s" in out and "loss:" in out
+
+
+def test_bad_training_arguments(cluster: ddlf.Cluster) -> None:
+    app = SmallMnist(cluster)
+    with pytest.raises(ValueError, match="mode"):
+        app.train(mode="eventual")
+    with pytest.raises(ValueError, match="compression"):
+        app.train(compression="int3")
+    with pytest.raises(ValueError, match="shuffle"):
+        app.train(shuffle="random")
+    with pytest.raises(ValueError, match="staleness"):
+        app.train(mode="async", staleness="wild")
+
+
+def test_failing_load_dataset_is_a_remote_error(cluster: ddlf.Cluster) -> None:
+    class Broken(SmallMnist):
+        dataset_key = "broken"
+
+        def load_dataset(self):
+            return ddlf.datasets.mnist("/nonexistent/mnist")
+
+    with pytest.raises(ddlf.RemoteError, match="not found"):
+        Broken(cluster).train(epochs=1, verbose=0)
+    assert cluster.run(lambda: "still serving") == ["still serving"] * 2
