@@ -248,7 +248,7 @@ def test_oversized_request_is_refused_and_the_worker_keeps_serving() -> None:
     d = Daemon("--max-message-size", "100000")
     try:
         c = ddlf.Cluster([d.address], d.token)
-        with pytest.raises(ddlf.RequestRejected, match="too large"):
+        with pytest.raises(ddlf.RequestRejected, match="exceeds the limit of 100000 bytes"):
             c.set("big", np.zeros(1_000_000, dtype=np.uint8))
         c.set("small", np.zeros(10))
         assert c.variables() == [["small"]]
@@ -481,3 +481,13 @@ def test_version_handshake_reports_versions(cluster: ddlf.Cluster) -> None:
     info = cluster.worker_info()
     assert [i["version"] for i in info] == [ddlf.__version__] * 2
     assert all(i["protocol_version"] == ddlf.PROTOCOL_VERSION for i in info)
+
+
+def test_large_values_stream_with_no_size_limit(cluster: ddlf.Cluster) -> None:
+    # 10 x 16 MB float32 arrays: far above gRPC's default 4 MB message limit, streamed in chunks both ways.
+    weights = [np.full(4_000_000, i, dtype=np.float32) for i in range(10)]
+    cluster.set("w", weights)
+    sums = cluster.run(lambda worker: [float(a.sum()) for a in worker.vars["w"]])
+    assert sums == [[4_000_000.0 * i for i in range(10)]] * 2
+    back = cluster.get("w", workers=[1])[0]
+    assert all(np.array_equal(a, b) for a, b in zip(back, weights))

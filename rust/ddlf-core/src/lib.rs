@@ -2,11 +2,13 @@
 //! `cargo test` alone.
 //!
 //! * [`auth`]: shared-token checks in constant time.
+//! * [`frame`]: values split into chunks for streaming and assembled back, with limits checked first.
 //! * [`shuffle`]: seeded permutations and per-worker index partitions.
 //! * [`gather`]: rows of a dataset into a contiguous batch.
 //! * [`kernels`]: weighted averages, in-place updates, deltas and half-precision conversion of weight lists.
 
 pub mod auth;
+pub mod frame;
 pub mod gather;
 pub mod kernels;
 pub mod shuffle;

@@ -6,10 +6,11 @@
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::{Token, TOKEN_HEADER};
+use ddlf_core::frame::{self, Assembler, FrameError, FrameLimits};
 use ddlf_proto::worker_client::WorkerClient;
 use ddlf_proto::{
-    CallReply, CallRequest, HelloReply, HelloRequest, PingRequest, ShutdownRequest, StatusReply,
-    StatusRequest, PROTOCOL_VERSION, VERSION,
+    CallReply, CallRequest, Chunk, HelloReply, HelloRequest, PingRequest, ShutdownRequest,
+    StatusReply, StatusRequest, Value, PROTOCOL_VERSION, VERSION,
 };
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
@@ -68,6 +69,7 @@ pub struct WorkerConn {
     address: String,
     client: Inner,
     hello: HelloReply,
+    limits: FrameLimits,
 }
 
 impl WorkerConn {
@@ -112,12 +114,16 @@ impl WorkerConn {
             None => None,
         };
         let client = WorkerClient::with_interceptor(channel, ClientAuth { header })
-            .max_decoding_message_size(config.max_message_size)
+            .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX);
         let mut conn = WorkerConn {
             address: address.to_string(),
             client,
             hello: HelloReply::default(),
+            limits: FrameLimits {
+                max_total: config.max_message_size as u64,
+                ..Default::default()
+            },
         };
         let hello = conn
             .unary(Some(config.connect_timeout), |mut c| async move {
@@ -206,6 +212,73 @@ impl WorkerConn {
         .await
     }
 
+    /// Run an operation whose value travels as a stream of chunks (large values): no size limit, and the
+    /// reply is assembled into buffers allocated once at their declared (and checked) size.
+    pub async fn call_stream(
+        &self,
+        mut request: CallRequest,
+        timeout: Option<Duration>,
+        chunk_bytes: usize,
+    ) -> Result<CallReply, NetError> {
+        let value = request.value.take().unwrap_or_default();
+        let mut chunks = vec![Chunk {
+            lengths: frame::lengths(&value.pickle, &value.buffers),
+            request: Some(request),
+            ..Default::default()
+        }];
+        chunks.extend(
+            frame::split(&value.pickle, &value.buffers, chunk_bytes)
+                .into_iter()
+                .map(|data| Chunk {
+                    data,
+                    ..Default::default()
+                }),
+        );
+        drop(value);
+        let mut client = self.client.clone();
+        let limits = self.limits;
+        let exchange = async move {
+            let mut req = Request::new(tokio_stream::iter(chunks));
+            if let Some(t) = timeout {
+                req.set_timeout(t);
+            }
+            let stream = client.call_stream(req).await?.into_inner();
+            assemble_reply(stream, limits).await
+        };
+        let start = Instant::now();
+        let result = match timeout {
+            Some(t) => match tokio::time::timeout(t, exchange).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return Err(NetError::DeadlineExceeded {
+                        address: self.address.clone(),
+                        after: t,
+                    })
+                }
+            },
+            None => exchange.await,
+        };
+        result.map_err(|e| match e {
+            StreamError::Status(s) => {
+                let expired = timeout.is_some_and(|t| start.elapsed() >= t);
+                match NetError::from_status(&self.address, &s) {
+                    NetError::Unavailable { address, .. } if expired => {
+                        NetError::DeadlineExceeded {
+                            address,
+                            after: timeout.unwrap_or_default(),
+                        }
+                    }
+                    e => e,
+                }
+            }
+            StreamError::Invalid(reason) => NetError::Rejected {
+                address: self.address.clone(),
+                code: "InvalidReply".into(),
+                message: reason,
+            },
+        })
+    }
+
     /// Round-trip time of a ping answered by the worker's network runtime (never by its Python thread).
     pub async fn ping(&self, timeout: Option<Duration>) -> Result<Duration, NetError> {
         let start = Instant::now();
@@ -233,4 +306,45 @@ impl WorkerConn {
         .await
         .map(|_| ())
     }
+}
+
+/// Failure while reading a streamed reply.
+enum StreamError {
+    Status(Status),
+    Invalid(String),
+}
+
+impl From<Status> for StreamError {
+    fn from(s: Status) -> Self {
+        StreamError::Status(s)
+    }
+}
+
+/// Read a streamed reply to the end.
+async fn assemble_reply(
+    mut stream: tonic::Streaming<Chunk>,
+    limits: FrameLimits,
+) -> Result<CallReply, StreamError> {
+    let first = stream
+        .message()
+        .await?
+        .ok_or_else(|| StreamError::Invalid("empty reply stream".into()))?;
+    let mut reply = first
+        .reply
+        .ok_or_else(|| StreamError::Invalid("the first chunk carries no reply".into()))?;
+    let invalid = |e: FrameError| StreamError::Invalid(e.to_string());
+    let mut assembler = Assembler::new(&first.lengths, limits).map_err(invalid)?;
+    assembler.push(&first.data).map_err(invalid)?;
+    while !assembler.is_complete() {
+        match stream.message().await? {
+            Some(chunk) => assembler.push(&chunk.data).map_err(invalid)?,
+            None => break,
+        }
+    }
+    let (pickle, buffers) = assembler.finish().map_err(invalid)?;
+    reply.value = Some(Value {
+        pickle: pickle.into(),
+        buffers: buffers.into_iter().map(bytes::Bytes::from).collect(),
+    });
+    Ok(reply)
 }

@@ -12,7 +12,8 @@ use tonic::{Request, Status};
 /// Limits and timers of a daemon's server.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    /// The largest request the daemon decodes; larger ones are refused with `RESOURCE_EXHAUSTED`.
+    /// The largest request the daemon accepts (streamed requests declare their size up front and are refused
+    /// before anything is allocated); larger ones are refused with `RESOURCE_EXHAUSTED`.
     pub max_message_size: usize,
     /// Requests in flight per connection.
     pub max_concurrent_streams: u32,
@@ -25,7 +26,7 @@ pub struct ServerConfig {
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
-            max_message_size: 2 * 1024 * 1024 * 1024 - 1,
+            max_message_size: 64 << 30,
             max_concurrent_streams: 256,
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(20),

@@ -113,6 +113,37 @@ pub fn copy_buffers(py: Python<'_>, objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<B
     Ok(out)
 }
 
+/// A Python buffer that owns its export: the memory stays valid (and pinned) for as long as this lives.
+struct Exported(PyUntypedBuffer);
+
+impl AsRef<[u8]> for Exported {
+    fn as_ref(&self) -> &[u8] {
+        let n = self.0.len_bytes();
+        if n == 0 {
+            return &[];
+        }
+        // SAFETY: the export keeps the exporter's memory alive and pinned; it is C-contiguous (checked).
+        unsafe { std::slice::from_raw_parts(self.0.buf_ptr() as *const u8, n) }
+    }
+}
+
+/// Share Python buffer-protocol objects (C-contiguous) with Rust without copying: the `Bytes` keep the
+/// buffer exported until the last slice is dropped (which takes the GIL briefly to release it). For the
+/// master only: on a worker, dropping on the network thread would make it wait for the GIL.
+pub fn borrow_buffers(objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Bytes>> {
+    objs.iter()
+        .map(|obj| {
+            let buf = PyUntypedBuffer::get(obj)?;
+            if !buf.is_c_contiguous() {
+                return Err(PyValueError::new_err(
+                    "out-of-band buffers must be C-contiguous",
+                ));
+            }
+            Ok(Bytes::from_owner(Exported(buf)))
+        })
+        .collect()
+}
+
 /// Wrap received buffers for Python.
 pub fn to_recv_buffers(py: Python<'_>, bufs: Vec<Bytes>) -> PyResult<Vec<Py<RecvBuffer>>> {
     bufs.into_iter()

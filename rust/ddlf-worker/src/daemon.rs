@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ddlf_core::auth::Token;
+use ddlf_core::frame::FrameLimits;
 use ddlf_net::server::is_loopback;
 use ddlf_net::{ServerAuth, ServerConfig};
 use ddlf_proto::worker_server::WorkerServer;
@@ -118,9 +119,19 @@ impl Daemon {
         let state = Arc::new(WorkerState::new(name));
         let (jobs, receiver) = queue(state.clone());
         let (stop, mut stopped) = watch::channel(false);
-        let service = WorkerService::new(state.clone(), jobs.clone(), stop.clone());
+        let limits = FrameLimits {
+            max_total: config.server.max_message_size as u64,
+            ..Default::default()
+        };
+        let service = WorkerService::new(state.clone(), jobs.clone(), stop.clone(), limits);
+        // A streamed chunk is at most CHUNK_BYTES plus its header; unary requests up to the configured size.
         let server = WorkerServer::new(service)
-            .max_decoding_message_size(config.server.max_message_size)
+            .max_decoding_message_size(
+                config
+                    .server
+                    .max_message_size
+                    .max(crate::service::CHUNK_BYTES + 4096),
+            )
             .max_encoding_message_size(usize::MAX);
         let auth = ServerAuth::new(config.token.clone(), state.rejected.clone());
         let svc = InterceptedService::new(server, auth);

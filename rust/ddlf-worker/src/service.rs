@@ -9,22 +9,104 @@ use ddlf_proto::{
     CallReply, CallRequest, HelloReply, HelloRequest, Op, PingReply, PingRequest, ShutdownReply,
     ShutdownRequest, StatusReply, StatusRequest, PROTOCOL_VERSION, VERSION,
 };
+use std::pin::Pin;
+
+use bytes::Bytes;
+use ddlf_core::frame::{self, Assembler, FrameError, FrameLimits};
+use ddlf_proto::{Chunk, Value};
 use tokio::sync::watch;
-use tonic::{Request, Response, Status};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
 
 use crate::jobs::{label, JobSender};
 use crate::state::{rss_bytes, WorkerState};
+
+/// Bytes per streamed chunk.
+pub const CHUNK_BYTES: usize = 4 << 20;
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<Chunk, Status>> + Send>>;
 
 /// Answers the network-side requests itself and queues interpreter work.
 pub struct WorkerService {
     state: Arc<WorkerState>,
     jobs: JobSender,
     stop: watch::Sender<bool>,
+    limits: FrameLimits,
 }
 
 impl WorkerService {
-    pub fn new(state: Arc<WorkerState>, jobs: JobSender, stop: watch::Sender<bool>) -> Self {
-        WorkerService { state, jobs, stop }
+    pub fn new(
+        state: Arc<WorkerState>,
+        jobs: JobSender,
+        stop: watch::Sender<bool>,
+        limits: FrameLimits,
+    ) -> Self {
+        WorkerService {
+            state,
+            jobs,
+            stop,
+            limits,
+        }
+    }
+
+    /// Queue a request for the interpreter and wait for its reply.
+    async fn run(&self, req: CallRequest) -> Result<CallReply, Status> {
+        let start = Instant::now();
+        if Op::try_from(req.op).unwrap_or(Op::Unspecified) == Op::Unspecified {
+            return Err(self.reject(Status::invalid_argument(format!(
+                "unknown operation code {}",
+                req.op
+            ))));
+        }
+        let what = label(&req);
+        let Some(waiting) = self.jobs.submit(req) else {
+            return Err(Status::unavailable("the worker is shutting down"));
+        };
+        let reply = waiting
+            .await
+            .map_err(|_| Status::unavailable("the worker stopped before answering"))?;
+        tracing::debug!(
+            request = %what,
+            micros = start.elapsed().as_micros() as u64,
+            compute_s = reply.compute_seconds,
+            error = reply.error,
+            "call served"
+        );
+        Ok(reply)
+    }
+
+    /// Read a streamed request to the end, checking declared sizes before allocating.
+    async fn receive(&self, mut stream: Streaming<Chunk>) -> Result<CallRequest, Status> {
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| self.reject(Status::invalid_argument("empty request stream")))?;
+        let mut request = first.request.ok_or_else(|| {
+            self.reject(Status::invalid_argument(
+                "the first chunk carries no request",
+            ))
+        })?;
+        let mut assembler = Assembler::new(&first.lengths, self.limits)
+            .map_err(|e| self.reject(frame_status(e)))?;
+        assembler
+            .push(&first.data)
+            .map_err(|e| self.reject(frame_status(e)))?;
+        while !assembler.is_complete() {
+            match stream.message().await? {
+                Some(chunk) => assembler
+                    .push(&chunk.data)
+                    .map_err(|e| self.reject(frame_status(e)))?,
+                None => break,
+            }
+        }
+        let (pickle, buffers) = assembler
+            .finish()
+            .map_err(|e| self.reject(frame_status(e)))?;
+        request.value = Some(Value {
+            pickle: pickle.into(),
+            buffers: buffers.into_iter().map(Bytes::from).collect(),
+        });
+        Ok(request)
     }
 
     fn reject(&self, status: Status) -> Status {
@@ -82,29 +164,31 @@ impl Worker for WorkerService {
     }
 
     async fn call(&self, request: Request<CallRequest>) -> Result<Response<CallReply>, Status> {
-        let start = Instant::now();
         let req = request.into_inner();
-        if Op::try_from(req.op).unwrap_or(Op::Unspecified) == Op::Unspecified {
-            return Err(self.reject(Status::invalid_argument(format!(
-                "unknown operation code {}",
-                req.op
-            ))));
+        if let Some(v) = &req.value {
+            let total: u64 = frame::lengths(&v.pickle, &v.buffers).iter().sum();
+            if total > self.limits.max_total {
+                return Err(self.reject(Status::resource_exhausted(format!(
+                    "request of {total} bytes is too large: this worker accepts at most {} bytes",
+                    self.limits.max_total
+                ))));
+            }
         }
-        let what = label(&req);
-        let Some(waiting) = self.jobs.submit(req) else {
-            return Err(Status::unavailable("the worker is shutting down"));
-        };
-        let reply = waiting
-            .await
-            .map_err(|_| Status::unavailable("the worker stopped before answering"))?;
-        tracing::debug!(
-            request = %what,
-            micros = start.elapsed().as_micros() as u64,
-            compute_s = reply.compute_seconds,
-            error = reply.error,
-            "call served"
-        );
-        Ok(Response::new(reply))
+        Ok(Response::new(self.run(req).await?))
+    }
+
+    type CallStreamStream = ChunkStream;
+
+    async fn call_stream(
+        &self,
+        request: Request<Streaming<Chunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        let req = self.receive(request.into_inner()).await?;
+        tracing::trace!(request = %label(&req), "streamed request received");
+        let reply = self.run(req).await?;
+        Ok(Response::new(Box::pin(tokio_stream::iter(
+            reply_chunks(reply, CHUNK_BYTES).into_iter().map(Ok),
+        ))))
     }
 
     async fn shutdown(
@@ -121,5 +205,35 @@ impl Worker for WorkerService {
             jobs.shutdown();
         });
         Ok(Response::new(ShutdownReply {}))
+    }
+}
+
+/// A reply as a stream of chunks: the header (with the declared lengths), then the data, never copied.
+pub fn reply_chunks(mut reply: CallReply, chunk_bytes: usize) -> Vec<Chunk> {
+    let value = reply.value.take().unwrap_or_default();
+    let lengths = frame::lengths(&value.pickle, &value.buffers);
+    let mut chunks = vec![Chunk {
+        request: None,
+        reply: Some(reply),
+        lengths,
+        data: Bytes::new(),
+    }];
+    chunks.extend(
+        frame::split(&value.pickle, &value.buffers, chunk_bytes)
+            .into_iter()
+            .map(|data| Chunk {
+                data,
+                ..Default::default()
+            }),
+    );
+    chunks
+}
+
+fn frame_status(e: FrameError) -> Status {
+    match e {
+        FrameError::TooLarge { .. } | FrameError::TooManyParts(..) | FrameError::Overflow => {
+            Status::resource_exhausted(e.to_string())
+        }
+        _ => Status::invalid_argument(e.to_string()),
     }
 }
