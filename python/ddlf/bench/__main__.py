@@ -7,6 +7,7 @@ import sys
 
 BENCHMARKS = {
     "rpc": "ddlf.bench.rpc",
+    "tensor": "ddlf.bench.tensor",
 }
 
 

@@ -37,7 +37,9 @@ def _echo_server(port_q: Any) -> None:
             (n,) = _HDR.unpack(_recv_exact(conn, _HDR.size))
             if n == 0:
                 break
-            data = _recv_exact(conn, n, buf if n <= len(buf) else None)
+            if n > len(buf):
+                buf = bytearray(n)
+            data = _recv_exact(conn, n, buf)
             conn.sendall(_HDR.pack(n))
             conn.sendall(data)
     except ConnectionError:
@@ -59,6 +61,15 @@ class RawEcho:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = bytearray(1 << 20)
+
+    def round_trip_buffer(self, payload: memoryview, into: bytearray) -> float:
+        """Send a large buffer and read it back into ``into`` (no copies in Python); returns seconds."""
+        t0 = time.perf_counter()
+        self.sock.sendall(_HDR.pack(payload.nbytes))
+        self.sock.sendall(payload)
+        (n,) = _HDR.unpack(_recv_exact(self.sock, _HDR.size))
+        _recv_exact(self.sock, n, into)
+        return time.perf_counter() - t0
 
     def round_trip(self, payload: bytes) -> float:
         """Send payload, read it back; returns seconds."""

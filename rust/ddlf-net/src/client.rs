@@ -88,7 +88,8 @@ impl WorkerConn {
             .keep_alive_timeout(config.keepalive_timeout)
             .keep_alive_while_idle(true)
             .initial_stream_window_size(crate::STREAM_WINDOW)
-            .initial_connection_window_size(crate::CONNECTION_WINDOW);
+            .initial_connection_window_size(crate::CONNECTION_WINDOW)
+            .max_frame_size(crate::MAX_FRAME);
         let connect = tokio::time::timeout(config.connect_timeout, endpoint.connect());
         let channel = match connect.await {
             Err(_) => {

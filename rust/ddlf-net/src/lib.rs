@@ -17,3 +17,7 @@ pub use server::{ServerAuth, ServerConfig};
 pub const STREAM_WINDOW: u32 = 16 * 1024 * 1024;
 /// See [`STREAM_WINDOW`].
 pub const CONNECTION_WINDOW: u32 = 64 * 1024 * 1024;
+
+/// HTTP/2 frame size we accept (the protocol's default is 16 KiB): bulk data then moves in few large frames
+/// instead of thousands of small ones.
+pub const MAX_FRAME: u32 = 1 << 20;

@@ -44,6 +44,7 @@ impl ServerConfig {
             .http2_keepalive_timeout(Some(self.keepalive_timeout))
             .initial_stream_window_size(crate::STREAM_WINDOW)
             .initial_connection_window_size(crate::CONNECTION_WINDOW)
+            .max_frame_size(crate::MAX_FRAME)
     }
 }
 

@@ -148,7 +148,10 @@ impl Daemon {
                             return;
                         }
                     };
-                    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                    // Nagle off on every accepted connection: HTTP/2 writes small frames (headers, trailers,
+                    // window updates) after large ones, and Nagle would hold them for the peer's delayed ACK.
+                    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                        .with_nodelay(Some(true));
                     let result = builder
                         .add_service(svc)
                         .serve_with_incoming_shutdown(incoming, async move {

@@ -1,0 +1,145 @@
+"""Tensor data plane: weight lists round-tripping to workers, next to a raw socket and memcpy in the same run;
+the merge kernels against numpy; bytes on the wire with each compression option."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from .. import ops
+from ..cluster import Cluster
+from . import report
+from .baselines import RawEcho
+
+
+def _echo(x):
+    return x
+
+
+def _weights(total_mb: float, n_arrays: int) -> list[np.ndarray]:
+    per = int(total_mb * 1e6 / 4 / n_arrays)
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(per, dtype=np.float32) for _ in range(n_arrays)]
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return report.median(times)
+
+
+def round_trips(repeats: int) -> list[list[str]]:
+    rows = []
+    with Cluster.local(2, threads=1) as cluster:
+        cluster.add_function(_echo, "echo")
+        echo = RawEcho()
+        for label, total_mb, n_arrays in (("100 MB (10 x 10 MB)", 100.0, 10), ("small CNN, 4 MB (20 arrays)", 4.0, 20)):
+            w = _weights(total_mb, n_arrays)
+            nbytes = sum(a.nbytes for a in w)
+            flat = np.concatenate(w)
+            into = bytearray(nbytes)
+            dst = np.empty_like(flat)
+            samples: dict[str, list[float]] = {"raw": [], "one": [], "two": [], "memcpy": []}
+            cluster.run_on(0, "echo", w)
+            for _ in range(repeats):  # interleaved
+                samples["raw"].append(echo.round_trip_buffer(memoryview(flat).cast("B"), into))
+                t0 = time.perf_counter()
+                cluster.run_on(0, "echo", w)
+                samples["one"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                cluster.run("echo", w)
+                samples["two"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                np.copyto(dst, flat)
+                samples["memcpy"].append(time.perf_counter() - t0)
+            raw = report.median(samples["raw"])
+            for key, name, moved in (
+                ("memcpy", "numpy memcpy (one copy, one way)", nbytes),
+                ("raw", "raw Python socket, round trip", 2 * nbytes),
+                ("one", "ddlf round trip, 1 worker", 2 * nbytes),
+                ("two", "ddlf round trip, 2 workers at once", 4 * nbytes),
+            ):
+                t = report.median(samples[key])
+                rows.append(
+                    [label, name, f"{t * 1e3:.1f}", f"{moved / t / 1e9:.2f}", f"{t / raw:.2f}x" if key != "memcpy" else ""]
+                )
+        echo.close()
+    return rows
+
+
+def merge_kernels(repeats: int, n_lists: int, mb: float) -> list[list[str]]:
+    lists = [_weights(mb, 10) for _ in range(n_lists)]
+    weights = [float(i + 1) for i in range(n_lists)]
+    nbytes = sum(a.nbytes for a in lists[0])
+    moved = nbytes * (n_lists + 1)  # every input read once, the output written once
+
+    def with_numpy():
+        total = sum(weights)
+        return [sum(w * lst[j] for w, lst in zip(weights, lists)) / total for j in range(len(lists[0]))]
+
+    src = np.concatenate(lists[0])
+    dst = np.empty_like(src)
+    t_ddlf = _median_time(lambda: ops.weighted_average(lists, weights), repeats)
+    t_np = _median_time(with_numpy, repeats)
+    t_copy = _median_time(lambda: np.copyto(dst, src), repeats)
+    return [
+        ["ddlf.ops.weighted_average", f"{t_ddlf * 1e3:.0f}", f"{moved / t_ddlf / 1e9:.2f}", f"{t_np / t_ddlf:.2f}x"],
+        ["numpy sum(w*x)/sum(w)", f"{t_np * 1e3:.0f}", f"{moved / t_np / 1e9:.2f}", "1.00x"],
+        ["numpy memcpy of one list (floor: 2 bytes moved per byte)", f"{t_copy * 1e3:.1f}",
+         f"{2 * nbytes / t_copy / 1e9:.2f}", ""],
+    ]
+
+
+def wire_bytes() -> list[list[str]]:
+    w = _weights(100.0, 10)
+    f32 = sum(a.nbytes for a in w)
+    rows = [["none (float32)", f"{f32 / 1e6:.1f}", "1.00x"]]
+    for kind in ("float16", "bfloat16"):
+        h = ops.to_half(w, kind)
+        b = sum(a.nbytes for a in h)
+        rows.append([kind, f"{b / 1e6:.1f}", f"{b / f32:.2f}x"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m ddlf.bench tensor", description=__doc__)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--merge-lists", type=int, default=8)
+    p.add_argument("--merge-mb", type=float, default=100.0)
+    args = p.parse_args(argv)
+    rt = round_trips(args.repeats)
+    mk = merge_kernels(max(3, args.repeats // 2), args.merge_lists, args.merge_mb)
+    wb = wire_bytes()
+    body = "\n".join(
+        [
+            "## Tensor data plane",
+            "",
+            f"Command: `python -m ddlf.bench tensor --repeats {args.repeats} --merge-lists {args.merge_lists} "
+            f"--merge-mb {args.merge_mb:g}`  ",
+            f"Machine: {report.machine()}",
+            "",
+            "### Weight-list round trips (medians of interleaved repeats)",
+            "",
+            "A ddlf round trip is `cluster.run_on(0, 'echo', weights)`: the list goes to the worker, is unpickled "
+            "there on the received memory, and comes back. The raw socket moves the same bytes to an echo process "
+            "and back on loopback; memcpy copies them once.",
+            "",
+            report.table(["payload", "path", "ms", "GB/s moved", "time vs raw socket"], rt),
+            "",
+            f"### Merge kernel: weighted average of {args.merge_lists} lists of {args.merge_mb:g} MB",
+            "",
+            report.table(["implementation", "ms", "GB/s (inputs read + output written)", "speed-up vs numpy"], mk),
+            "",
+            "### Bytes on the wire per weight transfer (100 MB of float32 weights)",
+            "",
+            report.table(["compression", "MB", "ratio"], wb),
+        ]
+    )
+    path = report.write_section("tensor", body)
+    print(body)
+    print(f"\nwritten to {path}")
