@@ -78,10 +78,10 @@ def test_second_run_reuses_the_cached_dataset(cluster: ddlf.Cluster) -> None:
 
 def test_async_training_learns_and_reports_staleness(cluster: ddlf.Cluster, test_set) -> None:
     app = SmallMnist(cluster)
-    h = app.train(epochs=2, batch_size=32, mode="async", averaging_frequency=5, staleness="dynsgd", verbose=0)
+    h = app.train(epochs=3, batch_size=32, mode="async", averaging_frequency=5, staleness="dynsgd", verbose=0)
     _, acc = app.evaluate(*test_set)
-    assert acc > 0.80
-    assert sum(s.samples for s in h.stats) == 2 * 3000
+    assert acc > 0.75  # async runs are not bit-reproducible: a margin below the sync test's bar
+    assert sum(s.samples for s in h.stats) == 3 * 3000
     assert {s.worker for s in h.stats} == {0, 1}
     assert max(s.staleness for s in h.stats) >= 1  # two workers interleave
 

@@ -45,6 +45,9 @@ class Cluster:
         connect_timeout: seconds allowed to connect to each worker and check its version.
         timeout: default deadline in seconds for every call (``None``: no deadline; a dead worker is still
             detected by heartbeats within about 15 s). Each method also takes its own ``timeout=``.
+        shared_memory: pass values of 32 MiB or more through shared-memory files (``/dev/shm``) with workers on
+            this machine instead of the socket: written once for all of them. Workers elsewhere, or that cannot
+            open the files, use TCP.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class Cluster:
         *,
         connect_timeout: float = 10.0,
         timeout: float | None = None,
+        shared_memory: bool = True,
         _local: LocalWorkers | None = None,
     ) -> None:
         if isinstance(addresses, str):
@@ -61,7 +65,7 @@ class Cluster:
         if token is None:
             token = os.environ.get("DDLF_TOKEN") or None
         self._local = _local
-        self._client = _ddlf.Client(list(addresses), token, connect_timeout)
+        self._client = _ddlf.Client(list(addresses), token, connect_timeout, shared_memory=shared_memory)
         self.timeout = timeout
         self._closed = False
         # What each worker is known to hold, by function name -> digest, to avoid a miss round trip.
@@ -80,6 +84,7 @@ class Cluster:
         timeout: float | None = None,
         start_timeout: float = 60.0,
         worker_args: Sequence[str] = (),
+        shared_memory: bool = True,
     ) -> Cluster:
         """Start ``n_workers`` daemons on free loopback ports and connect to them.
 
@@ -93,7 +98,7 @@ class Cluster:
             threads = max(1, cpu_count() // n_workers)
         local = LocalWorkers(n_workers, threads=threads, start_timeout=start_timeout, extra_args=list(worker_args))
         try:
-            return cls(local.addresses, local.token, timeout=timeout, _local=local)
+            return cls(local.addresses, local.token, timeout=timeout, shared_memory=shared_memory, _local=local)
         except BaseException:
             local.terminate()
             raise

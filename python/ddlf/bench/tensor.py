@@ -35,8 +35,9 @@ def _median_time(fn, repeats: int) -> float:
 
 def round_trips(repeats: int) -> list[list[str]]:
     rows = []
-    with Cluster.local(2, threads=1) as cluster:
-        cluster.add_function(_echo, "echo")
+    with Cluster.local(2, threads=1) as shm:
+        tcp = Cluster(shm.addresses, shm.token, shared_memory=False)
+        shm.add_function(_echo, "echo")
         echo = RawEcho()
         for label, total_mb, n_arrays in (("100 MB (10 x 10 MB)", 100.0, 10), ("small CNN, 4 MB (20 arrays)", 4.0, 20)):
             w = _weights(total_mb, n_arrays)
@@ -44,16 +45,21 @@ def round_trips(repeats: int) -> list[list[str]]:
             flat = np.concatenate(w)
             into = bytearray(nbytes)
             dst = np.empty_like(flat)
-            samples: dict[str, list[float]] = {"raw": [], "one": [], "two": [], "memcpy": []}
-            cluster.run_on(0, "echo", w)
+            contenders = {
+                "tcp1": lambda w=w: tcp.run_on(0, "echo", w),
+                "tcp2": lambda w=w: tcp.run("echo", w),
+                "shm1": lambda w=w: shm.run_on(0, "echo", w),
+                "shm2": lambda w=w: shm.run("echo", w),
+            }
+            samples: dict[str, list[float]] = {k: [] for k in ("raw", "memcpy", *contenders)}
+            for fn in contenders.values():
+                fn()
             for _ in range(repeats):  # interleaved
                 samples["raw"].append(echo.round_trip_buffer(memoryview(flat).cast("B"), into))
-                t0 = time.perf_counter()
-                cluster.run_on(0, "echo", w)
-                samples["one"].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                cluster.run("echo", w)
-                samples["two"].append(time.perf_counter() - t0)
+                for key, fn in contenders.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    samples[key].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 np.copyto(dst, flat)
                 samples["memcpy"].append(time.perf_counter() - t0)
@@ -61,14 +67,23 @@ def round_trips(repeats: int) -> list[list[str]]:
             for key, name, moved in (
                 ("memcpy", "numpy memcpy (one copy, one way)", nbytes),
                 ("raw", "raw Python socket, round trip", 2 * nbytes),
-                ("one", "ddlf round trip, 1 worker", 2 * nbytes),
-                ("two", "ddlf round trip, 2 workers at once", 4 * nbytes),
+                ("tcp1", "ddlf over TCP, 1 worker", 2 * nbytes),
+                ("tcp2", "ddlf over TCP, 2 workers at once", 4 * nbytes),
+                ("shm1", "ddlf shared memory, 1 worker", 2 * nbytes),
+                ("shm2", "ddlf shared memory, 2 workers at once", 4 * nbytes),
             ):
                 t = report.median(samples[key])
                 rows.append(
-                    [label, name, f"{t * 1e3:.1f}", f"{moved / t / 1e9:.2f}", f"{t / raw:.2f}x" if key != "memcpy" else ""]
+                    [
+                        label,
+                        name,
+                        f"{t * 1e3:.1f}",
+                        f"{moved / t / 1e9:.2f}",
+                        f"{t / raw:.2f}x" if key != "memcpy" else "",
+                    ]
                 )
         echo.close()
+        tcp.close()
     return rows
 
 
@@ -90,8 +105,12 @@ def merge_kernels(repeats: int, n_lists: int, mb: float) -> list[list[str]]:
     return [
         ["ddlf.ops.weighted_average", f"{t_ddlf * 1e3:.0f}", f"{moved / t_ddlf / 1e9:.2f}", f"{t_np / t_ddlf:.2f}x"],
         ["numpy sum(w*x)/sum(w)", f"{t_np * 1e3:.0f}", f"{moved / t_np / 1e9:.2f}", "1.00x"],
-        ["numpy memcpy of one list (floor: 2 bytes moved per byte)", f"{t_copy * 1e3:.1f}",
-         f"{2 * nbytes / t_copy / 1e9:.2f}", ""],
+        [
+            "numpy memcpy of one list (floor: 2 bytes moved per byte)",
+            f"{t_copy * 1e3:.1f}",
+            f"{2 * nbytes / t_copy / 1e9:.2f}",
+            "",
+        ],
     ]
 
 
@@ -125,9 +144,11 @@ def main(argv: list[str] | None = None) -> None:
             "",
             "### Weight-list round trips (medians of interleaved repeats)",
             "",
-            "A ddlf round trip is `cluster.run_on(0, 'echo', weights)`: the list goes to the worker, is unpickled "
-            "there on the received memory, and comes back. The raw socket moves the same bytes to an echo process "
-            "and back on loopback; memcpy copies them once.",
+            "A ddlf round trip is `cluster.run_on(0, 'echo', weights)` (or `cluster.run` for all workers): the list "
+            "goes to the worker, is unpickled there on the received memory, and comes back. 'over TCP' streams it "
+            "through gRPC on loopback (`shared_memory=False`); 'shared memory' writes it once into a /dev/shm file "
+            "that every local worker maps (the default on one machine). The raw socket moves the same bytes to an "
+            "echo process and back on loopback; memcpy copies them once.",
             "",
             report.table(["payload", "path", "ms", "GB/s moved", "time vs raw socket"], rt),
             "",

@@ -5,10 +5,12 @@
 //! * [`frame`]: values split into chunks for streaming and assembled back, with limits checked first.
 //! * [`shuffle`]: seeded permutations and per-worker index partitions.
 //! * [`gather`]: rows of a dataset into a contiguous batch.
+//! * [`shm`]: shared-memory files for large buffers between processes on one machine.
 //! * [`kernels`]: weighted averages, in-place updates, deltas and half-precision conversion of weight lists.
 
 pub mod auth;
 pub mod frame;
 pub mod gather;
 pub mod kernels;
+pub mod shm;
 pub mod shuffle;

@@ -3,10 +3,13 @@
 //! A [`WorkerConn`] is cheap to clone (it shares one HTTP/2 connection) and every call has a deadline, so a
 //! daemon killed with `kill -9` or a link that goes down turns into [`NetError`] in bounded time, never a hang.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::{Token, TOKEN_HEADER};
 use ddlf_core::frame::{self, Assembler, FrameError, FrameLimits};
+use ddlf_core::shm;
 use ddlf_proto::worker_client::WorkerClient;
 use ddlf_proto::{
     CallReply, CallRequest, Chunk, HelloReply, HelloRequest, PingRequest, ShutdownRequest,
@@ -32,6 +35,8 @@ pub struct ClientConfig {
     pub token: Option<Token>,
     /// The largest reply the master accepts.
     pub max_message_size: usize,
+    /// Pass large buffers through shared memory with workers on this machine.
+    pub shared_memory: bool,
 }
 
 impl Default for ClientConfig {
@@ -42,6 +47,7 @@ impl Default for ClientConfig {
             keepalive_timeout: Duration::from_secs(10),
             token: None,
             max_message_size: usize::MAX,
+            shared_memory: true,
         }
     }
 }
@@ -70,6 +76,8 @@ pub struct WorkerConn {
     client: Inner,
     hello: HelloReply,
     limits: FrameLimits,
+    /// Large buffers may go through shared memory (same machine, and it worked so far).
+    shared_memory: Arc<AtomicBool>,
 }
 
 impl WorkerConn {
@@ -125,16 +133,30 @@ impl WorkerConn {
                 max_total: config.max_message_size as u64,
                 ..Default::default()
             },
+            shared_memory: Arc::new(AtomicBool::new(false)),
         };
+        // Shared memory is used only if the worker can open a file we wrote (same machine *and* same /dev/shm:
+        // a container on this kernel has its own).
+        let probe = if config.shared_memory && shm::available() {
+            shm::write(&[b"ddlf"]).ok().map(|l| l.name)
+        } else {
+            None
+        };
+        let shm_probe = probe.clone().unwrap_or_default();
         let hello = conn
             .unary(Some(config.connect_timeout), |mut c| async move {
                 c.hello(HelloRequest {
                     protocol_version: PROTOCOL_VERSION,
                     client_version: VERSION.to_string(),
+                    shm_probe,
                 })
                 .await
             })
-            .await?;
+            .await;
+        if let Some(name) = &probe {
+            shm::unlink(name);
+        }
+        let hello = hello?;
         if hello.protocol_version != PROTOCOL_VERSION {
             return Err(NetError::ProtocolMismatch {
                 address: address.to_string(),
@@ -145,6 +167,8 @@ impl WorkerConn {
             });
         }
         tracing::debug!(address, worker_version = %hello.worker_version, pid = hello.pid, "connected");
+        conn.shared_memory
+            .store(probe.is_some() && hello.shm_visible, Ordering::Relaxed);
         conn.hello = hello;
         Ok(conn)
     }
@@ -152,6 +176,18 @@ impl WorkerConn {
     /// The address this connection was made to.
     pub fn address(&self) -> &str {
         &self.address
+    }
+
+    /// Whether large buffers to and from this worker go through shared memory.
+    pub fn shared_memory(&self) -> bool {
+        self.shared_memory.load(Ordering::Relaxed)
+    }
+
+    /// Stop using shared memory with this worker (it could not open our files: another /dev/shm).
+    pub fn disable_shared_memory(&self) {
+        if self.shared_memory.swap(false, Ordering::Relaxed) {
+            tracing::info!(address = %self.address, "shared memory unavailable with this worker: using TCP");
+        }
     }
 
     /// What the worker said about itself at connect time.
@@ -221,7 +257,14 @@ impl WorkerConn {
         timeout: Option<Duration>,
         chunk_bytes: usize,
     ) -> Result<CallReply, NetError> {
-        let value = request.value.take().unwrap_or_default();
+        let mut value = request.value.take().unwrap_or_default();
+        // A shared-memory reference travels in the header; the stream carries the inline bytes.
+        if let Some(shm) = value.shm.take() {
+            request.value = Some(Value {
+                shm: Some(shm),
+                ..Default::default()
+            });
+        }
         let mut chunks = vec![Chunk {
             lengths: frame::lengths(&value.pickle, &value.buffers),
             request: Some(request),
@@ -343,9 +386,11 @@ async fn assemble_reply(
         }
     }
     let (pickle, buffers) = assembler.finish().map_err(invalid)?;
+    let shm = reply.value.take().and_then(|v| v.shm);
     reply.value = Some(Value {
         pickle: pickle.into(),
         buffers: buffers.into_iter().map(bytes::Bytes::from).collect(),
+        shm,
     });
     Ok(reply)
 }

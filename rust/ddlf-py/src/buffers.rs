@@ -7,31 +7,61 @@
 
 use std::ffi::c_int;
 
+use std::sync::Arc;
+
 use bytes::Bytes;
+use memmap2::Mmap;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 
-/// Read-only bytes received from the network, shared with Python without a copy.
+/// Where received bytes live.
+enum Data {
+    /// A slice of what came off the network.
+    Bytes(Bytes),
+    /// A range of a mapped shared-memory file (same-machine transfers).
+    Mapped(Arc<Mmap>, usize, usize),
+}
+
+/// Read-only bytes received from a peer, shared with Python without a copy.
 #[pyclass(frozen, module = "ddlf._ddlf")]
 pub struct RecvBuffer {
-    data: Bytes,
+    data: Data,
 }
 
 impl RecvBuffer {
     pub fn new(data: Bytes) -> Self {
-        RecvBuffer { data }
+        RecvBuffer {
+            data: Data::Bytes(data),
+        }
+    }
+
+    pub fn mapped(map: Arc<Mmap>, start: usize, len: usize) -> Self {
+        RecvBuffer {
+            data: Data::Mapped(map, start, len),
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match &self.data {
+            Data::Bytes(b) => b,
+            Data::Mapped(m, s, n) => &m[*s..*s + *n],
+        }
     }
 }
 
 #[pymethods]
 impl RecvBuffer {
     fn __len__(&self) -> usize {
-        self.data.len()
+        self.as_slice().len()
     }
 
     fn __repr__(&self) -> String {
-        format!("<RecvBuffer {} bytes>", self.data.len())
+        let kind = match self.data {
+            Data::Bytes(_) => "network",
+            Data::Mapped(..) => "shared memory",
+        };
+        format!("<RecvBuffer {} bytes, {kind}>", self.as_slice().len())
     }
 
     /// # Safety
@@ -47,8 +77,8 @@ impl RecvBuffer {
             ));
         }
         let (ptr, len) = {
-            let this = slf.get();
-            (this.data.as_ptr(), this.data.len())
+            let data = slf.get().as_slice();
+            (data.as_ptr(), data.len())
         };
         let rc = unsafe {
             pyo3::ffi::PyBuffer_FillInfo(
@@ -144,9 +174,84 @@ pub fn borrow_buffers(objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Bytes>> {
         .collect()
 }
 
+/// Buffers at least this large (in total) go through shared memory between processes on one machine. Below
+/// it, creating and freeing a file costs more than the socket (measured: 4 MB took 5.8 ms vs 3.7 ms over TCP).
+pub const SHM_THRESHOLD: usize = 32 << 20;
+
 /// Wrap received buffers for Python.
 pub fn to_recv_buffers(py: Python<'_>, bufs: Vec<Bytes>) -> PyResult<Vec<Py<RecvBuffer>>> {
     bufs.into_iter()
         .map(|b| Py::new(py, RecvBuffer::new(b)))
         .collect()
+}
+
+/// Received buffers of a value: inline bytes, or ranges of a shared-memory file (mapped, then unlinked: the
+/// mapping keeps the memory alive as long as any array uses it).
+///
+/// `unlink`: the receiver owns the file (a reply); a broadcast request's file is removed by its sender once every
+/// worker has answered.
+pub fn value_buffers(
+    py: Python<'_>,
+    value: ddlf_proto::Value,
+    unlink: bool,
+) -> PyResult<Vec<Py<RecvBuffer>>> {
+    match value.shm {
+        None => to_recv_buffers(py, value.buffers),
+        Some(r) => {
+            let mapped = py.detach(|| ddlf_core::shm::map(&r.name, &r.offsets, &r.lengths));
+            if unlink {
+                ddlf_core::shm::unlink(&r.name);
+            }
+            let mapped = mapped.map_err(|e| PyValueError::new_err(e.to_string()))?;
+            mapped
+                .ranges
+                .iter()
+                .map(|&(s, n)| Py::new(py, RecvBuffer::mapped(mapped.map.clone(), s, n)))
+                .collect()
+        }
+    }
+}
+
+/// Write Python buffers into a new shared-memory file (one copy, GIL released).
+pub fn write_shm(py: Python<'_>, objs: &[Bound<'_, PyAny>]) -> PyResult<ddlf_core::shm::Layout> {
+    let held: Vec<PyUntypedBuffer> = objs
+        .iter()
+        .map(|o| {
+            let b = PyUntypedBuffer::get(o)?;
+            if !b.is_c_contiguous() {
+                return Err(PyValueError::new_err(
+                    "out-of-band buffers must be C-contiguous",
+                ));
+            }
+            Ok(b)
+        })
+        .collect::<PyResult<_>>()?;
+    let ptrs: Vec<SendPtr> = held
+        .iter()
+        .map(|b| SendPtr(b.buf_ptr() as *const u8, b.len_bytes()))
+        .collect();
+    let layout = py.detach(move || {
+        let slices: Vec<&[u8]> = ptrs
+            .iter()
+            .map(|SendPtr(p, n)| {
+                if *n == 0 {
+                    &[][..]
+                } else {
+                    // SAFETY: `held` pins every exporter's memory until this returns.
+                    unsafe { std::slice::from_raw_parts(*p, *n) }
+                }
+            })
+            .collect();
+        ddlf_core::shm::write(&slices)
+    });
+    drop(held);
+    layout.map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Total bytes of Python buffers (0 for objects that export none).
+pub fn total_bytes(objs: &[Bound<'_, PyAny>]) -> usize {
+    objs.iter()
+        .filter_map(|o| PyUntypedBuffer::get(o).ok())
+        .map(|b| b.len_bytes())
+        .sum()
 }

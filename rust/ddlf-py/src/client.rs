@@ -10,13 +10,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use ddlf_core::auth::Token;
 use ddlf_net::{ClientConfig, NetError, WorkerConn};
-use ddlf_proto::{CallReply, CallRequest, Value};
+use ddlf_proto::{CallReply, CallRequest, ShmRef, Value};
 use futures_util::future::join_all;
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::buffers::{borrow_buffers, to_recv_buffers};
+use crate::buffers::{borrow_buffers, total_bytes, value_buffers, write_shm, SHM_THRESHOLD};
 use crate::errors::{net_error, net_error_instance};
 
 /// Outcome codes of one worker's answer, as seen by `ddlf.cluster`.
@@ -26,6 +26,28 @@ const NET_ERROR: u8 = 2;
 
 /// How often a waiting call checks for Ctrl-C.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// The exception type a worker reports when it cannot open a shared-memory file.
+pub const SHM_FAILURE: &str = "SharedMemoryUnavailable";
+
+fn is_shm_failure(reply: &CallReply) -> bool {
+    reply.error != 0
+        && reply
+            .exception
+            .as_ref()
+            .is_some_and(|e| e.type_name == SHM_FAILURE)
+}
+
+fn request(op: i32, name: &str, digest: &str, value: Value, reply_shm: bool) -> CallRequest {
+    CallRequest {
+        op,
+        name: name.to_string(),
+        digest: digest.to_string(),
+        value: Some(value),
+        request_id: 0,
+        reply_shm,
+    }
+}
 
 /// Chunk size of streamed values.
 const CHUNK_BYTES: usize = 4 << 20;
@@ -117,6 +139,92 @@ impl Client {
         })
     }
 
+    /// Send each target its value. Large buffers for workers on this machine go through one shared-memory
+    /// file (`same_value`: all targets share one value, written once); a worker that cannot open it is switched
+    /// to TCP and sent the bytes instead.
+    #[allow(clippy::too_many_arguments)]
+    fn call_values(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        op: i32,
+        name: String,
+        digest: String,
+        values: Vec<(Bytes, Vec<Bound<'_, PyAny>>)>,
+        same_value: bool,
+        timeout: Option<Duration>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let conns = self.conns_for(&targets)?;
+        let mut files: Vec<String> = Vec::new();
+        let mut shared: Option<ShmRef> = None;
+        let mut requests = Vec::with_capacity(targets.len());
+        for (conn, (pickle, bufs)) in conns.iter().zip(&values) {
+            let use_shm = conn.shared_memory() && total_bytes(bufs) >= SHM_THRESHOLD;
+            let value = if use_shm {
+                let shm = match (&shared, same_value) {
+                    (Some(r), true) => r.clone(),
+                    _ => {
+                        let layout = write_shm(py, bufs)?;
+                        files.push(layout.name.clone());
+                        let r = ShmRef {
+                            name: layout.name,
+                            offsets: layout.offsets,
+                            lengths: layout.lengths,
+                        };
+                        shared = Some(r.clone());
+                        r
+                    }
+                };
+                Value {
+                    pickle: pickle.clone(),
+                    buffers: vec![],
+                    shm: Some(shm),
+                }
+            } else {
+                Value {
+                    pickle: pickle.clone(),
+                    buffers: borrow_buffers(bufs)?,
+                    shm: None,
+                }
+            };
+            requests.push(request(op, &name, &digest, value, conn.shared_memory()));
+        }
+        let results = self.fan_out(py, &targets, requests, timeout);
+        for f in &files {
+            ddlf_core::shm::unlink(f);
+        }
+        let mut results = results?;
+        // Workers on this machine that could not open the file (another /dev/shm, e.g. a container): retry
+        // those over TCP, and never try shared memory with them again.
+        let retry: Vec<usize> = results
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| matches!(r, Ok(reply) if is_shm_failure(reply)))
+            .map(|(i, _)| i)
+            .collect();
+        if !retry.is_empty() {
+            let mut again = Vec::with_capacity(retry.len());
+            for &i in &retry {
+                conns[i].disable_shared_memory();
+                let (pickle, bufs) = &values[i];
+                let value = Value {
+                    pickle: pickle.clone(),
+                    buffers: borrow_buffers(bufs)?,
+                    shm: None,
+                };
+                again.push(request(op, &name, &digest, value, false));
+            }
+            let retry_targets: Vec<usize> = retry.iter().map(|&i| targets[i]).collect();
+            for (i, r) in retry
+                .iter()
+                .zip(self.fan_out(py, &retry_targets, again, timeout)?)
+            {
+                results[*i] = r;
+            }
+        }
+        self.outcomes(py, &targets, results)
+    }
+
     fn outcomes(
         &self,
         py: Python<'_>,
@@ -131,7 +239,7 @@ impl Client {
                     Ok(reply) if reply.error == 0 => {
                         let value = reply.value.unwrap_or_default();
                         let pickle = PyBytes::new(py, &value.pickle);
-                        let bufs = to_recv_buffers(py, value.buffers)?;
+                        let bufs = value_buffers(py, value, true)?;
                         (OK, pickle, bufs, reply.compute_seconds).into_pyobject(py)?
                     }
                     Ok(reply) => {
@@ -183,7 +291,7 @@ impl Client {
 impl Client {
     /// Connect to every address concurrently and check versions. Raises the first failure.
     #[new]
-    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0))]
+    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = true))]
     fn new(
         py: Python<'_>,
         addresses: Vec<String>,
@@ -191,6 +299,7 @@ impl Client {
         connect_timeout: f64,
         keepalive_interval: f64,
         keepalive_timeout: f64,
+        shared_memory: bool,
     ) -> PyResult<Self> {
         if addresses.is_empty() {
             return Err(PyValueError::new_err(
@@ -209,6 +318,7 @@ impl Client {
             keepalive_interval: seconds(Some(keepalive_interval))?.unwrap_or_default(),
             keepalive_timeout: seconds(Some(keepalive_timeout))?.unwrap_or_default(),
             token,
+            shared_memory,
             ..Default::default()
         };
         // The master's runtime runs on the calling thread inside `block_on`: a call costs no thread hop on the
@@ -257,6 +367,7 @@ impl Client {
                 d.set_item("name", &h.worker_name)?;
                 d.set_item("pid", h.pid)?;
                 d.set_item("hostname", &h.hostname)?;
+                d.set_item("shared_memory", c.shared_memory())?;
                 Ok(d)
             })
             .collect()
@@ -278,22 +389,12 @@ impl Client {
         timeout: Option<f64>,
     ) -> PyResult<Vec<Py<PyAny>>> {
         let timeout = seconds(timeout)?;
-        let value = Value {
-            pickle: Bytes::copy_from_slice(pickle),
-            buffers: borrow_buffers(&buffers)?,
-        };
-        let requests = targets
+        let pickle = Bytes::copy_from_slice(pickle);
+        let values = targets
             .iter()
-            .map(|_| CallRequest {
-                op,
-                name: name.clone(),
-                digest: digest.clone(),
-                value: Some(value.clone()),
-                request_id: 0,
-            })
+            .map(|_| (pickle.clone(), buffers.clone()))
             .collect();
-        let results = self.fan_out(py, &targets, requests, timeout)?;
-        self.outcomes(py, &targets, results)
+        self.call_values(py, targets, op, name, digest, values, true, timeout)
     }
 
     /// Like `call`, with one `(pickle, buffers)` value per target.
@@ -317,21 +418,11 @@ impl Client {
             )));
         }
         let timeout = seconds(timeout)?;
-        let mut requests = Vec::with_capacity(values.len());
-        for (pickle, bufs) in values {
-            requests.push(CallRequest {
-                op,
-                name: name.clone(),
-                digest: digest.clone(),
-                value: Some(Value {
-                    pickle: pickle.into(),
-                    buffers: borrow_buffers(&bufs)?,
-                }),
-                request_id: 0,
-            });
-        }
-        let results = self.fan_out(py, &targets, requests, timeout)?;
-        self.outcomes(py, &targets, results)
+        let values = values
+            .into_iter()
+            .map(|(p, b)| (Bytes::from(p), b))
+            .collect();
+        self.call_values(py, targets, op, name, digest, values, false, timeout)
     }
 
     /// Round-trip seconds per target (or an exception instance for a worker that did not answer).

@@ -7,14 +7,15 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ddlf_core::auth::Token;
 use ddlf_net::ServerConfig;
-use ddlf_proto::{CallReply, CallRequest, ErrorKind, RemoteException, Value};
+use ddlf_proto::{CallReply, CallRequest, ErrorKind, RemoteException, ShmRef, Value};
 use ddlf_worker::{Daemon, DaemonConfig, Job, Next};
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::buffers::{copy_buffers, to_recv_buffers};
+use crate::buffers::{copy_buffers, total_bytes, value_buffers, write_shm, SHM_THRESHOLD};
+use crate::client::SHM_FAILURE;
 use crate::errors::daemon_error;
 
 /// How long the interpreter thread waits for a job before checking for signals (SIGINT/SIGTERM).
@@ -107,16 +108,26 @@ fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResul
         name,
         digest,
         value,
+        reply_shm,
         ..
     } = std::mem::take(&mut job.request);
     let value = value.unwrap_or_default();
-    let outcome = (|| -> PyResult<Bound<'_, PyAny>> {
-        let pickle = PyBytes::new(py, &value.pickle);
-        let buffers = to_recv_buffers(py, value.buffers)?;
-        executor.call_method1(intern!(py, "handle"), (op, name, digest, pickle, buffers))
-    })();
+    let pickle = PyBytes::new(py, &value.pickle);
+    let buffers = match value_buffers(py, value, false) {
+        Ok(b) => b,
+        Err(e) => {
+            // The master's shared-memory file cannot be opened here (another /dev/shm): it retries over TCP.
+            job.respond(remote_exception(
+                ErrorKind::BadRequest,
+                SHM_FAILURE,
+                format!("cannot open the master's shared-memory file: {e}"),
+            ));
+            return Ok(());
+        }
+    };
+    let outcome = executor.call_method1(intern!(py, "handle"), (op, name, digest, pickle, buffers));
     let mut reply = match outcome {
-        Ok(result) => match encode_result(py, &result) {
+        Ok(result) => match encode_result(py, &result, reply_shm) {
             Ok(reply) => reply,
             Err(e) => remote_exception(
                 ErrorKind::Serialization,
@@ -147,18 +158,34 @@ fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResul
 }
 
 /// `(0, pickle, buffers)` or `(kind, (type_name, message, traceback))` to a reply.
-fn encode_result(py: Python<'_>, result: &Bound<'_, PyAny>) -> PyResult<CallReply> {
+/// With `shm` (the master shares this machine), large buffers are written once into a shared-memory file that
+/// the master maps and removes.
+fn encode_result(py: Python<'_>, result: &Bound<'_, PyAny>, shm: bool) -> PyResult<CallReply> {
     let tuple = result.cast::<PyTuple>()?;
     let kind: i32 = tuple.get_item(0)?.extract()?;
     if kind == 0 {
         let pickle: Vec<u8> = tuple.get_item(1)?.extract()?;
         let bufs: Vec<Bound<'_, PyAny>> = tuple.get_item(2)?.extract()?;
-        let buffers = copy_buffers(py, &bufs)?;
-        return Ok(CallReply {
-            value: Some(Value {
+        let value = if shm && total_bytes(&bufs) >= SHM_THRESHOLD {
+            let layout = write_shm(py, &bufs)?;
+            Value {
                 pickle: Bytes::from(pickle),
-                buffers,
-            }),
+                buffers: vec![],
+                shm: Some(ShmRef {
+                    name: layout.name,
+                    offsets: layout.offsets,
+                    lengths: layout.lengths,
+                }),
+            }
+        } else {
+            Value {
+                pickle: Bytes::from(pickle),
+                buffers: copy_buffers(py, &bufs)?,
+                shm: None,
+            }
+        };
+        return Ok(CallReply {
+            value: Some(value),
             ..Default::default()
         });
     }

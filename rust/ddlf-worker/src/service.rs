@@ -102,9 +102,11 @@ impl WorkerService {
         let (pickle, buffers) = assembler
             .finish()
             .map_err(|e| self.reject(frame_status(e)))?;
+        let shm = request.value.take().and_then(|v| v.shm);
         request.value = Some(Value {
             pickle: pickle.into(),
             buffers: buffers.into_iter().map(Bytes::from).collect(),
+            shm,
         });
         Ok(request)
     }
@@ -133,6 +135,9 @@ impl Worker for WorkerService {
             worker_name: self.state.name.clone(),
             pid: std::process::id() as u64,
             hostname: self.state.hostname.clone(),
+            boot_id: ddlf_core::shm::boot_id(),
+            shm_visible: !req.shm_probe.is_empty()
+                && ddlf_core::shm::map(&req.shm_probe, &[], &[]).is_ok(),
         }))
     }
 
@@ -210,7 +215,13 @@ impl Worker for WorkerService {
 
 /// A reply as a stream of chunks: the header (with the declared lengths), then the data, never copied.
 pub fn reply_chunks(mut reply: CallReply, chunk_bytes: usize) -> Vec<Chunk> {
-    let value = reply.value.take().unwrap_or_default();
+    let mut value = reply.value.take().unwrap_or_default();
+    if let Some(shm) = value.shm.take() {
+        reply.value = Some(Value {
+            shm: Some(shm),
+            ..Default::default()
+        });
+    }
     let lengths = frame::lengths(&value.pickle, &value.buffers);
     let mut chunks = vec![Chunk {
         request: None,

@@ -59,7 +59,7 @@ fn run_request(name: &str, payload: &[u8]) -> CallRequest {
         name: name.into(),
         value: Some(Value {
             pickle: payload.to_vec().into(),
-            buffers: vec![],
+            ..Default::default()
         }),
         ..Default::default()
     }

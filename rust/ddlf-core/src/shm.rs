@@ -1,0 +1,234 @@
+//! Shared-memory files for large buffers between processes on one machine.
+//!
+//! The sender writes the buffers once into a file under `/dev/shm` (a memory-backed filesystem) and sends its
+//! name; the receiver maps it and uses the bytes in place. One memcpy per transfer instead of a trip through
+//! the loopback TCP stack, and processes on one node share one copy of a broadcast.
+
+use std::fs::OpenOptions;
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use std::os::unix::fs::FileExt;
+
+use memmap2::{Mmap, MmapOptions};
+
+/// The directory shared-memory files live in.
+pub const DIR: &str = "/dev/shm";
+/// Every ddlf file there starts with this, and nothing else is ever opened or removed.
+pub const PREFIX: &str = "ddlf-";
+/// Buffers start at multiples of this many bytes (cache lines; good for SIMD loads).
+pub const ALIGN: u64 = 64;
+
+/// What can go wrong with a shared-memory file.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    #[error("invalid shared-memory file name {0:?}")]
+    BadName(String),
+    #[error("shared-memory file {name}: {source}")]
+    Io { name: String, source: io::Error },
+    #[error("buffer {index} (bytes {start}..{end}) lies outside the {len}-byte file {name}")]
+    OutOfBounds {
+        name: String,
+        index: usize,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
+    #[error("{0} offsets for {1} lengths")]
+    Mismatch(usize, usize),
+}
+
+/// This kernel's boot id: processes that see the same one share `/dev/shm` (on the same machine).
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Whether shared-memory files can be used here.
+pub fn available() -> bool {
+    std::path::Path::new(DIR).is_dir() && !boot_id().is_empty()
+}
+
+fn path_of(name: &str) -> Result<PathBuf, ShmError> {
+    let ok = name.starts_with(PREFIX)
+        && name.len() < 200
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        && !name.contains("..");
+    if !ok {
+        return Err(ShmError::BadName(name.to_string()));
+    }
+    Ok(PathBuf::from(DIR).join(name))
+}
+
+fn unique_name() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{PREFIX}{}-{}-{nanos:x}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Where each buffer went in a written file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub name: String,
+    pub offsets: Vec<u64>,
+    pub lengths: Vec<u64>,
+}
+
+/// Write `buffers` into a new shared-memory file. The caller removes it with [`unlink`] once every receiver has
+/// mapped it.
+pub fn write(buffers: &[&[u8]]) -> Result<Layout, ShmError> {
+    let mut offsets = Vec::with_capacity(buffers.len());
+    let mut total = 0u64;
+    for b in buffers {
+        total = total.div_ceil(ALIGN) * ALIGN;
+        offsets.push(total);
+        total += b.len() as u64;
+    }
+    let name = unique_name();
+    let path = path_of(&name)?;
+    let io_err = |source| ShmError::Io {
+        name: name.clone(),
+        source,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(io_err)?;
+    // pwrite rather than writing through a mapping: the kernel fills the new pages as it allocates them, with no
+    // page fault per 4 KiB page (measured: the mapping route made a 100 MB transfer slower than TCP).
+    let result = (|| {
+        file.set_len(total.max(1)).map_err(io_err)?;
+        for (b, &off) in buffers.iter().zip(&offsets) {
+            file.write_all_at(b, off).map_err(io_err)?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&path);
+        return Err(e);
+    }
+    Ok(Layout {
+        name,
+        lengths: buffers.iter().map(|b| b.len() as u64).collect(),
+        offsets,
+    })
+}
+
+/// A mapped shared-memory file and the buffers in it.
+pub struct Mapped {
+    pub map: Arc<Mmap>,
+    pub ranges: Vec<(usize, usize)>,
+}
+
+/// Map a file written by [`write`] read-only, checking every buffer lies inside it.
+pub fn map(name: &str, offsets: &[u64], lengths: &[u64]) -> Result<Mapped, ShmError> {
+    if offsets.len() != lengths.len() {
+        return Err(ShmError::Mismatch(offsets.len(), lengths.len()));
+    }
+    let path = path_of(name)?;
+    let io_err = |source| ShmError::Io {
+        name: name.to_string(),
+        source,
+    };
+    let file = std::fs::File::open(&path).map_err(io_err)?;
+    // SAFETY: ddlf files are written once before their name is sent and never modified afterwards.
+    // `populate` maps every page up front in one call instead of one fault per page.
+    let map = unsafe { MmapOptions::new().populate().map(&file) }.map_err(io_err)?;
+    let len = map.len() as u64;
+    let mut ranges = Vec::with_capacity(offsets.len());
+    for (index, (&start, &n)) in offsets.iter().zip(lengths).enumerate() {
+        let end = start.saturating_add(n);
+        if end > len {
+            return Err(ShmError::OutOfBounds {
+                name: name.to_string(),
+                index,
+                start,
+                end,
+                len,
+            });
+        }
+        ranges.push((start as usize, n as usize));
+    }
+    Ok(Mapped {
+        map: Arc::new(map),
+        ranges,
+    })
+}
+
+/// Remove a shared-memory file (mappings stay valid until dropped).
+pub fn unlink(name: &str) {
+    if let Ok(path) = path_of(name) {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_map_unlink_round_trip() {
+        if !available() {
+            return;
+        }
+        let a: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        let b = vec![7u8; 3];
+        let layout = write(&[&a, &[], &b]).unwrap();
+        assert!(layout.offsets.iter().all(|o| o % ALIGN == 0));
+        let mapped = map(&layout.name, &layout.offsets, &layout.lengths).unwrap();
+        unlink(&layout.name);
+        let get = |i: usize| {
+            let (s, n) = mapped.ranges[i];
+            &mapped.map[s..s + n]
+        };
+        assert_eq!(get(0), &a[..]);
+        assert!(get(1).is_empty());
+        assert_eq!(get(2), &b[..]);
+        assert!(map(&layout.name, &[0], &[1]).is_err()); // gone
+    }
+
+    #[test]
+    fn names_outside_the_ddlf_namespace_are_refused() {
+        for bad in ["../etc/passwd", "passwd", "ddlf-../../x", "ddlf-a/b", ""] {
+            assert!(
+                matches!(map(bad, &[], &[]), Err(ShmError::BadName(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn out_of_bounds_buffers_are_refused() {
+        if !available() {
+            return;
+        }
+        let layout = write(&[&[1u8, 2, 3]]).unwrap();
+        assert!(matches!(
+            map(&layout.name, &[0], &[100]),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            map(&layout.name, &[u64::MAX], &[2]),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            map(&layout.name, &[0, 1], &[1]),
+            Err(ShmError::Mismatch(2, 1))
+        ));
+        unlink(&layout.name);
+    }
+}
