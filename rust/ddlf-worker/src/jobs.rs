@@ -13,6 +13,8 @@ use tokio::sync::oneshot;
 
 use crate::state::WorkerState;
 
+// Moved once per request; boxing would add an allocation to every call for no gain.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Message {
     Job(Job),
     Shutdown,
@@ -57,6 +59,7 @@ pub fn label(request: &CallRequest) -> String {
 }
 
 /// What the interpreter thread gets from [`JobReceiver::next`].
+#[allow(clippy::large_enum_variant)]
 pub enum Next {
     Job(Job),
     /// Nothing arrived within the wait; a chance to check for signals.
