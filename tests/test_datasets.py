@@ -151,3 +151,23 @@ def test_store_rejects_bad_loader_results(cluster: ddlf.Cluster) -> None:
     with pytest.raises(ddlf.RemoteError, match="different numbers of rows"):
         cluster.load_dataset("bad2", lambda: (np.zeros(3), np.zeros(4)))
     assert cluster.datasets() == [[], []]
+
+
+def test_batches_feed_keras_fit_and_plain_loops() -> None:
+    import keras
+
+    (x, y), _ = datasets.mnist(MNIST_DIR)
+    x, y = x[:1024], y[:1024]
+
+    def prep(bx, by):
+        return bx.reshape(len(bx), -1).astype("float32") / 255.0, by
+
+    seen = [len(bx) for bx, _ in datasets.batches((x, y), batch_size=100, preprocess=prep)]
+    assert seen == [100] * 10 + [24]
+    first = [by[:5].tolist() for _, by in datasets.batches((x, y), batch_size=256, epochs=2, seed=3)]
+    assert len(first) == 8 and first[0] != first[4]  # reshuffled each epoch
+    model = keras.Sequential([keras.Input(shape=(784,)), keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    gen = datasets.batches((x, y), batch_size=64, epochs=None, seed=0, preprocess=prep)
+    hist = model.fit(gen, steps_per_epoch=16, epochs=2, verbose=0)
+    assert hist.history["loss"][1] < hist.history["loss"][0]

@@ -158,3 +158,53 @@ def test_failing_load_dataset_is_a_remote_error(cluster: ddlf.Cluster) -> None:
     with pytest.raises(ddlf.RemoteError, match="not found"):
         Broken(cluster).train(epochs=1, verbose=0)
     assert cluster.run(lambda: "still serving") == ["still serving"] * 2
+
+
+class ShardedMnist(SmallMnist):
+    """Each worker loads only its own half of the 3,000 images."""
+
+    dataset_key = "mnist-small-sharded"
+    sharded = True
+
+    def load_shard(self, shard, n_shards):
+        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+        x, y = x[: self.rows], y[: self.rows]
+        return x[shard::n_shards], y[shard::n_shards]
+
+    def load_dataset(self):
+        raise AssertionError("a sharded app never loads the whole dataset")
+
+
+def test_sharded_dataset_each_worker_holds_only_its_shard(cluster: ddlf.Cluster, test_set) -> None:
+    app = ShardedMnist(cluster)
+    h = app.train(epochs=3, batch_size=32, averaging_frequency=20, verbose=0)
+    held = cluster.datasets()
+    assert [[d["key"] for d in w if "sharded" in d["key"]] for w in held] == [
+        ["mnist-small-sharded/shard-0-of-2"],
+        ["mnist-small-sharded/shard-1-of-2"],
+    ]
+    assert all(d["rows"] == 1500 for w in held for d in w if "sharded" in d["key"])
+    assert sum(s.samples for s in h.stats) == 3 * 3000
+    assert app.evaluate(*test_set)[1] > 0.75
+
+
+def test_sharded_dataset_rotation_and_seeded_mode(cluster: ddlf.Cluster) -> None:
+    for key in [d["key"] for d in cluster.datasets()[0] if "sharded" in d["key"]]:
+        cluster.drop_dataset(key)
+    runs = []
+    for shuffle in ("indices", "seeded"):
+        app = ShardedMnist(cluster)
+        app.train(epochs=2, batch_size=64, rotate_shards_every=1, shuffle=shuffle, seed=5, verbose=0)
+        runs.append(app.model.get_weights())
+    # With rotation every epoch, both workers have held both shards.
+    for w in cluster.datasets():
+        assert sorted(d["key"] for d in w if "sharded" in d["key"]) == [
+            "mnist-small-sharded/shard-0-of-2",
+            "mnist-small-sharded/shard-1-of-2",
+        ]
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="sync"):
+        ShardedMnist(cluster).train(mode="async", verbose=0)
+    with pytest.raises(ValueError, match="sharded"):
+        SmallMnist(cluster).train(rotate_shards_every=2, verbose=0)

@@ -66,11 +66,16 @@ class IApp:
     dataset_key: str | None = None
     """Worker-side cache key of the dataset; defaults to the class's qualified name."""
 
+    sharded: bool = False
+    """Set by apps whose dataset is larger than one worker: each worker then loads only its shard with
+    :meth:`load_shard`, and shuffling happens within each shard (sync mode)."""
+
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.model: Any = None
         self.stop_training = False
         self._rows = 0
+        self._shard_rows: list[int] = []
         self._epochs_done = 0
         if self.dataset_key is None:
             self.dataset_key = f"{type(self).__module__}.{type(self).__qualname__}"
@@ -84,6 +89,11 @@ class IApp:
     def create_model(self) -> Any:
         """Return a compiled Keras model. Runs on the master and on every worker."""
         raise NotImplementedError
+
+    def load_shard(self, shard: int, n_shards: int) -> Any:
+        """For ``sharded = True`` apps: return shard ``shard`` of ``n_shards`` as ``(x, y)``. Runs on workers;
+        worker ``i`` loads shard ``i`` (and others only when shards rotate)."""
+        raise NotImplementedError("set sharded = True and implement load_shard(shard, n_shards)")
 
     def preprocess(self, x: Any, y: Any) -> tuple[Any, Any]:
         """Turn one raw batch into model inputs (default: unchanged). Runs on workers, per batch."""
@@ -102,6 +112,7 @@ class IApp:
         average_optimizer_state: bool = False,
         shuffle: str = "indices",
         worker_shares: Sequence[float] | None = None,
+        rotate_shards_every: int | None = None,
         compression: str | None = None,
         prefetch: int = 2,
         staleness: str = "none",
@@ -122,6 +133,8 @@ class IApp:
             shuffle: ``"indices"`` (the master sends each worker its index partition) or ``"seeded"`` (the master
                 sends only the seed and epoch; workers regenerate the same partition).
             worker_shares: relative amount of data per worker (for workers of unequal speed).
+            rotate_shards_every: sharded apps: every k epochs each worker moves on to the next worker's shard, so
+                that every worker eventually sees all the data.
             compression: ``None``, ``"float16"`` or ``"bfloat16"``: workers send back deltas in half precision.
             staleness, max_staleness: async staleness control (``"dynsgd"`` scales a delta by 1/(staleness+1)).
             validation_data: ``(x, y)`` evaluated on the master's model after each epoch (``val_*`` metrics).
@@ -140,8 +153,13 @@ class IApp:
             max_staleness=max_staleness,
             verbose=verbose,
             slow_worker=_slow_worker,
+            rotate_shards_every=rotate_shards_every,
         )
         cfg.check()
+        if self.sharded and mode == "async":
+            raise ValueError("sharded datasets train in sync mode (async over shards is not supported yet)")
+        if rotate_shards_every is not None and not self.sharded:
+            raise ValueError("rotate_shards_every needs a sharded app (sharded = True)")
         if mode == "sync":
             return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
         if mode == "async":
@@ -199,10 +217,14 @@ class IApp:
         if self.model is None:
             self.model = self.create_model()
         info = self.cluster.call(remote.setup, (cfg.run_id, self._shipped_copy(), cfg.seed))
-        rows = {i["rows"] for i in info}
-        if len(rows) != 1:
-            raise ValueError(f"workers loaded datasets of different sizes: {sorted(rows)}")
-        self._rows = rows.pop()
+        self._shard_rows = [i["rows"] for i in info]
+        if self.sharded:
+            self._rows = sum(self._shard_rows)
+        else:
+            rows = set(self._shard_rows)
+            if len(rows) != 1:
+                raise ValueError(f"workers loaded datasets of different sizes: {sorted(rows)}")
+            self._rows = rows.pop()
         self.stop_training = False
         history = History(
             params={

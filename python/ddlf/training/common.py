@@ -28,6 +28,7 @@ class TrainConfig:
     max_staleness: int | None = None
     verbose: int = 1
     slow_worker: tuple[int, float] | None = None  # (worker, seconds per batch): for experiments
+    rotate_shards_every: int | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def check(self) -> None:
@@ -39,6 +40,8 @@ class TrainConfig:
             raise ValueError(f"compression must be None, 'float16' or 'bfloat16', not {self.compression!r}")
         if self.staleness not in ("none", "dynsgd"):
             raise ValueError(f"staleness must be 'none' or 'dynsgd', not {self.staleness!r}")
+        if self.rotate_shards_every is not None and self.rotate_shards_every < 1:
+            raise ValueError("rotate_shards_every must be at least 1 epoch")
         if self.averaging_frequency is not None and self.averaging_frequency < 1:
             raise ValueError("averaging_frequency must be at least 1 batch")
 

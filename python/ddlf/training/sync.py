@@ -34,12 +34,8 @@ def train_sync(
         t_epoch = time.perf_counter()
         for cb in callbacks:
             cb.on_epoch_begin(epoch)
-        if cfg.shuffle == "indices":
-            parts = ops.partitions(rows, cfg.seed, epoch, shares)
-            sizes = [len(p) for p in parts]
-        else:
-            parts = None
-            sizes = ops.split_sizes(rows, shares)
+        plan = _EpochPlan(app, cfg, epoch, shares, rows, n_workers)
+        sizes = plan.sizes
         per_round = (cfg.averaging_frequency or 0) * cfg.batch_size or max(sizes)
         n_rounds = max(1, -(-max(sizes) // per_round))
         epoch_results = []
@@ -60,11 +56,8 @@ def train_sync(
                 }
                 if cfg.slow_worker and cfg.slow_worker[0] == w:
                     kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
-                if parts is not None:
-                    args.append(((cfg.run_id, parts[w][start:stop]), kw))
-                else:
-                    kw["seeded"] = (cfg.seed, epoch, shares, w, start, stop)
-                    args.append(((cfg.run_id, None), kw))
+                args.append(((cfg.run_id, plan.indices(w, start, stop)), kw))
+                kw.update(plan.extra(w, start, stop))
             results = cluster.run_each(remote.train_chunk, [a for a, _ in args], [k for _, k in args])
             wall = time.perf_counter() - t0
             live = [res for res in results if res["samples"] > 0]
@@ -112,3 +105,44 @@ def train_sync(
         if app.stop_training:
             break
     return history
+
+
+class _EpochPlan:
+    """Which rows each worker trains on in one epoch.
+
+    Whole dataset on every worker: a seeded permutation of all rows split among the workers (``indices``: the
+    master sends each worker its slice; ``seeded``: only the seed, and the worker regenerates it). Sharded
+    dataset: each worker shuffles within the shard it holds (with rotation, the shard of worker
+    ``(w + epoch // k) % n``), from a per-shard seed.
+    """
+
+    def __init__(self, app: Any, cfg: TrainConfig, epoch: int, shares: list[float], rows: int, n_workers: int):
+        self.cfg, self.epoch = cfg, epoch
+        self.sharded = bool(app.sharded)
+        if self.sharded:
+            k = cfg.rotate_shards_every
+            self.shards = [(w + (epoch // k if k else 0)) % n_workers for w in range(n_workers)]
+            self.seeds = [cfg.seed * 1_000_003 + s for s in self.shards]
+            self.sizes = [app._shard_rows[s] for s in self.shards]
+            self.perms = (
+                [ops.permutation(n, seed, epoch) for n, seed in zip(self.sizes, self.seeds)]
+                if cfg.shuffle == "indices"
+                else None
+            )
+        else:
+            self.shares = shares
+            self.perms = ops.partitions(rows, cfg.seed, epoch, shares) if cfg.shuffle == "indices" else None
+            self.sizes = [len(p) for p in self.perms] if self.perms is not None else ops.split_sizes(rows, shares)
+
+    def indices(self, w: int, start: int, stop: int) -> np.ndarray | None:
+        return self.perms[w][start:stop] if self.perms is not None else None
+
+    def extra(self, w: int, start: int, stop: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.sharded:
+            out["shard"] = self.shards[w]
+            if self.perms is None:
+                out["seeded"] = (self.seeds[w], self.epoch, [1.0], 0, start, stop)
+        elif self.perms is None:
+            out["seeded"] = (self.cfg.seed, self.epoch, self.shares, w, start, stop)
+        return out

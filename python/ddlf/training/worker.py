@@ -26,6 +26,18 @@ class Session:
     x: Any
     y: Any
     rows: int
+    n_shards: int = 0  # 0: the whole dataset on every worker
+
+
+def shard_key(app: Any, shard: int, n_shards: int) -> str:
+    """Store key of one shard of a sharded dataset."""
+    return f"{app.dataset_key}/shard-{shard}-of-{n_shards}"
+
+
+def _load(app: Any, shard: int | None, n_shards: int) -> tuple[Any, bool]:
+    if shard is None:
+        return STORE.get_or_load(app.dataset_key, app.load_dataset)
+    return STORE.get_or_load(shard_key(app, shard, n_shards), lambda: app.load_shard(shard, n_shards))
 
 
 _SESSIONS: dict[str, Session] = {}
@@ -47,11 +59,12 @@ def setup(worker: Any, run_id: str, app_blob: bytes, seed: int) -> dict[str, Any
     app = cloudpickle.loads(app_blob)
     t0 = time.perf_counter()
     keras.utils.set_random_seed(seed + 1000 * (worker.id + 1))
-    item, cached = STORE.get_or_load(app.dataset_key, app.load_dataset)
+    n_shards = worker.n_workers if app.sharded else 0
+    item, cached = _load(app, worker.id if n_shards else None, n_shards)
     x, y = _split_xy(item.value)
     model = app.create_model()
     _SESSIONS.clear()  # one training run at a time per worker
-    _SESSIONS[run_id] = Session(app, model, x, y, len(x))
+    _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards)
     return {
         "rows": len(x),
         "cached": cached,
@@ -91,26 +104,33 @@ def train_chunk(
     compression: str | None = None,
     prefetch: int = 2,
     slow_seconds_per_batch: float = 0.0,
+    shard: int | None = None,
 ) -> dict[str, Any]:
     """Train on the given rows, starting from ``weights`` (or from the broadcast variable ``__ddlf_weights``).
 
     ``seeded``, instead of ``indices``: ``(seed, epoch, shares, worker, start, stop)``; the partition is regenerated
-    here and rows ``start:stop`` of it are used. Returns the new weights (or their delta from the start weights),
-    samples trained, the Keras logs and timings.
+    here and rows ``start:stop`` of it are used. ``shard``: with a sharded dataset, which shard the rows index.
+    Returns the new weights (or their delta from the start weights), samples trained, the Keras logs and timings.
     """
     session = _SESSIONS[run_id]
     model = session.model
     t0 = time.perf_counter()
+    x, y, rows = session.x, session.y, session.rows
+    if session.n_shards and shard is not None:
+        # Shard rotation: this round trains on another worker's shard (loaded once, then cached here too).
+        item, _ = _load(session.app, shard, session.n_shards)
+        x, y = _split_xy(item.value)
+        rows = len(x)
     if weights is None:
         weights = worker.vars["__ddlf_weights"]
     if seeded is not None:
         seed, epoch, shares, w, start, stop = seeded
-        indices = ops.partition_for(session.rows, seed, epoch, shares, w)[start:stop]
+        indices = ops.partition_for(rows, seed, epoch, shares, w)[start:stop]
     model.set_weights(weights)
     if optimizer_state is not None:
         _set_optimizer_state(model, optimizer_state)
     model.reset_metrics()
-    pipeline = ops.BatchPipeline([session.x, session.y], indices, batch_size, prefetch=prefetch)
+    pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=prefetch)
     logs: dict[str, float] = {}
     preprocess = session.app.preprocess
     for bx, by in pipeline:
