@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "rpc": "ddlf.bench.rpc",
     "tensor": "ddlf.bench.tensor",
+    "data": "ddlf.bench.data",
 }
 
 

@@ -519,7 +519,9 @@ pub(crate) fn indices_u32(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
             return Err(PyValueError::new_err(format!("negative index {min}")));
         }
     }
-    let arr = arr.call_method1("astype", ("uint32",))?;
+    let arr = arr
+        .call_method1("astype", ("uint32",))?
+        .call_method1("reshape", (-1,))?;
     let typed = arr.cast::<PyArray1<u32>>()?;
     Ok(typed.readonly().as_slice()?.to_vec())
 }
@@ -589,9 +591,11 @@ impl RowSource {
     }
 
     pub(crate) fn gather(&self, idx: &[u32]) -> Result<Vec<u8>, core_gather::GatherError> {
-        let mut out = vec![0u8; idx.len() * self.row_bytes];
-        core_gather::gather_rows(self.src(), self.row_bytes, idx, &mut out)?;
-        Ok(out)
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(8);
+        core_gather::gather_rows_to_vec(self.src(), self.row_bytes, idx, threads)
     }
 
     pub(crate) fn to_numpy<'py>(

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ddlf_core::gather::gather_rows;
+use ddlf_core::gather::gather_rows_to_vec;
 use pyo3::exceptions::{PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -108,12 +108,13 @@ impl BatchPipeline {
                             // SAFETY: the pipeline keeps the arrays alive until this thread is joined.
                             unsafe { std::slice::from_raw_parts(r.ptr, r.bytes) }
                         };
-                        let mut buf = vec![0u8; chunk.len() * r.row_bytes];
-                        if let Err(e) = gather_rows(src, r.row_bytes, chunk, &mut buf) {
-                            failed = Some(e.to_string());
-                            break;
+                        match gather_rows_to_vec(src, r.row_bytes, chunk, 1) {
+                            Ok(buf) => out.push(buf),
+                            Err(e) => {
+                                failed = Some(e.to_string());
+                                break;
+                            }
                         }
-                        out.push(buf);
                     }
                     let msg = match failed {
                         Some(e) => Err(e),
