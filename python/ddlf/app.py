@@ -68,7 +68,7 @@ class IApp:
 
     sharded: bool = False
     """Set by apps whose dataset is larger than one worker: each worker then loads only its shard with
-    :meth:`load_shard`, and shuffling happens within each shard (sync mode)."""
+    :meth:`load_shard`, and shuffling happens within each shard."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -156,8 +156,6 @@ class IApp:
             rotate_shards_every=rotate_shards_every,
         )
         cfg.check()
-        if self.sharded and mode == "async":
-            raise ValueError("sharded datasets train in sync mode (async over shards is not supported yet)")
         if rotate_shards_every is not None and not self.sharded:
             raise ValueError("rotate_shards_every needs a sharded app (sharded = True)")
         if mode == "sync":

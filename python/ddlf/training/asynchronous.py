@@ -5,7 +5,8 @@ worker repeatedly takes the next chunk, pulls the newest global weights with the
 its delta. The master applies each delta atomically (in Rust, in place) and bumps the version. A delta computed
 from weights ``s`` versions old has staleness ``s``: with ``staleness="dynsgd"`` it is scaled by ``1/(s+1)``;
 beyond ``max_staleness`` it is dropped and the worker simply pulls fresh weights for its next chunk. A slow worker
-takes fewer chunks and never stalls the others.
+takes fewer chunks and never stalls the others. With a sharded dataset each worker works through its own shard
+(only it holds those rows), so the epoch ends when the slowest worker's shard is done.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class _Epoch:
     """The shared state of one asynchronous epoch: chunks left, results so far."""
 
     epoch: int
-    chunks: deque[np.ndarray]
+    chunks: deque[tuple[np.ndarray, int | None]]  # (rows, shard): a shared queue of the whole dataset
+    own: list[deque[tuple[np.ndarray, int | None]]] = field(default_factory=list)  # sharded: one queue per worker
     results: list[dict[str, Any]] = field(default_factory=list)
     done: int = 0
 
@@ -50,15 +52,28 @@ def train_async(
         t_epoch = time.perf_counter()
         for cb in callbacks:
             cb.on_epoch_begin(epoch)
-        perm = ops.permutation(rows, cfg.seed, epoch)
-        ep = _Epoch(epoch, deque(perm[i : i + chunk_rows] for i in range(0, rows, chunk_rows)))
+        if app.sharded:
+            # Each worker works through the shard it holds (rotating every k epochs if asked); only it has the
+            # rows, so a slow worker's shard finishes last.
+            k = cfg.rotate_shards_every
+            own = []
+            for w in range(n_workers):
+                shard = (w + (epoch // k if k else 0)) % n_workers
+                n = app._shard_rows[shard]
+                perm = ops.permutation(n, cfg.seed * 1_000_003 + shard, epoch)
+                own.append(deque((perm[i : i + chunk_rows], shard) for i in range(0, n, chunk_rows)))
+            ep = _Epoch(epoch, deque(), own)
+        else:
+            perm = ops.permutation(rows, cfg.seed, epoch)
+            ep = _Epoch(epoch, deque((perm[i : i + chunk_rows], None) for i in range(0, rows, chunk_rows)))
 
         def work(w: int, ep: _Epoch) -> None:
             while True:
                 with lock:
-                    if not ep.chunks or state["error"] is not None:
+                    queue = ep.own[w] if ep.own else ep.chunks
+                    if not queue or state["error"] is not None:
                         return
-                    chunk = ep.chunks.popleft()
+                    chunk, shard = queue.popleft()
                     start_weights = [a.copy() for a in weights]
                     version = state["version"]
                 t0 = time.perf_counter()
@@ -70,6 +85,8 @@ def train_async(
                 }
                 if cfg.slow_worker and cfg.slow_worker[0] == w:
                     kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
+                if shard is not None:
+                    kw["shard"] = shard
                 try:
                     res = cluster.call(remote.train_chunk, (cfg.run_id, chunk, cfg.batch_size), kw, workers=[w])[0]
                 except BaseException as exc:  # surfaced by the master thread
