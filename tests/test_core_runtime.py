@@ -491,3 +491,23 @@ def test_large_values_stream_with_no_size_limit(cluster: ddlf.Cluster) -> None:
     assert sums == [[4_000_000.0 * i for i in range(10)]] * 2
     back = cluster.get("w", workers=[1])[0]
     assert all(np.array_equal(a, b) for a, b in zip(back, weights))
+
+
+def test_received_arrays_are_writable_in_place(cluster: ddlf.Cluster) -> None:
+    cluster.set("w", np.zeros(1000, np.float32))
+
+    def bump(worker):
+        w = worker.vars["w"]
+        w += 1  # in place, on the received memory
+        return bool(w.flags.writeable), float(worker.vars["w"].sum())
+
+    assert cluster.run(bump) == [(True, 1000.0)] * 2
+    got = cluster.get("w")[0]
+    got[:10] = 5  # results on the master are writable too
+    assert got.flags.writeable and float(got.sum()) == 990 + 50
+    # Large values through shared memory: private copy-on-write mappings, writable, and no worker sees another's
+    # writes.
+    cluster.set("big", np.zeros(10_000_000, np.float32))
+    cluster.run(lambda worker: worker.vars["big"].__iadd__(worker.id + 1) is not None)
+    assert cluster.run(lambda worker: float(worker.vars["big"][:4].sum())) == [4.0, 8.0]
+    cluster.delete("big")

@@ -153,3 +153,18 @@ def test_batch_pipeline_dropped_early_releases_its_thread() -> None:
         pl = ops.BatchPipeline([x], np.arange(100_000), 100, prefetch=2)
         next(iter(pl))
         del pl  # the prefetch thread is blocked on a full queue: dropping must unblock and join it
+
+
+def test_topk_and_densify() -> None:
+    x = np.array([[0.1, -5.0, 2.0], [0.0, -0.3, 4.0]], dtype=np.float32)
+    [(idx, vals)] = ops.topk([x], 0.5)
+    assert idx.tolist() == [1, 2, 5] and vals.tolist() == [-5.0, 2.0, 4.0]
+    dense = ops.densify([(idx, vals)], [x])[0]
+    assert dense.shape == x.shape and dense.tolist() == [[0, -5, 2], [0, 0, 4]]
+    big = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
+    [(i, v)] = ops.topk([big], 0.01)
+    assert len(i) == 1000 and np.abs(v).min() >= np.sort(np.abs(big))[-1000]
+    with pytest.raises(ValueError, match="ratio"):
+        ops.topk([x], 0.0)
+    with pytest.raises(TypeError, match="float32"):
+        ops.topk([x.astype(np.float64)], 0.5)

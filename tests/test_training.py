@@ -108,6 +108,29 @@ def test_compression_halves_bytes_back_at_equal_accuracy(cluster: ddlf.Cluster, 
     assert abs(accuracy[compression] - accuracy[None]) < 0.02
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_topk_compression_with_error_feedback(cluster: ddlf.Cluster, test_set, mode) -> None:
+    app = SmallMnist(cluster)
+    h = app.train(
+        epochs=3,
+        batch_size=32,
+        mode=mode,
+        averaging_frequency=10,
+        compression="topk",
+        topk_ratio=0.05,
+        seed=1,
+        verbose=0,
+    )
+    plain = SmallMnist(cluster).train(epochs=1, batch_size=32, mode=mode, averaging_frequency=10, verbose=0)
+    # 5% of the entries, 8 bytes each (index + value) instead of 4: about a tenth of the dense bytes.
+    sent_back = np.mean([s.bytes_received for s in h.stats])
+    dense = np.mean([s.bytes_received for s in plain.stats])
+    assert 0.05 < sent_back / dense < 0.15
+    assert app.evaluate(*test_set)[1] > 0.7
+    with pytest.raises(ValueError, match="topk_ratio"):
+        app.train(compression="topk", topk_ratio=2.0, verbose=0)
+
+
 def test_optimizer_state_averaging_and_uneven_shares(cluster: ddlf.Cluster) -> None:
     h = SmallMnist(cluster).train(
         epochs=1, batch_size=32, averaging_frequency=10, average_optimizer_state=True, worker_shares=[3, 1], verbose=0

@@ -114,6 +114,7 @@ class IApp:
         worker_shares: Sequence[float] | None = None,
         rotate_shards_every: int | None = None,
         compression: str | None = None,
+        topk_ratio: float = 0.01,
         prefetch: int = 2,
         staleness: str = "none",
         max_staleness: int | None = None,
@@ -135,7 +136,9 @@ class IApp:
             worker_shares: relative amount of data per worker (for workers of unequal speed).
             rotate_shards_every: sharded apps: every k epochs each worker moves on to the next worker's shard, so
                 that every worker eventually sees all the data.
-            compression: ``None``, ``"float16"`` or ``"bfloat16"``: workers send back deltas in half precision.
+            compression: ``None``, ``"float16"`` or ``"bfloat16"`` (workers send back deltas in half precision),
+                or ``"topk"``: workers send only the ``topk_ratio`` share of delta entries of largest magnitude,
+                keeping the rest as error feedback for their next round (nothing is lost, only delayed).
             staleness, max_staleness: async staleness control (``"dynsgd"`` scales a delta by 1/(staleness+1)).
             validation_data: ``(x, y)`` evaluated on the master's model after each epoch (``val_*`` metrics).
         """
@@ -148,6 +151,7 @@ class IApp:
             shuffle=shuffle,
             shares=list(worker_shares) if worker_shares is not None else None,
             compression=compression,
+            topk_ratio=topk_ratio,
             prefetch=prefetch,
             staleness=staleness,
             max_staleness=max_staleness,

@@ -48,6 +48,22 @@ def from_half(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     return _ddlf.from_half(views, flags)
 
 
+def topk(arrays: Sequence[np.ndarray], ratio: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Top-k sparsification of float32 arrays: for each, ``(indices, values)`` of the ``ratio`` share of entries
+    with the largest magnitude (indices into the flattened array, ascending)."""
+    return _ddlf.topk([np.ascontiguousarray(a) for a in arrays], float(ratio))
+
+
+def densify(sparse: Sequence[tuple[np.ndarray, np.ndarray]], like: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Dense float32 arrays shaped like ``like`` from :func:`topk` output (zeros elsewhere)."""
+    out = []
+    for (idx, vals), ref in zip(sparse, like):
+        dense = np.zeros(ref.size, dtype=np.float32)
+        dense[idx] = vals
+        out.append(dense.reshape(ref.shape))
+    return out
+
+
 def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """The seeded permutation of ``range(n)`` for ``(seed, epoch)`` (uint32), identical on every machine."""
     return _ddlf.permutation(int(n), int(seed), int(epoch))
@@ -78,6 +94,7 @@ __all__ = [
     "BatchPipeline",
     "axpy_",
     "delta",
+    "densify",
     "from_half",
     "gather",
     "partition_for",
@@ -85,5 +102,6 @@ __all__ = [
     "permutation",
     "split_sizes",
     "to_half",
+    "topk",
     "weighted_average",
 ]

@@ -82,6 +82,7 @@ def train_async(
                     "return_delta": True,
                     "compression": cfg.compression,
                     "prefetch": cfg.prefetch,
+                    "topk_ratio": cfg.topk_ratio,
                 }
                 if cfg.slow_worker and cfg.slow_worker[0] == w:
                     kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
@@ -94,7 +95,7 @@ def train_async(
                         state["error"] = exc
                     return
                 wall = time.perf_counter() - t0
-                delta = as_float32(res["weights"])
+                delta = as_float32(res["weights"], start_weights)
                 with lock:
                     staleness = state["version"] - version
                     dropped = cfg.max_staleness is not None and staleness > cfg.max_staleness

@@ -23,6 +23,7 @@ class TrainConfig:
     shuffle: str = "indices"  # or "seeded"
     shares: list[float] | None = None
     compression: str | None = None
+    topk_ratio: float = 0.01
     prefetch: int = 2
     staleness: str = "none"
     max_staleness: int | None = None
@@ -36,8 +37,10 @@ class TrainConfig:
             raise ValueError("epochs must be >= 0 and batch_size >= 1")
         if self.shuffle not in ("indices", "seeded"):
             raise ValueError(f"shuffle must be 'indices' or 'seeded', not {self.shuffle!r}")
-        if self.compression not in (None, "float16", "bfloat16"):
-            raise ValueError(f"compression must be None, 'float16' or 'bfloat16', not {self.compression!r}")
+        if self.compression not in (None, "float16", "bfloat16", "topk"):
+            raise ValueError(f"compression must be None, 'float16', 'bfloat16' or 'topk', not {self.compression!r}")
+        if not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"topk_ratio must be in (0, 1], not {self.topk_ratio}")
         if self.staleness not in ("none", "dynsgd"):
             raise ValueError(f"staleness must be 'none' or 'dynsgd', not {self.staleness!r}")
         if self.rotate_shards_every is not None and self.rotate_shards_every < 1:
@@ -57,8 +60,11 @@ def nbytes(arrays: Any) -> int:
     return 0
 
 
-def as_float32(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """Decompress half-precision arrays to float32 (others pass through)."""
+def as_float32(arrays: list[Any], like: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Decode what a worker sent: half-precision arrays to float32, top-k ``(indices, values)`` pairs to dense
+    arrays shaped like ``like``; anything else passes through."""
+    if arrays and isinstance(arrays[0], tuple):
+        return ops.densify(arrays, like if like is not None else [])
     if arrays and str(arrays[0].dtype) in ("float16", "bfloat16"):
         return ops.from_half(arrays)
     return arrays

@@ -53,6 +53,7 @@ def train_sync(
                     "prefetch": cfg.prefetch,
                     "return_optimizer_state": cfg.average_optimizer_state,
                     "optimizer_state": opt_state,
+                    "topk_ratio": cfg.topk_ratio,
                 }
                 if cfg.slow_worker and cfg.slow_worker[0] == w:
                     kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
@@ -62,7 +63,7 @@ def train_sync(
             wall = time.perf_counter() - t0
             live = [res for res in results if res["samples"] > 0]
             if live:
-                payloads = [as_float32(res["weights"]) for res in live]
+                payloads = [as_float32(res["weights"], weights) for res in live]
                 merged = ops.weighted_average(payloads, [res["samples"] for res in live])
                 if cfg.compression is not None:  # workers sent deltas
                     ops.axpy_(weights, merged)

@@ -27,6 +27,7 @@ class Session:
     y: Any
     rows: int
     n_shards: int = 0  # 0: the whole dataset on every worker
+    residual: list[np.ndarray] | None = None  # top-k error feedback: what earlier rounds did not send
 
 
 def shard_key(app: Any, shard: int, n_shards: int) -> str:
@@ -105,6 +106,7 @@ def train_chunk(
     prefetch: int = 2,
     slow_seconds_per_batch: float = 0.0,
     shard: int | None = None,
+    topk_ratio: float = 0.01,
 ) -> dict[str, Any]:
     """Train on the given rows, starting from ``weights`` (or from the broadcast variable ``__ddlf_weights``).
 
@@ -150,6 +152,14 @@ def train_chunk(
     payload = ops.delta(new, weights) if return_delta else new
     if compression in ("float16", "bfloat16"):
         payload = ops.to_half([np.ascontiguousarray(p, dtype=np.float32) for p in payload], compression)
+    elif compression == "topk":
+        # Error feedback: add what earlier rounds left out, send the largest entries, keep the rest for later.
+        delta = [np.ascontiguousarray(p, dtype=np.float32) for p in payload]
+        if session.residual is not None:
+            ops.axpy_(delta, session.residual)
+        sparse = ops.topk(delta, topk_ratio)
+        session.residual = ops.delta(delta, ops.densify(sparse, delta))
+        payload = sparse
     result["weights"] = payload
     if return_optimizer_state:
         result["optimizer_state"] = _optimizer_state(model)

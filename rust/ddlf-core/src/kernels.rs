@@ -154,6 +154,27 @@ pub fn from_bf16(src: &[bf16], out: &mut [f32]) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// The `k` entries of largest magnitude: their indices (ascending) and values. Average O(n) selection.
+pub fn top_k_abs(x: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+    let k = k.min(x.len());
+    if k == 0 {
+        return (Vec::new(), Vec::new());
+    }
+    let mut idx: Vec<u32> = (0..x.len() as u32).collect();
+    if k < x.len() {
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            x[b as usize]
+                .abs()
+                .partial_cmp(&x[a as usize].abs())
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+        idx.truncate(k);
+    }
+    idx.sort_unstable();
+    let values = idx.iter().map(|&i| x[i as usize]).collect();
+    (idx, values)
+}
+
 fn check(a: usize, b: usize) -> Result<(), KernelError> {
     if a != b {
         Err(KernelError::Length(a, b))
@@ -199,6 +220,16 @@ mod tests {
         to_bf16(&src, &mut b).unwrap();
         from_bf16(&b, &mut back).unwrap();
         assert!(src.iter().zip(&back).all(|(a, b)| (a - b).abs() <= 4e-2));
+    }
+
+    #[test]
+    fn top_k_keeps_the_largest_magnitudes() {
+        let x = [0.1f32, -5.0, 2.0, 0.0, -0.3, 4.0];
+        let (i, v) = top_k_abs(&x, 3);
+        assert_eq!(i, vec![1, 2, 5]);
+        assert_eq!(v, vec![-5.0, 2.0, 4.0]);
+        assert_eq!(top_k_abs(&x, 0).0.len(), 0);
+        assert_eq!(top_k_abs(&x, 99).0.len(), 6);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use std::os::unix::fs::FileExt;
 
-use memmap2::{Mmap, MmapOptions};
+use memmap2::{MmapMut, MmapOptions};
 
 /// The directory shared-memory files live in.
 pub const DIR: &str = "/dev/shm";
@@ -130,11 +130,13 @@ pub fn write(buffers: &[&[u8]]) -> Result<Layout, ShmError> {
 
 /// A mapped shared-memory file and the buffers in it.
 pub struct Mapped {
-    pub map: Arc<Mmap>,
+    pub map: Arc<MmapMut>,
     pub ranges: Vec<(usize, usize)>,
 }
 
-/// Map a file written by [`write`] read-only, checking every buffer lies inside it.
+/// Map a file written by [`write`], checking every buffer lies inside it. The mapping is private
+/// (copy-on-write): the receiver may write to its arrays, the file and the other receivers never see it, and
+/// only the pages actually written are copied.
 pub fn map(name: &str, offsets: &[u64], lengths: &[u64]) -> Result<Mapped, ShmError> {
     if offsets.len() != lengths.len() {
         return Err(ShmError::Mismatch(offsets.len(), lengths.len()));
@@ -147,7 +149,7 @@ pub fn map(name: &str, offsets: &[u64], lengths: &[u64]) -> Result<Mapped, ShmEr
     let file = std::fs::File::open(&path).map_err(io_err)?;
     // SAFETY: ddlf files are written once before their name is sent and never modified afterwards.
     // `populate` maps every page up front in one call instead of one fault per page.
-    let map = unsafe { MmapOptions::new().populate().map(&file) }.map_err(io_err)?;
+    let map = unsafe { MmapOptions::new().populate().map_copy(&file) }.map_err(io_err)?;
     let len = map.len() as u64;
     let mut ranges = Vec::with_capacity(offsets.len());
     for (index, (&start, &n)) in offsets.iter().zip(lengths).enumerate() {
@@ -190,10 +192,16 @@ mod tests {
         let layout = write(&[&a, &[], &b]).unwrap();
         assert!(layout.offsets.iter().all(|o| o % ALIGN == 0));
         let mapped = map(&layout.name, &layout.offsets, &layout.lengths).unwrap();
+        let other = map(&layout.name, &layout.offsets, &layout.lengths).unwrap();
         unlink(&layout.name);
+        // Private mappings: a write through one is invisible to the other.
+        let (s0, _) = mapped.ranges[0];
+        unsafe { *(mapped.map.as_ptr() as *mut u8).add(s0) = 99 };
+        assert_eq!(mapped.map[s0], 99);
+        assert_eq!(other.map[s0], a[0]);
         let get = |i: usize| {
-            let (s, n) = mapped.ranges[i];
-            &mapped.map[s..s + n]
+            let (s, n) = other.ranges[i];
+            &other.map[s..s + n]
         };
         assert_eq!(get(0), &a[..]);
         assert!(get(1).is_empty());

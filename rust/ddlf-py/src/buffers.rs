@@ -9,18 +9,20 @@ use std::ffi::c_int;
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use memmap2::Mmap;
+use bytes::{Bytes, BytesMut};
+use memmap2::MmapMut;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 
 /// Where received bytes live.
 enum Data {
-    /// A slice of what came off the network.
+    /// A slice of a buffer shared with others (read-only).
     Bytes(Bytes),
-    /// A range of a mapped shared-memory file (same-machine transfers).
-    Mapped(Arc<Mmap>, usize, usize),
+    /// Memory this buffer alone owns (an assembled stream part): exported writable.
+    Owned(BytesMut),
+    /// A range of a private (copy-on-write) mapping of a shared-memory file: exported writable.
+    Mapped(Arc<MmapMut>, usize, usize),
 }
 
 /// Read-only bytes received from a peer, shared with Python without a copy.
@@ -30,13 +32,16 @@ pub struct RecvBuffer {
 }
 
 impl RecvBuffer {
+    /// Received bytes: writable without a copy when nothing else shares them.
     pub fn new(data: Bytes) -> Self {
-        RecvBuffer {
-            data: Data::Bytes(data),
-        }
+        let data = match data.try_into_mut() {
+            Ok(owned) => Data::Owned(owned),
+            Err(shared) => Data::Bytes(shared),
+        };
+        RecvBuffer { data }
     }
 
-    pub fn mapped(map: Arc<Mmap>, start: usize, len: usize) -> Self {
+    pub fn mapped(map: Arc<MmapMut>, start: usize, len: usize) -> Self {
         RecvBuffer {
             data: Data::Mapped(map, start, len),
         }
@@ -45,6 +50,7 @@ impl RecvBuffer {
     fn as_slice(&self) -> &[u8] {
         match &self.data {
             Data::Bytes(b) => b,
+            Data::Owned(b) => b,
             Data::Mapped(m, s, n) => &m[*s..*s + *n],
         }
     }
@@ -58,7 +64,8 @@ impl RecvBuffer {
 
     fn __repr__(&self) -> String {
         let kind = match self.data {
-            Data::Bytes(_) => "network",
+            Data::Bytes(_) => "network, read-only",
+            Data::Owned(_) => "network",
             Data::Mapped(..) => "shared memory",
         };
         format!("<RecvBuffer {} bytes, {kind}>", self.as_slice().len())
@@ -71,9 +78,10 @@ impl RecvBuffer {
         view: *mut pyo3::ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        if flags & pyo3::ffi::PyBUF_WRITABLE == pyo3::ffi::PyBUF_WRITABLE {
+        let readonly = matches!(slf.get().data, Data::Bytes(_));
+        if readonly && flags & pyo3::ffi::PyBUF_WRITABLE == pyo3::ffi::PyBUF_WRITABLE {
             return Err(PyBufferError::new_err(
-                "received buffers are read-only; copy the array to get a writable one",
+                "this received buffer is shared and read-only; copy the array to get a writable one",
             ));
         }
         let (ptr, len) = {
@@ -86,7 +94,9 @@ impl RecvBuffer {
                 slf.as_ptr(),
                 ptr as *mut std::ffi::c_void,
                 len as pyo3::ffi::Py_ssize_t,
-                1,
+                // Owned and privately mapped memory is this object's alone: Python may write to it (Rust never
+                // reads it again), so received arrays are writable without a copy.
+                readonly as std::ffi::c_int,
                 flags,
             )
         };

@@ -32,6 +32,7 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::delta, m)?)?;
     m.add_function(wrap_pyfunction!(ops::to_half, m)?)?;
     m.add_function(wrap_pyfunction!(ops::from_half, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::topk, m)?)?;
     m.add_function(wrap_pyfunction!(ops::permutation, m)?)?;
     m.add_function(wrap_pyfunction!(ops::partitions, m)?)?;
     m.add_function(wrap_pyfunction!(ops::partition_for, m)?)?;

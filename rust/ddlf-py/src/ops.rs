@@ -433,6 +433,34 @@ pub fn from_half<'py>(
     Ok(out)
 }
 
+/// Top-k sparsification: for each float32 array, the `ratio` share of entries of largest magnitude, as
+/// `(indices uint32, values float32)` over the flattened array (at least one entry per non-empty array).
+#[pyfunction]
+pub fn topk<'py>(
+    py: Python<'py>,
+    arrays: Vec<Bound<'py, PyAny>>,
+    ratio: f64,
+) -> PyResult<Vec<(Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<f32>>)>> {
+    if !(ratio > 0.0 && ratio <= 1.0) {
+        return Err(PyValueError::new_err(format!(
+            "ratio must be in (0, 1], got {ratio}"
+        )));
+    }
+    let vs = views(&arrays, "topk")?;
+    let mut out = Vec::with_capacity(vs.len());
+    for (i, v) in vs.iter().enumerate() {
+        if v.dtype != DType::F32 {
+            return Err(PyTypeError::new_err(format!(
+                "array {i}: topk expects float32"
+            )));
+        }
+        let k = ((v.len as f64 * ratio).ceil() as usize).max(usize::from(v.len > 0));
+        let (idx, vals) = py.detach(|| kernels::top_k_abs(unsafe { v.slice::<f32>() }, k));
+        out.push((PyArray1::from_vec(py, idx), PyArray1::from_vec(py, vals)));
+    }
+    Ok(out)
+}
+
 /// The seeded permutation of `0..n` for `(seed, epoch)`, as uint32.
 #[pyfunction]
 pub fn permutation(
