@@ -433,6 +433,9 @@ pub fn from_half<'py>(
     Ok(out)
 }
 
+/// One sparsified array: indices into the flattened array and their values.
+type Sparse<'py> = (Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<f32>>);
+
 /// Top-k sparsification: for each float32 array, the `ratio` share of entries of largest magnitude, as
 /// `(indices uint32, values float32)` over the flattened array (at least one entry per non-empty array).
 #[pyfunction]
@@ -440,7 +443,7 @@ pub fn topk<'py>(
     py: Python<'py>,
     arrays: Vec<Bound<'py, PyAny>>,
     ratio: f64,
-) -> PyResult<Vec<(Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<f32>>)>> {
+) -> PyResult<Vec<Sparse<'py>>> {
     if !(ratio > 0.0 && ratio <= 1.0) {
         return Err(PyValueError::new_err(format!(
             "ratio must be in (0, 1], got {ratio}"
