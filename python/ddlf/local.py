@@ -24,14 +24,26 @@ from .errors import WorkerStartError
 from .threads import thread_env
 
 _PR_SET_PDEATHSIG = 1
+PARENT_ENV = "DDLF_PARENT_PID"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """Called first thing by a local worker daemon (``DDLF_PARENT_PID`` set): ask the kernel to kill this
+    process when its parent dies (Linux), and exit now if the parent is already gone.
+
+    Done in the child itself rather than in a ``preexec_fn``: a pre-exec hook forces fork() from the master, and
+    forking a multi-threaded process (JAX, TensorFlow and torch all start threads) can deadlock the child.
+    """
+    expected = os.environ.get(PARENT_ENV)
+    if not expected or not sys.platform.startswith("linux"):
+        return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except Exception:
-        pass
+    except OSError:
+        return
+    if os.getppid() != int(expected):  # the parent died before the request took effect
+        os._exit(0)
 
 
 class LocalWorkers:
@@ -54,6 +66,7 @@ class LocalWorkers:
         self.addresses: list[str] = []
         child_env = dict(os.environ)
         child_env["DDLF_TOKEN"] = self.token
+        child_env[PARENT_ENV] = str(os.getpid())
         # Local daemons share the user's terminal: only warnings and errors, unless DDLF_LOG says otherwise.
         child_env.setdefault("DDLF_LOG", "warn")
         if threads is not None:
@@ -85,7 +98,6 @@ class LocalWorkers:
                         env=child_env,
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,  # Ctrl-C reaches the master, which then stops its workers
-                        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
                     )
                 )
             self.addresses = [self._wait_ready(p, f, start_timeout) for p, f in zip(self.processes, ready_files)]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from . import _ddlf
 from ._executor import Executor
 from .errors import WorkerStartError
+from .local import die_with_parent
 from .threads import limit_threads
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
@@ -73,6 +74,7 @@ def _raise_system_exit(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ddlf-worker``."""
+    die_with_parent()  # local workers (Cluster.local) never outlive their master
     args = _parser().parse_args(argv)
     token = _read_token(args.token_file)
     if args.threads:

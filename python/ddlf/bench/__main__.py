@@ -9,6 +9,7 @@ BENCHMARKS = {
     "rpc": "ddlf.bench.rpc",
     "tensor": "ddlf.bench.tensor",
     "data": "ddlf.bench.data",
+    "train": "ddlf.bench.train",
 }
 
 

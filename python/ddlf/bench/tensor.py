@@ -122,6 +122,10 @@ def wire_bytes() -> list[list[str]]:
         h = ops.to_half(w, kind)
         b = sum(a.nbytes for a in h)
         rows.append([kind, f"{b / 1e6:.1f}", f"{b / f32:.2f}x"])
+    for ratio in (0.1, 0.01):
+        sparse = ops.topk(w, ratio)
+        b = sum(i.nbytes + v.nbytes for i, v in sparse)
+        rows.append([f"topk {ratio:g} (uint32 index + float32 value)", f"{b / 1e6:.1f}", f"{b / f32:.2f}x"])
     return rows
 
 
