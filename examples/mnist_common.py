@@ -51,3 +51,42 @@ def test_data(directory: str = DATA):
     """The 10,000 MNIST test images and labels."""
     _, (x_test, y_test) = ddlf.datasets.mnist(directory)
     return x_test, y_test
+
+
+def run(default_mode: str, description: str) -> None:
+    """The command line of the MNIST examples: train on a local cluster, print the test accuracy."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--mode", choices=["sync", "async"], default=default_mode)
+    p.add_argument("--compression", choices=["float16", "bfloat16", "topk"], default=None)
+    p.add_argument("--save", default=None, help="save the trained model here (.keras)")
+    p.add_argument("--limit", type=int, default=None, help="train on the first N images only (quick runs)")
+    args = p.parse_args()
+
+    x_test, y_test = test_data()
+    t0 = time.perf_counter()
+    with ddlf.Cluster.local(n_workers=args.workers) as cluster:
+        app = MnistApp(cluster)
+        if args.limit:
+            app.limit = args.limit
+            app.dataset_key = f"mnist-v1-first-{args.limit}"  # never confused with the full set in a cache
+        history = app.train(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            mode=args.mode,
+            compression=args.compression,
+            validation_data=(x_test, y_test),
+        )
+        loss, acc = app.evaluate(x_test, y_test)
+        if args.save:
+            app.model.save(args.save)
+    print(f"train loss per epoch: {[round(v, 4) for v in history.history['loss']]}")
+    print(
+        f"test accuracy: {acc:.4f}  test loss: {loss:.4f}  ({args.mode}, {args.workers} workers, "
+        f"{args.epochs} epochs, {time.perf_counter() - t0:.1f} s in all)"
+    )

@@ -22,7 +22,7 @@ import numpy as np
 from .. import ops
 from ..history import History, RoundStats
 from . import worker as remote
-from .common import TrainConfig, as_float32, nbytes, weighted_logs
+from .common import TrainConfig, as_float32, end_epoch, nbytes
 
 DEFAULT_CHUNK_BATCHES = 10
 
@@ -133,14 +133,6 @@ def train_async(
             t.join()
         if state["error"] is not None:
             raise state["error"]
-        app.model.set_weights(weights)
-        logs = weighted_logs([r for r in ep.results if r["samples"] > 0])
-        if validation_data is not None:
-            logs.update(app._validate(validation_data))
-        history.record_epoch(logs, time.perf_counter() - t_epoch)
-        for cb in callbacks:
-            cb.on_epoch_end(epoch, logs)
-        app._epochs_done = epoch + 1
-        if app.stop_training:
+        if end_epoch(app, weights, ep.results, epoch, t_epoch, history, callbacks, validation_data):
             break
     return history

@@ -87,3 +87,28 @@ def average_states(states: list[list[np.ndarray]], weights: list[float]) -> list
         else:
             out.append(np.array(arrays[0]))
     return out
+
+
+def end_epoch(
+    app: Any,
+    weights: list[np.ndarray],
+    results: list[dict[str, Any]],
+    epoch: int,
+    t_epoch: float,
+    history: Any,
+    callbacks: list[Any],
+    validation_data: Any,
+) -> bool:
+    """Close an epoch (either mode): the master's model takes the weights, the workers' logs are averaged,
+    validation runs, History and callbacks hear of it. Returns whether training should stop."""
+    import time
+
+    app.model.set_weights(weights)
+    logs = weighted_logs([r for r in results if r["samples"] > 0])
+    if validation_data is not None:
+        logs.update(app._validate(validation_data))
+    history.record_epoch(logs, time.perf_counter() - t_epoch)
+    for cb in callbacks:
+        cb.on_epoch_end(epoch, logs)
+    app._epochs_done = epoch + 1
+    return bool(app.stop_training)

@@ -17,7 +17,7 @@ import numpy as np
 from .. import ops
 from ..history import History, RoundStats
 from . import worker as remote
-from .common import TrainConfig, as_float32, average_states, nbytes, weighted_logs
+from .common import TrainConfig, as_float32, average_states, end_epoch, nbytes, weighted_logs
 
 
 def train_sync(
@@ -95,15 +95,7 @@ def train_sync(
             for cb in callbacks:
                 cb.on_round_end(round_no, round_logs)
             round_no += 1
-        app.model.set_weights(weights)
-        logs = weighted_logs([res for res in epoch_results if res["samples"] > 0])
-        if validation_data is not None:
-            logs.update(app._validate(validation_data))
-        history.record_epoch(logs, time.perf_counter() - t_epoch)
-        for cb in callbacks:
-            cb.on_epoch_end(epoch, logs)
-        app._epochs_done = epoch + 1
-        if app.stop_training:
+        if end_epoch(app, weights, epoch_results, epoch, t_epoch, history, callbacks, validation_data):
             break
     return history
 

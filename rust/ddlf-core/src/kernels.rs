@@ -24,39 +24,29 @@ pub trait Float: Copy + Send + Sync + 'static {
     fn zero() -> Self;
 }
 
-impl Float for f32 {
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-    #[inline(always)]
-    fn mul_add_acc(acc: Self, x: Self, w: Self) -> Self {
-        acc + x * w
-    }
-    #[inline(always)]
-    fn sub(a: Self, b: Self) -> Self {
-        a - b
-    }
-    fn zero() -> Self {
-        0.0
-    }
+macro_rules! impl_float {
+    ($t:ty) => {
+        impl Float for $t {
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn mul_add_acc(acc: Self, x: Self, w: Self) -> Self {
+                acc + x * w
+            }
+            #[inline(always)]
+            fn sub(a: Self, b: Self) -> Self {
+                a - b
+            }
+            fn zero() -> Self {
+                0.0
+            }
+        }
+    };
 }
 
-impl Float for f64 {
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-    #[inline(always)]
-    fn mul_add_acc(acc: Self, x: Self, w: Self) -> Self {
-        acc + x * w
-    }
-    #[inline(always)]
-    fn sub(a: Self, b: Self) -> Self {
-        a - b
-    }
-    fn zero() -> Self {
-        0.0
-    }
-}
+impl_float!(f32);
+impl_float!(f64);
 
 /// Normalized weights (summing to one).
 pub fn normalize(weights: &[f64]) -> Result<Vec<f64>, KernelError> {

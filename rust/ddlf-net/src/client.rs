@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::{Token, TOKEN_HEADER};
-use ddlf_core::frame::{self, Assembler, FrameError, FrameLimits};
+use ddlf_core::frame::FrameLimits;
 use ddlf_core::shm;
 use ddlf_proto::worker_client::WorkerClient;
 use ddlf_proto::{
-    CallReply, CallRequest, Chunk, HelloReply, HelloRequest, PingRequest, ShutdownRequest,
-    StatusReply, StatusRequest, Value, PROTOCOL_VERSION, VERSION,
+    CallReply, CallRequest, HelloReply, HelloRequest, PingRequest, ShutdownRequest, StatusReply,
+    StatusRequest, PROTOCOL_VERSION, VERSION,
 };
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
@@ -21,6 +21,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
 
 use crate::error::{describe_error, NetError};
+use crate::stream::{from_chunks, to_chunks, Expect, Header, StreamError};
 
 /// How the master connects to its workers.
 #[derive(Clone, Debug)]
@@ -257,28 +258,8 @@ impl WorkerConn {
         timeout: Option<Duration>,
         chunk_bytes: usize,
     ) -> Result<CallReply, NetError> {
-        let mut value = request.value.take().unwrap_or_default();
-        // A shared-memory reference travels in the header; the stream carries the inline bytes.
-        if let Some(shm) = value.shm.take() {
-            request.value = Some(Value {
-                shm: Some(shm),
-                ..Default::default()
-            });
-        }
-        let mut chunks = vec![Chunk {
-            lengths: frame::lengths(&value.pickle, &value.buffers),
-            request: Some(request),
-            ..Default::default()
-        }];
-        chunks.extend(
-            frame::split(&value.pickle, &value.buffers, chunk_bytes)
-                .into_iter()
-                .map(|data| Chunk {
-                    data,
-                    ..Default::default()
-                }),
-        );
-        drop(value);
+        let value = request.value.take().unwrap_or_default();
+        let chunks = to_chunks(Header::Request(request), value, chunk_bytes);
         let mut client = self.client.clone();
         let limits = self.limits;
         let exchange = async move {
@@ -287,7 +268,12 @@ impl WorkerConn {
                 req.set_timeout(t);
             }
             let stream = client.call_stream(req).await?.into_inner();
-            assemble_reply(stream, limits).await
+            let (first, value) = from_chunks(stream, limits, Expect::Reply).await?;
+            let mut reply = first
+                .reply
+                .ok_or(StreamError::Malformed("the first chunk carries no reply"))?;
+            reply.value = Some(value);
+            Ok(reply)
         };
         let start = Instant::now();
         let result = match timeout {
@@ -315,10 +301,10 @@ impl WorkerConn {
                     e => e,
                 }
             }
-            StreamError::Invalid(reason) => NetError::Rejected {
+            invalid => NetError::Rejected {
                 address: self.address.clone(),
                 code: "InvalidReply".into(),
-                message: reason,
+                message: invalid.to_string(),
             },
         })
     }
@@ -350,47 +336,4 @@ impl WorkerConn {
         .await
         .map(|_| ())
     }
-}
-
-/// Failure while reading a streamed reply.
-enum StreamError {
-    Status(Status),
-    Invalid(String),
-}
-
-impl From<Status> for StreamError {
-    fn from(s: Status) -> Self {
-        StreamError::Status(s)
-    }
-}
-
-/// Read a streamed reply to the end.
-async fn assemble_reply(
-    mut stream: tonic::Streaming<Chunk>,
-    limits: FrameLimits,
-) -> Result<CallReply, StreamError> {
-    let first = stream
-        .message()
-        .await?
-        .ok_or_else(|| StreamError::Invalid("empty reply stream".into()))?;
-    let mut reply = first
-        .reply
-        .ok_or_else(|| StreamError::Invalid("the first chunk carries no reply".into()))?;
-    let invalid = |e: FrameError| StreamError::Invalid(e.to_string());
-    let mut assembler = Assembler::new(&first.lengths, limits).map_err(invalid)?;
-    assembler.push(&first.data).map_err(invalid)?;
-    while !assembler.is_complete() {
-        match stream.message().await? {
-            Some(chunk) => assembler.push(&chunk.data).map_err(invalid)?,
-            None => break,
-        }
-    }
-    let (pickle, buffers) = assembler.finish().map_err(invalid)?;
-    let shm = reply.value.take().and_then(|v| v.shm);
-    reply.value = Some(Value {
-        pickle: pickle.into(),
-        buffers: buffers.into_iter().map(bytes::Bytes::from).collect(),
-        shm,
-    });
-    Ok(reply)
 }

@@ -2,11 +2,13 @@
 //!
 //! * [`client`]: connect with a deadline, version handshake, calls with deadlines, ping/status/shutdown.
 //! * [`server`]: the configured tonic server builder, token authentication, listener.
+//! * [`stream`]: values cut into chunks for streamed calls, and read back (both ends).
 //! * [`error`]: [`NetError`], what can go wrong talking to a worker, always naming its address.
 
 pub mod client;
 pub mod error;
 pub mod server;
+pub mod stream;
 
 pub use client::{ClientConfig, WorkerConn};
 pub use error::NetError;

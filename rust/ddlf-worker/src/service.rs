@@ -11,9 +11,9 @@ use ddlf_proto::{
 };
 use std::pin::Pin;
 
-use bytes::Bytes;
-use ddlf_core::frame::{self, Assembler, FrameError, FrameLimits};
-use ddlf_proto::{Chunk, Value};
+use ddlf_core::frame::{self, FrameError, FrameLimits};
+use ddlf_net::stream::{from_chunks, to_chunks, Expect, Header, StreamError};
+use ddlf_proto::Chunk;
 use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
@@ -76,38 +76,20 @@ impl WorkerService {
     }
 
     /// Read a streamed request to the end, checking declared sizes before allocating.
-    async fn receive(&self, mut stream: Streaming<Chunk>) -> Result<CallRequest, Status> {
-        let first = stream
-            .message()
-            .await?
-            .ok_or_else(|| self.reject(Status::invalid_argument("empty request stream")))?;
+    async fn receive(&self, stream: Streaming<Chunk>) -> Result<CallRequest, Status> {
+        let (first, value) = from_chunks(stream, self.limits, Expect::Request)
+            .await
+            .map_err(|e| match e {
+                StreamError::Status(s) => s,
+                StreamError::Frame(f) => self.reject(frame_status(f)),
+                StreamError::Malformed(m) => self.reject(Status::invalid_argument(m)),
+            })?;
         let mut request = first.request.ok_or_else(|| {
             self.reject(Status::invalid_argument(
                 "the first chunk carries no request",
             ))
         })?;
-        let mut assembler = Assembler::new(&first.lengths, self.limits)
-            .map_err(|e| self.reject(frame_status(e)))?;
-        assembler
-            .push(&first.data)
-            .map_err(|e| self.reject(frame_status(e)))?;
-        while !assembler.is_complete() {
-            match stream.message().await? {
-                Some(chunk) => assembler
-                    .push(&chunk.data)
-                    .map_err(|e| self.reject(frame_status(e)))?,
-                None => break,
-            }
-        }
-        let (pickle, buffers) = assembler
-            .finish()
-            .map_err(|e| self.reject(frame_status(e)))?;
-        let shm = request.value.take().and_then(|v| v.shm);
-        request.value = Some(Value {
-            pickle: pickle.into(),
-            buffers: buffers.into_iter().map(Bytes::from).collect(),
-            shm,
-        });
+        request.value = Some(value);
         Ok(request)
     }
 
@@ -215,29 +197,8 @@ impl Worker for WorkerService {
 
 /// A reply as a stream of chunks: the header (with the declared lengths), then the data, never copied.
 pub fn reply_chunks(mut reply: CallReply, chunk_bytes: usize) -> Vec<Chunk> {
-    let mut value = reply.value.take().unwrap_or_default();
-    if let Some(shm) = value.shm.take() {
-        reply.value = Some(Value {
-            shm: Some(shm),
-            ..Default::default()
-        });
-    }
-    let lengths = frame::lengths(&value.pickle, &value.buffers);
-    let mut chunks = vec![Chunk {
-        request: None,
-        reply: Some(reply),
-        lengths,
-        data: Bytes::new(),
-    }];
-    chunks.extend(
-        frame::split(&value.pickle, &value.buffers, chunk_bytes)
-            .into_iter()
-            .map(|data| Chunk {
-                data,
-                ..Default::default()
-            }),
-    );
-    chunks
+    let value = reply.value.take().unwrap_or_default();
+    to_chunks(Header::Reply(reply), value, chunk_bytes)
 }
 
 fn frame_status(e: FrameError) -> Status {
