@@ -511,3 +511,14 @@ def test_received_arrays_are_writable_in_place(cluster: ddlf.Cluster) -> None:
     cluster.run(lambda worker: worker.vars["big"].__iadd__(worker.id + 1) is not None)
     assert cluster.run(lambda worker: float(worker.vars["big"][:4].sum())) == [4.0, 8.0]
     cluster.delete("big")
+
+
+def test_worker_threads_option_caps_math_libraries_from_the_start() -> None:
+    env = {k: "" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    d = Daemon("--threads", "1", env=env)
+    try:
+        c = ddlf.Cluster([d.address], d.token)
+        got = c.run(lambda: (os.environ["OMP_NUM_THREADS"], os.environ["OPENBLAS_NUM_THREADS"]))[0]
+        assert got == ("1", "1")
+    finally:
+        d.stop()

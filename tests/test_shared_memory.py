@@ -68,3 +68,23 @@ def test_worker_with_a_private_dev_shm_falls_back_to_tcp(tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root")
+def test_a_full_dev_shm_falls_back_to_the_socket_both_ways() -> None:
+    # A master and its workers sharing a 1 MB /dev/shm (Docker's default is 64 MB): the probe succeeds, the
+    # 160 MB value and its echo do not fit, and both directions go over TCP instead of failing.
+    code = (
+        "import numpy as np, ddlf\n"
+        "with ddlf.Cluster.local(1, threads=1) as c:\n"
+        "    assert c.worker_info()[0]['shared_memory']\n"
+        f"    a = np.full({BIG}, 3.0, dtype=np.float32)\n"
+        "    back = c.run(lambda x: x, a)[0]\n"
+        "    print('ok', float(back[-1]), back.shape[0])\n"
+    )
+    script = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c \"{code}\""
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    if "mount" in out.stderr and out.returncode != 0:
+        pytest.skip("cannot mount a private /dev/shm here")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == f"ok 3.0 {BIG}"

@@ -169,6 +169,8 @@ def test_bad_training_arguments(cluster: ddlf.Cluster) -> None:
         app.train(shuffle="random")
     with pytest.raises(ValueError, match="staleness"):
         app.train(mode="async", staleness="wild")
+    with pytest.raises(ValueError, match="one per worker"):
+        app.train(worker_shares=[1, 1, 1])
 
 
 def test_failing_load_dataset_is_a_remote_error(cluster: ddlf.Cluster) -> None:

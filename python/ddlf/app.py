@@ -160,6 +160,10 @@ class IApp:
             rotate_shards_every=rotate_shards_every,
         )
         cfg.check()
+        if cfg.shares is not None and len(cfg.shares) != len(self.cluster):
+            raise ValueError(
+                f"worker_shares has {len(cfg.shares)} entries for {len(self.cluster)} workers: give one per worker"
+            )
         if rotate_shards_every is not None and not self.sharded:
             raise ValueError("rotate_shards_every needs a sharded app (sharded = True)")
         if mode == "sync":

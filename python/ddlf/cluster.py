@@ -187,11 +187,9 @@ class Cluster:
         A function whose first parameter is named ``worker`` receives the worker context (``.id``,
         ``.n_workers``, ``.vars``). Functions from ``__main__``, closures and lambdas travel by value.
         """
-        fname, digest, blob = self._pickle_function(fn, name)
-        targets = [i for i in range(len(self)) if self._known[i].get(fname) != digest]
-        if targets:
-            self._push(fname, digest, blob, targets, timeout)
-        return fname
+        if not callable(fn):
+            raise TypeError(f"expected a function, got {type(fn).__name__}")
+        return self._ensure_function(fn, timeout, name)[0]
 
     def remove_function(self, name: str, *, timeout: float | None = None) -> None:
         """Remove function ``name`` from every worker."""
@@ -428,14 +426,15 @@ class Cluster:
         for i in targets:
             self._known[i][name] = digest
 
-    def _ensure_function(self, fn: FunctionRef, timeout: float | None) -> tuple[str, str]:
+    def _ensure_function(self, fn: FunctionRef, timeout: float | None, name: str | None = None) -> tuple[str, str]:
+        """Name and digest of ``fn``, pushed first to the workers not known to hold this version."""
         if isinstance(fn, str):
             return fn, ""
-        name, digest, _ = self._pickle_function(fn, None)
-        missing = [i for i in range(len(self)) if self._known[i].get(name) != digest]
+        fname, digest, blob = self._pickle_function(fn, name)
+        missing = [i for i in range(len(self)) if self._known[i].get(fname) != digest]
         if missing:
-            self._push(name, digest, self._pickle_function(fn, None)[2], missing, timeout)
-        return name, digest
+            self._push(fname, digest, blob, missing, timeout)
+        return fname, digest
 
     def _with_function_retry(
         self, name: str, digest: str, fn: FunctionRef, timeout: float | None, call: Callable[[], list[Any]]

@@ -286,11 +286,8 @@ def _remote_drop(key: str) -> bool:
 
 
 def _remote_put(key: str, value: Any) -> dict[str, Any]:
-    # Received arrays are read-only views of the network buffer; the store keeps its own copy.
-    arrays = value if isinstance(value, (tuple, list)) else [value]
-    copied = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
-    stored = STORE.put(key, tuple(copied) if isinstance(value, (tuple, list)) else copied[0])
-    return stored.describe()
+    # Received arrays already own their memory (the assembled stream, or a private mapping): stored as they are.
+    return STORE.put(key, tuple(value) if isinstance(value, list) else value).describe()
 
 
 def _remote_load(key: str, loader: Callable[[], Any]) -> dict[str, Any]:

@@ -22,22 +22,20 @@ def thread_env(threads: int) -> dict[str, str]:
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     env = {name: str(threads) for name in _VARIABLES}
-    xla = os.environ.get("XLA_FLAGS", "")
-    extra = f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} intra_op_parallelism_threads={threads}"
-    env["XLA_FLAGS"] = (xla + " " + extra).strip()
+    ours = ("--xla_cpu_multi_thread_eigen=", "intra_op_parallelism_threads=")
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(ours)]
+    extra = [
+        f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}",
+        f"intra_op_parallelism_threads={threads}",
+    ]
+    env["XLA_FLAGS"] = " ".join(kept + extra)
     return env
 
 
-def limit_threads(threads: int) -> None:
-    """Apply :func:`thread_env` to this process (before the math libraries are imported)."""
-    os.environ.update(thread_env(threads))
-    try:  # torch reads its own setting at run time
-        import sys
-
-        if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(threads)
-    except Exception:  # pragma: no cover - best effort
-        pass
+def in_effect(threads: int) -> bool:
+    """Whether this process was started with :func:`thread_env` for ``threads`` (the libraries read it at load
+    time, so it must be in the environment before they are imported)."""
+    return all(os.environ.get(k) == v for k, v in thread_env(threads).items())
 
 
 def cpu_count() -> int:

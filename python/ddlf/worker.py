@@ -16,7 +16,7 @@ from . import _ddlf
 from ._executor import Executor
 from .errors import WorkerStartError
 from .local import die_with_parent
-from .threads import limit_threads
+from .threads import in_effect, thread_env
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
 
@@ -77,8 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent()  # local workers (Cluster.local) never outlive their master
     args = _parser().parse_args(argv)
     token = _read_token(args.token_file)
-    if args.threads:
-        limit_threads(args.threads)
+    if args.threads and not in_effect(args.threads):
+        # numpy's BLAS is already loaded (this module imports ddlf): caps only work from the start, so start over
+        # with them in the environment. Cluster.local sets them up front and never pays for this.
+        env = {**os.environ, **thread_env(args.threads)}
+        os.execve(
+            sys.executable, [sys.executable, "-m", "ddlf.worker", *(argv if argv is not None else sys.argv[1:])], env
+        )
     _ddlf.init_logging("info")
     signal.signal(signal.SIGTERM, _raise_system_exit)
     executor = Executor(ready_file=args.ready_file)

@@ -22,7 +22,7 @@ import numpy as np
 from .. import ops
 from ..history import History, RoundStats
 from . import worker as remote
-from .common import TrainConfig, as_float32, end_epoch, nbytes
+from .common import TrainConfig, decode_payload, end_epoch, nbytes
 
 DEFAULT_CHUNK_BATCHES = 10
 
@@ -95,7 +95,7 @@ def train_async(
                         state["error"] = exc
                     return
                 wall = time.perf_counter() - t0
-                delta = as_float32(res["weights"], start_weights)
+                delta = decode_payload(res["weights"], start_weights)
                 with lock:
                     staleness = state["version"] - version
                     dropped = cfg.max_staleness is not None and staleness > cfg.max_staleness

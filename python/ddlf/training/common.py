@@ -60,7 +60,7 @@ def nbytes(arrays: Any) -> int:
     return 0
 
 
-def as_float32(arrays: list[Any], like: list[np.ndarray] | None = None) -> list[np.ndarray]:
+def decode_payload(arrays: list[Any], like: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Decode what a worker sent: half-precision arrays to float32, top-k ``(indices, values)`` pairs to dense
     arrays shaped like ``like``; anything else passes through."""
     if arrays and isinstance(arrays[0], tuple):

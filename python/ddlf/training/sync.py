@@ -17,7 +17,7 @@ import numpy as np
 from .. import ops
 from ..history import History, RoundStats
 from . import worker as remote
-from .common import TrainConfig, as_float32, average_states, end_epoch, nbytes, weighted_logs
+from .common import TrainConfig, average_states, decode_payload, end_epoch, nbytes, weighted_logs
 
 
 def train_sync(
@@ -63,7 +63,7 @@ def train_sync(
             wall = time.perf_counter() - t0
             live = [res for res in results if res["samples"] > 0]
             if live:
-                payloads = [as_float32(res["weights"], weights) for res in live]
+                payloads = [decode_payload(res["weights"], weights) for res in live]
                 merged = ops.weighted_average(payloads, [res["samples"] for res in live])
                 if cfg.compression is not None:  # workers sent deltas
                     ops.axpy_(weights, merged)

@@ -38,7 +38,9 @@ def shard_key(app: Any, shard: int, n_shards: int) -> str:
 def _load(app: Any, shard: int | None, n_shards: int) -> tuple[Any, bool]:
     if shard is None:
         return STORE.get_or_load(app.dataset_key, app.load_dataset)
-    return STORE.get_or_load(shard_key(app, shard, n_shards), lambda: app.load_shard(shard, n_shards))
+    return STORE.get_or_load(
+        shard_key(app, shard, n_shards), lambda: app.load_shard(shard, n_shards), shard=(shard, n_shards)
+    )
 
 
 _SESSIONS: dict[str, Session] = {}

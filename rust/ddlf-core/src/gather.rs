@@ -7,54 +7,11 @@ pub enum GatherError {
     OutOfRange { index: u64, rows: usize },
     #[error("source of {src} bytes is not a whole number of {row_bytes}-byte rows")]
     Ragged { src: usize, row_bytes: usize },
-    #[error("output of {out} bytes cannot hold {rows} rows of {row_bytes} bytes")]
-    OutputSize {
-        out: usize,
-        rows: usize,
-        row_bytes: usize,
-    },
 }
 
-/// Copy rows `indices` of `src` (rows of `row_bytes` bytes) into `out`, in order. Every index is checked before
-/// anything is copied, so a bad index leaves `out` untouched.
-pub fn gather_rows(
-    src: &[u8],
-    row_bytes: usize,
-    indices: &[u32],
-    out: &mut [u8],
-) -> Result<(), GatherError> {
-    if row_bytes == 0 {
-        return Ok(());
-    }
-    if !src.len().is_multiple_of(row_bytes) {
-        return Err(GatherError::Ragged {
-            src: src.len(),
-            row_bytes,
-        });
-    }
-    let rows = src.len() / row_bytes;
-    if out.len() != indices.len() * row_bytes {
-        return Err(GatherError::OutputSize {
-            out: out.len(),
-            rows: indices.len(),
-            row_bytes,
-        });
-    }
-    if let Some(&bad) = indices.iter().find(|&&i| i as usize >= rows) {
-        return Err(GatherError::OutOfRange {
-            index: bad as u64,
-            rows,
-        });
-    }
-    for (dst, &i) in out.chunks_exact_mut(row_bytes).zip(indices) {
-        let start = i as usize * row_bytes;
-        dst.copy_from_slice(&src[start..start + row_bytes]);
-    }
-    Ok(())
-}
-
-/// Like [`gather_rows`], into a new vector that is never zero-filled first (every byte is written by the
-/// gather), split across `threads` threads when the output is large.
+/// Rows `indices` of `src` (rows of `row_bytes` bytes), in order, in a new vector that is never zero-filled
+/// first (every byte is written by the gather); split across `threads` threads when the output is large. Every
+/// index is checked before anything is allocated or copied.
 pub fn gather_rows_to_vec(
     src: &[u8],
     row_bytes: usize,
@@ -113,23 +70,27 @@ pub fn gather_rows_to_vec(
 mod tests {
     use super::*;
 
+    fn naive(src: &[u8], row_bytes: usize, idx: &[u32]) -> Vec<u8> {
+        idx.iter()
+            .flat_map(|&i| src[i as usize * row_bytes..(i as usize + 1) * row_bytes].to_vec())
+            .collect()
+    }
+
     #[test]
     fn gathers_in_order() {
         let src: Vec<u8> = (0..12).collect();
-        let mut out = vec![0u8; 9];
-        gather_rows(&src, 3, &[3, 0, 2], &mut out).unwrap();
+        let out = gather_rows_to_vec(&src, 3, &[3, 0, 2], 1).unwrap();
         assert_eq!(out, vec![9, 10, 11, 0, 1, 2, 6, 7, 8]);
     }
 
     #[test]
-    fn gather_to_vec_matches_in_place_gather_serial_and_parallel() {
+    fn serial_and_parallel_gathers_agree() {
         let src: Vec<u8> = (0..(1u32 << 22)).map(|i| (i % 253) as u8).collect();
         let idx: Vec<u32> = (0..(1u32 << 15))
             .rev()
             .map(|i| (i * 7) % (1 << 15))
             .collect();
-        let mut want = vec![0u8; idx.len() * 128];
-        gather_rows(&src, 128, &idx, &mut want).unwrap();
+        let want = naive(&src, 128, &idx);
         assert_eq!(gather_rows_to_vec(&src, 128, &idx, 1).unwrap(), want);
         assert_eq!(gather_rows_to_vec(&src, 128, &idx, 3).unwrap(), want);
         assert!(gather_rows_to_vec(&src, 128, &[1 << 15], 1).is_err());
@@ -137,15 +98,18 @@ mod tests {
     }
 
     #[test]
-    fn bad_inputs_are_errors_and_leave_output_untouched() {
+    fn bad_inputs_are_errors() {
         let src: Vec<u8> = (0..12).collect();
-        let mut out = vec![0u8; 6];
         assert_eq!(
-            gather_rows(&src, 3, &[0, 4], &mut out),
+            gather_rows_to_vec(&src, 3, &[0, 4], 1),
             Err(GatherError::OutOfRange { index: 4, rows: 4 })
         );
-        assert_eq!(out, vec![0; 6]);
-        assert!(gather_rows(&src, 5, &[0], &mut out).is_err());
-        assert!(gather_rows(&src, 3, &[0], &mut out).is_err());
+        assert_eq!(
+            gather_rows_to_vec(&src, 5, &[0], 1),
+            Err(GatherError::Ragged {
+                src: 12,
+                row_bytes: 5
+            })
+        );
     }
 }

@@ -3,8 +3,6 @@
 //! A [`WorkerConn`] is cheap to clone (it shares one HTTP/2 connection) and every call has a deadline, so a
 //! daemon killed with `kill -9` or a link that goes down turns into [`NetError`] in bounded time, never a hang.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::{Token, TOKEN_HEADER};
@@ -77,8 +75,8 @@ pub struct WorkerConn {
     client: Inner,
     hello: HelloReply,
     limits: FrameLimits,
-    /// Large buffers may go through shared memory (same machine, and it worked so far).
-    shared_memory: Arc<AtomicBool>,
+    /// Large buffers may go through shared memory (the worker opened our probe file at connect).
+    shared_memory: bool,
 }
 
 impl WorkerConn {
@@ -134,7 +132,7 @@ impl WorkerConn {
                 max_total: config.max_message_size as u64,
                 ..Default::default()
             },
-            shared_memory: Arc::new(AtomicBool::new(false)),
+            shared_memory: false,
         };
         // Shared memory is used only if the worker can open a file we wrote (same machine *and* same /dev/shm:
         // a container on this kernel has its own).
@@ -168,8 +166,7 @@ impl WorkerConn {
             });
         }
         tracing::debug!(address, worker_version = %hello.worker_version, pid = hello.pid, "connected");
-        conn.shared_memory
-            .store(probe.is_some() && hello.shm_visible, Ordering::Relaxed);
+        conn.shared_memory = probe.is_some() && hello.shm_visible;
         conn.hello = hello;
         Ok(conn)
     }
@@ -181,14 +178,7 @@ impl WorkerConn {
 
     /// Whether large buffers to and from this worker go through shared memory.
     pub fn shared_memory(&self) -> bool {
-        self.shared_memory.load(Ordering::Relaxed)
-    }
-
-    /// Stop using shared memory with this worker (it could not open our files: another /dev/shm).
-    pub fn disable_shared_memory(&self) {
-        if self.shared_memory.swap(false, Ordering::Relaxed) {
-            tracing::info!(address = %self.address, "shared memory unavailable with this worker: using TCP");
-        }
+        self.shared_memory
     }
 
     /// What the worker said about itself at connect time.
@@ -202,35 +192,45 @@ impl WorkerConn {
         F: FnOnce(Inner) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let start = Instant::now();
         let fut = f(self.client.clone());
+        self.with_deadline(timeout, async move { Ok(fut.await?.into_inner()) })
+            .await
+    }
+
+    /// Await `fut` within `timeout`, mapping every failure to a [`NetError`] naming this worker.
+    async fn with_deadline<T>(
+        &self,
+        timeout: Option<Duration>,
+        fut: impl std::future::Future<Output = Result<T, StreamError>>,
+    ) -> Result<T, NetError> {
+        let start = Instant::now();
+        let deadline = |address: String| NetError::DeadlineExceeded {
+            address,
+            after: timeout.unwrap_or_default(),
+        };
         let result = match timeout {
             Some(t) => match tokio::time::timeout(t, fut).await {
                 Ok(r) => r,
-                Err(_) => {
-                    return Err(NetError::DeadlineExceeded {
-                        address: self.address.clone(),
-                        after: t,
-                    })
-                }
+                Err(_) => return Err(deadline(self.address.clone())),
             },
             None => fut.await,
         };
-        result.map(|r| r.into_inner()).map_err(|s| {
-            // The channel's own deadline layer reports an expired `grpc-timeout` as a cancelled
-            // transport error; the clock tells the two apart.
-            let expired = timeout.is_some_and(|t| start.elapsed() >= t);
-            match NetError::from_status(&self.address, &s) {
-                NetError::DeadlineExceeded { address, .. } => NetError::DeadlineExceeded {
-                    address,
-                    after: timeout.unwrap_or_default(),
-                },
-                NetError::Unavailable { address, .. } if expired => NetError::DeadlineExceeded {
-                    address,
-                    after: timeout.unwrap_or_default(),
-                },
-                e => e,
+        result.map_err(|e| match e {
+            StreamError::Status(s) => {
+                // The channel's own deadline layer reports an expired `grpc-timeout` as a cancelled transport
+                // error; the clock tells the two apart.
+                let expired = timeout.is_some_and(|t| start.elapsed() >= t);
+                match NetError::from_status(&self.address, &s) {
+                    NetError::DeadlineExceeded { address, .. } => deadline(address),
+                    NetError::Unavailable { address, .. } if expired => deadline(address),
+                    e => e,
+                }
             }
+            invalid => NetError::Rejected {
+                address: self.address.clone(),
+                code: "InvalidReply".into(),
+                message: invalid.to_string(),
+            },
         })
     }
 
@@ -275,38 +275,7 @@ impl WorkerConn {
             reply.value = Some(value);
             Ok(reply)
         };
-        let start = Instant::now();
-        let result = match timeout {
-            Some(t) => match tokio::time::timeout(t, exchange).await {
-                Ok(r) => r,
-                Err(_) => {
-                    return Err(NetError::DeadlineExceeded {
-                        address: self.address.clone(),
-                        after: t,
-                    })
-                }
-            },
-            None => exchange.await,
-        };
-        result.map_err(|e| match e {
-            StreamError::Status(s) => {
-                let expired = timeout.is_some_and(|t| start.elapsed() >= t);
-                match NetError::from_status(&self.address, &s) {
-                    NetError::Unavailable { address, .. } if expired => {
-                        NetError::DeadlineExceeded {
-                            address,
-                            after: timeout.unwrap_or_default(),
-                        }
-                    }
-                    e => e,
-                }
-            }
-            invalid => NetError::Rejected {
-                address: self.address.clone(),
-                code: "InvalidReply".into(),
-                message: invalid.to_string(),
-            },
-        })
+        self.with_deadline(timeout, exchange).await
     }
 
     /// Round-trip time of a ping answered by the worker's network runtime (never by its Python thread).

@@ -107,54 +107,9 @@ impl RecvBuffer {
     }
 }
 
-/// A raw pointer that may cross into a GIL-free section. The buffer it points into is pinned by a live
-/// `PyUntypedBuffer` for the whole section.
-struct SendPtr(*const u8, usize);
-unsafe impl Send for SendPtr {}
-
-/// Above this size the copy runs with the GIL released.
-const DETACH_COPY_BYTES: usize = 1 << 20;
-
-/// Copy Python buffer-protocol objects (C-contiguous) into owned `Bytes`, one copy each.
-pub fn copy_buffers(py: Python<'_>, objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Bytes>> {
-    let mut held = Vec::with_capacity(objs.len());
-    let mut total = 0usize;
-    for obj in objs {
-        let buf = PyUntypedBuffer::get(obj)?;
-        if !buf.is_c_contiguous() {
-            return Err(PyValueError::new_err(
-                "out-of-band buffers must be C-contiguous",
-            ));
-        }
-        total += buf.len_bytes();
-        held.push(buf);
-    }
-    let ptrs: Vec<SendPtr> = held
-        .iter()
-        .map(|b| SendPtr(b.buf_ptr() as *const u8, b.len_bytes()))
-        .collect();
-    let copy = move || -> Vec<Bytes> {
-        ptrs.into_iter()
-            .map(|SendPtr(p, n)| {
-                if n == 0 {
-                    return Bytes::new();
-                }
-                // SAFETY: `held` keeps every exporter alive and its memory pinned until after this returns.
-                Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(p, n) })
-            })
-            .collect()
-    };
-    let out = if total >= DETACH_COPY_BYTES {
-        py.detach(copy)
-    } else {
-        copy()
-    };
-    drop(held);
-    Ok(out)
-}
-
-/// A Python buffer that owns its export: the memory stays valid (and pinned) for as long as this lives.
-struct Exported(PyUntypedBuffer);
+/// A Python buffer export: the exporter's memory stays valid and pinned for as long as this lives. Exported
+/// once per outgoing value; copying, sharing and writing to shared memory all read through it.
+pub struct Exported(PyUntypedBuffer);
 
 impl AsRef<[u8]> for Exported {
     fn as_ref(&self) -> &[u8] {
@@ -167,10 +122,8 @@ impl AsRef<[u8]> for Exported {
     }
 }
 
-/// Share Python buffer-protocol objects (C-contiguous) with Rust without copying: the `Bytes` keep the
-/// buffer exported until the last slice is dropped (which takes the GIL briefly to release it). For the
-/// master only: on a worker, dropping on the network thread would make it wait for the GIL.
-pub fn borrow_buffers(objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Bytes>> {
+/// Export Python buffer-protocol objects (pickle-5 `PickleBuffer`s, numpy arrays), C-contiguous only.
+pub fn export(objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Exported>> {
     objs.iter()
         .map(|obj| {
             let buf = PyUntypedBuffer::get(obj)?;
@@ -179,9 +132,38 @@ pub fn borrow_buffers(objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Bytes>> {
                     "out-of-band buffers must be C-contiguous",
                 ));
             }
-            Ok(Bytes::from_owner(Exported(buf)))
+            Ok(Exported(buf))
         })
         .collect()
+}
+
+/// Total bytes of exported buffers.
+pub fn total_bytes(bufs: &[impl AsRef<[u8]>]) -> usize {
+    bufs.iter().map(|b| b.as_ref().len()).sum()
+}
+
+/// Above this size the copy runs with the GIL released.
+const DETACH_COPY_BYTES: usize = 1 << 20;
+
+/// Copy exported buffers into owned `Bytes`, one copy each (the worker's replies: its network thread must
+/// never need the GIL to drop what it sends).
+pub fn copy_buffers(py: Python<'_>, bufs: &[Exported]) -> Vec<Bytes> {
+    let copy = || -> Vec<Bytes> {
+        bufs.iter()
+            .map(|b| Bytes::copy_from_slice(b.as_ref()))
+            .collect()
+    };
+    if total_bytes(bufs) >= DETACH_COPY_BYTES {
+        py.detach(copy)
+    } else {
+        copy()
+    }
+}
+
+/// Share exported buffers as `Bytes` without copying: each keeps its export until the last slice is dropped
+/// (which takes the GIL briefly to release it). For the master only, whose calls run on its own thread.
+pub fn borrow_buffers(bufs: Vec<Exported>) -> Vec<Bytes> {
+    bufs.into_iter().map(Bytes::from_owner).collect()
 }
 
 /// Buffers at least this large (in total) go through shared memory between processes on one machine. Below
@@ -222,46 +204,18 @@ pub fn value_buffers(
     }
 }
 
-/// Write Python buffers into a new shared-memory file (one copy, GIL released).
-pub fn write_shm(py: Python<'_>, objs: &[Bound<'_, PyAny>]) -> PyResult<ddlf_core::shm::Layout> {
-    let held: Vec<PyUntypedBuffer> = objs
-        .iter()
-        .map(|o| {
-            let b = PyUntypedBuffer::get(o)?;
-            if !b.is_c_contiguous() {
-                return Err(PyValueError::new_err(
-                    "out-of-band buffers must be C-contiguous",
-                ));
-            }
-            Ok(b)
-        })
-        .collect::<PyResult<_>>()?;
-    let ptrs: Vec<SendPtr> = held
-        .iter()
-        .map(|b| SendPtr(b.buf_ptr() as *const u8, b.len_bytes()))
-        .collect();
-    let layout = py.detach(move || {
-        let slices: Vec<&[u8]> = ptrs
-            .iter()
-            .map(|SendPtr(p, n)| {
-                if *n == 0 {
-                    &[][..]
-                } else {
-                    // SAFETY: `held` pins every exporter's memory until this returns.
-                    unsafe { std::slice::from_raw_parts(*p, *n) }
-                }
-            })
-            .collect();
+/// Write buffers into a new shared-memory file (one copy, GIL released).
+pub fn write_shm(
+    py: Python<'_>,
+    bufs: &[impl AsRef<[u8]> + Sync],
+) -> Result<ddlf_proto::ShmRef, ddlf_core::shm::ShmError> {
+    let layout = py.detach(|| {
+        let slices: Vec<&[u8]> = bufs.iter().map(|b| b.as_ref()).collect();
         ddlf_core::shm::write(&slices)
-    });
-    drop(held);
-    layout.map_err(|e| PyValueError::new_err(e.to_string()))
-}
-
-/// Total bytes of Python buffers (0 for objects that export none).
-pub fn total_bytes(objs: &[Bound<'_, PyAny>]) -> usize {
-    objs.iter()
-        .filter_map(|o| PyUntypedBuffer::get(o).ok())
-        .map(|b| b.len_bytes())
-        .sum()
+    })?;
+    Ok(ddlf_proto::ShmRef {
+        name: layout.name,
+        offsets: layout.offsets,
+        lengths: layout.lengths,
+    })
 }

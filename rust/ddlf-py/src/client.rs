@@ -16,7 +16,9 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::buffers::{borrow_buffers, total_bytes, value_buffers, write_shm, SHM_THRESHOLD};
+use crate::buffers::{
+    borrow_buffers, export, total_bytes, value_buffers, write_shm, SHM_THRESHOLD,
+};
 use crate::errors::{net_error, net_error_instance};
 
 /// Outcome codes of one worker's answer, as seen by `ddlf.cluster`.
@@ -27,17 +29,6 @@ const NET_ERROR: u8 = 2;
 /// How often a waiting call checks for Ctrl-C.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
-/// The exception type a worker reports when it cannot open a shared-memory file.
-pub const SHM_FAILURE: &str = "SharedMemoryUnavailable";
-
-fn is_shm_failure(reply: &CallReply) -> bool {
-    reply.error != 0
-        && reply
-            .exception
-            .as_ref()
-            .is_some_and(|e| e.type_name == SHM_FAILURE)
-}
-
 fn request(op: i32, name: &str, digest: &str, value: Value, reply_shm: bool) -> CallRequest {
     CallRequest {
         op,
@@ -46,6 +37,44 @@ fn request(op: i32, name: &str, digest: &str, value: Value, reply_shm: bool) -> 
         value: Some(value),
         request_id: 0,
         reply_shm,
+    }
+}
+
+/// One value on its way out: its pickle and its buffers, exported from Python once and shared (not copied) by
+/// every request that carries it; written to shared memory at most once.
+struct Outgoing {
+    pickle: Bytes,
+    buffers: Vec<Bytes>,
+    total: usize,
+    shm: Option<ShmRef>,
+    shm_failed: bool,
+}
+
+impl Outgoing {
+    fn new(pickle: Bytes, buffers: &[Bound<'_, PyAny>]) -> PyResult<Self> {
+        let buffers = borrow_buffers(export(buffers)?);
+        Ok(Outgoing {
+            total: total_bytes(&buffers),
+            pickle,
+            buffers,
+            shm: None,
+            shm_failed: false,
+        })
+    }
+
+    /// The shared-memory file holding the buffers, written on first use. None if it cannot be written (a full
+    /// or missing /dev/shm): the buffers then go over the socket.
+    fn shared_memory(&mut self, py: Python<'_>) -> Option<ShmRef> {
+        if self.shm.is_none() && !self.shm_failed {
+            match write_shm(py, &self.buffers) {
+                Ok(r) => self.shm = Some(r),
+                Err(e) => {
+                    tracing::warn!(error = %e, "shared memory unavailable: sending over the socket");
+                    self.shm_failed = true;
+                }
+            }
+        }
+        self.shm.clone()
     }
 }
 
@@ -139,9 +168,9 @@ impl Client {
         })
     }
 
-    /// Send each target its value. Large buffers for workers on this machine go through one shared-memory
-    /// file (`same_value`: all targets share one value, written once); a worker that cannot open it is switched
-    /// to TCP and sent the bytes instead.
+    /// Send each target its value (`values[which[i]]` to target `i`). Large buffers for workers on this
+    /// machine go through one shared-memory file per value, written once whatever the number of workers that
+    /// map it; everyone else gets the buffers over the socket, borrowed from Python without a copy.
     #[allow(clippy::too_many_arguments)]
     fn call_values(
         &self,
@@ -150,79 +179,37 @@ impl Client {
         op: i32,
         name: String,
         digest: String,
-        values: Vec<(Bytes, Vec<Bound<'_, PyAny>>)>,
-        same_value: bool,
+        mut values: Vec<Outgoing>,
+        which: Vec<usize>,
         timeout: Option<Duration>,
     ) -> PyResult<Vec<Py<PyAny>>> {
         let conns = self.conns_for(&targets)?;
-        let mut files: Vec<String> = Vec::new();
-        let mut shared: Option<ShmRef> = None;
         let mut requests = Vec::with_capacity(targets.len());
-        for (conn, (pickle, bufs)) in conns.iter().zip(&values) {
-            let use_shm = conn.shared_memory() && total_bytes(bufs) >= SHM_THRESHOLD;
-            let value = if use_shm {
-                let shm = match (&shared, same_value) {
-                    (Some(r), true) => r.clone(),
-                    _ => {
-                        let layout = write_shm(py, bufs)?;
-                        files.push(layout.name.clone());
-                        let r = ShmRef {
-                            name: layout.name,
-                            offsets: layout.offsets,
-                            lengths: layout.lengths,
-                        };
-                        shared = Some(r.clone());
-                        r
-                    }
-                };
-                Value {
-                    pickle: pickle.clone(),
-                    buffers: vec![],
-                    shm: Some(shm),
-                }
+        for (conn, &v) in conns.iter().zip(&which) {
+            let out = &mut values[v];
+            let shm = if conn.shared_memory() && out.total >= SHM_THRESHOLD {
+                out.shared_memory(py)
             } else {
-                Value {
-                    pickle: pickle.clone(),
-                    buffers: borrow_buffers(bufs)?,
-                    shm: None,
-                }
+                None
+            };
+            let value = Value {
+                pickle: out.pickle.clone(),
+                buffers: if shm.is_some() {
+                    vec![]
+                } else {
+                    out.buffers.clone()
+                },
+                shm,
             };
             requests.push(request(op, &name, &digest, value, conn.shared_memory()));
         }
         let results = self.fan_out(py, &targets, requests, timeout);
-        for f in &files {
-            ddlf_core::shm::unlink(f);
-        }
-        let mut results = results?;
-        // Workers on this machine that could not open the file (another /dev/shm, e.g. a container): retry
-        // those over TCP, and never try shared memory with them again.
-        let retry: Vec<usize> = results
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| matches!(r, Ok(reply) if is_shm_failure(reply)))
-            .map(|(i, _)| i)
-            .collect();
-        if !retry.is_empty() {
-            let mut again = Vec::with_capacity(retry.len());
-            for &i in &retry {
-                conns[i].disable_shared_memory();
-                let (pickle, bufs) = &values[i];
-                let value = Value {
-                    pickle: pickle.clone(),
-                    buffers: borrow_buffers(bufs)?,
-                    shm: None,
-                };
-                again.push(request(op, &name, &digest, value, false));
-            }
-            let retry_targets: Vec<usize> = retry.iter().map(|&i| targets[i]).collect();
-            for (i, r) in retry
-                .iter()
-                .zip(self.fan_out(py, &retry_targets, again, timeout)?)
-            {
-                results[*i] = r;
+        for out in &values {
+            if let Some(r) = &out.shm {
+                ddlf_core::shm::unlink(&r.name);
             }
         }
-        self.outcomes(py, &targets, results)
+        self.outcomes(py, &targets, results?)
     }
 
     fn outcomes(
@@ -389,12 +376,9 @@ impl Client {
         timeout: Option<f64>,
     ) -> PyResult<Vec<Py<PyAny>>> {
         let timeout = seconds(timeout)?;
-        let pickle = Bytes::copy_from_slice(pickle);
-        let values = targets
-            .iter()
-            .map(|_| (pickle.clone(), buffers.clone()))
-            .collect();
-        self.call_values(py, targets, op, name, digest, values, true, timeout)
+        let value = Outgoing::new(Bytes::copy_from_slice(pickle), &buffers)?;
+        let which = vec![0; targets.len()];
+        self.call_values(py, targets, op, name, digest, vec![value], which, timeout)
     }
 
     /// Like `call`, with one `(pickle, buffers)` value per target.
@@ -420,9 +404,10 @@ impl Client {
         let timeout = seconds(timeout)?;
         let values = values
             .into_iter()
-            .map(|(p, b)| (Bytes::from(p), b))
-            .collect();
-        self.call_values(py, targets, op, name, digest, values, false, timeout)
+            .map(|(p, b)| Outgoing::new(Bytes::from(p), &b))
+            .collect::<PyResult<Vec<_>>>()?;
+        let which = (0..targets.len()).collect();
+        self.call_values(py, targets, op, name, digest, values, which, timeout)
     }
 
     /// Round-trip seconds per target (or an exception instance for a worker that did not answer).

@@ -7,15 +7,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ddlf_core::auth::Token;
 use ddlf_net::ServerConfig;
-use ddlf_proto::{CallReply, CallRequest, ErrorKind, RemoteException, ShmRef, Value};
+use ddlf_proto::{CallReply, CallRequest, ErrorKind, RemoteException, Value};
 use ddlf_worker::{Daemon, DaemonConfig, Job, Next};
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::buffers::{copy_buffers, total_bytes, value_buffers, write_shm, SHM_THRESHOLD};
-use crate::client::SHM_FAILURE;
+use crate::buffers::{copy_buffers, export, total_bytes, value_buffers, write_shm, SHM_THRESHOLD};
 use crate::errors::daemon_error;
 
 /// How long the interpreter thread waits for a job before checking for signals (SIGINT/SIGTERM).
@@ -116,11 +115,14 @@ fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResul
     let buffers = match value_buffers(py, value, false) {
         Ok(b) => b,
         Err(e) => {
-            // The master's shared-memory file cannot be opened here (another /dev/shm): it retries over TCP.
+            // The connect-time probe said we share /dev/shm with the master; the file is gone or unreadable now.
             job.respond(remote_exception(
                 ErrorKind::BadRequest,
-                SHM_FAILURE,
-                format!("cannot open the master's shared-memory file: {e}"),
+                "SharedMemoryUnavailable",
+                format!(
+                    "cannot open the master's shared-memory file: {e} \
+                     (connect with shared_memory=False to send everything over TCP)"
+                ),
             ));
             return Ok(());
         }
@@ -165,25 +167,23 @@ fn encode_result(py: Python<'_>, result: &Bound<'_, PyAny>, shm: bool) -> PyResu
     let kind: i32 = tuple.get_item(0)?.extract()?;
     if kind == 0 {
         let pickle: Vec<u8> = tuple.get_item(1)?.extract()?;
-        let bufs: Vec<Bound<'_, PyAny>> = tuple.get_item(2)?.extract()?;
-        let value = if shm && total_bytes(&bufs) >= SHM_THRESHOLD {
-            let layout = write_shm(py, &bufs)?;
-            Value {
-                pickle: Bytes::from(pickle),
-                buffers: vec![],
-                shm: Some(ShmRef {
-                    name: layout.name,
-                    offsets: layout.offsets,
-                    lengths: layout.lengths,
-                }),
-            }
-        } else {
-            Value {
-                pickle: Bytes::from(pickle),
-                buffers: copy_buffers(py, &bufs)?,
-                shm: None,
-            }
+        let bufs = export(&tuple.get_item(2)?.extract::<Vec<Bound<'_, PyAny>>>()?)?;
+        let mut value = Value {
+            pickle: Bytes::from(pickle),
+            ..Default::default()
         };
+        if shm && total_bytes(&bufs) >= SHM_THRESHOLD {
+            match write_shm(py, &bufs) {
+                Ok(r) => value.shm = Some(r),
+                // A full or missing /dev/shm is no reason to fail the call: the bytes go over the socket.
+                Err(e) => {
+                    tracing::warn!(error = %e, "shared memory unavailable for a reply: sending it inline")
+                }
+            }
+        }
+        if value.shm.is_none() {
+            value.buffers = copy_buffers(py, &bufs);
+        }
         return Ok(CallReply {
             value: Some(value),
             ..Default::default()
