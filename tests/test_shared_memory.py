@@ -82,7 +82,7 @@ def test_a_full_dev_shm_falls_back_to_the_socket_both_ways() -> None:
         "    back = c.run(lambda x: x, a)[0]\n"
         "    print('ok', float(back[-1]), back.shape[0])\n"
     )
-    script = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c \"{code}\""
+    script = f'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c "{code}"'
     out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
     if "mount" in out.stderr and out.returncode != 0:
         pytest.skip("cannot mount a private /dev/shm here")
