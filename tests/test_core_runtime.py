@@ -507,10 +507,13 @@ def test_received_arrays_are_writable_in_place(cluster: ddlf.Cluster) -> None:
     assert got.flags.writeable and float(got.sum()) == 990 + 50
     # Large values through shared memory: private copy-on-write mappings, writable, and no worker sees another's
     # writes.
-    cluster.set("big", np.zeros(10_000_000, np.float32))
-    cluster.run(lambda worker: worker.vars["big"].__iadd__(worker.id + 1) is not None)
-    assert cluster.run(lambda worker: float(worker.vars["big"][:4].sum())) == [4.0, 8.0]
-    cluster.delete("big")
+    shm = ddlf.Cluster(cluster.addresses, cluster.token, shared_memory=True)
+    assert all(i["shared_memory"] for i in shm.worker_info())
+    shm.set("big", np.zeros(10_000_000, np.float32))
+    shm.run(lambda worker: worker.vars["big"].__iadd__(worker.id + 1) is not None)
+    assert shm.run(lambda worker: float(worker.vars["big"][:4].sum())) == [4.0, 8.0]
+    shm.delete("big")
+    shm.close()
 
 
 def test_worker_threads_option_caps_math_libraries_from_the_start() -> None:

@@ -25,7 +25,14 @@ def ddlf_files() -> set[str]:
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
 
-def test_large_values_go_through_shared_memory_and_leave_no_files(cluster: ddlf.Cluster) -> None:
+@pytest.fixture(scope="module")
+def shm_cluster():
+    with ddlf.Cluster.local(2, threads=1, shared_memory=True) as c:
+        yield c
+
+
+def test_large_values_go_through_shared_memory_and_leave_no_files(shm_cluster: ddlf.Cluster) -> None:
+    cluster = shm_cluster
     assert all(i["shared_memory"] for i in cluster.worker_info())
     before = ddlf_files()
     w = [np.arange(BIG // 4, dtype=np.float32) + i for i in range(4)]
@@ -38,8 +45,8 @@ def test_large_values_go_through_shared_memory_and_leave_no_files(cluster: ddlf.
     cluster.delete("big")
 
 
-def test_tcp_only_cluster_moves_the_same_values(cluster: ddlf.Cluster) -> None:
-    tcp = ddlf.Cluster(cluster.addresses, cluster.token, shared_memory=False)
+def test_tcp_only_cluster_moves_the_same_values(shm_cluster: ddlf.Cluster) -> None:
+    tcp = ddlf.Cluster(shm_cluster.addresses, shm_cluster.token)  # the default: no shared memory
     assert not any(i["shared_memory"] for i in tcp.worker_info())
     a = np.ones(BIG // 2, dtype=np.float32)
     assert tcp.run(lambda x: float(x.sum()), a) == [BIG / 2] * 2
@@ -58,7 +65,7 @@ def test_worker_with_a_private_dev_shm_falls_back_to_tcp(tmp_path) -> None:
     try:
         if not wait_until(ready.exists, 30):
             pytest.skip("cannot start a worker in its own mount namespace here")
-        c = ddlf.Cluster([ready.read_text().strip()], "container-token")
+        c = ddlf.Cluster([ready.read_text().strip()], "container-token", shared_memory=True)
         # Same kernel (same boot id), but the worker cannot see our /dev/shm: detected at connect.
         assert not c.worker_info()[0]["shared_memory"]
         a = np.full(BIG, 2.0, dtype=np.float32)
@@ -76,7 +83,7 @@ def test_a_full_dev_shm_falls_back_to_the_socket_both_ways() -> None:
     # 160 MB value and its echo do not fit, and both directions go over TCP instead of failing.
     code = (
         "import numpy as np, ddlf\n"
-        "with ddlf.Cluster.local(1, threads=1) as c:\n"
+        "with ddlf.Cluster.local(1, threads=1, shared_memory=True) as c:\n"
         "    assert c.worker_info()[0]['shared_memory']\n"
         f"    a = np.full({BIG}, 3.0, dtype=np.float32)\n"
         "    back = c.run(lambda x: x, a)[0]\n"

@@ -32,7 +32,7 @@ class Client:
         connect_timeout: float = 10.0,
         keepalive_interval: float = 5.0,
         keepalive_timeout: float = 10.0,
-        shared_memory: bool = True,
+        shared_memory: bool = False,
     ) -> None: ...
     @property
     def addresses(self) -> list[str]: ...

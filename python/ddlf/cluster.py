@@ -45,9 +45,10 @@ class Cluster:
         connect_timeout: seconds allowed to connect to each worker and check its version.
         timeout: default deadline in seconds for every call (``None``: no deadline; a dead worker is still
             detected by heartbeats within about 15 s). Each method also takes its own ``timeout=``.
-        shared_memory: pass values of 32 MiB or more through shared-memory files (``/dev/shm``) with workers on
-            this machine instead of the socket: written once for all of them. Workers elsewhere, or that cannot
-            open the files, use TCP.
+        shared_memory: opt in to passing values of 32 MiB or more to workers on this machine through one
+            shared-memory file (``/dev/shm``) that they all map, instead of the socket. Workers elsewhere, or that
+            cannot see our ``/dev/shm``, use TCP; so does everything when ``/dev/shm`` is full. Off by default: it
+            measured faster in some runs and slower in others (see BENCHMARKS.md).
     """
 
     def __init__(
@@ -57,7 +58,7 @@ class Cluster:
         *,
         connect_timeout: float = 10.0,
         timeout: float | None = None,
-        shared_memory: bool = True,
+        shared_memory: bool = False,
         _local: LocalWorkers | None = None,
     ) -> None:
         if isinstance(addresses, str):
@@ -84,7 +85,7 @@ class Cluster:
         timeout: float | None = None,
         start_timeout: float = 60.0,
         worker_args: Sequence[str] = (),
-        shared_memory: bool = True,
+        shared_memory: bool = False,
     ) -> Cluster:
         """Start ``n_workers`` daemons on free loopback ports and connect to them.
 

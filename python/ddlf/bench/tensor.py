@@ -35,7 +35,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def round_trips(repeats: int) -> list[list[str]]:
     rows = []
-    with Cluster.local(2, threads=1) as shm:
+    with Cluster.local(2, threads=1, shared_memory=True) as shm:
         tcp = Cluster(shm.addresses, shm.token, shared_memory=False)
         shm.add_function(_echo, "echo")
         echo = RawEcho()
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             "A ddlf round trip is `cluster.run_on(0, 'echo', weights)` (or `cluster.run` for all workers): the list "
             "goes to the worker, is unpickled there on the received memory, and comes back. 'over TCP' streams it "
             "through gRPC on loopback (`shared_memory=False`); 'shared memory' writes it once into a /dev/shm file "
-            "that every local worker maps (the default on one machine). The raw socket moves the same bytes to an "
+            "that every local worker maps (`shared_memory=True`, opt-in). The raw socket moves the same bytes to an "
             "echo process and back on loopback; memcpy copies them once.",
             "",
             report.table(["payload", "path", "ms", "GB/s moved", "time vs raw socket"], rt),

@@ -278,7 +278,7 @@ impl Client {
 impl Client {
     /// Connect to every address concurrently and check versions. Raises the first failure.
     #[new]
-    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = true))]
+    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = false))]
     fn new(
         py: Python<'_>,
         addresses: Vec<String>,
