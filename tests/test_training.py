@@ -182,6 +182,15 @@ def test_failing_load_dataset_is_a_remote_error(cluster: ddlf.Cluster) -> None:
 
     with pytest.raises(ddlf.RemoteError, match="not found"):
         Broken(cluster).train(epochs=1, verbose=0)
+
+    class WrongKeys(SmallMnist):
+        dataset_key = "wrong-keys"
+
+        def load_dataset(self):
+            return {"images": np.zeros((4, 784), np.uint8), "labels": np.zeros(4, np.uint8)}
+
+    with pytest.raises(ddlf.RemoteError, match="needs 'x' and 'y'"):
+        WrongKeys(cluster).train(epochs=1, verbose=0)
     assert cluster.run(lambda: "still serving") == ["still serving"] * 2
 
 

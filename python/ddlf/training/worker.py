@@ -48,6 +48,8 @@ _SESSIONS: dict[str, Session] = {}
 
 def _split_xy(value: Any) -> tuple[Any, Any]:
     if isinstance(value, dict):
+        if "x" not in value or "y" not in value:
+            raise TypeError(f"load_dataset returned a dict with keys {sorted(value)}; it needs 'x' and 'y'")
         return value["x"], value["y"]
     if isinstance(value, (tuple, list)) and len(value) == 2:
         return value[0], value[1]
