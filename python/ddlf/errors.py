@@ -35,6 +35,11 @@ class DeadlineExceeded(WorkerUnavailable, TimeoutError):
     """A call did not complete within its ``timeout``. The worker may still be running it."""
 
 
+class WorkerRestarted(WorkerUnavailable):
+    """The daemon at a worker's address restarted since the master connected: what was pushed to it is gone.
+    :class:`~ddlf.Cluster` catches this itself, re-provisions the worker and retries the call once."""
+
+
 class AuthenticationError(DdlfError, PermissionError):
     """The worker refused our token (or we sent none and it requires one). Nothing was run."""
 
@@ -125,5 +130,6 @@ __all__ = [
     "RequestRejected",
     "SerializationError",
     "WorkerStartError",
+    "WorkerRestarted",
     "WorkerUnavailable",
 ]

@@ -113,3 +113,38 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Index partitions from the wire: any index list either gathers exactly the rows named or is refused
+        /// with an error; it never reads out of bounds or panics.
+        #[test]
+        fn arbitrary_partitions_are_checked(
+            rows in 0usize..40,
+            row_bytes in 0usize..9,
+            extra in 0usize..3,
+            indices in proptest::collection::vec(prop_oneof![0u32..48, any::<u32>()], 0..64),
+            threads in 1usize..4,
+        ) {
+            let src: Vec<u8> = (0..rows * row_bytes + extra).map(|i| i as u8).collect();
+            match gather_rows_to_vec(&src, row_bytes, &indices, threads) {
+                Ok(out) => {
+                    prop_assert_eq!(out.len(), if row_bytes == 0 { 0 } else { indices.len() * row_bytes });
+                    if row_bytes > 0 {
+                        prop_assert_eq!(extra, 0);
+                        for (k, &i) in indices.iter().enumerate() {
+                            let i = i as usize;
+                            prop_assert!(i < rows);
+                            prop_assert_eq!(&out[k * row_bytes..(k + 1) * row_bytes], &src[i * row_bytes..(i + 1) * row_bytes]);
+                        }
+                    }
+                }
+                Err(_) => prop_assert!(extra > 0 || indices.iter().any(|&i| i as usize >= rows)),
+            }
+        }
+    }
+}

@@ -240,3 +240,37 @@ mod tests {
         unlink(&layout.name);
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+        /// A shared-memory reference from the wire (names, offsets, lengths) is validated: every range that is
+        /// accepted lies inside the file, and nothing panics.
+        #[test]
+        fn arbitrary_references_are_checked(
+            offsets in proptest::collection::vec(prop_oneof![0u64..32, any::<u64>()], 0..4),
+            lengths in proptest::collection::vec(prop_oneof![0u64..32, any::<u64>()], 0..4),
+            name in "[a-zA-Z0-9./_-]{0,16}",
+        ) {
+            if !available() {
+                return Ok(());
+            }
+            let _ = map(&name, &offsets, &lengths); // bad names are refused, never opened
+            let written = write(&[&[7u8; 24]]).unwrap();
+            let result = map(&written.name, &offsets, &lengths);
+            unlink(&written.name);
+            if let Ok(mapped) = result {
+                prop_assert_eq!(offsets.len(), lengths.len());
+                for (&o, &n) in offsets.iter().zip(&lengths) {
+                    prop_assert!(o.saturating_add(n) <= 24);
+                }
+                drop(mapped);
+            }
+        }
+    }
+}

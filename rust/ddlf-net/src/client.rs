@@ -15,7 +15,7 @@ use ddlf_proto::{
 };
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Request, Status};
 
 use crate::error::{describe_error, NetError};
@@ -36,6 +36,17 @@ pub struct ClientConfig {
     pub max_message_size: usize,
     /// Pass large buffers through shared memory with workers on this machine.
     pub shared_memory: bool,
+    /// Talk TLS, trusting this certificate authority.
+    pub tls: Option<ClientTls>,
+}
+
+/// How the master checks a TLS daemon's certificate.
+#[derive(Clone, Debug)]
+pub struct ClientTls {
+    /// The certificate authority (PEM) that signed the daemons' certificates.
+    pub ca_pem: Vec<u8>,
+    /// The name to check the certificate against (default: the host part of each address).
+    pub domain: Option<String>,
 }
 
 impl Default for ClientConfig {
@@ -47,8 +58,20 @@ impl Default for ClientConfig {
             token: None,
             max_message_size: usize::MAX,
             shared_memory: true,
+            tls: None,
         }
     }
+}
+
+/// The host part of `host:port` (brackets of an IPv6 literal removed).
+fn host_of(address: &str) -> String {
+    let host = match address.rsplit_once(':') {
+        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => address,
+    };
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string()
 }
 
 /// Adds the token header to every outgoing request.
@@ -82,13 +105,28 @@ pub struct WorkerConn {
 impl WorkerConn {
     /// Connect to `address` (`host:port`), and check that the worker speaks our protocol version.
     pub async fn connect(address: &str, config: &ClientConfig) -> Result<Self, NetError> {
-        let uri = format!("http://{address}");
+        let scheme = if config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let uri = format!("{scheme}://{address}");
         let invalid = |reason: String| NetError::InvalidAddress {
             address: address.to_string(),
             reason,
         };
-        let endpoint = Endpoint::from_shared(uri)
-            .map_err(|e| invalid(describe_error(&e)))?
+        let mut endpoint = Endpoint::from_shared(uri).map_err(|e| invalid(describe_error(&e)))?;
+        if let Some(tls) = &config.tls {
+            let domain = tls.domain.clone().unwrap_or_else(|| host_of(address));
+            endpoint = endpoint
+                .tls_config(
+                    ClientTlsConfig::new()
+                        .ca_certificate(Certificate::from_pem(&tls.ca_pem))
+                        .domain_name(domain),
+                )
+                .map_err(|e| invalid(describe_error(&e)))?;
+        }
+        let endpoint = endpoint
             .connect_timeout(config.connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(config.keepalive_interval)
@@ -237,9 +275,10 @@ impl WorkerConn {
     /// Run an operation on the worker's interpreter thread.
     pub async fn call(
         &self,
-        request: CallRequest,
+        mut request: CallRequest,
         timeout: Option<Duration>,
     ) -> Result<CallReply, NetError> {
+        request.instance = self.hello.instance;
         self.unary(timeout, |mut c| async move {
             let mut req = Request::new(request);
             if let Some(t) = timeout {
@@ -258,6 +297,7 @@ impl WorkerConn {
         timeout: Option<Duration>,
         chunk_bytes: usize,
     ) -> Result<CallReply, NetError> {
+        request.instance = self.hello.instance;
         let value = request.value.take().unwrap_or_default();
         let chunks = to_chunks(Header::Request(request), value, chunk_bytes);
         let mut client = self.client.clone();
@@ -280,12 +320,19 @@ impl WorkerConn {
 
     /// Round-trip time of a ping answered by the worker's network runtime (never by its Python thread).
     pub async fn ping(&self, timeout: Option<Duration>) -> Result<Duration, NetError> {
+        self.heartbeat(timeout).await.map(|(rtt, _)| rtt)
+    }
+
+    /// A ping that also returns the daemon's instance id: a different id than at connect time means the
+    /// daemon at this address restarted (and lost what was pushed to it).
+    pub async fn heartbeat(&self, timeout: Option<Duration>) -> Result<(Duration, u64), NetError> {
         let start = Instant::now();
-        self.unary(timeout, |mut c| async move {
-            c.ping(PingRequest { nonce: 1 }).await
-        })
-        .await?;
-        Ok(start.elapsed())
+        let reply = self
+            .unary(timeout, |mut c| async move {
+                c.ping(PingRequest { nonce: 1 }).await
+            })
+            .await?;
+        Ok((start.elapsed(), reply.instance))
     }
 
     /// The worker's status (answered without its Python thread).
@@ -304,5 +351,21 @@ impl WorkerConn {
         })
         .await
         .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_of;
+
+    #[test]
+    fn host_of_strips_port_and_brackets() {
+        assert_eq!(host_of("127.0.0.1:7070"), "127.0.0.1");
+        assert_eq!(
+            host_of("worker-0.ddlf.default.svc:7070"),
+            "worker-0.ddlf.default.svc"
+        );
+        assert_eq!(host_of("[::1]:7070"), "::1");
+        assert_eq!(host_of("localhost"), "localhost");
     }
 }

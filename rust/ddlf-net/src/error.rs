@@ -34,10 +34,16 @@ pub enum NetError {
         code: String,
         message: String,
     },
+    /// The daemon at this address restarted since we connected: what was pushed to it is gone.
+    #[error("worker {address} restarted since this master connected to it: what was pushed to it is gone")]
+    Restarted { address: String },
     /// The address is not something we can connect to.
     #[error("invalid worker address {address:?}: {reason}")]
     InvalidAddress { address: String, reason: String },
 }
+
+/// How a daemon begins its refusal of a request addressed to an earlier instance of itself.
+pub const RESTARTED: &str = "daemon restarted";
 
 impl NetError {
     /// Classify a gRPC status returned by a call to `address`.
@@ -60,6 +66,9 @@ impl NetError {
                     reason: describe_transport(status),
                 }
             }
+            Code::FailedPrecondition if message.starts_with(RESTARTED) => {
+                NetError::Restarted { address }
+            }
             code => NetError::Rejected {
                 address,
                 code: format!("{code:?}"),
@@ -76,6 +85,7 @@ impl NetError {
             | NetError::Unauthenticated { address, .. }
             | NetError::ProtocolMismatch { address, .. }
             | NetError::Rejected { address, .. }
+            | NetError::Restarted { address }
             | NetError::InvalidAddress { address, .. } => address,
         }
     }
@@ -102,7 +112,7 @@ pub(crate) fn describe_transport(status: &tonic::Status) -> String {
     text
 }
 
-pub(crate) fn describe_error(err: &dyn std::error::Error) -> String {
+pub fn describe_error(err: &dyn std::error::Error) -> String {
     let mut text = err.to_string();
     let mut source = err.source();
     while let Some(e) = source {

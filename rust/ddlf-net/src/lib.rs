@@ -2,17 +2,20 @@
 //!
 //! * [`client`]: connect with a deadline, version handshake, calls with deadlines, ping/status/shutdown.
 //! * [`server`]: the configured tonic server builder, token authentication, listener.
+//! * [`guard`]: admission control in front of a daemon's server (connection cap, handshake check, logging).
 //! * [`stream`]: values cut into chunks for streamed calls, and read back (both ends).
 //! * [`error`]: [`NetError`], what can go wrong talking to a worker, always naming its address.
 
 pub mod client;
 pub mod error;
+pub mod guard;
 pub mod server;
 pub mod stream;
 
-pub use client::{ClientConfig, WorkerConn};
+pub use client::{ClientConfig, ClientTls, WorkerConn};
 pub use error::NetError;
-pub use server::{ServerAuth, ServerConfig};
+pub use guard::{ConnStats, GuardConfig};
+pub use server::{ServerAuth, ServerConfig, ServerTls};
 
 /// HTTP/2 flow-control windows. The defaults (64 KiB) throttle bulk transfers on fast links; weights are
 /// tens to hundreds of megabytes, so both sides advertise large windows.

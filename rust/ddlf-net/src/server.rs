@@ -21,6 +21,23 @@ pub struct ServerConfig {
     pub keepalive_interval: Duration,
     /// How long an unanswered keepalive ping is tolerated.
     pub keepalive_timeout: Duration,
+    /// Serve TLS with this certificate chain and key (PEM).
+    pub tls: Option<ServerTls>,
+    /// Connections open at once, and how long a new one may take to open with a valid preface.
+    pub guard: crate::guard::GuardConfig,
+}
+
+/// The daemon's TLS identity.
+#[derive(Clone)]
+pub struct ServerTls {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls").finish_non_exhaustive() // never print the key
+    }
 }
 
 impl Default for ServerConfig {
@@ -30,21 +47,30 @@ impl Default for ServerConfig {
             max_concurrent_streams: 256,
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(20),
+            tls: None,
+            guard: Default::default(),
         }
     }
 }
 
 impl ServerConfig {
-    /// A tonic server builder with these limits applied.
-    pub fn builder(&self) -> tonic::transport::Server {
-        tonic::transport::Server::builder()
+    /// A tonic server builder with these limits (and TLS, if configured) applied.
+    pub fn builder(&self) -> Result<tonic::transport::Server, tonic::transport::Error> {
+        let builder = tonic::transport::Server::builder();
+        let builder = match &self.tls {
+            Some(tls) => builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
+            ))?,
+            None => builder,
+        };
+        Ok(builder
             .tcp_nodelay(true)
             .max_concurrent_streams(self.max_concurrent_streams)
             .http2_keepalive_interval(Some(self.keepalive_interval))
             .http2_keepalive_timeout(Some(self.keepalive_timeout))
             .initial_stream_window_size(crate::STREAM_WINDOW)
             .initial_connection_window_size(crate::CONNECTION_WINDOW)
-            .max_frame_size(crate::MAX_FRAME)
+            .max_frame_size(crate::MAX_FRAME))
     }
 }
 

@@ -5,11 +5,12 @@
 //! failure of one worker never hides the answers of the others.
 
 use std::future::Future;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
 use ddlf_core::auth::Token;
-use ddlf_net::{ClientConfig, NetError, WorkerConn};
+use ddlf_net::{ClientConfig, ClientTls, NetError, WorkerConn};
 use ddlf_proto::{CallReply, CallRequest, ShmRef, Value};
 use futures_util::future::join_all;
 use pyo3::exceptions::{PyIndexError, PyValueError};
@@ -37,6 +38,7 @@ fn request(op: i32, name: &str, digest: &str, value: Value, reply_shm: bool) -> 
         value: Some(value),
         request_id: 0,
         reply_shm,
+        instance: 0, // set by the connection
     }
 }
 
@@ -78,6 +80,21 @@ impl Outgoing {
     }
 }
 
+/// What a worker said about itself in its hello.
+fn info_dict<'py>(py: Python<'py>, c: &WorkerConn) -> PyResult<Bound<'py, PyDict>> {
+    let h = c.hello();
+    let d = PyDict::new(py);
+    d.set_item("address", c.address())?;
+    d.set_item("version", &h.worker_version)?;
+    d.set_item("protocol_version", h.protocol_version)?;
+    d.set_item("name", &h.worker_name)?;
+    d.set_item("pid", h.pid)?;
+    d.set_item("hostname", &h.hostname)?;
+    d.set_item("shared_memory", c.shared_memory())?;
+    d.set_item("instance", h.instance)?;
+    Ok(d)
+}
+
 /// Chunk size of streamed values.
 const CHUNK_BYTES: usize = 4 << 20;
 
@@ -91,11 +108,13 @@ async fn send(
     conn.call_stream(req, timeout, CHUNK_BYTES).await
 }
 
-/// Connections to a fixed list of worker daemons.
+/// Connections to a list of worker daemons. Workers can be added, removed and reconnected (a daemon restarted
+/// at the same address); the list is read under a lock and each call works on a snapshot of it.
 #[pyclass(frozen, module = "ddlf._ddlf")]
 pub struct Client {
     rt: tokio::runtime::Runtime,
-    conns: Vec<WorkerConn>,
+    conns: RwLock<Vec<WorkerConn>>,
+    config: ClientConfig,
 }
 
 fn seconds(s: Option<f64>) -> PyResult<Option<Duration>> {
@@ -130,29 +149,54 @@ impl Client {
         })
     }
 
+    fn read(&self) -> RwLockReadGuard<'_, Vec<WorkerConn>> {
+        self.conns.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Vec<WorkerConn>> {
+        self.conns.write().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn conns_for(&self, targets: &[usize]) -> PyResult<Vec<WorkerConn>> {
+        let conns = self.read();
         targets
             .iter()
             .map(|&i| {
-                self.conns.get(i).cloned().ok_or_else(|| {
+                conns.get(i).cloned().ok_or_else(|| {
                     PyIndexError::new_err(format!(
                         "worker index {i} out of range: the cluster has {} workers",
-                        self.conns.len()
+                        conns.len()
                     ))
                 })
             })
             .collect()
     }
 
-    /// Send one request per target concurrently and wait for all answers.
+    /// Connect to one address (a fresh connection: new handshake, new instance id).
+    fn connect_one(
+        &self,
+        py: Python<'_>,
+        address: String,
+        timeout: Option<f64>,
+    ) -> PyResult<Result<WorkerConn, NetError>> {
+        let mut config = self.config.clone();
+        if let Some(t) = seconds(timeout)? {
+            config.connect_timeout = t;
+        }
+        self.wait(
+            py,
+            async move { WorkerConn::connect(&address, &config).await },
+        )
+    }
+
+    /// Send one request per connection concurrently and wait for all answers.
     fn fan_out(
         &self,
         py: Python<'_>,
-        targets: &[usize],
+        conns: Vec<WorkerConn>,
         requests: Vec<CallRequest>,
         timeout: Option<Duration>,
     ) -> PyResult<Vec<Result<CallReply, NetError>>> {
-        let conns = self.conns_for(targets)?;
         self.wait(py, async move {
             if conns.len() == 1 {
                 let req = requests.into_iter().next().unwrap_or_default();
@@ -203,7 +247,7 @@ impl Client {
             };
             requests.push(request(op, &name, &digest, value, conn.shared_memory()));
         }
-        let results = self.fan_out(py, &targets, requests, timeout);
+        let results = self.fan_out(py, conns, requests, timeout);
         for out in &values {
             if let Some(r) = &out.shm {
                 ddlf_core::shm::unlink(&r.name);
@@ -278,7 +322,8 @@ impl Client {
 impl Client {
     /// Connect to every address concurrently and check versions. Raises the first failure.
     #[new]
-    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = false))]
+    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = false, tls_ca = None, tls_domain = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         addresses: Vec<String>,
@@ -287,6 +332,8 @@ impl Client {
         keepalive_interval: f64,
         keepalive_timeout: f64,
         shared_memory: bool,
+        tls_ca: Option<&[u8]>,
+        tls_domain: Option<String>,
     ) -> PyResult<Self> {
         if addresses.is_empty() {
             return Err(PyValueError::new_err(
@@ -306,6 +353,10 @@ impl Client {
             keepalive_timeout: seconds(Some(keepalive_timeout))?.unwrap_or_default(),
             token,
             shared_memory,
+            tls: tls_ca.map(|ca| ClientTls {
+                ca_pem: ca.to_vec(),
+                domain: tls_domain,
+            }),
             ..Default::default()
         };
         // The master's runtime runs on the calling thread inside `block_on`: a call costs no thread hop on the
@@ -314,7 +365,11 @@ impl Client {
             .enable_all()
             .build()
             .map_err(|e| PyValueError::new_err(format!("cannot start the client runtime: {e}")))?;
-        let mut client = Client { rt, conns: vec![] };
+        let mut client = Client {
+            rt,
+            conns: RwLock::new(vec![]),
+            config: config.clone(),
+        };
         let results = client.wait(py, {
             let config = config.clone();
             let addresses = addresses.clone();
@@ -327,37 +382,71 @@ impl Client {
                 Err(e) => return Err(net_error(py, &e, Some(i))),
             }
         }
-        client.conns = conns;
+        client.conns = RwLock::new(conns);
         Ok(client)
     }
 
     /// The worker addresses, in worker order.
     #[getter]
     fn addresses(&self) -> Vec<String> {
-        self.conns.iter().map(|c| c.address().to_string()).collect()
+        self.read()
+            .iter()
+            .map(|c| c.address().to_string())
+            .collect()
     }
 
     fn __len__(&self) -> usize {
-        self.conns.len()
+        self.read().len()
     }
 
-    /// What each worker said about itself at connect time.
+    /// What each worker said about itself when last connected.
     fn worker_info<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        self.conns
-            .iter()
-            .map(|c| {
-                let h = c.hello();
-                let d = PyDict::new(py);
-                d.set_item("address", c.address())?;
-                d.set_item("version", &h.worker_version)?;
-                d.set_item("protocol_version", h.protocol_version)?;
-                d.set_item("name", &h.worker_name)?;
-                d.set_item("pid", h.pid)?;
-                d.set_item("hostname", &h.hostname)?;
-                d.set_item("shared_memory", c.shared_memory())?;
-                Ok(d)
-            })
-            .collect()
+        self.read().iter().map(|c| info_dict(py, c)).collect()
+    }
+
+    /// Replace worker `index`'s connection with a fresh one to the same address (after its daemon restarted, or
+    /// its link came back). Returns the worker's info; raises if it cannot be reached within `timeout`.
+    #[pyo3(signature = (index, timeout = None))]
+    fn reconnect<'py>(
+        &self,
+        py: Python<'py>,
+        index: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let address = self.conns_for(&[index])?[0].address().to_string();
+        let conn = self
+            .connect_one(py, address, timeout)?
+            .map_err(|e| net_error(py, &e, Some(index)))?;
+        let info = info_dict(py, &conn)?;
+        let mut conns = self.write();
+        if let Some(slot) = conns.get_mut(index) {
+            *slot = conn;
+        }
+        Ok(info)
+    }
+
+    /// Connect to one more worker; it becomes the last one. Returns its index.
+    #[pyo3(signature = (address, timeout = None))]
+    fn add(&self, py: Python<'_>, address: String, timeout: Option<f64>) -> PyResult<usize> {
+        let index = self.read().len();
+        let conn = self
+            .connect_one(py, address, timeout)?
+            .map_err(|e| net_error(py, &e, Some(index)))?;
+        let mut conns = self.write();
+        conns.push(conn);
+        Ok(conns.len() - 1)
+    }
+
+    /// Drop worker `index`'s connection; the workers after it move down by one. Returns its address.
+    fn remove(&self, index: usize) -> PyResult<String> {
+        let mut conns = self.write();
+        if index >= conns.len() {
+            return Err(PyIndexError::new_err(format!(
+                "worker index {index} out of range: the cluster has {} workers",
+                conns.len()
+            )));
+        }
+        Ok(conns.remove(index).address().to_string())
     }
 
     /// Run one operation on each target with the same value: serialized once, the same bytes go to every
@@ -427,6 +516,29 @@ impl Client {
         )
     }
 
+    /// `(round-trip seconds, instance id)` per target, or an exception instance for a worker that did not
+    /// answer. An instance id that differs from the one in `worker_info` means the daemon restarted.
+    #[pyo3(signature = (targets, timeout = None))]
+    fn heartbeat(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let timeout = seconds(timeout)?;
+        self.simple(
+            py,
+            targets,
+            move |c| async move { c.heartbeat(timeout).await },
+            |py, (d, instance): (Duration, u64)| {
+                Ok((d.as_secs_f64(), instance)
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind())
+            },
+        )
+    }
+
     /// Status dict per target (or an exception instance).
     #[pyo3(signature = (targets, timeout = None))]
     fn status(
@@ -464,6 +576,9 @@ impl Client {
                 d.set_item("requests_served", s.requests_served)?;
                 d.set_item("requests_rejected", s.requests_rejected)?;
                 d.set_item("queue_depth", s.queue_depth)?;
+                d.set_item("instance", s.instance)?;
+                d.set_item("connections_open", s.connections_open)?;
+                d.set_item("connections_refused", s.connections_refused)?;
                 Ok(d.into_any().unbind())
             },
         )

@@ -28,6 +28,10 @@ pub fn net_error_instance<'py>(
             )?;
             "DeadlineExceeded"
         }
+        NetError::Restarted { .. } => {
+            kwargs.set_item("reason", "the daemon restarted")?;
+            "WorkerRestarted"
+        }
         NetError::Unauthenticated { .. } => "AuthenticationError",
         NetError::ProtocolMismatch { .. } | NetError::InvalidAddress { .. } => "ProtocolError",
         NetError::Rejected { code, .. } => {

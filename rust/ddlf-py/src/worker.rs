@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ddlf_core::auth::Token;
-use ddlf_net::ServerConfig;
+use ddlf_net::{ServerConfig, ServerTls};
 use ddlf_proto::{CallReply, CallRequest, ErrorKind, RemoteException, Value};
 use ddlf_worker::{Daemon, DaemonConfig, Job, Next};
 use pyo3::exceptions::{PyException, PyValueError};
@@ -25,7 +25,7 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 /// `(0, pickle, buffers)` or `(error_kind, (type_name, message, traceback))`. `executor.on_listening(address)`
 /// is called once the port is bound.
 #[pyfunction]
-#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 1))]
+#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 1, tls_cert = None, tls_key = None, max_connections = None, handshake_timeout = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn serve_worker(
     py: Python<'_>,
@@ -36,6 +36,10 @@ pub fn serve_worker(
     max_message_size: Option<usize>,
     name: Option<String>,
     network_threads: usize,
+    tls_cert: Option<&[u8]>,
+    tls_key: Option<&[u8]>,
+    max_connections: Option<u64>,
+    handshake_timeout: Option<f64>,
 ) -> PyResult<()> {
     let token = match token {
         Some(t) => Some(Token::new(t).ok_or_else(|| PyValueError::new_err("the token is empty"))?),
@@ -44,6 +48,32 @@ pub fn serve_worker(
     let mut server = ServerConfig::default();
     if let Some(m) = max_message_size {
         server.max_message_size = m;
+    }
+    server.tls = match (tls_cert, tls_key) {
+        (Some(cert), Some(key)) => Some(ServerTls {
+            cert_pem: cert.to_vec(),
+            key_pem: key.to_vec(),
+        }),
+        (None, None) => None,
+        _ => {
+            return Err(PyValueError::new_err(
+                "TLS needs both a certificate and its key",
+            ))
+        }
+    };
+    if let Some(m) = max_connections {
+        if m == 0 {
+            return Err(PyValueError::new_err("max_connections must be at least 1"));
+        }
+        server.guard.max_connections = m;
+    }
+    if let Some(t) = handshake_timeout {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(PyValueError::new_err(
+                "handshake_timeout must be a positive number of seconds",
+            ));
+        }
+        server.guard.handshake_timeout = Duration::from_secs_f64(t);
     }
     let config = DaemonConfig {
         listen,

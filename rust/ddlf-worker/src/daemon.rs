@@ -31,6 +31,8 @@ pub enum DaemonError {
     InsecureRefused { address: SocketAddr },
     #[error("cannot start the network runtime: {0}")]
     Runtime(std::io::Error),
+    #[error("invalid TLS certificate or key: {0}")]
+    Tls(String),
 }
 
 /// How to run a daemon.
@@ -135,7 +137,13 @@ impl Daemon {
             .max_encoding_message_size(usize::MAX);
         let auth = ServerAuth::new(config.token.clone(), state.rejected.clone());
         let svc = InterceptedService::new(server, auth);
-        let mut builder = config.server.builder();
+        let mut builder = config
+            .server
+            .builder()
+            .map_err(|e| DaemonError::Tls(ddlf_net::error::describe_error(&e)))?;
+        let mut guard = config.server.guard.clone();
+        guard.tls = config.server.tls.is_some();
+        let connections = state.connections.clone();
         let (done_tx, done) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("ddlf-net".into())
@@ -148,10 +156,10 @@ impl Daemon {
                             return;
                         }
                     };
-                    // Nagle off on every accepted connection: HTTP/2 writes small frames (headers, trailers,
-                    // window updates) after large ones, and Nagle would hold them for the peer's delayed ACK.
-                    let incoming = tonic::transport::server::TcpIncoming::from(listener)
-                        .with_nodelay(Some(true));
+                    // Every connection passes the admission guard (limit, preface check, handshake deadline)
+                    // with Nagle off: HTTP/2 writes small frames (headers, trailers, window updates) after large
+                    // ones, and Nagle would hold them for the peer's delayed ACK.
+                    let incoming = ddlf_net::guard::guarded(listener, guard, connections);
                     let result = builder
                         .add_service(svc)
                         .serve_with_incoming_shutdown(incoming, async move {
@@ -169,6 +177,7 @@ impl Daemon {
         tracing::info!(
             address = %local_addr,
             auth = config.token.is_some(),
+            tls = config.server.tls.is_some(),
             version = ddlf_proto::VERSION,
             "worker listening"
         );

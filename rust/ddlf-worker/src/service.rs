@@ -58,6 +58,17 @@ impl WorkerService {
                 req.op
             ))));
         }
+        if req.instance != 0 && req.instance != self.state.instance {
+            tracing::info!(
+                expected = req.instance,
+                ours = self.state.instance,
+                "request for an earlier instance of this daemon: the master must re-provision it"
+            );
+            return Err(Status::failed_precondition(format!(
+                "{}: this daemon started after the master connected, and holds nothing it pushed",
+                ddlf_net::error::RESTARTED
+            )));
+        }
         let what = label(&req);
         let Some(waiting) = self.jobs.submit(req) else {
             return Err(Status::unavailable("the worker is shutting down"));
@@ -120,6 +131,7 @@ impl Worker for WorkerService {
             boot_id: ddlf_core::shm::boot_id(),
             shm_visible: !req.shm_probe.is_empty()
                 && ddlf_core::shm::map(&req.shm_probe, &[], &[]).is_ok(),
+            instance: self.state.instance,
         }))
     }
 
@@ -127,6 +139,7 @@ impl Worker for WorkerService {
         Ok(Response::new(PingReply {
             nonce: request.into_inner().nonce,
             uptime_ms: self.state.started.elapsed().as_millis() as u64,
+            instance: self.state.instance,
         }))
     }
 
@@ -147,6 +160,9 @@ impl Worker for WorkerService {
             requests_rejected: self.state.rejected.load(Ordering::Relaxed),
             queue_depth: self.state.queued.load(Ordering::Relaxed),
             hostname: self.state.hostname.clone(),
+            instance: self.state.instance,
+            connections_open: self.state.connections.open.load(Ordering::Relaxed),
+            connections_refused: self.state.connections.refused.load(Ordering::Relaxed),
         }))
     }
 

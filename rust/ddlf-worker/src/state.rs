@@ -15,6 +15,10 @@ pub struct WorkerState {
     /// Shared with the authentication interceptor.
     pub rejected: Arc<AtomicU64>,
     pub queued: AtomicU64,
+    /// Random per daemon start: tells a master that the daemon at an address was restarted.
+    pub instance: u64,
+    /// Open and refused connections (shared with the admission guard).
+    pub connections: Arc<ddlf_net::ConnStats>,
     running: Mutex<Option<(String, Instant)>>,
 }
 
@@ -27,6 +31,8 @@ impl WorkerState {
             served: AtomicU64::new(0),
             rejected: Arc::new(AtomicU64::new(0)),
             queued: AtomicU64::new(0),
+            instance: new_instance(),
+            connections: Arc::default(),
             running: Mutex::new(None),
         }
     }
@@ -51,6 +57,20 @@ impl WorkerState {
             .as_ref()
             .map(|(op, t)| (op.clone(), t.elapsed()))
     }
+}
+
+/// A number that differs between two starts of a daemon: the wall clock's nanoseconds mixed with the pid and
+/// the address of a stack value (splitmix64 finaliser), never 0.
+fn new_instance() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let marker = 0u8;
+    let mut z = nanos ^ ((std::process::id() as u64) << 32) ^ (&marker as *const u8 as u64);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+    (z ^ (z >> 31)).max(1)
 }
 
 fn hostname() -> String {
@@ -86,6 +106,14 @@ mod tests {
         s.end();
         assert!(s.running().is_none());
         assert_eq!(s.served.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn instances_differ_between_starts() {
+        let a = WorkerState::new("a".into()).instance;
+        let b = WorkerState::new("b".into()).instance;
+        assert_ne!(a, 0);
+        assert_ne!(a, b);
     }
 
     #[test]

@@ -276,3 +276,155 @@ async fn large_values_stream_in_chunks_both_ways() {
         .await
         .unwrap();
 }
+
+fn start_guarded(
+    guard: ddlf_net::GuardConfig,
+) -> (Daemon, std::thread::JoinHandle<u64>, std::net::SocketAddr) {
+    let (daemon, rx) = Daemon::start(DaemonConfig {
+        listen: "127.0.0.1:0".into(),
+        server: ServerConfig {
+            guard,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let addr = daemon.local_addr();
+    (daemon, echo_interpreter(rx), addr)
+}
+
+/// Send `bytes` on a fresh connection and report whether the daemon closed it within 2 s.
+async fn closed_after(addr: std::net::SocketAddr, bytes: &[u8]) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _ = s.write_all(bytes).await;
+    let mut buf = [0u8; 64];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await,
+        Ok(Ok(0)) | Ok(Err(_))
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_the_port_is_refused_and_the_worker_keeps_serving() {
+    let (daemon, _interp, addr) = start_guarded(ddlf_net::GuardConfig {
+        handshake_timeout: Duration::from_millis(300),
+        ..Default::default()
+    });
+    let conn = WorkerConn::connect(&addr.to_string(), &client_config(None))
+        .await
+        .unwrap();
+    let tls_client_hello = [0x16, 0x03, 0x01, 0x00, 0x05, 0x01, 0x00, 0x00, 0x01, 0x00];
+    let cases: [&[u8]; 4] = [
+        b"\x00\xde\xad\xbe\xef random bytes \xff\xfe",
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        &tls_client_hello,
+        b"PRI * HTTP/2.0\r\n", // half a preface, then silence: a half-open connection
+    ];
+    for bytes in cases {
+        assert!(closed_after(addr, bytes).await, "not closed: {bytes:?}");
+        // The real master is unaffected.
+        let reply = conn
+            .call(
+                run_request("f", b"still here"),
+                Some(Duration::from_secs(5)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(&reply.value.unwrap().pickle[..], b"still here");
+    }
+    // A connection that sends nothing at all is closed after the handshake deadline.
+    assert!(closed_after(addr, b"").await);
+    assert_eq!(
+        daemon
+            .state()
+            .connections
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed),
+        5
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_limit_are_refused() {
+    let (daemon, _interp, addr) = start_guarded(ddlf_net::GuardConfig {
+        max_connections: 2,
+        ..Default::default()
+    });
+    let a = WorkerConn::connect(&addr.to_string(), &client_config(None))
+        .await
+        .unwrap();
+    let _b = WorkerConn::connect(&addr.to_string(), &client_config(None))
+        .await
+        .unwrap();
+    let third = WorkerConn::connect(&addr.to_string(), &client_config(None)).await;
+    assert!(third.is_err(), "a third connection was admitted");
+    a.ping(Some(Duration::from_secs(2))).await.unwrap();
+    let st = a.status(Some(Duration::from_secs(2))).await.unwrap();
+    assert_eq!(st.connections_open, 2);
+    assert!(st.connections_refused >= 1);
+    drop(a);
+    drop(_b);
+    // Slots are released when connections close: a new master gets in.
+    let mut ok = false;
+    for _ in 0..50 {
+        if WorkerConn::connect(&addr.to_string(), &client_config(None))
+            .await
+            .is_ok()
+        {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ok);
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_daemon_refuses_requests_meant_for_its_predecessor() {
+    let (daemon, _interp) = start(None, 1 << 20);
+    let addr = daemon.local_addr().to_string();
+    let conn = WorkerConn::connect(&addr, &client_config(None))
+        .await
+        .unwrap();
+    let (_, instance) = conn.heartbeat(None).await.unwrap();
+    assert_eq!(instance, conn.hello().instance);
+    drop(daemon);
+    // A new daemon on the same port: the old connection's calls must not run there.
+    let (daemon2, rx) = Daemon::start(DaemonConfig {
+        listen: addr.clone(),
+        ..Default::default()
+    })
+    .unwrap();
+    let _interp2 = echo_interpreter(rx);
+    let mut outcome = None;
+    for _ in 0..40 {
+        match conn
+            .call(run_request("f", b"x"), Some(Duration::from_secs(2)))
+            .await
+        {
+            Err(NetError::Unavailable { .. }) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => {
+                outcome = Some(other);
+                break;
+            }
+        }
+    }
+    assert!(
+        matches!(outcome, Some(Err(NetError::Restarted { .. }))),
+        "{outcome:?}"
+    );
+    // A fresh connection is provisioned for the new instance and works.
+    let fresh = WorkerConn::connect(&addr, &client_config(None))
+        .await
+        .unwrap();
+    assert_ne!(fresh.hello().instance, conn.hello().instance);
+    fresh
+        .call(run_request("f", b"x"), Some(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    drop(daemon2);
+}

@@ -1,0 +1,347 @@
+//! Admission control in front of a daemon's gRPC server.
+//!
+//! Every accepted TCP connection must, within a handshake deadline, start with what a real master sends first:
+//! the HTTP/2 client preface on a plaintext daemon, a TLS handshake record on a TLS one. Anything else (random
+//! bytes, an HTTP/1 request, TLS to a plaintext port, plaintext to a TLS port, a half-open connection that
+//! sends nothing) is refused, logged with the peer's address and counted, before tonic or hyper ever see it.
+//! A cap on open connections keeps a flood of them from exhausting the daemon's file descriptors and memory.
+//!
+//! The bytes read for the check are replayed to the server, so an accepted connection is untouched.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+/// The first bytes of every HTTP/2 connection (RFC 9113, section 3.4).
+pub const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Limits of the admission check.
+#[derive(Clone, Debug)]
+pub struct GuardConfig {
+    /// Connections open at once; more are refused (closed at once and logged).
+    pub max_connections: u64,
+    /// How long a new connection may take to send its first bytes.
+    pub handshake_timeout: Duration,
+    /// The daemon speaks TLS: connections must open with a TLS handshake record.
+    pub tls: bool,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        GuardConfig {
+            max_connections: 1024,
+            handshake_timeout: Duration::from_secs(10),
+            tls: false,
+        }
+    }
+}
+
+/// Connection counters, shared with the daemon's status.
+#[derive(Debug, Default)]
+pub struct ConnStats {
+    pub open: AtomicU64,
+    pub refused: AtomicU64,
+}
+
+/// Why a connection was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    TooMany(u64),
+    Silent(Duration),
+    Closed,
+    Http1,
+    TlsOnPlain,
+    PlainOnTls,
+    Garbage,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::TooMany(n) => write!(f, "connection limit reached ({n} open)"),
+            Refusal::Silent(t) => write!(f, "sent nothing valid within {t:?} (half-open or idle)"),
+            Refusal::Closed => write!(f, "closed before sending a complete preface"),
+            Refusal::Http1 => write!(
+                f,
+                "an HTTP/1 request: this port speaks gRPC over HTTP/2 only"
+            ),
+            Refusal::TlsOnPlain => write!(
+                f,
+                "a TLS handshake on a plaintext port (the master uses TLS, this daemon does not)"
+            ),
+            Refusal::PlainOnTls => write!(
+                f,
+                "plaintext on a TLS port (the master does not use TLS, this daemon does)"
+            ),
+            Refusal::Garbage => write!(f, "not a gRPC connection (unrecognised bytes)"),
+        }
+    }
+}
+
+/// Judge the first bytes of a connection: `Ok` admits it, `Err` says why it is refused.
+pub fn judge(first: &[u8], tls: bool) -> Result<(), Refusal> {
+    let is_tls_record = first.first() == Some(&0x16) && first.get(1) == Some(&0x03);
+    if tls {
+        if is_tls_record {
+            return Ok(());
+        }
+        if H2_PREFACE.starts_with(first) || first.starts_with(H2_PREFACE) {
+            return Err(Refusal::PlainOnTls);
+        }
+    } else {
+        if first == H2_PREFACE {
+            return Ok(());
+        }
+        if is_tls_record {
+            return Err(Refusal::TlsOnPlain);
+        }
+    }
+    const HTTP1: [&[u8]; 9] = [
+        b"GET ", b"POST", b"PUT ", b"HEAD", b"DELE", b"OPTI", b"PATC", b"CONN", b"TRAC",
+    ];
+    if HTTP1.iter().any(|m| first.starts_with(m)) {
+        return Err(Refusal::Http1);
+    }
+    Err(Refusal::Garbage)
+}
+
+/// Bytes needed before [`judge`] can decide.
+fn needed(tls: bool) -> usize {
+    if tls {
+        3
+    } else {
+        H2_PREFACE.len()
+    }
+}
+
+/// Releases one connection slot when the connection is dropped.
+#[derive(Debug)]
+struct Slot(Arc<ConnStats>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An admitted connection: the bytes read by the check are served again before the socket's own.
+#[derive(Debug)]
+pub struct Admitted {
+    stream: TcpStream,
+    prefix: Vec<u8>,
+    pos: usize,
+    info: TcpConnectInfo,
+    _slot: Slot,
+}
+
+impl Connected for Admitted {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for Admitted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.pos < self.prefix.len() {
+            let n = (self.prefix.len() - self.pos).min(buf.remaining());
+            let start = self.pos;
+            buf.put_slice(&self.prefix[start..start + n]);
+            self.pos += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Admitted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}
+
+async fn admit(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    config: &GuardConfig,
+    slot: Slot,
+) -> Result<Admitted, Refusal> {
+    let want = needed(config.tls);
+    let mut first = vec![0u8; want];
+    let mut got = 0;
+    let read = async {
+        while got < want {
+            match stream.read(&mut first[got..]).await {
+                Ok(0) | Err(_) => return Err(Refusal::Closed),
+                Ok(n) => got += n,
+            }
+            // Decide as early as the bytes allow: garbage need not wait for 24 bytes.
+            let so_far = &first[..got];
+            let plausible = if config.tls {
+                so_far[0] == 0x16
+            } else {
+                H2_PREFACE.starts_with(so_far)
+            };
+            if !plausible {
+                return judge(so_far, config.tls).map(|_| ());
+            }
+        }
+        judge(&first, config.tls)
+    };
+    match tokio::time::timeout(config.handshake_timeout, read).await {
+        Err(_) => return Err(Refusal::Silent(config.handshake_timeout)),
+        Ok(Err(r)) => return Err(r),
+        Ok(Ok(())) => {}
+    }
+    let info = TcpConnectInfo {
+        local_addr: stream.local_addr().ok(),
+        remote_addr: Some(peer),
+    };
+    Ok(Admitted {
+        stream,
+        prefix: first,
+        pos: 0,
+        info,
+        _slot: slot,
+    })
+}
+
+/// Accept connections on `listener`, check each one concurrently, and yield the admitted ones. Stops accepting
+/// (and closes the listening socket) when the returned stream is dropped.
+pub fn guarded(
+    listener: TcpListener,
+    config: GuardConfig,
+    stats: Arc<ConnStats>,
+) -> ReceiverStream<io::Result<Admitted>> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                _ = tx.closed() => break,
+                a = listener.accept() => a,
+            };
+            let (stream, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let open = stats.open.fetch_add(1, Ordering::Relaxed) + 1;
+            let slot = Slot(stats.clone());
+            if open > config.max_connections {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%peer, reason = %Refusal::TooMany(open - 1), "connection refused");
+                continue; // dropping the stream closes it; dropping the slot frees it
+            }
+            let (tx, stats, config) = (tx.clone(), stats.clone(), config.clone());
+            tokio::spawn(async move {
+                match admit(stream, peer, &config, slot).await {
+                    Ok(conn) => {
+                        tracing::debug!(%peer, "connection admitted");
+                        let _ = tx.send(Ok(conn)).await;
+                    }
+                    Err(reason) => {
+                        stats.refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%peer, %reason, "connection refused");
+                    }
+                }
+            });
+        }
+        tracing::debug!("stopped accepting connections");
+    });
+    ReceiverStream::new(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_preface_is_accepted_and_everything_else_named() {
+        assert_eq!(judge(H2_PREFACE, false), Ok(()));
+        assert_eq!(judge(b"GET / HTTP/1.1\r\n", false), Err(Refusal::Http1));
+        assert_eq!(judge(&[0x16, 0x03, 0x01], false), Err(Refusal::TlsOnPlain));
+        assert_eq!(judge(&[0x16, 0x03, 0x01], true), Ok(()));
+        assert_eq!(judge(&H2_PREFACE[..3], true), Err(Refusal::PlainOnTls));
+        assert_eq!(judge(b"\x00\xffjunk", false), Err(Refusal::Garbage));
+        assert_eq!(judge(b"", false), Err(Refusal::Garbage));
+    }
+
+    #[test]
+    fn refusals_read_as_sentences() {
+        for r in [
+            Refusal::TooMany(3),
+            Refusal::Silent(Duration::from_secs(1)),
+            Refusal::Closed,
+            Refusal::Http1,
+            Refusal::TlsOnPlain,
+            Refusal::PlainOnTls,
+            Refusal::Garbage,
+        ] {
+            assert!(r.to_string().len() > 10, "{r:?}");
+        }
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// No first bytes make the judge panic, and only a real preface (or TLS record) is accepted.
+            #[test]
+            fn judge_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64), tls: bool) {
+                let verdict = judge(&bytes, tls);
+                if verdict.is_ok() {
+                    if tls {
+                        prop_assert!(bytes[0] == 0x16 && bytes[1] == 0x03);
+                    } else {
+                        prop_assert_eq!(&bytes[..], &H2_PREFACE[..]);
+                    }
+                }
+            }
+        }
+    }
+}
