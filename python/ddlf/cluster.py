@@ -11,8 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
+import threading
+import time
+import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -21,12 +26,16 @@ from typing import Any, TypeVar
 from . import _ddlf, serialization
 from .errors import (
     DdlfError,
+    DeadlineExceeded,
     NotFoundError,
     RemoteError,
     SerializationError,
+    WorkerRestarted,
     WorkerUnavailable,
 )
 from .local import LocalWorkers
+
+log = logging.getLogger("ddlf")
 
 OPS = _ddlf.OPS
 KINDS = _ddlf.ERROR_KINDS
@@ -49,6 +58,19 @@ class Cluster:
             shared-memory file (``/dev/shm``) that they all map, instead of the socket. Workers elsewhere, or that
             cannot see our ``/dev/shm``, use TCP; so does everything when ``/dev/shm`` is full. Off by default: it
             measured faster in some runs and slower in others (see BENCHMARKS.md).
+        heartbeat_interval, heartbeat_timeout: every connection sends an HTTP/2 PING each ``heartbeat_interval``
+            seconds, answered by the daemon's network thread even while its Python is busy; a worker that leaves
+            one unanswered for ``heartbeat_timeout`` seconds (process stopped, host gone, link down) is declared
+            lost and every call waiting on it fails with :class:`~ddlf.errors.WorkerUnavailable`. A killed daemon
+            is noticed at once (its socket closes).
+        tls_ca: talk TLS to the daemons (started with ``--tls-cert/--tls-key``), trusting this certificate
+            authority: a path to a PEM file, or the PEM bytes. ``tls_domain``: the name their certificates are
+            checked against (default: each address's host).
+
+    Fault handling: a worker whose connection breaks is marked lost (a warning names it, and :attr:`events`
+    records it). A daemon restarted at the same address is re-provisioned automatically the next time it is
+    reached: its worker context is set and everything pushed through this cluster (variables, functions,
+    ``exec`` code, uploaded modules, datasets loaded or put) is replayed in order, then the call is retried.
     """
 
     def __init__(
@@ -59,6 +81,10 @@ class Cluster:
         connect_timeout: float = 10.0,
         timeout: float | None = None,
         shared_memory: bool = False,
+        heartbeat_interval: float = 2.0,
+        heartbeat_timeout: float = 10.0,
+        tls_ca: str | os.PathLike[str] | bytes | None = None,
+        tls_domain: str | None = None,
         _local: LocalWorkers | None = None,
     ) -> None:
         if isinstance(addresses, str):
@@ -66,11 +92,28 @@ class Cluster:
         if token is None:
             token = os.environ.get("DDLF_TOKEN") or None
         self._local = _local
-        self._client = _ddlf.Client(list(addresses), token, connect_timeout, shared_memory=shared_memory)
+        self._client = _ddlf.Client(
+            list(addresses),
+            token,
+            connect_timeout,
+            heartbeat_interval,
+            heartbeat_timeout,
+            shared_memory=shared_memory,
+            tls_ca=_read_pem(tls_ca, "tls_ca"),
+            tls_domain=tls_domain,
+        )
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._closed = False
+        self._lock = threading.RLock()  # membership changes and re-provisioning
         # What each worker is known to hold, by function name -> digest, to avoid a miss round trip.
         self._known: list[dict[str, str]] = [{} for _ in addresses]
+        self._instances: list[int] = [int(i["instance"]) for i in self._client.worker_info()]
+        self._lost: dict[str, float] = {}  # address -> when it was lost
+        self._replay = _ReplayLog()
+        self.events: list[dict[str, Any]] = []
+        """What happened to workers: ``{"time", "event": "lost"|"rejoined"|"restarted"|"added"|"removed",
+        "worker", "address", "reason"}``, oldest first."""
         self._pickled: weakref.WeakKeyDictionary[Any, tuple[str, str, bytes]] = weakref.WeakKeyDictionary()
         self._set_context()
 
@@ -161,12 +204,21 @@ class Cluster:
 
     def set(self, name: str, value: Any, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> None:
         """Store ``value`` under ``name`` on every worker (serialized once, sent to all concurrently)."""
-        self._call_same(OPS["SET_VAR"], name, "", value, workers, timeout)
+        targets = self._targets(workers)
+        encoded = serialization.dumps(value)
+        self._raise_first(self._invoke(OPS["SET_VAR"], name, "", targets, [encoded], timeout))
+        if workers is None:
+            self._replay.record("var", name, encoded)
+        else:
+            self._record_per_worker(name, {self.addresses[i]: encoded for i in targets})
 
     def scatter(self, name: str, values: Sequence[Any], *, timeout: float | None = None) -> None:
         """Store ``values[i]`` under ``name`` on worker ``i``."""
         self._check_per_worker(values, "values")
-        self._call_each(OPS["SET_VAR"], name, "", list(values), timeout)
+        encoded = [serialization.dumps(v) for v in values]
+        targets = list(range(len(self)))
+        self._raise_first(self._invoke(OPS["SET_VAR"], name, "", targets, encoded, timeout))
+        self._replay.record("var", name, {self.addresses[i]: e for i, e in zip(targets, encoded)})
 
     def get(self, name: str, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> list[Any]:
         """The value of ``name`` on each worker."""
@@ -175,10 +227,26 @@ class Cluster:
     def delete(self, name: str, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> None:
         """Delete variable ``name`` on every worker."""
         self._call_same(OPS["DEL_VAR"], name, "", None, workers, timeout)
+        if workers is None:
+            self._replay.forget("var", name)
+        else:
+            entry = self._replay.entries.get(("var", name))
+            gone = {self.addresses[i] for i in self._targets(workers)}
+            kept = {a: e for a, e in entry.items() if a not in gone} if isinstance(entry, dict) else None
+            if kept:
+                self._replay.record("var", name, kept)
+            else:
+                self._replay.forget("var", name)
 
     def variables(self, *, timeout: float | None = None) -> list[list[str]]:
         """Names of the variables each worker holds."""
         return self._call_same(OPS["LIST_VARS"], "", "", None, None, timeout)
+
+    def _record_per_worker(self, name: str, encoded: dict[str | None, Any]) -> None:
+        entry = self._replay.entries.get(("var", name))
+        merged: dict[str | None, Any] = dict(entry) if isinstance(entry, dict) else ({None: entry} if entry else {})
+        merged.update(encoded)
+        self._replay.record("var", name, merged)
 
     # -- functions ----------------------------------------------------------------------------------------
 
@@ -199,6 +267,7 @@ class Cluster:
         finally:
             for known in self._known:
                 known.pop(name, None)
+            self._replay.forget("fn", name)
 
     def functions(self, *, timeout: float | None = None) -> list[list[str]]:
         """Names of the functions each worker holds."""
@@ -222,17 +291,22 @@ class Cluster:
         args: Sequence[Sequence[Any]],
         kwargs: Sequence[dict[str, Any]] | None = None,
         *,
+        workers: Sequence[int] | None = None,
         timeout: float | None = None,
+        return_exceptions: bool = False,
     ) -> list[Any]:
-        """Call ``fn(*args[i], **kwargs[i])`` on worker ``i``; returns the results in worker order."""
-        self._check_per_worker(args, "args")
+        """Call ``fn(*args[i], **kwargs[i])`` on the ``i``-th worker (of ``workers``, default all); returns the
+        results in that order. ``return_exceptions=True``: a failed worker's entry is its exception instead of
+        the whole call raising (as ``asyncio.gather`` does)."""
+        targets = self._targets(workers)
+        if len(args) != len(targets):
+            raise ValueError(f"args has {len(args)} entries for {len(targets)} workers: give one per worker")
         kw = list(kwargs) if kwargs is not None else [{} for _ in args]
-        self._check_per_worker(kw, "kwargs")
-        name, digest = self._ensure_function(fn, timeout)
+        if len(kw) != len(targets):
+            raise ValueError(f"kwargs has {len(kw)} entries for {len(targets)} workers: give one per worker")
+        name, digest = self._ensure_function(fn, timeout, targets=targets)
         values = [(tuple(a), dict(k)) for a, k in zip(args, kw)]
-        return self._with_function_retry(
-            name, digest, fn, timeout, lambda: self._call_each(OPS["RUN"], name, digest, values, timeout)
-        )
+        return self._call_each(OPS["RUN"], name, digest, values, timeout, fn, return_exceptions, targets)
 
     def call(
         self,
@@ -242,28 +316,27 @@ class Cluster:
         *,
         workers: Iterable[int] | None = None,
         timeout: float | None = None,
+        return_exceptions: bool = False,
     ) -> list[Any]:
-        """The general form of :meth:`run`: explicit ``args``/``kwargs`` and an optional subset of workers."""
-        name, digest = self._ensure_function(fn, timeout)
+        """The general form of :meth:`run`: explicit ``args``/``kwargs``, an optional subset of workers, and
+        ``return_exceptions`` (see :meth:`run_each`)."""
+        targets = self._targets(workers)
+        name, digest = self._ensure_function(fn, timeout, targets=targets)
         value = (tuple(args), dict(kwargs or {}))
-        return self._with_function_retry(
-            name,
-            digest,
-            fn,
-            timeout,
-            lambda: self._call_same(OPS["RUN"], name, digest, value, workers, timeout),
-        )
+        return self._call_same(OPS["RUN"], name, digest, value, targets, timeout, fn, return_exceptions)
 
     def exec(self, code: str, *, timeout: float | None = None) -> None:
         """Run a code segment on every worker; the names it defines persist in the worker's globals
         (functions defined there can then be called by name with :meth:`run`)."""
         self._call_same(OPS["EXEC"], "", "", code, None, timeout)
+        self._replay.record("exec", "", code)
 
     def upload_module(self, module: ModuleType | str | os.PathLike[str], *, timeout: float | None = None) -> str:
         """Ship a local module or package (a module object, or a path to a ``.py`` file or a package directory)
         to every worker, where it becomes importable. Returns the module name."""
         name, files = _module_files(module)
         self._call_same(OPS["UPLOAD_MODULE"], name, "", files, None, timeout)
+        self._replay.record("module", name, files)
         return name
 
     def clean(self, *, timeout: float | None = None) -> None:
@@ -271,6 +344,7 @@ class Cluster:
         self._call_same(OPS["CLEAN"], "", "", None, None, timeout)
         for known in self._known:
             known.clear()
+        self._replay.clean()
 
     # -- datasets ---------------------------------------------------------------------------------------------
 
@@ -281,13 +355,17 @@ class Cluster:
         ``key`` (then nothing is loaded). Returns each worker's description, with ``cached`` telling which."""
         from .datasets import _remote_load
 
-        return self.call(_remote_load, (key, loader), timeout=timeout)
+        out = self.call(_remote_load, (key, loader), timeout=timeout)
+        self._replay.record("dataset", key, ("load", loader))
+        return out
 
     def put_dataset(self, key: str, value: Any, *, timeout: float | None = None) -> list[dict[str, Any]]:
         """Send arrays (an array, or a tuple of arrays with the same number of rows) to every worker's store."""
         from .datasets import _remote_put
 
-        return self.call(_remote_put, (key, value), timeout=timeout)
+        out = self.call(_remote_put, (key, value), timeout=timeout)
+        self._replay.record("dataset", key, ("put", value))
+        return out
 
     def datasets(self, *, timeout: float | None = None) -> list[list[dict[str, Any]]]:
         """What each worker's dataset store holds: key, rows, arrays, bytes, load time, memory-mapped."""
@@ -299,7 +377,9 @@ class Cluster:
         """Free dataset ``key`` on every worker; returns whether each worker held it."""
         from .datasets import _remote_drop
 
-        return self.call(_remote_drop, (key,), timeout=timeout)
+        out = self.call(_remote_drop, (key,), timeout=timeout)
+        self._replay.forget("dataset", key)
+        return out
 
     # -- health -------------------------------------------------------------------------------------------
 
@@ -317,9 +397,144 @@ class Cluster:
         if self._local is not None:
             self._local.wait(5.0)
 
+    # -- membership and faults ------------------------------------------------------------------------------
+
+    @property
+    def lost_workers(self) -> list[int]:
+        """Indices of the workers whose connection broke and that have not been reached again since."""
+        return [i for i, a in enumerate(self.addresses) if a in self._lost]
+
+    @property
+    def live_workers(self) -> list[int]:
+        """Indices of the workers not marked lost."""
+        return [i for i, a in enumerate(self.addresses) if a not in self._lost]
+
+    def check(self, *, timeout: float = 2.0) -> list[dict[str, Any]]:
+        """Heartbeat every worker now: unreachable ones are marked lost; lost ones that answer again, and
+        daemons that restarted, are re-provisioned. Returns the events this check caused."""
+        before = len(self.events)
+        beats = self._client.heartbeat(list(range(len(self))), timeout)
+        for i, beat in enumerate(beats):
+            if isinstance(beat, BaseException):
+                self._mark_lost(i, beat)
+            elif beat[1] != self._instances[i] or self.addresses[i] in self._lost:
+                with contextlib.suppress(DdlfError):
+                    self._revive(i, timeout)
+        return self.events[before:]
+
+    def recover(self, *, timeout: float = 2.0) -> list[int]:
+        """Try to reconnect every lost worker now (re-provisioning those whose daemon restarted). Returns the
+        indices of the workers that came back."""
+        back = []
+        for i in self.lost_workers:
+            try:
+                self._revive(i, timeout)
+            except DdlfError:
+                continue
+            back.append(i)
+        return back
+
+    def add_worker(self, address: str, *, timeout: float | None = None) -> int:
+        """Connect to one more daemon and provision it with everything pushed so far. Returns its index (the
+        last). Every worker's ``n_workers`` changes; training picks the worker up at its next round."""
+        with self._lock:
+            i = self._client.add(address, timeout or self.connect_timeout)
+            self._known.append({})
+            self._instances.append(int(self._client.worker_info()[i]["instance"]))
+            self._event("added", i, "")
+            self._set_context()
+            self._provision(i, context=False)
+            return i
+
+    def remove_worker(self, worker: int | str, *, shutdown: bool = False) -> str:
+        """Stop using a worker (by index or address); the workers after it move down by one. Its daemon keeps
+        running (and keeps its state) unless ``shutdown=True``. Returns its address."""
+        with self._lock:
+            i = self.addresses.index(worker) if isinstance(worker, str) else int(worker)
+            self._targets([i])
+            if shutdown:
+                with contextlib.suppress(DdlfError):
+                    self._raise_first(self._client.shutdown([i], 5.0))
+            address = self._client.remove(i)
+            del self._known[i]
+            del self._instances[i]
+            self._lost.pop(address, None)
+            self._event("removed", i, "", address=address)
+            if len(self):
+                with contextlib.suppress(DdlfError):
+                    self._set_context()
+            return address
+
+    def _event(self, event: str, worker: int, reason: str, address: str | None = None) -> None:
+        self.events.append(
+            {
+                "time": time.time(),
+                "event": event,
+                "worker": worker,
+                "address": address or self.addresses[worker],
+                "reason": reason,
+            }
+        )
+
+    def _mark_lost(self, i: int, exc: BaseException) -> None:
+        address = self.addresses[i]
+        if address in self._lost:
+            return
+        self._lost[address] = time.monotonic()
+        reason = getattr(exc, "reason", None) or str(exc)
+        self._event("lost", i, reason)
+        warnings.warn(f"ddlf: worker {i} ({address}) lost: {reason}", RuntimeWarning, stacklevel=3)
+
+    def _revive(self, i: int, timeout: float | None = None) -> None:
+        """Reconnect worker ``i``; provision it again if its daemon is a new instance."""
+        with self._lock:
+            info = self._client.reconnect(i, timeout or self.connect_timeout)
+            fresh = int(info["instance"]) != self._instances[i]
+            self._instances[i] = int(info["instance"])
+            if fresh:
+                self._known[i] = {}
+                self._provision(i)
+            was_lost = self._lost.pop(self.addresses[i], None) is not None
+            if fresh or was_lost:
+                self._event("restarted" if fresh else "rejoined", i, "re-provisioned" if fresh else "")
+                log.warning(
+                    "ddlf: worker %d (%s) %s", i, self.addresses[i], "restarted: re-provisioned" if fresh else "is back"
+                )
+
+    def _provision(self, i: int, *, context: bool = True) -> None:
+        """Give worker ``i`` its context and replay, in order, everything pushed through this cluster."""
+        from .datasets import _remote_load, _remote_put
+
+        if context:
+            context = serialization.dumps({"worker_id": i, "n_workers": len(self)})
+            self._raise_first(self._send(OPS["CONTEXT"], "", "", [i], [context], None))
+        for (kind, name), payload in list(self._replay.entries.items()):
+            if kind == "var":
+                encoded = payload.get(self.addresses[i], payload.get(None)) if isinstance(payload, dict) else payload
+                if encoded is None:
+                    continue
+                out = self._send(OPS["SET_VAR"], name, "", [i], [encoded], None)
+            elif kind == "fn":
+                digest, blob = payload
+                out = self._send_raw(OPS["ADD_FUNCTION"], name, digest, [i], blob, None)
+                if not isinstance(out[0], BaseException):
+                    self._known[i][name] = digest
+            elif kind == "exec":
+                out = self._send(OPS["EXEC"], "", "", [i], [serialization.dumps(payload)], None)
+            elif kind == "module":
+                out = self._send(OPS["UPLOAD_MODULE"], name, "", [i], [serialization.dumps(payload)], None)
+            else:  # dataset
+                how, what = payload
+                fn = _remote_load if how == "load" else _remote_put
+                fname, digest = self._ensure_function(fn, None, targets=[i])
+                out = self._send(OPS["RUN"], fname, digest, [i], [serialization.dumps(((name, what), {}))], None)
+            self._raise_first(out)
+
     # -- internals ----------------------------------------------------------------------------------------
 
     def _targets(self, workers: Iterable[int] | None) -> list[int]:
+        if self._closed:
+            raise DdlfError("this cluster is closed")
         if workers is None:
             return list(range(len(self)))
         targets = [int(w) for w in workers]
@@ -335,6 +550,87 @@ class Cluster:
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
+    def _send(
+        self,
+        op: int,
+        name: str,
+        digest: str,
+        targets: list[int],
+        encoded: list[tuple[bytes, list[Any]]],
+        timeout: float | None,
+    ) -> list[Any]:
+        """One request per target: ``encoded`` holds one ``(pickle, buffers)`` for all targets (serialized once)
+        or one per target. Returns per-target values or exception instances."""
+        if not targets:
+            return []
+        deadline = self._deadline(timeout)
+        if len(encoded) == 1:
+            data, bufs = encoded[0]
+            raw = self._client.call(targets, op, name, digest, data, [b.raw() for b in bufs], deadline)
+        else:
+            values = [(data, [b.raw() for b in bufs]) for data, bufs in encoded]
+            raw = self._client.call_each(targets, op, name, digest, values, deadline)
+        return self._decode(targets, raw, name)
+
+    def _send_raw(
+        self, op: int, name: str, digest: str, targets: list[int], blob: bytes, timeout: float | None
+    ) -> list[Any]:
+        raw = self._client.call(targets, op, name, digest, blob, [], self._deadline(timeout))
+        return self._decode(targets, raw, name)
+
+    def _decode(self, targets: list[int], raw: list[tuple[Any, ...]], name: str) -> list[Any]:
+        out: list[Any] = []
+        for worker, (status, a, b, _compute) in zip(targets, raw):
+            if status == _OK:
+                try:
+                    out.append(serialization.loads(a, b))
+                except SerializationError as exc:
+                    exc.worker_id, exc.address = worker, self.addresses[worker]
+                    out.append(exc)
+            elif status == _REMOTE_ERROR:
+                out.append(self._remote_error(worker, a, b, name))
+            else:
+                out.append(a)
+        return out
+
+    def _invoke(
+        self,
+        op: int,
+        name: str,
+        digest: str,
+        targets: list[int],
+        encoded: list[tuple[bytes, list[Any]]],
+        timeout: float | None,
+        fn: FunctionRef | None = None,
+    ) -> list[Any]:
+        """:meth:`_send` plus fault handling: a worker whose daemon restarted is re-provisioned and a function a
+        worker lost is pushed again, then those workers are asked once more; broken connections mark workers
+        lost."""
+        outcomes = self._send(op, name, digest, targets, encoded, timeout)
+        redo = []
+        for k, out in enumerate(outcomes):
+            if isinstance(out, WorkerRestarted):
+                try:
+                    self._revive(targets[k])
+                except DdlfError as exc:
+                    outcomes[k] = exc
+                    continue
+                redo.append(k)
+            elif isinstance(out, NotFoundError) and fn is not None and not isinstance(fn, str) and digest:
+                self._known[targets[k]].pop(name, None)  # cleaned by another script, for instance
+                redo.append(k)
+        if redo:
+            again_targets = [targets[k] for k in redo]
+            if fn is not None and not isinstance(fn, str):
+                self._ensure_function(fn, timeout, targets=again_targets)
+            again_encoded = encoded if len(encoded) == 1 else [encoded[k] for k in redo]
+            for k, out in zip(redo, self._send(op, name, digest, again_targets, again_encoded, timeout)):
+                outcomes[k] = out
+        for k, out in enumerate(outcomes):
+            if isinstance(out, WorkerUnavailable) and not isinstance(out, DeadlineExceeded):
+                self._mark_lost(targets[k], out)
+        return outcomes
+
     def _call_same(
         self,
         op: int,
@@ -343,40 +639,28 @@ class Cluster:
         value: Any,
         workers: Iterable[int] | None,
         timeout: float | None,
+        fn: FunctionRef | None = None,
+        return_exceptions: bool = False,
     ) -> list[Any]:
         targets = self._targets(workers)
-        data, bufs = serialization.dumps(value)
-        outcomes = self._client.call(targets, op, name, digest, data, [b.raw() for b in bufs], self._deadline(timeout))
-        return self._results(targets, outcomes, name)
+        outcomes = self._invoke(op, name, digest, targets, [serialization.dumps(value)], timeout, fn)
+        return outcomes if return_exceptions else self._raise_first(outcomes)
 
-    def _call_each(self, op: int, name: str, digest: str, values: list[Any], timeout: float | None) -> list[Any]:
-        targets = list(range(len(self)))
-        encoded = []
-        for v in values:
-            data, bufs = serialization.dumps(v)
-            encoded.append((data, [b.raw() for b in bufs]))
-        outcomes = self._client.call_each(targets, op, name, digest, encoded, self._deadline(timeout))
-        return self._results(targets, outcomes, name)
-
-    def _results(self, targets: list[int], outcomes: list[tuple[Any, ...]], name: str) -> list[Any]:
-        results: list[Any] = []
-        errors: list[BaseException] = []
-        for worker, (status, a, b, _compute) in zip(targets, outcomes):
-            if status == _OK:
-                try:
-                    results.append(serialization.loads(a, b))
-                except SerializationError as exc:
-                    exc.worker_id, exc.address = worker, self.addresses[worker]
-                    errors.append(exc)
-            elif status == _REMOTE_ERROR:
-                errors.append(self._remote_error(worker, a, b, name))
-            else:
-                errors.append(a)
-        if errors:
-            first = errors[0]
-            first.other_errors = errors[1:]  # type: ignore[attr-defined]
-            raise first
-        return results
+    def _call_each(
+        self,
+        op: int,
+        name: str,
+        digest: str,
+        values: list[Any],
+        timeout: float | None,
+        fn: FunctionRef | None = None,
+        return_exceptions: bool = False,
+        workers: list[int] | None = None,
+    ) -> list[Any]:
+        targets = self._targets(workers)
+        encoded = [serialization.dumps(v) for v in values]
+        outcomes = self._invoke(op, name, digest, targets, encoded, timeout, fn)
+        return outcomes if return_exceptions else self._raise_first(outcomes)
 
     def _remote_error(self, worker: int, kind: int, exc: tuple[str, str, str], name: str) -> DdlfError:
         type_name, message, tb = exc
@@ -396,14 +680,18 @@ class Cluster:
         )
 
     def _raise_first(self, outcomes: list[Any]) -> list[Any]:
-        for o in outcomes:
-            if isinstance(o, BaseException):
-                raise o
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            first = errors[0]
+            first.other_errors = errors[1:]  # type: ignore[attr-defined]
+            raise first
         return outcomes
 
     def _set_context(self) -> None:
         n = len(self)
-        self._call_each(OPS["CONTEXT"], "", "", [{"worker_id": i, "n_workers": n} for i in range(n)], None)
+        targets = self.live_workers
+        contexts = [{"worker_id": i, "n_workers": n} for i in targets]
+        self._call_each(OPS["CONTEXT"], "", "", contexts, None, workers=targets)
 
     def _pickle_function(self, fn: Callable[..., Any], name: str | None) -> tuple[str, str, bytes]:
         if not callable(fn):
@@ -422,34 +710,27 @@ class Cluster:
         return cached
 
     def _push(self, name: str, digest: str, blob: bytes, targets: list[int], timeout: float | None) -> None:
-        outcomes = self._client.call(targets, OPS["ADD_FUNCTION"], name, digest, blob, [], self._deadline(timeout))
-        self._results(targets, outcomes, name)
+        self._raise_first(self._send_raw(OPS["ADD_FUNCTION"], name, digest, targets, blob, timeout))
         for i in targets:
             self._known[i][name] = digest
+        self._replay.record("fn", name, (digest, blob))
 
-    def _ensure_function(self, fn: FunctionRef, timeout: float | None, name: str | None = None) -> tuple[str, str]:
-        """Name and digest of ``fn``, pushed first to the workers not known to hold this version."""
+    def _ensure_function(
+        self,
+        fn: FunctionRef,
+        timeout: float | None,
+        name: str | None = None,
+        targets: list[int] | None = None,
+    ) -> tuple[str, str]:
+        """Name and digest of ``fn``, pushed first to the targets not known to hold this version."""
         if isinstance(fn, str):
             return fn, ""
         fname, digest, blob = self._pickle_function(fn, name)
-        missing = [i for i in range(len(self)) if self._known[i].get(fname) != digest]
+        pool = range(len(self)) if targets is None else targets
+        missing = [i for i in pool if self._known[i].get(fname) != digest]
         if missing:
             self._push(fname, digest, blob, missing, timeout)
         return fname, digest
-
-    def _with_function_retry(
-        self, name: str, digest: str, fn: FunctionRef, timeout: float | None, call: Callable[[], list[Any]]
-    ) -> list[Any]:
-        try:
-            return call()
-        except NotFoundError:
-            # A worker lost the function (cleaned by another script, or restarted): push it again, once.
-            if isinstance(fn, str) or not digest:
-                raise
-            for known in self._known:
-                known.pop(name, None)
-            self._ensure_function(fn, timeout)
-            return call()
 
     # -- asyncio twins ------------------------------------------------------------------------------------
 
@@ -538,3 +819,43 @@ def _module_files(module: ModuleType | str | os.PathLike[str]) -> tuple[str, dic
 
 
 __all__ = ["Cluster", "WorkerUnavailable"]
+
+
+def _read_pem(value: str | os.PathLike[str] | bytes | None, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        return Path(value).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {os.fspath(value)!r}: {exc.strerror}") from exc
+
+
+class _ReplayLog:
+    """Everything pushed through the cluster API that a restarted daemon must get again, in push order.
+
+    Keys are ``(kind, name)``; pushing the same key again replaces the entry and moves it to the end (a later
+    push may depend on an earlier one: code that imports an uploaded module). Values are kept by reference, as
+    they were serialized: nothing is copied.
+    """
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._exec_no = 0
+
+    def record(self, kind: str, name: str, payload: Any) -> None:
+        if name.startswith("__ddlf"):
+            return  # training's per-round values are re-sent by training itself
+        if kind == "exec":
+            self._exec_no += 1
+            name = f"{self._exec_no:08d}"
+        key = (kind, name)
+        self.entries.pop(key, None)
+        self.entries[key] = payload
+
+    def forget(self, kind: str, name: str) -> None:
+        self.entries.pop((kind, name), None)
+
+    def clean(self) -> None:
+        """What ``Cluster.clean`` drops on the workers (datasets stay)."""
+        for key in [k for k in self.entries if k[0] != "dataset"]:
+            del self.entries[key]

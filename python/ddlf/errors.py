@@ -129,7 +129,7 @@ __all__ = [
     "RemoteError",
     "RequestRejected",
     "SerializationError",
-    "WorkerStartError",
     "WorkerRestarted",
+    "WorkerStartError",
     "WorkerUnavailable",
 ]

@@ -50,6 +50,20 @@ def _parser() -> argparse.ArgumentParser:
         help="threads for math libraries (BLAS, XLA, torch); set it when several workers share a machine",
     )
     p.add_argument("--network-threads", type=int, default=1, help="threads of the network runtime (default 1)")
+    p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate chain (PEM); needs --tls-key")
+    p.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="connections open at once; more are refused and logged (default 1024)",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=None,
+        help="seconds a new connection may take to open with a valid preface (default 10)",
+    )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -84,6 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execve(
             sys.executable, [sys.executable, "-m", "ddlf.worker", *(argv if argv is not None else sys.argv[1:])], env
         )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("ddlf-worker: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    try:
+        tls_cert = open(args.tls_cert, "rb").read() if args.tls_cert else None  # noqa: SIM115
+        tls_key = open(args.tls_key, "rb").read() if args.tls_key else None  # noqa: SIM115
+    except OSError as exc:
+        print(f"ddlf-worker: cannot read the TLS files: {exc}", file=sys.stderr)
+        return 2
     _ddlf.init_logging("info")
     signal.signal(signal.SIGTERM, _raise_system_exit)
     executor = Executor(ready_file=args.ready_file)
@@ -96,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_message_size=args.max_message_size,
             name=args.name,
             network_threads=args.network_threads,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            max_connections=args.max_connections,
+            handshake_timeout=args.handshake_timeout,
         )
     except WorkerStartError as exc:
         print(f"ddlf-worker: {exc}", file=sys.stderr)
