@@ -34,9 +34,11 @@ import cloudpickle
 from .callbacks import Callback, ProgressBar
 from .cluster import Cluster
 from .history import History
+from .training import checkpoint
 from .training import worker as remote
 from .training.asynchronous import train_async as _train_async
 from .training.common import TrainConfig
+from .training.membership import Members
 from .training.sync import train_sync as _train_sync
 
 
@@ -122,6 +124,9 @@ class IApp:
         callbacks: Sequence[Callback] = (),
         verbose: int = 1,
         initial_epoch: int = 0,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        resume: bool = False,
+        rejoin_timeout: float = 60.0,
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -141,7 +146,17 @@ class IApp:
                 keeping the rest as error feedback for their next round (nothing is lost, only delayed).
             staleness, max_staleness: async staleness control (``"dynsgd"`` scales a delta by 1/(staleness+1)).
             validation_data: ``(x, y)`` evaluated on the master's model after each epoch (``val_*`` metrics).
+            checkpoint_dir: write a checkpoint there after every epoch, atomically (weights, optimizer states,
+                random states, epoch, History; see :mod:`ddlf.training.checkpoint`).
+            resume: continue from the checkpoint in ``checkpoint_dir`` if there is one (a fresh start if not).
+                In sync mode the resumed run ends with the same weights as an uninterrupted one.
+            rejoin_timeout: when every worker is lost, how long to wait for one to come back before raising.
+
+        Lost workers never stop training: see :mod:`ddlf.training.sync` and :mod:`ddlf.training.asynchronous`
+        for what happens to their rows, and ``history.events`` for what happened.
         """
+        if resume and checkpoint_dir is None:
+            raise ValueError("resume=True needs the checkpoint_dir to resume from")
         cfg = TrainConfig(
             epochs=epochs,
             batch_size=batch_size,
@@ -158,6 +173,9 @@ class IApp:
             verbose=verbose,
             slow_worker=_slow_worker,
             rotate_shards_every=rotate_shards_every,
+            checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else None,
+            rejoin_timeout=rejoin_timeout,
+            resume=resume,
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):
@@ -222,8 +240,14 @@ class IApp:
         keras.utils.set_random_seed(cfg.seed)
         if self.model is None:
             self.model = self.create_model()
-        info = self.cluster.call(remote.setup, (cfg.run_id, self._shipped_copy(), cfg.seed))
-        self._shard_rows = [i["rows"] for i in info]
+        resumed = checkpoint.load(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+        history = History()
+        members = Members(self, cfg.run_id, cfg.seed, history)
+        live = members.live(first=True)
+        if not live:
+            live = members.wait_for_any(cfg.rejoin_timeout)
+        infos = [members.info[self.cluster.addresses[i]] for i in live]
+        self._shard_rows = [i["rows"] for i in infos]
         if self.sharded:
             self._rows = sum(self._shard_rows)
         else:
@@ -232,36 +256,47 @@ class IApp:
                 raise ValueError(f"workers loaded datasets of different sizes: {sorted(rows)}")
             self._rows = rows.pop()
         self.stop_training = False
-        history = History(
-            params={
-                "epochs": cfg.epochs,
-                "batch_size": cfg.batch_size,
-                "mode": mode,
-                "workers": len(self.cluster),
-                "samples": self._rows,
-                "setup": info,
-                "compression": cfg.compression,
-            }
-        )
+        history.params = {
+            "epochs": cfg.epochs,
+            "batch_size": cfg.batch_size,
+            "mode": mode,
+            "workers": len(self.cluster),
+            "samples": self._rows,
+            "setup": infos,
+            "compression": cfg.compression,
+        }
+        if resumed is not None:
+            initial_epoch = max(initial_epoch, int(resumed["epochs_done"]))
+            self.model.set_weights(resumed["weights"])
+            checkpoint.restore_history(history, resumed)
+            checkpoint.restore_rng(resumed)
+            states = resumed["worker_states"]
+            targets = [w for w in live if w in states]
+            if targets:
+                self.cluster.run_each(remote.restore_state, [(cfg.run_id, states[w]) for w in targets], workers=targets)
+            members.note("resumed", epochs_done=initial_epoch, checkpoint=str(checkpoint.path_in(cfg.checkpoint_dir)))
         cbs = list(callbacks)
         if cfg.verbose:
             cbs.insert(0, ProgressBar(cfg.epochs, self._rows))
-            cached = sum(bool(i["cached"]) for i in info)
-            saved = sum(i["first_load_seconds"] for i in info if i["cached"])
+            cached = sum(bool(i["cached"]) for i in infos)
+            saved = sum(i["first_load_seconds"] for i in infos if i["cached"])
             print(
-                f"ddlf: {mode} training on {len(self.cluster)} workers, {self._rows} samples per epoch; "
-                f"dataset {self.dataset_key!r} cached on {cached}/{len(info)} workers"
+                f"ddlf: {mode} training on {len(live)} workers, {self._rows} samples per epoch; "
+                f"dataset {self.dataset_key!r} cached on {cached}/{len(infos)} workers"
                 + (f" (saved {saved:.2f} s of loading)" if cached else "")
+                + (f"; resuming after epoch {initial_epoch}" if resumed is not None else "")
                 + f"; ready in {time.perf_counter() - t_start:.2f} s"
             )
         for cb in cbs:
             cb.set_app(self)
             cb.on_train_begin()
         try:
-            loop(self, cfg, history, cbs, initial_epoch, validation_data)
+            loop(self, cfg, history, cbs, initial_epoch, validation_data, members, resumed)
         finally:
             with contextlib.suppress(Exception):  # a lost worker must not hide the real error
-                self.cluster.call(remote.teardown, (cfg.run_id,))
+                self.cluster.call(
+                    remote.teardown, (cfg.run_id,), workers=self.cluster.live_workers, return_exceptions=True
+                )
         for cb in cbs:
             cb.on_train_end({"history": history.history})
         return history

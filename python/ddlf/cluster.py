@@ -202,15 +202,30 @@ class Cluster:
 
     # -- variables ----------------------------------------------------------------------------------------
 
-    def set(self, name: str, value: Any, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> None:
-        """Store ``value`` under ``name`` on every worker (serialized once, sent to all concurrently)."""
+    def set(
+        self,
+        name: str,
+        value: Any,
+        *,
+        workers: Iterable[int] | None = None,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any] | None:
+        """Store ``value`` under ``name`` on every worker (serialized once, sent to all concurrently).
+        ``return_exceptions=True``: returns each worker's outcome (None, or its exception) instead of raising."""
         targets = self._targets(workers)
         encoded = serialization.dumps(value)
-        self._raise_first(self._invoke(OPS["SET_VAR"], name, "", targets, [encoded], timeout))
+        outcomes = self._invoke(OPS["SET_VAR"], name, "", targets, [encoded], timeout)
+        if return_exceptions:
+            if workers is None:
+                self._replay.record("var", name, encoded)
+            return outcomes
+        self._raise_first(outcomes)
         if workers is None:
             self._replay.record("var", name, encoded)
         else:
             self._record_per_worker(name, {self.addresses[i]: encoded for i in targets})
+        return None
 
     def scatter(self, name: str, values: Sequence[Any], *, timeout: float | None = None) -> None:
         """Store ``values[i]`` under ``name`` on worker ``i``."""
@@ -506,8 +521,8 @@ class Cluster:
         from .datasets import _remote_load, _remote_put
 
         if context:
-            context = serialization.dumps({"worker_id": i, "n_workers": len(self)})
-            self._raise_first(self._send(OPS["CONTEXT"], "", "", [i], [context], None))
+            ctx = serialization.dumps({"worker_id": i, "n_workers": len(self)})
+            self._raise_first(self._send(OPS["CONTEXT"], "", "", [i], [ctx], None))
         for (kind, name), payload in list(self._replay.entries.items()):
             if kind == "var":
                 encoded = payload.get(self.addresses[i], payload.get(None)) if isinstance(payload, dict) else payload

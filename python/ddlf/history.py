@@ -22,6 +22,7 @@ class RoundStats:
     bytes_received: int
     staleness: int = 0
     dropped: bool = False
+    lost: bool = False  # the worker was lost during this round; nothing of it was merged
 
 
 @dataclass
@@ -33,6 +34,9 @@ class History:
     stats: list[RoundStats] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Faults and membership changes during training (worker lost, rejoined, restarted, added, removed; resumed
+    from a checkpoint), each with its time, epoch and round."""
 
     @property
     def epoch(self) -> list[int]:
@@ -60,6 +64,7 @@ class History:
                     "bytes_received": 0,
                     "max_staleness": 0,
                     "dropped": 0,
+                    "lost": 0,
                 },
             )
             w["rounds"] += 1
@@ -71,6 +76,7 @@ class History:
             w["bytes_received"] += s.bytes_received
             w["max_staleness"] = max(w["max_staleness"], s.staleness)
             w["dropped"] += int(s.dropped)
+            w["lost"] += int(s.lost)
         return {"workers": per_worker, "epoch_seconds": self.epoch_seconds}
 
     def to_json(self) -> str:
@@ -81,6 +87,7 @@ class History:
                 "epoch_seconds": self.epoch_seconds,
                 "params": self.params,
                 "stats": [asdict(s) for s in self.stats],
+                "events": self.events,
                 "summary": self.summary(),
             },
             indent=1,

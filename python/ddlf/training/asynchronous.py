@@ -7,6 +7,10 @@ from weights ``s`` versions old has staleness ``s``: with ``staleness="dynsgd"``
 beyond ``max_staleness`` it is dropped and the worker simply pulls fresh weights for its next chunk. A slow worker
 takes fewer chunks and never stalls the others. With a sharded dataset each worker works through its own shard
 (only it holds those rows), so the epoch ends when the slowest worker's shard is done.
+
+Faults: a lost worker's chunk goes back to the front of the queue and the others carry on (with a sharded
+dataset they also take over the lost worker's shard, loading it on first use). A supervisor retries lost
+workers and starts a worker that comes back, restarts, or is added to the cluster, within the same epoch.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from typing import Any
 import numpy as np
 
 from .. import ops
+from ..errors import WorkerUnavailable
 from ..history import History, RoundStats
 from . import worker as remote
 from .common import TrainConfig, decode_payload, end_epoch, nbytes
+from .membership import Members
+from .sync import save_checkpoint
 
 DEFAULT_CHUNK_BATCHES = 10
+SUPERVISE_EVERY = 0.2  # seconds between the supervisor's looks at the workers
 
 
 @dataclass
@@ -33,47 +41,83 @@ class _Epoch:
 
     epoch: int
     chunks: deque[tuple[np.ndarray, int | None]]  # (rows, shard): a shared queue of the whole dataset
-    own: list[deque[tuple[np.ndarray, int | None]]] = field(default_factory=list)  # sharded: one queue per worker
+    own: dict[int, deque[tuple[np.ndarray, int | None]]] = field(default_factory=dict)  # sharded: per shard
     results: list[dict[str, Any]] = field(default_factory=list)
     done: int = 0
+    in_flight: int = 0
+    shard_of: dict[int, int] = field(default_factory=dict)  # sharded: worker -> the shard it works through
+    lost: set[int] = field(default_factory=set)  # workers lost during this epoch
+
+    def take(self, w: int) -> tuple[np.ndarray, int | None, Any] | None:
+        """The next chunk for worker ``w``: from the shared queue, or its own shard's queue, then a lost
+        worker's shard's."""
+        if not self.own:
+            return (*self.chunks.popleft(), self.chunks) if self.chunks else None
+        mine = self.own.get(self.shard_of.get(w, -1))
+        if mine:
+            return (*mine.popleft(), mine)
+        for s, queue in self.own.items():
+            owner = next((x for x, sh in self.shard_of.items() if sh == s), None)
+            if queue and (owner is None or owner in self.lost):
+                return (*queue.popleft(), queue)
+        return None
+
+    def remaining(self) -> int:
+        return len(self.chunks) + sum(len(q) for q in self.own.values())
 
 
 def train_async(
-    app: Any, cfg: TrainConfig, history: History, callbacks: list[Any], initial_epoch: int, validation_data: Any
+    app: Any,
+    cfg: TrainConfig,
+    history: History,
+    callbacks: list[Any],
+    initial_epoch: int,
+    validation_data: Any,
+    members: Members,
+    resumed: dict[str, Any] | None = None,
 ) -> History:
     cluster = app.cluster
-    n_workers = len(cluster)
     rows = app._rows
     chunk_rows = (cfg.averaging_frequency or DEFAULT_CHUNK_BATCHES) * cfg.batch_size
     weights = [np.ascontiguousarray(w, dtype=w.dtype) for w in app.model.get_weights()]
     lock = threading.Lock()
-    state = {"version": 0, "round": 0, "error": None}
+    state: dict[str, Any] = {"version": 0, "round": 0, "error": None}
     for epoch in range(initial_epoch, cfg.epochs):
+        members.epoch = epoch
         t_epoch = time.perf_counter()
         for cb in callbacks:
             cb.on_epoch_begin(epoch)
+        shard_of: dict[int, int] = {}
         if app.sharded:
-            # Each worker works through the shard it holds (rotating every k epochs if asked); only it has the
-            # rows, so a slow worker's shard finishes last.
+            # Each worker works through the shard it holds (rotating every k epochs if asked).
+            n = len(app._shard_rows)
             k = cfg.rotate_shards_every
-            own = []
-            for w in range(n_workers):
-                shard = (w + (epoch // k if k else 0)) % n_workers
-                n = app._shard_rows[shard]
-                perm = ops.permutation(n, cfg.seed * 1_000_003 + shard, epoch)
-                own.append(deque((perm[i : i + chunk_rows], shard) for i in range(0, n, chunk_rows)))
-            ep = _Epoch(epoch, deque(), own)
+            own = {}
+            for w in range(n):
+                shard = (w + (epoch // k if k else 0)) % n
+                shard_of[w] = shard
+                m = app._shard_rows[shard]
+                perm = ops.permutation(m, cfg.seed * 1_000_003 + shard, epoch)
+                own[shard] = deque((perm[i : i + chunk_rows], shard) for i in range(0, m, chunk_rows))
+            ep = _Epoch(epoch, deque(), own, shard_of=shard_of)
         else:
             perm = ops.permutation(rows, cfg.seed, epoch)
             ep = _Epoch(epoch, deque((perm[i : i + chunk_rows], None) for i in range(0, rows, chunk_rows)))
 
-        def work(w: int, ep: _Epoch) -> None:
+        def work(address: str, ep: _Epoch) -> None:
             while True:
+                try:
+                    w = cluster.addresses.index(address)
+                except ValueError:
+                    return  # removed from the cluster
                 with lock:
-                    queue = ep.own[w] if ep.own else ep.chunks
-                    if not queue or state["error"] is not None:
+                    if state["error"] is not None:
                         return
-                    chunk, shard = queue.popleft()
+                    item = ep.take(w)
+                    if item is None:
+                        return
+                    chunk, shard, queue = item
+                    ep.in_flight += 1
                     start_weights = [a.copy() for a in weights]
                     version = state["version"]
                 t0 = time.perf_counter()
@@ -88,15 +132,29 @@ def train_async(
                     kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
                 if shard is not None:
                     kw["shard"] = shard
-                try:
-                    res = cluster.call(remote.train_chunk, (cfg.run_id, chunk, cfg.batch_size), kw, workers=[w])[0]
-                except BaseException as exc:  # surfaced by the master thread
-                    with lock:
-                        state["error"] = exc
-                    return
+                res = cluster.call(
+                    remote.train_chunk,
+                    (cfg.run_id, chunk, cfg.batch_size),
+                    kw,
+                    workers=[w],
+                    return_exceptions=True,
+                )[0]
                 wall = time.perf_counter() - t0
+                if isinstance(res, BaseException):
+                    with lock:
+                        ep.in_flight -= 1
+                        queue.appendleft((chunk, shard))  # nothing is lost: another worker trains it
+                        if isinstance(res, WorkerUnavailable):
+                            ep.lost.add(w)
+                            history.stats.append(
+                                RoundStats(ep.epoch, state["round"], w, 0, 0.0, wall, 0.0, 0, 0, lost=True)
+                            )
+                        else:
+                            state["error"] = res  # a bug in user code: surfaced by the master thread
+                    return
                 delta = decode_payload(res["weights"], start_weights)
                 with lock:
+                    ep.in_flight -= 1
                     staleness = state["version"] - version
                     dropped = cfg.max_staleness is not None and staleness > cfg.max_staleness
                     if not dropped:
@@ -126,13 +184,57 @@ def train_async(
                 for cb in callbacks:
                     cb.on_round_end(round_no, logs)
 
-        threads = [threading.Thread(target=work, args=(w, ep), name=f"ddlf-async-{w}") for w in range(n_workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _supervise(cluster, members, ep, work, lock, state, cfg)
         if state["error"] is not None:
             raise state["error"]
-        if end_epoch(app, weights, ep.results, epoch, t_epoch, history, callbacks, validation_data):
+        members.live()  # record this epoch's events in History
+        stop = end_epoch(app, weights, ep.results, epoch, t_epoch, history, callbacks, validation_data)
+        if cfg.checkpoint_dir:
+            save_checkpoint(app, cfg, members, epoch + 1, weights, None, history, "async")
+        if stop:
             break
     return history
+
+
+def _supervise(
+    cluster: Any,
+    members: Members,
+    ep: _Epoch,
+    work: Any,
+    lock: threading.Lock,
+    state: dict[str, Any],
+    cfg: TrainConfig,
+) -> None:
+    """Run one worker thread per live worker until the epoch's chunks are done; start threads for workers that
+    join during the epoch; wait for a lost cluster to come back for up to ``rejoin_timeout``."""
+    threads: dict[str, threading.Thread] = {}
+    alone_since: float | None = None
+    while True:
+        with lock:
+            remaining, in_flight, failed = ep.remaining(), ep.in_flight, state["error"] is not None
+        running = [t for t in threads.values() if t.is_alive()]
+        if failed or (remaining == 0 and in_flight == 0 and not running):
+            break
+        if remaining:
+            live = members.live()
+            with lock:
+                ep.lost.difference_update(live)
+            for w in live:
+                address = cluster.addresses[w]
+                t = threads.get(address)
+                if t is None or not t.is_alive():
+                    t = threading.Thread(target=work, args=(address, ep), name=f"ddlf-async-{w}", daemon=True)
+                    threads[address] = t
+                    t.start()
+            if not live and not running:
+                alone_since = alone_since or time.monotonic()
+                if time.monotonic() - alone_since > cfg.rejoin_timeout:
+                    members.wait_for_any(0.0)  # raises, naming the workers
+            else:
+                alone_since = None
+        for t in running:
+            t.join(SUPERVISE_EVERY / max(1, len(running)))
+        if not running:
+            time.sleep(SUPERVISE_EVERY)
+    for t in threads.values():
+        t.join()

@@ -30,6 +30,9 @@ class TrainConfig:
     verbose: int = 1
     slow_worker: tuple[int, float] | None = None  # (worker, seconds per batch): for experiments
     rotate_shards_every: int | None = None
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    rejoin_timeout: float = 60.0  # every worker lost: how long to wait for one to come back
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def check(self) -> None:

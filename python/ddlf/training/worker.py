@@ -84,6 +84,39 @@ def teardown(run_id: str) -> None:
     _SESSIONS.pop(run_id, None)
 
 
+def _rng_variables(model: Any) -> list[Any]:
+    """The model's variables that are neither weights nor optimizer state: random-generator states (dropout)."""
+    weights = {id(w) for w in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
+def session_state(run_id: str) -> dict[str, Any]:
+    """What this worker carries from round to round besides the weights: its optimizer state, its random
+    generators' state and its top-k residual. Saved in checkpoints, so a resumed run continues identically."""
+    session = _SESSIONS[run_id]
+    model = session.model
+    return {
+        "optimizer": _optimizer_state(model) if model.optimizer.built else None,
+        "rng": [np.asarray(v.numpy()) for v in _rng_variables(model)],
+        "residual": session.residual,
+    }
+
+
+def restore_state(run_id: str, state: dict[str, Any]) -> None:
+    """Put back what :func:`session_state` returned (after ``setup`` on a fresh or restarted worker)."""
+    session = _SESSIONS[run_id]
+    model = session.model
+    if state.get("optimizer") is not None:
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        _set_optimizer_state(model, state["optimizer"])
+    rng = _rng_variables(model)
+    if len(rng) == len(state.get("rng", [])):
+        for v, s in zip(rng, state["rng"]):
+            v.assign(s)
+    session.residual = state.get("residual")
+
+
 def _optimizer_state(model: Any) -> list[np.ndarray]:
     return [np.asarray(v.numpy()) for v in model.optimizer.variables]
 

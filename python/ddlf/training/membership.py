@@ -1,0 +1,95 @@
+"""Which workers take part in a training run, and bringing workers into it: at the start, after they were
+lost and came back, after their daemon restarted, or when they were added with ``cluster.add_worker``.
+
+A worker takes part once it has been set up for the run (its dataset loaded or found in its store, its model
+built). Set-up is tracked by address and daemon instance, so a restarted daemon is set up again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ..errors import WorkerUnavailable
+from . import worker as remote
+
+
+class Members:
+    """The live, set-up workers of one run."""
+
+    def __init__(self, app: Any, run_id: str, seed: int, history: Any, rejoin_interval: float = 1.0) -> None:
+        self.app = app
+        self.cluster = app.cluster
+        self.run_id = run_id
+        self.seed = seed
+        self.history = history
+        self.rejoin_interval = rejoin_interval
+        self.blob = app._shipped_copy()
+        self.ready: dict[str, int] = {}  # address -> daemon instance set up for this run
+        self.info: dict[str, dict[str, Any]] = {}
+        self.epoch = 0
+        self.round = 0
+        self._last_recover = 0.0
+        self._lock = threading.Lock()
+        self._seen_events = len(self.cluster.events)
+
+    def note(self, event: str, **fields: Any) -> None:
+        """Record a training event in History."""
+        self.history.events.append(
+            {"time": time.time(), "event": event, "epoch": self.epoch, "round": self.round, **fields}
+        )
+
+    def _sync_events(self) -> None:
+        """Copy the cluster's new fault events into History, stamped with the epoch and round."""
+        for e in self.cluster.events[self._seen_events :]:
+            self.history.events.append({**e, "epoch": self.epoch, "round": self.round})
+        self._seen_events = len(self.cluster.events)
+
+    def live(self, *, first: bool = False) -> list[int]:
+        """Indices of the workers that take part now. Lost workers are retried (at most every
+        ``rejoin_interval`` seconds) and every live worker not yet set up for this run is set up first."""
+        with self._lock:
+            c = self.cluster
+            if c.lost_workers and time.monotonic() - self._last_recover >= self.rejoin_interval:
+                self._last_recover = time.monotonic()
+                c.recover(timeout=1.0)
+            need = [i for i in c.live_workers if self.ready.get(c.addresses[i]) != c._instances[i]]
+            if need:
+                outcomes = c.call(
+                    remote.setup, (self.run_id, self.blob, self.seed), workers=need, return_exceptions=True
+                )
+                for i, out in zip(need, outcomes):
+                    if isinstance(out, WorkerUnavailable):
+                        continue  # lost while being set up: marked by the cluster, retried later
+                    if isinstance(out, BaseException):
+                        raise out
+                    address = c.addresses[i]
+                    self._check_rows(i, out)
+                    self.ready[address] = c._instances[i]
+                    self.info[address] = out
+                    if not first:
+                        self.note("joined", worker=i, address=address)
+            self._sync_events()
+            return [i for i in c.live_workers if self.ready.get(c.addresses[i]) == c._instances[i]]
+
+    def _check_rows(self, i: int, info: dict[str, Any]) -> None:
+        app = self.app
+        if app.sharded or not app._rows:
+            return
+        if info["rows"] != app._rows:
+            raise ValueError(
+                f"worker {i} ({self.cluster.addresses[i]}) loaded {info['rows']} rows; the others {app._rows}"
+            )
+
+    def wait_for_any(self, timeout: float) -> list[int]:
+        """Every worker is lost: keep trying to bring one back for up to ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = self.live()
+            if live:
+                return live
+            if time.monotonic() >= deadline:
+                lost = ", ".join(self.cluster.addresses)
+                raise WorkerUnavailable(f"every worker is lost ({lost}) and none came back within {timeout:.0f} s")
+            time.sleep(min(self.rejoin_interval, 0.5))
