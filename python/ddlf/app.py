@@ -268,7 +268,7 @@ class IApp:
         if resumed is not None:
             initial_epoch = max(initial_epoch, int(resumed["epochs_done"]))
             self.model.set_weights(resumed["weights"])
-            checkpoint.restore_history(history, resumed)
+            checkpoint.restore_history(history, resumed["history"])
             checkpoint.restore_rng(resumed)
             states = resumed["worker_states"]
             targets = [w for w in live if w in states]

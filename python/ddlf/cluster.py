@@ -38,6 +38,7 @@ from .local import LocalWorkers
 log = logging.getLogger("ddlf")
 
 OPS = _ddlf.OPS
+REVIVE_TIMEOUT = 1.0  # seconds to reach a worker whose connection just broke, to see whether it restarted
 KINDS = _ddlf.ERROR_KINDS
 _OK, _REMOTE_ERROR, _NET_ERROR = 0, 1, 2
 
@@ -505,10 +506,10 @@ class Cluster:
         with self._lock:
             info = self._client.reconnect(i, timeout or self.connect_timeout)
             fresh = int(info["instance"]) != self._instances[i]
-            self._instances[i] = int(info["instance"])
             if fresh:
                 self._known[i] = {}
                 self._provision(i)
+            self._instances[i] = int(info["instance"])
             was_lost = self._lost.pop(self.addresses[i], None) is not None
             if fresh or was_lost:
                 self._event("restarted" if fresh else "rejoined", i, "re-provisioned" if fresh else "")
@@ -624,7 +625,19 @@ class Cluster:
         outcomes = self._send(op, name, digest, targets, encoded, timeout)
         redo = []
         for k, out in enumerate(outcomes):
-            if isinstance(out, WorkerRestarted):
+            restarted = isinstance(out, WorkerRestarted)
+            if not restarted and _broken(out) and self.addresses[targets[k]] not in self._lost:
+                # The connection broke: if a new daemon already answers at that address, it restarted (the old
+                # one, and whatever it was running, is gone), so provisioning it and asking again is safe. The
+                # same daemon answering again means the call may have run: that error stands.
+                before = self._instances[targets[k]]
+                with contextlib.suppress(DdlfError):
+                    self._revive(targets[k], REVIVE_TIMEOUT)
+                restarted = self._instances[targets[k]] != before
+                if restarted:
+                    redo.append(k)
+                continue
+            if restarted:
                 try:
                     self._revive(targets[k])
                 except DdlfError as exc:
@@ -834,6 +847,15 @@ def _module_files(module: ModuleType | str | os.PathLike[str]) -> tuple[str, dic
 
 
 __all__ = ["Cluster", "WorkerUnavailable"]
+
+
+def _broken(outcome: Any) -> bool:
+    """A broken connection (not a deadline, not a restart already recognised)."""
+    return (
+        isinstance(outcome, WorkerUnavailable)
+        and not isinstance(outcome, DeadlineExceeded)
+        and not isinstance(outcome, WorkerRestarted)
+    )
 
 
 def _read_pem(value: str | os.PathLike[str] | bytes | None, what: str) -> bytes | None:

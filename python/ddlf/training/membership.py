@@ -54,6 +54,7 @@ class Members:
             if c.lost_workers and time.monotonic() - self._last_recover >= self.rejoin_interval:
                 self._last_recover = time.monotonic()
                 c.recover(timeout=1.0)
+            self._sync_events()
             need = [i for i in c.live_workers if self.ready.get(c.addresses[i]) != c._instances[i]]
             if need:
                 outcomes = c.call(

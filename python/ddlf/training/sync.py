@@ -71,6 +71,7 @@ def train_sync(
             for (w, extra), ok in zip(assignments, sent_ok):
                 if isinstance(ok, BaseException):
                     _fail(ok)
+                    history.stats.append(RoundStats(epoch, round_no, w, 0, 0.0, 0.0, 0.0, 0, 0, lost=True))
                     continue
                 kw: dict[str, Any] = {
                     "batch_size": cfg.batch_size,
