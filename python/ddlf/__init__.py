@@ -21,6 +21,7 @@ from .errors import (
     RemoteError,
     RequestRejected,
     SerializationError,
+    WorkerRestarted,
     WorkerStartError,
     WorkerUnavailable,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "RequestRejected",
     "SerializationError",
     "WorkerContext",
+    "WorkerRestarted",
     "WorkerStartError",
     "WorkerUnavailable",
     "__version__",

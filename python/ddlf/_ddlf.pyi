@@ -33,11 +33,23 @@ class Client:
         keepalive_interval: float = 5.0,
         keepalive_timeout: float = 10.0,
         shared_memory: bool = False,
+        tls_ca: bytes | None = None,
+        tls_domain: str | None = None,
     ) -> None: ...
     @property
     def addresses(self) -> list[str]: ...
     def __len__(self) -> int: ...
     def worker_info(self) -> list[dict[str, Any]]: ...
+    def reconnect(self, index: int, timeout: float | None = None) -> dict[str, Any]:
+        """A fresh connection to worker ``index``'s address; returns its hello info (with ``instance``)."""
+    def add(self, address: str, timeout: float | None = None) -> int:
+        """Connect to one more worker; returns its index."""
+    def remove(self, index: int) -> str:
+        """Drop worker ``index``'s connection; returns its address."""
+    def heartbeat(
+        self, targets: Sequence[int], timeout: float | None = None
+    ) -> list[tuple[float, int] | BaseException]:
+        """``(round-trip seconds, daemon instance id)`` per target, or the exception of one that did not answer."""
     def call(
         self,
         targets: Sequence[int],
@@ -69,6 +81,10 @@ def serve_worker(
     max_message_size: int | None = None,
     name: str | None = None,
     network_threads: int = 1,
+    tls_cert: bytes | None = None,
+    tls_key: bytes | None = None,
+    max_connections: int | None = None,
+    handshake_timeout: float | None = None,
 ) -> None:
     """Run a worker daemon in this process until shutdown or a signal; this thread runs the jobs."""
 

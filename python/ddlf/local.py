@@ -57,10 +57,14 @@ class LocalWorkers:
         start_timeout: float = 60.0,
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        listen: list[str] | None = None,
+        token: str | None = None,
     ) -> None:
         if n_workers < 1:
             raise ValueError(f"n_workers must be at least 1, got {n_workers}")
-        self.token = secrets.token_urlsafe(24)
+        if listen is not None and len(listen) != n_workers:
+            raise ValueError(f"listen has {len(listen)} addresses for {n_workers} workers")
+        self.token = token or secrets.token_urlsafe(24)
         self._dir = tempfile.mkdtemp(prefix="ddlf-local-")
         self.processes: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
@@ -83,7 +87,7 @@ class LocalWorkers:
                     "-m",
                     "ddlf.worker",
                     "--listen",
-                    "127.0.0.1:0",
+                    listen[i] if listen else "127.0.0.1:0",
                     "--name",
                     f"local-{i}",
                     "--ready-file",
@@ -118,6 +122,12 @@ class LocalWorkers:
                 raise WorkerStartError(f"local worker exited with code {code} before it was ready (see its stderr)")
             time.sleep(0.01)
         raise WorkerStartError(f"local worker did not start within {timeout:.0f} s")
+
+    def __enter__(self) -> LocalWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.terminate()
 
     def pids(self) -> list[int]:
         """Process ids of the daemons."""

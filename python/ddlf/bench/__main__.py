@@ -10,6 +10,7 @@ BENCHMARKS = {
     "tensor": "ddlf.bench.tensor",
     "data": "ddlf.bench.data",
     "train": "ddlf.bench.train",
+    "faults": "ddlf.bench.faults",
 }
 
 
