@@ -525,3 +525,20 @@ def test_worker_threads_option_caps_math_libraries_from_the_start() -> None:
         assert got == ("1", "1")
     finally:
         d.stop()
+
+
+def test_local_workers_started_from_a_thread_outlive_that_thread() -> None:
+    # Linux's parent-death signal fires when the starting *thread* exits; local workers must not rely on it.
+    import threading
+
+    box: dict[str, ddlf.Cluster] = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", ddlf.Cluster.local(1, threads=1)))
+    t.start()
+    t.join()
+    c = box["c"]
+    try:
+        time.sleep(1.5)
+        assert all(pid_alive(p) for p in c._local.pids())
+        assert c.run(lambda: "alive") == ["alive"]
+    finally:
+        c.close()

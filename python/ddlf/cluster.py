@@ -148,6 +148,15 @@ class Cluster:
             local.terminate()
             raise
 
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], **overrides: Any) -> Cluster:
+        """Connect to the workers listed in a ``cluster.toml`` (see :mod:`ddlf.config`); keyword arguments
+        override the file's settings."""
+        from .config import load
+
+        cfg = load(path)
+        return cls(cfg.workers, **{**cfg.cluster_kwargs(), **overrides})
+
     def close(self) -> None:
         """Disconnect; for a :meth:`local` cluster, also stop its daemons. Idempotent."""
         if self._closed:

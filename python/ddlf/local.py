@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -23,27 +23,33 @@ from pathlib import Path
 from .errors import WorkerStartError
 from .threads import thread_env
 
-_PR_SET_PDEATHSIG = 1
+PARENT_POLL_SECONDS = 0.5
 PARENT_ENV = "DDLF_PARENT_PID"
 
 
 def die_with_parent() -> None:
-    """Called first thing by a local worker daemon (``DDLF_PARENT_PID`` set): ask the kernel to kill this
-    process when its parent dies (Linux), and exit now if the parent is already gone.
+    """Called first thing by a local worker daemon (``DDLF_PARENT_PID`` set): exit as soon as the master that
+    started it is gone (checked twice a second by a watchdog thread), and at once if it is already gone.
 
-    Done in the child itself rather than in a ``preexec_fn``: a pre-exec hook forces fork() from the master, and
-    forking a multi-threaded process (JAX, TensorFlow and torch all start threads) can deadlock the child.
+    Not ``prctl(PR_SET_PDEATHSIG)``: the kernel fires that when the *thread* that started the child exits, so a
+    cluster started from any thread but the main one lost its workers when that thread ended. And not a
+    ``preexec_fn`` either: a pre-exec hook forces fork() from the master, and forking a multi-threaded process
+    (JAX, TensorFlow and torch all start threads) can deadlock the child.
     """
     expected = os.environ.get(PARENT_ENV)
-    if not expected or not sys.platform.startswith("linux"):
+    if not expected:
         return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        return
-    if os.getppid() != int(expected):  # the parent died before the request took effect
+    parent = int(expected)
+    if os.getppid() != parent:  # the master died before we got here
         os._exit(0)
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_SECONDS)
+            if os.getppid() != parent:  # re-parented: the master is gone
+                os._exit(0)
+
+    threading.Thread(target=watch, name="ddlf-parent-watch", daemon=True).start()
 
 
 class LocalWorkers:

@@ -1,0 +1,129 @@
+"""``cluster.toml``: where the workers are and how to reach them, for ``ddlf.Cluster.from_config`` and the
+``ddlf`` command.
+
+```toml
+workers = ["node1:7070", "node2:7070"]   # required
+token_file = "/etc/ddlf/token"            # optional (else DDLF_TOKEN)
+tls_ca = "ca.pem"                         # optional: talk TLS, trusting this CA
+tls_domain = "ddlf.internal"              # optional
+connect_timeout = 10.0                    # seconds
+timeout = 600.0                           # default per-call deadline
+heartbeat_interval = 2.0
+heartbeat_timeout = 10.0
+```
+
+Relative paths are relative to the file. Every mistake is reported with the file and the line it is on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from .errors import DdlfError
+
+
+class ConfigError(DdlfError, ValueError):
+    """A cluster file that cannot be used; the message names the file and line."""
+
+
+_NUMBERS = ("connect_timeout", "timeout", "heartbeat_interval", "heartbeat_timeout")
+_PATHS = ("token_file", "tls_ca")
+_KNOWN = ("workers", "tls_domain", *_NUMBERS, *_PATHS)
+
+
+@dataclass
+class ClusterConfig:
+    """A parsed ``cluster.toml``."""
+
+    workers: list[str]
+    token_file: Path | None = None
+    tls_ca: Path | None = None
+    tls_domain: str | None = None
+    options: dict[str, float] = field(default_factory=dict)
+    path: Path | None = None
+
+    def token(self) -> str | None:
+        """The token from ``token_file``, else the ``DDLF_TOKEN`` environment variable."""
+        if self.token_file is None:
+            return os.environ.get("DDLF_TOKEN") or None
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{self.path}: cannot read token_file {self.token_file}: {exc.strerror}") from exc
+        if not token:
+            raise ConfigError(f"{self.path}: token_file {self.token_file} is empty")
+        return token
+
+    def cluster_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`ddlf.Cluster`."""
+        kw: dict[str, Any] = {"token": self.token(), **self.options}
+        if self.tls_ca is not None:
+            kw["tls_ca"] = self.tls_ca
+        if self.tls_domain is not None:
+            kw["tls_domain"] = self.tls_domain
+        return kw
+
+
+def _line_of(text: str, key: str) -> int:
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.split("=", 1)[0].strip() == key:
+            return n
+    return 1
+
+
+def load(path: str | os.PathLike[str]) -> ClusterConfig:
+    """Read and check a cluster file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc  # tomllib's message says "(at line N, column M)"
+
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"{p}, line {_line_of(text, key)}: {key}: {why}")
+
+    for key in data:
+        if key not in _KNOWN:
+            raise bad(key, f"unknown setting (known: {', '.join(_KNOWN)})")
+    workers = data.get("workers")
+    if workers is None:
+        raise ConfigError(f"{p}: no 'workers' list (workers = [\"host:port\", ...])")
+    if not isinstance(workers, list) or not workers or not all(isinstance(w, str) for w in workers):
+        raise bad("workers", 'expected a non-empty list of "host:port" strings')
+    for w in workers:
+        host, sep, port = w.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad("workers", f'{w!r} is not "host:port"')
+    options: dict[str, float] = {}
+    for key in _NUMBERS:
+        if key in data:
+            v = data[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise bad(key, f"expected a positive number of seconds, got {v!r}")
+            options[key] = float(v)
+    paths: dict[str, Path | None] = {}
+    for key in _PATHS:
+        v = data.get(key)
+        if v is not None and not isinstance(v, str):
+            raise bad(key, f"expected a path, got {v!r}")
+        paths[key] = (p.parent / v).resolve() if v else None
+    domain = data.get("tls_domain")
+    if domain is not None and not isinstance(domain, str):
+        raise bad("tls_domain", f"expected a host name, got {domain!r}")
+    return ClusterConfig(
+        workers=list(workers),
+        token_file=paths["token_file"],
+        tls_ca=paths["tls_ca"],
+        tls_domain=domain,
+        options=options,
+        path=p,
+    )

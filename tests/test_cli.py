@@ -1,0 +1,82 @@
+"""The ``ddlf`` command and ``cluster.toml``."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf.config import ConfigError, load
+
+from .conftest import Daemon
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddlf(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddlf.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('workers = ["a:1"\nconnect_timeout = 3\n', "line 2"),  # TOML syntax: tomllib names line and column
+        ('workers = ["a:1"]\n\nheartbeat_timeot = 3\n', "line 3: heartbeat_timeot: unknown setting"),
+        ('timeout = 5\nworkers = ["no-port"]\n', "line 2: workers: 'no-port' is not \"host:port\""),
+        ('workers = ["a:1"]\ntimeout = -1\n', "line 2: timeout: expected a positive number"),
+        ("timeout = 5\n", "no 'workers' list"),
+    ],
+)
+def test_a_malformed_cluster_file_names_the_line(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"cluster\.toml") as info:
+        load(path)
+    assert expected in str(info.value)
+    out = _ddlf("status", "--config", str(path))
+    assert out.returncode == 2 and expected in out.stderr
+
+
+def test_from_config_connects_with_the_token_file(daemon: Daemon, tmp_path: Path) -> None:
+    (tmp_path / "token").write_text(daemon.token + "\n")
+    (tmp_path / "cluster.toml").write_text(f'workers = ["{daemon.address}"]\ntoken_file = "token"\ntimeout = 30\n')
+    with ddlf.Cluster.from_config(tmp_path / "cluster.toml") as c:
+        assert c.timeout == 30
+        assert c.run(lambda: "hi") == ["hi"]
+
+
+def test_status_lists_live_workers_and_says_which_is_down(daemon: Daemon, tmp_path: Path) -> None:
+    with ddlf.Cluster([daemon.address], token=daemon.token) as c:
+        c.set("weights", np.zeros(10))
+        c.put_dataset("numbers", np.arange(1000))
+    dead = f"127.0.0.1:{_free_port()}"
+    (tmp_path / "token").write_text(daemon.token)
+    (tmp_path / "cluster.toml").write_text(f'workers = ["{daemon.address}", "{dead}"]\ntoken_file = "token"\n')
+    t0 = time.monotonic()
+    out = _ddlf("status", "--config", str(tmp_path / "cluster.toml"), "--timeout", "2")
+    assert time.monotonic() - t0 < 30
+    assert out.returncode == 1, out.stderr  # one worker is down
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr
+    assert lines[0].split()[:3] == ["id", "address", "version"], out.stderr
+    live = next(line for line in lines if daemon.address in line)
+    assert ddlf.__version__ in live and "idle" in live and "1 vars" in live and "numbers (7.8 KiB)" in live
+    down = next(line for line in lines if dead in line)
+    assert "DOWN" in down
+
+
+def test_worker_subcommand_is_the_daemon() -> None:
+    out = _ddlf("worker", "--help")
+    assert out.returncode == 0 and "--tls-cert" in out.stdout
