@@ -20,21 +20,15 @@ import ddlf
 from ddlf.callbacks import LambdaCallback
 
 from .conftest import MNIST_DIR, REPO, Daemon, pid_alive, wait_until
+from .test_training import SmallMnist
 
 
-class FaultApp(ddlf.IApp):
+class FaultApp(SmallMnist):
     """A small dense model with dropout (so random-generator state matters) on 6,000 MNIST images."""
 
     dataset_key = "mnist-fault-test"
     rows = 6000
     learning_rate = 1e-3
-
-    def load_dataset(self):
-        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
-        return x[: self.rows], y[: self.rows]
-
-    def preprocess(self, x, y):
-        return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
 
     def create_model(self):
         import keras
