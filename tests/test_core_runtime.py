@@ -542,3 +542,16 @@ def test_local_workers_started_from_a_thread_outlive_that_thread() -> None:
         assert c.run(lambda: "alive") == ["alive"]
     finally:
         c.close()
+
+
+def test_a_worker_leaves_no_temporary_files_behind(tmp_path) -> None:
+    from .conftest import Daemon
+
+    d = Daemon(env={"TMPDIR": str(tmp_path)})
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "leftover_probe.py").write_text("X = 1\n")
+    with ddlf.Cluster([d.address], token=d.token) as c:
+        c.upload_module(tmp_path / "src" / "leftover_probe.py")
+        assert list(tmp_path.glob("ddlf-modules-*"))
+    d.stop()
+    assert not list(tmp_path.glob("ddlf-modules-*"))

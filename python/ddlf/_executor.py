@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -93,10 +94,8 @@ class Executor:
         self.context = WorkerContext(self)
         self.address = ""
         self._ready_file = ready_file
-        self.module_dir = Path(module_dir or tempfile.mkdtemp(prefix="ddlf-modules-"))
-        self.module_dir.mkdir(parents=True, exist_ok=True)
-        if str(self.module_dir) not in sys.path:
-            sys.path.insert(0, str(self.module_dir))
+        self._module_dir: Path | None = Path(module_dir) if module_dir else None
+        self._own_module_dir = False
         self._handlers: dict[int, Callable[[str, str, Any], Any]] = {
             OPS["SET_VAR"]: self._set_var,
             OPS["GET_VAR"]: self._get_var,
@@ -113,6 +112,22 @@ class Executor:
         }
 
     # -- called by the Rust daemon ------------------------------------------------------------------------
+
+    def module_dir(self) -> Path:
+        """Where uploaded modules go (importable): made on the first upload, removed by :meth:`close`."""
+        if self._module_dir is None:
+            self._module_dir = Path(tempfile.mkdtemp(prefix="ddlf-modules-"))
+            self._own_module_dir = True
+        self._module_dir.mkdir(parents=True, exist_ok=True)
+        if str(self._module_dir) not in sys.path:
+            sys.path.insert(0, str(self._module_dir))
+        return self._module_dir
+
+    def close(self) -> None:
+        """Remove what this worker created on disk (its uploaded-modules directory)."""
+        if self._own_module_dir and self._module_dir is not None:
+            shutil.rmtree(self._module_dir, ignore_errors=True)
+            self._own_module_dir = False
 
     def on_listening(self, address: str) -> None:
         """The daemon is bound to ``address``; tell whoever waits for it (``Cluster.local``)."""
@@ -231,7 +246,7 @@ class Executor:
     def _upload_module(self, name: str, digest: str, value: Any) -> list[str]:
         files: dict[str, bytes] = value
         written = []
-        root = self.module_dir.resolve()
+        root = self.module_dir().resolve()
         for rel, content in files.items():
             path = PurePosixPath(rel)
             if path.is_absolute() or ".." in path.parts or not path.parts:

@@ -129,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (KeyboardInterrupt, SystemExit):
         return 0
+    finally:
+        executor.close()
     return 0
 
 
