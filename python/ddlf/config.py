@@ -18,13 +18,17 @@ Relative paths are relative to the file. Every mistake is reported with the file
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from .errors import DdlfError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, from PyPI (a dependency on 3.10 only)
+    import tomli as tomllib
 
 
 class ConfigError(DdlfError, ValueError):
