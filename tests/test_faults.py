@@ -291,3 +291,31 @@ def test_master_killed_mid_epoch_resumes_from_its_checkpoint(tmp_path: Path) -> 
     finally:
         for d in daemons:
             d.stop()
+
+
+def test_bad_fault_handling_inputs_are_clear_errors(cluster: ddlf.Cluster, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no worker at '127\.0\.0\.1:1'"):
+        cluster.remove_worker("127.0.0.1:1")
+    with pytest.raises(IndexError, match="out of range"):
+        cluster.remove_worker(7)
+    with pytest.raises(ValueError, match="resume=True needs the checkpoint_dir"):
+        FaultApp(cluster).train(epochs=1, resume=True, verbose=0)
+    (tmp_path / "ddlf-checkpoint.pkl").write_bytes(b"not a pickle at all")
+    with pytest.raises(ValueError, match="not a readable ddlf checkpoint"):
+        FaultApp(cluster).train(epochs=1, checkpoint_dir=tmp_path, resume=True, verbose=0)
+    assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]
+
+
+def test_check_finds_a_daemon_restarted_while_the_master_was_idle() -> None:
+    d = Daemon("--threads", "1", token=None)
+    try:
+        with ddlf.Cluster([d.address], token=None) as c:
+            c.set("x", 1)
+            assert c.check() == []  # nothing happened
+            d.proc.kill()
+            d.proc.wait()
+            d = Daemon("--threads", "1", "--listen", c.addresses[0], token=None)
+            assert [e["event"] for e in c.check()] == ["restarted"]
+            assert c.get("x") == [1]
+    finally:
+        d.stop()

@@ -153,3 +153,12 @@ def test_oversized_request_is_refused_and_nothing_runs(tmp_path: Path) -> None:
             assert c.run("touch", marker) == [marker]
     finally:
         d.stop()
+
+
+def test_a_daemon_with_an_unusable_certificate_refuses_to_start(tmp_path: Path, certs: dict[str, Path]) -> None:
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    with pytest.raises(RuntimeError, match="invalid TLS certificate or key"):
+        Daemon("--tls-cert", str(bad), "--tls-key", str(certs["key"]))
+    with pytest.raises(RuntimeError, match="--tls-cert and --tls-key go together"):
+        Daemon("--tls-cert", str(certs["server"]))

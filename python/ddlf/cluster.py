@@ -247,11 +247,11 @@ class Cluster:
 
     def get(self, name: str, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> list[Any]:
         """The value of ``name`` on each worker."""
-        return self._call_same(OPS["GET_VAR"], name, "", None, workers, timeout)
+        return self._call(OPS["GET_VAR"], name, "", None, workers, timeout)
 
     def delete(self, name: str, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> None:
         """Delete variable ``name`` on every worker."""
-        self._call_same(OPS["DEL_VAR"], name, "", None, workers, timeout)
+        self._call(OPS["DEL_VAR"], name, "", None, workers, timeout)
         if workers is None:
             self._replay.forget("var", name)
         else:
@@ -265,7 +265,7 @@ class Cluster:
 
     def variables(self, *, timeout: float | None = None) -> list[list[str]]:
         """Names of the variables each worker holds."""
-        return self._call_same(OPS["LIST_VARS"], "", "", None, None, timeout)
+        return self._call(OPS["LIST_VARS"], "", "", None, None, timeout)
 
     def _record_per_worker(self, name: str, encoded: dict[str | None, Any]) -> None:
         entry = self._replay.entries.get(("var", name))
@@ -288,7 +288,7 @@ class Cluster:
     def remove_function(self, name: str, *, timeout: float | None = None) -> None:
         """Remove function ``name`` from every worker."""
         try:
-            self._call_same(OPS["REMOVE_FUNCTION"], name, "", None, None, timeout)
+            self._call(OPS["REMOVE_FUNCTION"], name, "", None, None, timeout)
         finally:
             for known in self._known:
                 known.pop(name, None)
@@ -296,7 +296,7 @@ class Cluster:
 
     def functions(self, *, timeout: float | None = None) -> list[list[str]]:
         """Names of the functions each worker holds."""
-        return self._call_same(OPS["LIST_FUNCTIONS"], "", "", None, None, timeout)
+        return self._call(OPS["LIST_FUNCTIONS"], "", "", None, None, timeout)
 
     def run(self, fn: FunctionRef, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every worker; returns the results in worker order.
@@ -331,7 +331,9 @@ class Cluster:
             raise ValueError(f"kwargs has {len(kw)} entries for {len(targets)} workers: give one per worker")
         name, digest = self._ensure_function(fn, timeout, targets=targets)
         values = [(tuple(a), dict(k)) for a, k in zip(args, kw)]
-        return self._call_each(OPS["RUN"], name, digest, values, timeout, fn, return_exceptions, targets)
+        return self._call(
+            OPS["RUN"], name, digest, values, targets, timeout, fn=fn, return_exceptions=return_exceptions, each=True
+        )
 
     def call(
         self,
@@ -348,25 +350,25 @@ class Cluster:
         targets = self._targets(workers)
         name, digest = self._ensure_function(fn, timeout, targets=targets)
         value = (tuple(args), dict(kwargs or {}))
-        return self._call_same(OPS["RUN"], name, digest, value, targets, timeout, fn, return_exceptions)
+        return self._call(OPS["RUN"], name, digest, value, targets, timeout, fn=fn, return_exceptions=return_exceptions)
 
     def exec(self, code: str, *, timeout: float | None = None) -> None:
         """Run a code segment on every worker; the names it defines persist in the worker's globals
         (functions defined there can then be called by name with :meth:`run`)."""
-        self._call_same(OPS["EXEC"], "", "", code, None, timeout)
+        self._call(OPS["EXEC"], "", "", code, None, timeout)
         self._replay.record("exec", "", code)
 
     def upload_module(self, module: ModuleType | str | os.PathLike[str], *, timeout: float | None = None) -> str:
         """Ship a local module or package (a module object, or a path to a ``.py`` file or a package directory)
         to every worker, where it becomes importable. Returns the module name."""
         name, files = _module_files(module)
-        self._call_same(OPS["UPLOAD_MODULE"], name, "", files, None, timeout)
+        self._call(OPS["UPLOAD_MODULE"], name, "", files, None, timeout)
         self._replay.record("module", name, files)
         return name
 
     def clean(self, *, timeout: float | None = None) -> None:
         """Drop every variable, function and exec global on every worker."""
-        self._call_same(OPS["CLEAN"], "", "", None, None, timeout)
+        self._call(OPS["CLEAN"], "", "", None, None, timeout)
         for known in self._known:
             known.clear()
         self._replay.clean()
@@ -410,7 +412,8 @@ class Cluster:
 
     def ping(self, *, timeout: float | None = 10.0) -> list[float]:
         """Round-trip seconds to each worker (answered without the worker's Python thread)."""
-        return self._raise_first(self._client.ping(list(range(len(self))), timeout))
+        beats = self._raise_first(self._client.heartbeat(list(range(len(self))), timeout))
+        return [rtt for rtt, _instance in beats]
 
     def status(self, *, timeout: float | None = 10.0) -> list[dict[str, Any]]:
         """Each worker's status: version, uptime, memory, what it is running, request counters."""
@@ -441,7 +444,10 @@ class Cluster:
         beats = self._client.heartbeat(list(range(len(self))), timeout)
         for i, beat in enumerate(beats):
             if isinstance(beat, BaseException):
-                self._mark_lost(i, beat)
+                try:
+                    self._revive(i, timeout)  # a broken connection to a daemon that restarted, or is back
+                except DdlfError:
+                    self._mark_lost(i, beat)
             elif beat[1] != self._instances[i] or self.addresses[i] in self._lost:
                 with contextlib.suppress(DdlfError):
                     self._revive(i, timeout)
@@ -475,7 +481,12 @@ class Cluster:
         """Stop using a worker (by index or address); the workers after it move down by one. Its daemon keeps
         running (and keeps its state) unless ``shutdown=True``. Returns its address."""
         with self._lock:
-            i = self.addresses.index(worker) if isinstance(worker, str) else int(worker)
+            if isinstance(worker, str):
+                if worker not in self.addresses:
+                    raise ValueError(f"no worker at {worker!r}: the cluster's workers are {self.addresses}")
+                i = self.addresses.index(worker)
+            else:
+                i = int(worker)
             self._targets([i])
             if shutdown:
                 with contextlib.suppress(DdlfError):
@@ -632,7 +643,8 @@ class Cluster:
         worker lost is pushed again, then those workers are asked once more; broken connections mark workers
         lost."""
         outcomes = self._send(op, name, digest, targets, encoded, timeout)
-        redo = []
+        redo: list[int] = []
+        reached: set[int] = set()
         for k, out in enumerate(outcomes):
             restarted = isinstance(out, WorkerRestarted)
             if not restarted and _broken(out) and self.addresses[targets[k]] not in self._lost:
@@ -640,11 +652,14 @@ class Cluster:
                 # one, and whatever it was running, is gone), so provisioning it and asking again is safe. The
                 # same daemon answering again means the call may have run: that error stands.
                 before = self._instances[targets[k]]
-                with contextlib.suppress(DdlfError):
+                try:
                     self._revive(targets[k], REVIVE_TIMEOUT)
-                restarted = self._instances[targets[k]] != before
-                if restarted:
+                except DdlfError:
+                    continue  # gone: marked lost below
+                if self._instances[targets[k]] != before:
                     redo.append(k)
+                else:
+                    reached.add(k)  # the same daemon answers again: the error stands, but it is not lost
                 continue
             if restarted:
                 try:
@@ -664,11 +679,11 @@ class Cluster:
             for k, out in zip(redo, self._send(op, name, digest, again_targets, again_encoded, timeout)):
                 outcomes[k] = out
         for k, out in enumerate(outcomes):
-            if isinstance(out, WorkerUnavailable) and not isinstance(out, DeadlineExceeded):
+            if _broken(out) and k not in reached:
                 self._mark_lost(targets[k], out)
         return outcomes
 
-    def _call_same(
+    def _call(
         self,
         op: int,
         name: str,
@@ -676,26 +691,15 @@ class Cluster:
         value: Any,
         workers: Iterable[int] | None,
         timeout: float | None,
+        *,
         fn: FunctionRef | None = None,
         return_exceptions: bool = False,
+        each: bool = False,
     ) -> list[Any]:
+        """One request per target: ``value`` goes to every target (serialized once), or with ``each=True`` it is
+        a list holding one value per target."""
         targets = self._targets(workers)
-        outcomes = self._invoke(op, name, digest, targets, [serialization.dumps(value)], timeout, fn)
-        return outcomes if return_exceptions else self._raise_first(outcomes)
-
-    def _call_each(
-        self,
-        op: int,
-        name: str,
-        digest: str,
-        values: list[Any],
-        timeout: float | None,
-        fn: FunctionRef | None = None,
-        return_exceptions: bool = False,
-        workers: list[int] | None = None,
-    ) -> list[Any]:
-        targets = self._targets(workers)
-        encoded = [serialization.dumps(v) for v in values]
+        encoded = [serialization.dumps(v) for v in value] if each else [serialization.dumps(value)]
         outcomes = self._invoke(op, name, digest, targets, encoded, timeout, fn)
         return outcomes if return_exceptions else self._raise_first(outcomes)
 
@@ -728,7 +732,7 @@ class Cluster:
         n = len(self)
         targets = self.live_workers
         contexts = [{"worker_id": i, "n_workers": n} for i in targets]
-        self._call_each(OPS["CONTEXT"], "", "", contexts, None, workers=targets)
+        self._call(OPS["CONTEXT"], "", "", contexts, targets, None, each=True)
 
     def _pickle_function(self, fn: Callable[..., Any], name: str | None) -> tuple[str, str, bytes]:
         if not callable(fn):

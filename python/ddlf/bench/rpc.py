@@ -33,7 +33,7 @@ def run(rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2) -> dic
                 s.append(echo.round_trip(payload))
             s = samples["ddlf ping (Rust only)"]
             for _ in range(calls_per_round):
-                s.append(client.ping([0])[0])
+                s.append(client.heartbeat([0])[0][0])
             s = samples["ddlf call, 1 worker"]
             for _ in range(calls_per_round):
                 t0 = time.perf_counter()

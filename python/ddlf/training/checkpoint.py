@@ -1,5 +1,7 @@
 """Checkpoints of a training run, written atomically each epoch and read back by ``train(..., resume=True)``.
 
+Checkpoints are pickles: load only those your own runs wrote (like any pickle, a crafted file runs code).
+
 A checkpoint holds everything needed to continue as if nothing happened: the master's weights, the averaged
 optimizer state (if any), each worker's own optimizer state, random-generator state and top-k residual, the
 number of epochs done, the master's random state and the History so far. In sync mode a run interrupted and
@@ -80,10 +82,14 @@ def load(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     path = path_in(directory)
     if not path.exists():
         return None
-    with open(path, "rb") as f:
-        state = pickle.load(f)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{path} is a checkpoint of another format ({state.get('format')}); expected {FORMAT}")
+    try:
+        with open(path, "rb") as f:
+            state = pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable ddlf checkpoint: {exc}") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path} is not a ddlf checkpoint of format {FORMAT} (found {found!r})")
     return state
 
 

@@ -499,23 +499,6 @@ impl Client {
         self.call_values(py, targets, op, name, digest, values, which, timeout)
     }
 
-    /// Round-trip seconds per target (or an exception instance for a worker that did not answer).
-    #[pyo3(signature = (targets, timeout = None))]
-    fn ping(
-        &self,
-        py: Python<'_>,
-        targets: Vec<usize>,
-        timeout: Option<f64>,
-    ) -> PyResult<Vec<Py<PyAny>>> {
-        let timeout = seconds(timeout)?;
-        self.simple(
-            py,
-            targets,
-            move |c| async move { c.ping(timeout).await },
-            |py, d: Duration| Ok(d.as_secs_f64().into_pyobject(py)?.into_any().unbind()),
-        )
-    }
-
     /// `(round-trip seconds, instance id)` per target, or an exception instance for a worker that did not
     /// answer. An instance id that differs from the one in `worker_info` means the daemon restarted.
     #[pyo3(signature = (targets, timeout = None))]
