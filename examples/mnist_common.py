@@ -66,6 +66,9 @@ def run(default_mode: str, description: str) -> None:
     p.add_argument("--compression", choices=["float16", "bfloat16", "topk"], default=None)
     p.add_argument("--save", default=None, help="save the trained model here (.keras)")
     p.add_argument("--limit", type=int, default=None, help="train on the first N images only (quick runs)")
+    p.add_argument("--averaging-frequency", type=int, default=None, help="sync: batches per round (default: epoch)")
+    p.add_argument("--report", default=None, help="write an HTML training report here (and its numbers as .json)")
+    p.add_argument("--tensorboard", default=None, help="write TensorBoard event files under this directory")
     args = p.parse_args()
 
     x_test, y_test = test_data()
@@ -80,7 +83,10 @@ def run(default_mode: str, description: str) -> None:
             batch_size=args.batch_size,
             mode=args.mode,
             compression=args.compression,
+            averaging_frequency=args.averaging_frequency,
             validation_data=(x_test, y_test),
+            report=args.report,
+            callbacks=[ddlf.callbacks.TensorBoard(args.tensorboard)] if args.tensorboard else [],
         )
         loss, acc = app.evaluate(x_test, y_test)
         if args.save:
@@ -90,3 +96,5 @@ def run(default_mode: str, description: str) -> None:
         f"test accuracy: {acc:.4f}  test loss: {loss:.4f}  ({args.mode}, {args.workers} workers, "
         f"{args.epochs} epochs, {time.perf_counter() - t0:.1f} s in all)"
     )
+    if args.report:
+        print(f"training report: {args.report} (numbers: {os.path.splitext(args.report)[0]}.json)")

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
 
 scripts/install.sh
+scripts/install-system.sh
 
 echo "== lint"
 cargo fmt --all -- --check

@@ -12,9 +12,10 @@ OPS: dict[str, int]
 ERROR_KINDS: dict[str, int]
 """Error kinds of the wire protocol, by name without the ``ERROR_KIND_`` prefix."""
 
-Outcome = tuple[int, Any, Any, float]
-"""Per-worker result of a call: ``(0, pickle, buffers, compute_s)``, ``(1, error_kind, (type, message, traceback),
-compute_s)`` or ``(2, exception_instance, None, 0.0)``."""
+Outcome = tuple[int, Any, Any, float, float, int]
+"""Per-worker result of a call: ``(0, pickle, buffers, worker_s, call_s, request_id)``, ``(1, error_kind, (type,
+message, traceback), worker_s, call_s, request_id)`` or ``(2, exception_instance, None, 0.0, call_s, request_id)``.
+``worker_s``: seconds the worker's interpreter spent on it; ``call_s``: seconds from sending to the whole reply."""
 
 class RecvBuffer:
     """Read-only bytes received from the network, exposed through the buffer protocol without a copy."""
@@ -70,6 +71,10 @@ class Client:
         timeout: float | None = None,
     ) -> list[Outcome]: ...
     def status(self, targets: Sequence[int], timeout: float | None = None) -> list[dict[str, Any] | BaseException]: ...
+    def logs(
+        self, targets: Sequence[int], lines: int = 100, timeout: float | None = None
+    ) -> list[tuple[list[str], int] | BaseException]:
+        """``(last log lines, lines dropped from the daemon's buffer)`` per target, or an exception."""
     def shutdown(self, targets: Sequence[int], timeout: float | None = None) -> list[BaseException | None]: ...
 
 def serve_worker(
@@ -88,7 +93,11 @@ def serve_worker(
     """Run a worker daemon in this process until shutdown or a signal; this thread runs the jobs."""
 
 def init_logging(default: str = "warn") -> bool:
-    """Send Rust ``tracing`` logs to stderr, filtered by ``DDLF_LOG``/``RUST_LOG`` (else ``default``)."""
+    """Send Rust ``tracing`` logs to stderr, filtered by ``DDLF_LOG``/``RUST_LOG`` (else ``default``), and keep the
+    recent lines in memory for the ``Logs`` RPC, filtered by ``DDLF_LOG_KEEP``."""
+
+def log_record(level: int, logger: str, message: str) -> None:
+    """Log a Python ``logging`` record through Rust ``tracing`` (``level``: Python's numeric level)."""
 
 class BatchPipeline:
     """Batches of dataset rows gathered by a Rust prefetch thread (see ``ddlf.ops.BatchPipeline``)."""

@@ -34,6 +34,7 @@ import cloudpickle
 from .callbacks import Callback, ProgressBar
 from .cluster import Cluster
 from .history import History
+from .report import write_report
 from .training import checkpoint
 from .training import worker as remote
 from .training.asynchronous import train_async as _train_async
@@ -127,6 +128,7 @@ class IApp:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         resume: bool = False,
         rejoin_timeout: float = 60.0,
+        report: str | os.PathLike[str] | None = None,
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -151,6 +153,10 @@ class IApp:
             resume: continue from the checkpoint in ``checkpoint_dir`` if there is one (a fresh start if not).
                 In sync mode the resumed run ends with the same weights as an uninterrupted one.
             rejoin_timeout: when every worker is lost, how long to wait for one to come back before raising.
+            report: write a self-contained HTML training report there when training ends (or fails): learning
+                curves, a per-worker timeline of every round, where the time went, bytes on the wire, staleness
+                and faults; its numbers go beside it as JSON (``run.html`` -> ``run.json``). See
+                :mod:`ddlf.report`.
 
         Lost workers never stop training: see :mod:`ddlf.training.sync` and :mod:`ddlf.training.asynchronous`
         for what happens to their rows, and ``history.events`` for what happened.
@@ -176,6 +182,7 @@ class IApp:
             checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else None,
             rejoin_timeout=rejoin_timeout,
             resume=resume,
+            report=os.fspath(report) if report is not None else None,
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):
@@ -236,7 +243,7 @@ class IApp:
     ) -> History:
         import keras
 
-        t_start = time.perf_counter()
+        t_start = cfg.t0 = time.perf_counter()
         keras.utils.set_random_seed(cfg.seed)
         if self.model is None:
             self.model = self.create_model()
@@ -289,6 +296,7 @@ class IApp:
             )
         for cb in cbs:
             cb.set_app(self)
+            cb.history = history
             cb.on_train_begin()
         try:
             loop(self, cfg, history, cbs, initial_epoch, validation_data, members, resumed)
@@ -297,6 +305,8 @@ class IApp:
                 self.cluster.call(
                     remote.teardown, (cfg.run_id,), workers=self.cluster.live_workers, return_exceptions=True
                 )
+            if cfg.report:
+                write_report(history, cfg.report)
         for cb in cbs:
             cb.on_train_end({"history": history.history})
         return history

@@ -1,6 +1,7 @@
 """Callbacks for ``app.train``, with Keras' hooks: ``on_train_begin/end``, ``on_epoch_begin/end`` and
-(ddlf's own) ``on_round_end``. A callback sees the app (``self.app``) and the master's model (``self.model``);
-setting ``self.app.stop_training = True`` ends training after the current epoch."""
+(ddlf's own) ``on_round_end``. A callback sees the app (``self.app``), the master's model (``self.model``) and
+the run's :class:`~ddlf.History` as it grows (``self.history``, with per-round worker statistics); setting
+``self.app.stop_training = True`` ends training after the current epoch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Callback:
 
     app: Any = None
     model: Any = None
+    history: Any = None
 
     def set_app(self, app: Any) -> None:
         self.app = app
@@ -158,3 +160,88 @@ def _comparator(monitor: str, mode: str, min_delta: float = 0.0):
     if mode == "min":
         return lambda new, best: new < best - min_delta
     raise ValueError(f"mode must be 'auto', 'min' or 'max', not {mode!r}")
+
+
+class TensorBoard(Callback):
+    """Write TensorBoard event files under ``log_dir``, the way Keras' callback lays them out: ``train/`` and
+    ``validation/`` runs with ``epoch_loss``, ``epoch_accuracy`` (and every other metric), plus ddlf's own
+    scalars in the ``train`` run: ``ddlf/samples_per_second``, ``ddlf/bytes_on_wire``, and per worker
+    ``ddlf/worker_<i>/compute_seconds``, ``.../data_wait_seconds``, ``.../communication_seconds`` and
+    ``.../wait_seconds`` (summed over the epoch's rounds). ``update_freq="round"`` also writes ``round_loss``
+    every round.
+
+    Needs ``tensorboardX`` (``pip install tensorboardX``) or PyTorch (``torch.utils.tensorboard``); view with
+    ``tensorboard --logdir <log_dir>``.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str] = "logs", update_freq: str = "epoch") -> None:
+        if update_freq not in ("epoch", "round"):
+            raise ValueError(f"update_freq must be 'epoch' or 'round', not {update_freq!r}")
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = update_freq
+        self._writer_class = _summary_writer_class()
+        self._train: Any = None
+        self._val: Any = None
+        self._round_step = 0
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._train = self._writer_class(os.path.join(self.log_dir, "train"))
+        self._val = self._writer_class(os.path.join(self.log_dir, "validation"))
+
+    def on_round_end(self, round: int, logs: dict[str, Any] | None = None) -> None:
+        if self.update_freq != "round" or self._train is None or not logs:
+            return
+        if isinstance(logs.get("loss"), float) and math.isfinite(logs["loss"]):
+            self._train.add_scalar("round_loss", logs["loss"], self._round_step)
+        self._round_step += 1
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._train is None:
+            return
+        for key, value in (logs or {}).items():
+            if not isinstance(value, (int, float)):
+                continue
+            if key.startswith("val_"):
+                self._val.add_scalar(f"epoch_{key[4:]}", float(value), epoch)
+            else:
+                self._train.add_scalar(f"epoch_{key}", float(value), epoch)
+        if self.history is not None:
+            self._worker_scalars(epoch)
+        self._train.flush()
+        self._val.flush()
+
+    def _worker_scalars(self, epoch: int) -> None:
+        stats = [s for s in self.history.stats if s.epoch == epoch and not s.lost]
+        seconds = self.history.epoch_seconds[-1] if self.history.epoch_seconds else 0.0
+        if seconds > 0:
+            self._train.add_scalar("ddlf/samples_per_second", sum(s.samples for s in stats) / seconds, epoch)
+        self._train.add_scalar("ddlf/bytes_on_wire", float(sum(s.bytes_sent + s.bytes_received for s in stats)), epoch)
+        for w in sorted({s.worker for s in stats}):
+            mine = [s for s in stats if s.worker == w]
+            for tag, value in (
+                ("compute_seconds", sum(s.compute_seconds for s in mine)),
+                ("data_wait_seconds", sum(s.data_wait_seconds for s in mine)),
+                ("communication_seconds", sum(s.send_seconds + s.comm_seconds for s in mine)),
+                ("wait_seconds", sum(s.wait_seconds for s in mine)),
+            ):
+                self._train.add_scalar(f"ddlf/worker_{w}/{tag}", value, epoch)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        for writer in (self._train, self._val):
+            if writer is not None:
+                writer.close()
+        self._train = self._val = None
+
+
+def _summary_writer_class() -> Any:
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # type: ignore[no-redef]
+        except ImportError:
+            raise ImportError(
+                "ddlf.callbacks.TensorBoard writes event files with tensorboardX or PyTorch: "
+                "pip install tensorboardX (and tensorboard to view them)"
+            ) from None
+    return SummaryWriter

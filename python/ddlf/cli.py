@@ -1,5 +1,5 @@
-"""The ``ddlf`` command: ``ddlf worker`` (the daemon), ``ddlf status`` (a table of workers), ``ddlf demo``
-(the README's local MNIST run) and ``ddlf bench`` (the benchmarks)."""
+"""The ``ddlf`` command: ``ddlf worker`` (the daemon), ``ddlf status`` (a table of workers), ``ddlf logs`` (a
+worker's recent log lines), ``ddlf demo`` (the README's local MNIST run) and ``ddlf bench`` (the benchmarks)."""
 
 from __future__ import annotations
 
@@ -79,21 +79,53 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines)])
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
+def _targets(args: argparse.Namespace, command: str) -> tuple[list[str], dict[str, Any]] | None:
+    """Worker addresses and connection settings from the command line and/or ``--config``."""
     if args.config:
         cfg = cluster_config.load(args.config)
         addresses = cfg.workers + list(args.addresses)
         kw = cfg.cluster_kwargs()
         for key in ("connect_timeout", "timeout"):
             kw.pop(key, None)
-    else:
-        if not args.addresses:
-            print("ddlf status: give worker addresses or --config cluster.toml", file=sys.stderr)
-            return 2
-        addresses, kw = list(args.addresses), {"token": os.environ.get("DDLF_TOKEN") or None}
+        return addresses, kw
+    if not args.addresses:
+        print(f"ddlf {command}: give worker addresses or --config cluster.toml", file=sys.stderr)
+        return None
+    return list(args.addresses), {"token": os.environ.get("DDLF_TOKEN") or None}
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    found = _targets(args, "status")
+    if found is None:
+        return 2
+    addresses, kw = found
     rows = _status_rows(addresses, kw, args.timeout)
     print(_table(rows))
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    """Print each worker's last lines (headed by its address when there are several)."""
+    from .cluster import Cluster
+
+    if args.lines < 0:
+        print(f"ddlf logs: -n must be 0 (all) or more, not {args.lines}", file=sys.stderr)
+        return 2
+    found = _targets(args, "logs")
+    if found is None:
+        return 2
+    addresses, kw = found
+    failed = False
+    for address in addresses:
+        if len(addresses) > 1:
+            print(f"==> {address} <==")
+        try:
+            with Cluster([address], connect_timeout=args.timeout, timeout=args.timeout, **kw) as c:
+                print("\n".join(c.logs(0, args.lines, timeout=args.timeout)))
+        except DdlfError as exc:
+            print(f"ddlf logs: {address}: {getattr(exc, 'reason', None) or exc}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -128,6 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     st.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
     st.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     st.add_argument("--timeout", type=float, default=3.0, help="seconds allowed per worker (default 3)")
+    lg = sub.add_parser("logs", help="a worker daemon's recent log lines (requests with their ids, errors)")
+    lg.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    lg.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
+    lg.add_argument("-n", "--lines", type=int, default=100, help="how many of the last lines (0: all kept)")
+    lg.add_argument("--timeout", type=float, default=3.0, help="seconds allowed per worker (default 3)")
     demo = sub.add_parser("demo", help="train the paper's CNN on MNIST with 2 local workers")
     demo.add_argument("rest", nargs=argparse.REMAINDER, help="options for examples/mnist_sync.py")
     sub.add_parser("bench", help="run a benchmark (ddlf bench {rpc,tensor,data,train,faults})")
@@ -135,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "status":
             return _cmd_status(args)
+        if args.command == "logs":
+            return _cmd_logs(args)
         return _cmd_demo(args)
     except cluster_config.ConfigError as exc:
         print(f"ddlf: {exc}", file=sys.stderr)

@@ -116,6 +116,7 @@ class Cluster:
         """What happened to workers: ``{"time", "event": "lost"|"rejoined"|"restarted"|"added"|"removed",
         "worker", "address", "reason"}``, oldest first."""
         self._pickled: weakref.WeakKeyDictionary[Any, tuple[str, str, bytes]] = weakref.WeakKeyDictionary()
+        self._timings = threading.local()  # per calling thread: the last call's timings (see last_call_timings)
         self._set_context()
 
     # -- construction and lifetime ----------------------------------------------------------------------
@@ -419,6 +420,16 @@ class Cluster:
         """Each worker's status: version, uptime, memory, what it is running, request counters."""
         return self._raise_first(self._client.status(list(range(len(self))), timeout))
 
+    def logs(self, worker: int, n: int = 100, *, timeout: float | None = 10.0) -> list[str]:
+        """The last ``n`` lines (``n=0``: all it keeps, up to 10,000) of a worker daemon's log, oldest first: a
+        line per request (with its id and function, at ``DDLF_LOG_KEEP`` level ``debug``, the default), every
+        warning and error, and what user code logged with Python's ``logging``. Answered without the worker's
+        Python thread, so it works while a function runs. A ``RemoteError``'s ``request_id`` finds its lines."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        lines, _dropped = self._raise_first(self._client.logs(self._targets([worker]), n, timeout))[0]
+        return lines
+
     def shutdown(self, *, timeout: float | None = 10.0) -> None:
         """Stop every worker daemon (their state is lost)."""
         self._raise_first(self._client.shutdown(list(range(len(self))), timeout))
@@ -614,9 +625,18 @@ class Cluster:
         raw = self._client.call(targets, op, name, digest, blob, [], self._deadline(timeout))
         return self._decode(targets, raw, name)
 
+    def last_call_timings(self) -> dict[int, tuple[float, float]]:
+        """For the calling thread's last call: ``{worker: (worker_seconds, call_seconds)}``, the seconds the
+        worker's interpreter spent on it and the seconds from sending the request to having the whole reply. The
+        difference is transfer and queueing (the training report's "communication")."""
+        return dict(getattr(self._timings, "last", {}))
+
     def _decode(self, targets: list[int], raw: list[tuple[Any, ...]], name: str) -> list[Any]:
         out: list[Any] = []
-        for worker, (status, a, b, _compute) in zip(targets, raw):
+        timings: dict[int, tuple[float, float]] = {}
+        self._timings.last = timings
+        for worker, (status, a, b, worker_s, call_s, request_id) in zip(targets, raw):
+            timings[worker] = (worker_s, call_s)
             if status == _OK:
                 try:
                     out.append(serialization.loads(a, b))
@@ -624,7 +644,7 @@ class Cluster:
                     exc.worker_id, exc.address = worker, self.addresses[worker]
                     out.append(exc)
             elif status == _REMOTE_ERROR:
-                out.append(self._remote_error(worker, a, b, name))
+                out.append(self._remote_error(worker, a, b, name, request_id))
             else:
                 out.append(a)
         return out
@@ -703,7 +723,9 @@ class Cluster:
         outcomes = self._invoke(op, name, digest, targets, encoded, timeout, fn)
         return outcomes if return_exceptions else self._raise_first(outcomes)
 
-    def _remote_error(self, worker: int, kind: int, exc: tuple[str, str, str], name: str) -> DdlfError:
+    def _remote_error(
+        self, worker: int, kind: int, exc: tuple[str, str, str], name: str, request_id: int | None = None
+    ) -> DdlfError:
         type_name, message, tb = exc
         address = self.addresses[worker]
         where = f"worker {worker} ({address})"
@@ -718,6 +740,7 @@ class Cluster:
             remote_type=type_name,
             remote_message=message,
             remote_traceback=tb,
+            request_id=request_id,
         )
 
     def _raise_first(self, outcomes: list[Any]) -> list[Any]:

@@ -79,11 +79,14 @@ class RemoteError(DdlfError):
         remote_type: str = "",
         remote_message: str = "",
         remote_traceback: str = "",
+        request_id: int | None = None,
     ) -> None:
         super().__init__(message, address=address, worker_id=worker_id)
         self.remote_type = remote_type
         self.remote_message = remote_message
         self.remote_traceback = remote_traceback
+        self.request_id = request_id
+        """The request's id: the worker's log lines about it (``cluster.logs(worker)``) carry ``id=<request_id>``."""
 
     def __str__(self) -> str:
         text = super().__str__()

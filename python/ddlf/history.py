@@ -23,6 +23,17 @@ class RoundStats:
     staleness: int = 0
     dropped: bool = False
     lost: bool = False  # the worker was lost during this round; nothing of it was merged
+    start: float = 0.0  # when the round began for this worker, in seconds since training started (master clock)
+    send_seconds: float = 0.0  # the master sending this worker the weights (sync: the round's broadcast)
+    comm_seconds: float = 0.0  # request and reply on the wire (call seconds less the worker's compute)
+
+
+RoundStats.__doc__ = """What one worker did in one round (sync) or one chunk (async).
+
+A round, for one worker, is ``send_seconds`` (weights out), then the training call: ``compute_seconds`` on the
+worker (of which ``data_wait_seconds`` waiting for batches) and ``comm_seconds`` moving the request and the reply,
+then ``wait_seconds`` idle until the slowest worker of the round is done (sync; async: the master's own
+bookkeeping). ``bytes_sent``/``bytes_received`` are the master's view."""
 
 
 @dataclass

@@ -7,6 +7,7 @@ functions that masters push, one request at a time, in arrival order.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -108,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ddlf-worker: cannot read the TLS files: {exc}", file=sys.stderr)
         return 2
     _ddlf.init_logging("info")
+    _log_python_through_tracing()
     signal.signal(signal.SIGTERM, _raise_system_exit)
     executor = Executor(ready_file=args.ready_file)
     try:
@@ -132,6 +134,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         executor.close()
     return 0
+
+
+class _TracingHandler(logging.Handler):
+    """Python ``logging`` records go where the daemon's own lines go: stderr and the in-memory log that
+    ``cluster.logs()`` reads, inside the span of the request being served (its id and function)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            _ddlf.log_record(record.levelno, record.name, self.format(record))
+        except Exception:  # logging must never break user code
+            self.handleError(record)
+
+
+def _log_python_through_tracing() -> None:
+    root = logging.getLogger()
+    root.addHandler(_TracingHandler())
+    level = os.environ.get("DDLF_PY_LOG", "INFO").upper()
+    root.setLevel(getattr(logging, level, logging.INFO))
 
 
 if __name__ == "__main__":

@@ -139,6 +139,7 @@ def train_async(
                     workers=[w],
                     return_exceptions=True,
                 )[0]
+                call_s = cluster.last_call_timings().get(w, (0.0, 0.0))[1]
                 wall = time.perf_counter() - t0
                 if isinstance(res, BaseException):
                     with lock:
@@ -147,7 +148,9 @@ def train_async(
                         if isinstance(res, WorkerUnavailable):
                             ep.lost.add(w)
                             history.stats.append(
-                                RoundStats(ep.epoch, state["round"], w, 0, 0.0, wall, 0.0, 0, 0, lost=True)
+                                RoundStats(
+                                    ep.epoch, state["round"], w, 0, 0.0, wall, 0.0, 0, 0, lost=True, start=t0 - cfg.t0
+                                )
                             )
                         else:
                             state["error"] = res  # a bug in user code: surfaced by the master thread
@@ -170,12 +173,14 @@ def train_async(
                             worker=w,
                             samples=res["samples"],
                             compute_seconds=res["compute_seconds"],
-                            wait_seconds=max(0.0, wall - res["compute_seconds"]),
+                            wait_seconds=max(0.0, wall - call_s),
                             data_wait_seconds=res["data_wait_seconds"],
                             bytes_sent=nbytes(start_weights),
                             bytes_received=nbytes(res["weights"]),
                             staleness=staleness,
                             dropped=dropped,
+                            start=t0 - cfg.t0,
+                            comm_seconds=max(0.0, call_s - res["compute_seconds"]),
                         )
                     )
                     state["round"] += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,9 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: bool = False
     rejoin_timeout: float = 60.0  # every worker lost: how long to wait for one to come back
+    report: str | None = None  # write an HTML training report there at the end (and its stats as JSON)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
 
     def check(self) -> None:
         if self.epochs < 0 or self.batch_size < 1:

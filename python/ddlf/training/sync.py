@@ -67,11 +67,15 @@ def train_sync(
             targets = [w for w, _ in assignments]
             t0 = time.perf_counter()
             sent_ok = cluster.set("__ddlf_weights", weights, workers=targets, return_exceptions=True)
+            send_s = cluster.last_call_timings()
+            t_sent = time.perf_counter()
             args, kwargs, running = [], [], []
             for (w, extra), ok in zip(assignments, sent_ok):
                 if isinstance(ok, BaseException):
                     _fail(ok)
-                    history.stats.append(RoundStats(epoch, round_no, w, 0, 0.0, 0.0, 0.0, 0, 0, lost=True))
+                    history.stats.append(
+                        RoundStats(epoch, round_no, w, 0, 0.0, 0.0, 0.0, 0, 0, lost=True, start=t0 - cfg.t0)
+                    )
                     continue
                 kw: dict[str, Any] = {
                     "batch_size": cfg.batch_size,
@@ -94,12 +98,15 @@ def train_sync(
                 if running
                 else []
             )
+            call_s = cluster.last_call_timings()
             wall = time.perf_counter() - t0
             results: list[tuple[int, dict[str, Any]]] = []
             for w, out in zip(running, outcomes):
                 if isinstance(out, BaseException):
                     _fail(out)
-                    history.stats.append(RoundStats(epoch, round_no, w, 0, 0.0, wall, 0.0, 0, 0, lost=True))
+                    history.stats.append(
+                        RoundStats(epoch, round_no, w, 0, 0.0, wall, 0.0, 0, 0, lost=True, start=t0 - cfg.t0)
+                    )
                     continue
                 results.append((w, out))
             members.live()  # copies the loss events into History now, with this round's number
@@ -124,10 +131,13 @@ def train_sync(
                         worker=w,
                         samples=res["samples"],
                         compute_seconds=res["compute_seconds"],
-                        wait_seconds=max(0.0, wall - res["compute_seconds"]),
+                        wait_seconds=max(0.0, wall - (t_sent - t0) - call_s.get(w, (0.0, 0.0))[1]),
                         data_wait_seconds=res["data_wait_seconds"],
                         bytes_sent=sent,
                         bytes_received=nbytes(res["weights"]) + nbytes(res.get("optimizer_state")),
+                        start=t0 - cfg.t0,
+                        send_seconds=send_s.get(w, (0.0, t_sent - t0))[1],
+                        comm_seconds=max(0.0, call_s.get(w, (0.0, 0.0))[1] - res["compute_seconds"]),
                     )
                 )
             epoch_results += [res for _, res in results]

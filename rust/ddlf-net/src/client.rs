@@ -10,8 +10,8 @@ use ddlf_core::frame::FrameLimits;
 use ddlf_core::shm;
 use ddlf_proto::worker_client::WorkerClient;
 use ddlf_proto::{
-    CallReply, CallRequest, HelloReply, HelloRequest, PingRequest, ShutdownRequest, StatusReply,
-    StatusRequest, PROTOCOL_VERSION, VERSION,
+    CallReply, CallRequest, HelloReply, HelloRequest, LogsRequest, PingRequest, ShutdownRequest,
+    StatusReply, StatusRequest, PROTOCOL_VERSION, VERSION,
 };
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
@@ -342,6 +342,19 @@ impl WorkerConn {
             |mut c| async move { c.status(StatusRequest {}).await },
         )
         .await
+    }
+
+    /// The daemon's last `lines` log lines (0: all it keeps) and how many fell out of its buffer.
+    pub async fn logs(
+        &self,
+        lines: u32,
+        timeout: Option<Duration>,
+    ) -> Result<(Vec<String>, u64), NetError> {
+        self.unary(timeout, |mut c| async move {
+            c.logs(LogsRequest { lines }).await
+        })
+        .await
+        .map(|r| (r.lines, r.dropped))
     }
 
     /// Ask the daemon to exit.

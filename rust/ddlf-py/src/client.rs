@@ -5,8 +5,9 @@
 //! failure of one worker never hides the answers of the others.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ddlf_core::auth::Token;
@@ -30,13 +31,17 @@ const NET_ERROR: u8 = 2;
 /// How often a waiting call checks for Ctrl-C.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
+/// Request ids, unique within this master process: the worker's log lines about a request carry its id, and
+/// so does the error the master raises when the request fails.
+static NEXT_REQUEST_ID: AtomicU64 = AtomicU64::new(1);
+
 fn request(op: i32, name: &str, digest: &str, value: Value, reply_shm: bool) -> CallRequest {
     CallRequest {
         op,
         name: name.to_string(),
         digest: digest.to_string(),
         value: Some(value),
-        request_id: 0,
+        request_id: NEXT_REQUEST_ID.fetch_add(1, Ordering::Relaxed),
         reply_shm,
         instance: 0, // set by the connection
     }
@@ -106,6 +111,13 @@ async fn send(
     timeout: Option<Duration>,
 ) -> Result<CallReply, NetError> {
     conn.call_stream(req, timeout, CHUNK_BYTES).await
+}
+
+/// One worker's answer to a call, with the seconds it took and the request's id.
+struct Answer {
+    result: Result<CallReply, NetError>,
+    seconds: f64,
+    id: u64,
 }
 
 /// Connections to a list of worker daemons. Workers can be added, removed and reconnected (a daemon restarted
@@ -189,24 +201,35 @@ impl Client {
         )
     }
 
-    /// Send one request per connection concurrently and wait for all answers.
+    /// Send one request per connection concurrently and wait for all answers; each with the seconds from
+    /// sending to its complete reply (what the training report splits into computing and transfer).
     fn fan_out(
         &self,
         py: Python<'_>,
         conns: Vec<WorkerConn>,
         requests: Vec<CallRequest>,
         timeout: Option<Duration>,
-    ) -> PyResult<Vec<Result<CallReply, NetError>>> {
+    ) -> PyResult<Vec<Answer>> {
+        async fn timed(c: &WorkerConn, req: CallRequest, timeout: Option<Duration>) -> Answer {
+            let id = req.request_id;
+            let start = Instant::now();
+            let result = send(c, req, timeout).await;
+            Answer {
+                result,
+                seconds: start.elapsed().as_secs_f64(),
+                id,
+            }
+        }
         self.wait(py, async move {
             if conns.len() == 1 {
                 let req = requests.into_iter().next().unwrap_or_default();
-                return vec![send(&conns[0], req, timeout).await];
+                return vec![timed(&conns[0], req, timeout).await];
             }
             join_all(
                 conns
                     .iter()
                     .zip(requests)
-                    .map(|(c, req)| send(c, req, timeout)),
+                    .map(|(c, req)| timed(c, req, timeout)),
             )
             .await
         })
@@ -256,22 +279,25 @@ impl Client {
         self.outcomes(py, &targets, results?)
     }
 
+    /// Per target: `(status, a, b, worker_seconds, call_seconds, request_id)`.
     fn outcomes(
         &self,
         py: Python<'_>,
         targets: &[usize],
-        results: Vec<Result<CallReply, NetError>>,
+        answers: Vec<Answer>,
     ) -> PyResult<Vec<Py<PyAny>>> {
-        results
+        answers
             .into_iter()
             .zip(targets)
-            .map(|(r, &id)| -> PyResult<Py<PyAny>> {
-                let t = match r {
+            .map(|(answer, &id)| -> PyResult<Py<PyAny>> {
+                let (seconds, request_id) = (answer.seconds, answer.id);
+                let t = match answer.result {
                     Ok(reply) if reply.error == 0 => {
                         let value = reply.value.unwrap_or_default();
                         let pickle = PyBytes::new(py, &value.pickle);
                         let bufs = value_buffers(py, value, true)?;
-                        (OK, pickle, bufs, reply.compute_seconds).into_pyobject(py)?
+                        (OK, pickle, bufs, reply.compute_seconds, seconds, request_id)
+                            .into_pyobject(py)?
                     }
                     Ok(reply) => {
                         let e = reply.exception.unwrap_or_default();
@@ -280,12 +306,15 @@ impl Client {
                             reply.error,
                             (e.type_name, e.message, e.traceback),
                             reply.compute_seconds,
+                            seconds,
+                            request_id,
                         )
                             .into_pyobject(py)?
                     }
                     Err(e) => {
                         let exc = net_error_instance(py, &e, Some(id))?;
-                        (NET_ERROR, exc, py.None(), 0.0f64).into_pyobject(py)?
+                        (NET_ERROR, exc, py.None(), 0.0f64, seconds, request_id)
+                            .into_pyobject(py)?
                     }
                 };
                 Ok(t.into_any().unbind())
@@ -563,6 +592,27 @@ impl Client {
                 d.set_item("connections_open", s.connections_open)?;
                 d.set_item("connections_refused", s.connections_refused)?;
                 Ok(d.into_any().unbind())
+            },
+        )
+    }
+
+    /// `(lines, dropped)` per target: the daemon's last `lines` log lines (0: all it keeps), oldest first, and
+    /// how many lines fell out of its buffer; or an exception instance for a worker that did not answer.
+    #[pyo3(signature = (targets, lines = 100, timeout = None))]
+    fn logs(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        lines: u32,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let timeout = seconds(timeout)?;
+        self.simple(
+            py,
+            targets,
+            move |c| async move { c.logs(lines, timeout).await },
+            |py, (lines, dropped): (Vec<String>, u64)| {
+                Ok((lines, dropped).into_pyobject(py)?.into_any().unbind())
             },
         )
     }

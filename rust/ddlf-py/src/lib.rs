@@ -40,6 +40,7 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::gather, m)?)?;
     m.add_function(wrap_pyfunction!(worker::serve_worker, m)?)?;
     m.add_function(wrap_pyfunction!(logging::init_logging, m)?)?;
+    m.add_function(wrap_pyfunction!(logging::log_record, m)?)?;
     // Operation and error codes straight from the generated protocol, so Python never re-declares them.
     let ops = PyDict::new(m.py());
     for code in 0..64 {

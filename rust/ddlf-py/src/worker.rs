@@ -132,6 +132,9 @@ fn remote_exception(kind: ErrorKind, type_name: &str, message: String) -> CallRe
 fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResult<()> {
     let queue_seconds = job.enqueued_at.elapsed().as_secs_f64();
     let start = Instant::now();
+    // Lines logged while this job runs (Python `logging` records included) carry the request's id and op.
+    let _span =
+        tracing::info_span!("call", id = job.request.request_id, op = %job.label()).entered();
     let CallRequest {
         op,
         name,

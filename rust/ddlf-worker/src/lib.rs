@@ -9,9 +9,11 @@
 //! * [`service`]: the gRPC service.
 //! * [`jobs`]: the queue between the service and the interpreter thread.
 //! * [`state`]: what the daemon knows about itself (uptime, counters, what is running).
+//! * [`logs`]: its recent log lines, kept in memory for the `Logs` RPC.
 
 pub mod daemon;
 pub mod jobs;
+pub mod logs;
 pub mod service;
 pub mod state;
 

@@ -6,8 +6,9 @@ use std::time::Instant;
 
 use ddlf_proto::worker_server::Worker;
 use ddlf_proto::{
-    CallReply, CallRequest, HelloReply, HelloRequest, Op, PingReply, PingRequest, ShutdownReply,
-    ShutdownRequest, StatusReply, StatusRequest, PROTOCOL_VERSION, VERSION,
+    CallReply, CallRequest, HelloReply, HelloRequest, LogsReply, LogsRequest, Op, PingReply,
+    PingRequest, ShutdownReply, ShutdownRequest, StatusReply, StatusRequest, PROTOCOL_VERSION,
+    VERSION,
 };
 use std::pin::Pin;
 
@@ -17,6 +18,7 @@ use ddlf_proto::Chunk;
 use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::jobs::{label, JobSender};
 use crate::state::{rss_bytes, WorkerState};
@@ -70,19 +72,32 @@ impl WorkerService {
             )));
         }
         let what = label(&req);
+        // Every line logged about this request, here and on the interpreter thread, carries its id (the
+        // master's, unique per master process) and what it runs.
+        let span = tracing::info_span!("call", id = req.request_id, op = %what);
         let Some(waiting) = self.jobs.submit(req) else {
             return Err(Status::unavailable("the worker is shutting down"));
         };
         let reply = waiting
+            .instrument(span.clone())
             .await
             .map_err(|_| Status::unavailable("the worker stopped before answering"))?;
-        tracing::debug!(
-            request = %what,
-            micros = start.elapsed().as_micros() as u64,
-            compute_s = reply.compute_seconds,
-            error = reply.error,
-            "call served"
-        );
+        let _entered = span.enter();
+        if let Some(e) = reply.exception.as_ref().filter(|_| reply.error != 0) {
+            tracing::warn!(
+                error = reply.error,
+                compute_s = reply.compute_seconds,
+                "call failed: {}: {}",
+                e.type_name,
+                first_line(&e.message)
+            );
+        } else {
+            tracing::debug!(
+                micros = start.elapsed().as_micros() as u64,
+                compute_s = reply.compute_seconds,
+                "call served"
+            );
+        }
         Ok(reply)
     }
 
@@ -194,6 +209,11 @@ impl Worker for WorkerService {
         ))))
     }
 
+    async fn logs(&self, request: Request<LogsRequest>) -> Result<Response<LogsReply>, Status> {
+        let (lines, dropped) = crate::logs::ring().tail(request.into_inner().lines as usize);
+        Ok(Response::new(LogsReply { lines, dropped }))
+    }
+
     async fn shutdown(
         &self,
         _: Request<ShutdownRequest>,
@@ -208,6 +228,15 @@ impl Worker for WorkerService {
             jobs.shutdown();
         });
         Ok(Response::new(ShutdownReply {}))
+    }
+}
+
+/// The first line of a message, at most 500 characters (a log line stays one line).
+fn first_line(message: &str) -> &str {
+    let line = message.lines().next().unwrap_or("");
+    match line.char_indices().nth(500) {
+        Some((i, _)) => &line[..i],
+        None => line,
     }
 }
 

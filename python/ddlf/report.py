@@ -1,0 +1,498 @@
+"""The training report: one self-contained HTML file (inline SVG and CSS, no script, nothing fetched), written by
+``app.train(..., report="run.html")`` or :func:`write_report`.
+
+It answers "why is training slow?" at a glance: the loss and metric curves, a per-worker timeline of every
+round split into sending the weights, computing, moving request and reply, and waiting for the slowest worker,
+where each worker's time went in total, the bytes on the wire, staleness (async), and the faults of the run.
+The numbers behind it are embedded as JSON (``<script type="application/json" id="ddlf-stats">``) and written
+beside it as ``run.json``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import math
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .history import History, RoundStats
+
+__all__ = ["find_chromium", "render_report", "screenshot", "write_report"]
+
+# Phase colours (colour-blind safe, Okabe-Ito) shared by the timeline, the breakdown and their legends.
+PHASES: list[tuple[str, str, str]] = [
+    ("send", "Sending weights", "#0072B2"),
+    ("compute", "Computing", "#009E73"),
+    ("data", "Waiting for data", "#F0E442"),
+    ("comm", "Request + reply on the wire", "#E69F00"),
+    ("wait", "Waiting for other workers", "#BBBBBB"),
+]
+LOST = "#D55E00"
+SERIES = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000"]
+MAX_TIMELINE_ROUNDS = 4000  # segments drawn per run; beyond that the timeline shows the first rounds only
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',Roboto,'DejaVu Sans',sans-serif;margin:24px auto;
+max-width:1120px;color:#222;background:#fff;padding:0 16px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
+.sub{color:#666;margin-bottom:16px}.cards{display:flex;flex-wrap:wrap;gap:10px}
+.card{border:1px solid #ddd;border-radius:6px;padding:8px 12px;min-width:130px}
+.card b{display:block;font-size:18px}.card span{color:#666;font-size:12px}
+.charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff}
+table{border-collapse:collapse;font-size:13px;margin-top:6px}
+td,th{border-bottom:1px solid #eee;padding:3px 10px;text-align:right;white-space:nowrap}th{background:#f6f6f6}
+td:first-child,th:first-child{text-align:left}.legend{display:flex;flex-wrap:wrap;gap:14px;margin:6px 0;font-size:12px}
+.sw{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:-2px;margin-right:4px}
+.note{color:#666;font-size:12px}
+"""
+
+
+def write_report(history: History, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
+    """Write ``history`` as a self-contained HTML report at ``path`` and its numbers as JSON beside it
+    (same name, ``.json``). Returns the HTML file's path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = render_report(history, title=title)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    path.with_suffix(".json").write_text(history.to_json(), encoding="utf-8")
+    return path
+
+
+def render_report(history: History, *, title: str | None = None) -> str:
+    """The report of ``history`` as an HTML document (a string)."""
+    p = history.params
+    title = title or f"ddlf training report: {p.get('mode', '?')} mode, {p.get('workers', '?')} workers"
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{_e(title)}</title><style>{CSS}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+        f"<div class='sub'>{_e(_subtitle(history))}</div>",
+        _cards(history),
+        "<h2>Learning curves</h2><div class='charts'>",
+        _curves(history),
+        "</div>",
+        "<h2>Per-worker timeline</h2>",
+        _legend(),
+        _timeline(history.stats),
+        "<h2>Where each worker's time went</h2>",
+        _breakdown(history.stats),
+        _worker_table(history),
+        _events(history),
+        "<h2>Run parameters</h2>",
+        _params(history),
+        '<script type="application/json" id="ddlf-stats">',
+        history.to_json().replace("</", "<\\/"),
+        "</script></body></html>",
+    ]
+    return "\n".join(parts)
+
+
+# -- pieces ------------------------------------------------------------------------------------------------
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _subtitle(h: History) -> str:
+    p = h.params
+    bits = [
+        f"{p.get('samples', '?')} samples per epoch",
+        f"batch size {p.get('batch_size', '?')}",
+        f"{len(h.epoch_seconds)} epochs in {sum(h.epoch_seconds):.1f} s",
+        f"compression: {p.get('compression') or 'none'}",
+        f"master on {platform.node()}",
+        f"written {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}",
+    ]
+    return " · ".join(bits)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _totals(stats: Sequence[RoundStats]) -> dict[str, float]:
+    t = {k: 0.0 for k in ("send", "compute", "data", "comm", "wait", "bytes_sent", "bytes_received", "samples")}
+    for s in stats:
+        t["send"] += s.send_seconds
+        t["compute"] += max(0.0, s.compute_seconds - s.data_wait_seconds)
+        t["data"] += s.data_wait_seconds
+        t["comm"] += s.comm_seconds
+        t["wait"] += s.wait_seconds
+        t["bytes_sent"] += s.bytes_sent
+        t["bytes_received"] += s.bytes_received
+        t["samples"] += s.samples
+    return t
+
+
+def _cards(h: History) -> str:
+    t = _totals(h.stats)
+    busy = sum(t[k] for k in ("send", "compute", "data", "comm", "wait")) or 1.0
+    wall = sum(h.epoch_seconds)
+    cards: list[tuple[str, str]] = []
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        if h.history.get(key):
+            cards.append((f"{h.history[key][-1]:.4f}", f"final {key}"))
+    if wall > 0:
+        cards.append((f"{t['samples'] / wall:,.0f}", "samples/s"))
+    cards.append((f"{100 * t['compute'] / busy:.0f}%", "of worker time computing"))
+    cards.append((f"{100 * (t['send'] + t['comm']) / busy:.0f}%", "communicating"))
+    cards.append((f"{100 * t['wait'] / busy:.0f}%", "waiting for others"))
+    cards.append((_fmt_bytes(t["bytes_sent"] + t["bytes_received"]), "on the wire"))
+    stale = [s.staleness for s in h.stats if not s.lost]
+    if h.params.get("mode") == "async" and stale:
+        cards.append((f"{sum(stale) / len(stale):.2f} / {max(stale)}", "staleness mean / max"))
+    lost = sum(s.lost for s in h.stats)
+    dropped = sum(s.dropped for s in h.stats)
+    if lost or dropped:
+        cards.append((f"{lost} / {dropped}", "rounds lost / deltas dropped"))
+    return (
+        "<div class='cards'>"
+        + "".join(f"<div class='card'><b>{_e(v)}</b><span>{_e(k)}</span></div>" for v, k in cards)
+        + "</div>"
+    )
+
+
+def _legend() -> str:
+    items = [f"<span><i class='sw' style='background:{c}'></i>{_e(label)}</span>" for _, label, c in PHASES]
+    items.append(f"<span><i class='sw' style='background:{LOST}'></i>Worker lost</span>")
+    return "<div class='legend'>" + "".join(items) + "</div>"
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if not math.isfinite(lo) or not math.isfinite(hi):
+        return []
+    if hi <= lo:
+        hi = lo + 1.0
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _fmt_tick(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 or v == int(v) else f"{v:.3g}"
+
+
+def _line_chart(chart_id: str, title: str, series: dict[str, list[float]], width: int = 540, height: int = 280) -> str:
+    """An SVG line chart of per-epoch series (x: epoch 1..n)."""
+    pad_l, pad_r, pad_t, pad_b = 56, 16, 30, 44
+    values = [v for vs in series.values() for v in vs if math.isfinite(v)]
+    n = max((len(vs) for vs in series.values()), default=0)
+    out = [
+        f"<svg id='{chart_id}' class='chart' width='{width}' height='{height}' "
+        f"viewBox='0 0 {width} {height}' role='img'>"
+    ]
+    out.append(f"<text x='{width / 2}' y='18' text-anchor='middle' font-size='14' font-weight='600'>{_e(title)}</text>")
+    if not values or n == 0:
+        out.append(f"<text x='{width / 2}' y='{height / 2}' text-anchor='middle' fill='#888'>no data</text></svg>")
+        return "".join(out)
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-12:
+        lo, hi = lo - 0.5, hi + 0.5
+    span = hi - lo
+    lo, hi = lo - 0.05 * span, hi + 0.05 * span
+    x0, x1, y0, y1 = pad_l, width - pad_r, height - pad_b, pad_t
+
+    def sx(i: float) -> float:
+        return x0 + (x1 - x0) * (i / (n - 1) if n > 1 else 0.5)
+
+    def sy(v: float) -> float:
+        return y0 - (y0 - y1) * (v - lo) / (hi - lo)
+
+    for t in _nice_ticks(lo, hi):
+        y = sy(t)
+        out.append(f"<line x1='{x0}' x2='{x1}' y1='{y:.1f}' y2='{y:.1f}' stroke='#eee'/>")
+        out.append(
+            f"<text x='{x0 - 6}' y='{y + 4:.1f}' text-anchor='end' font-size='11' fill='#555'>{_fmt_tick(t)}</text>"
+        )
+    step = max(1, math.ceil(n / 10))
+    for i in range(0, n, step):
+        out.append(
+            f"<text x='{sx(i):.1f}' y='{y0 + 16}' text-anchor='middle' font-size='11' fill='#555'>{i + 1}</text>"
+        )
+    out.append(
+        f"<text x='{(x0 + x1) / 2}' y='{height - 8}' text-anchor='middle' font-size='12' fill='#333'>epoch</text>"
+    )
+    out.append(
+        f"<line x1='{x0}' x2='{x1}' y1='{y0}' y2='{y0}' stroke='#999'/>"
+        f"<line x1='{x0}' x2='{x0}' y1='{y0}' y2='{y1}' stroke='#999'/>"
+    )
+    for k, (name, vs) in enumerate(series.items()):
+        color = SERIES[k % len(SERIES)]
+        pts = [(sx(i), sy(v)) for i, v in enumerate(vs) if math.isfinite(v)]
+        if not pts:
+            continue
+        d = " ".join(f"{'M' if j == 0 else 'L'}{x:.1f},{y:.1f}" for j, (x, y) in enumerate(pts))
+        dash = " stroke-dasharray='6 4'" if name.startswith("val_") else ""
+        out.append(
+            f"<path class='series' data-name='{_e(name)}' d='{d}' fill='none' stroke='{color}' stroke-width='2'{dash}/>"
+        )
+        out.extend(f"<circle cx='{x:.1f}' cy='{y:.1f}' r='3' fill='{color}'/>" for x, y in pts)
+        lx = x0 + 10 + 130 * k
+        out.append(
+            f"<line x1='{lx}' x2='{lx + 18}' y1='{y1 + 6}' y2='{y1 + 6}' stroke='{color}' stroke-width='2'{dash}/>"
+        )
+        out.append(f"<text x='{lx + 22}' y='{y1 + 10}' font-size='11'>{_e(name)}</text>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _curves(h: History) -> str:
+    losses = {k: v for k, v in h.history.items() if k.endswith("loss")}
+    metrics = {k: v for k, v in h.history.items() if not k.endswith("loss")}
+    charts = [_line_chart("chart-loss", "Loss", losses)]
+    if metrics:
+        charts.append(_line_chart("chart-metrics", "Metrics", metrics))
+    return "".join(charts)
+
+
+def _timeline(stats: Sequence[RoundStats], width: int = 1080) -> str:
+    """Gantt chart: one row per worker, one bar per round split into its phases."""
+    if not stats:
+        return "<p class='note'>No rounds were recorded.</p>"
+    shown = sorted(stats, key=lambda s: (s.start, s.worker))[:MAX_TIMELINE_ROUNDS]
+    workers = sorted({s.worker for s in stats})
+    row_h, pad_l, pad_r, pad_t, pad_b = 26, 80, 16, 14, 40
+    height = pad_t + row_h * len(workers) + pad_b
+    origin = min(s.start for s in shown)
+    setup = f" (set-up before it: {origin:.2f} s)" if origin > 0.005 else ""
+    end = max(s.start - origin + _round_seconds(s) for s in shown) or 1.0
+    x0, x1 = pad_l, width - pad_r
+
+    def sx(t: float) -> float:
+        return x0 + (x1 - x0) * (t - origin) / end
+
+    out = [f"<svg id='timeline' width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img'>"]
+    epoch_starts: dict[int, float] = {}
+    for s in shown:
+        epoch_starts[s.epoch] = min(epoch_starts.get(s.epoch, s.start), s.start)
+    for ep, t in sorted(epoch_starts.items()):
+        x = sx(t)
+        out.append(
+            f"<line x1='{x:.1f}' x2='{x:.1f}' y1='2' y2='{height - pad_b}' stroke='#888' stroke-dasharray='3 3'/>"
+        )
+        out.append(f"<text x='{x + 3:.1f}' y='9' font-size='9' fill='#666'>epoch {ep + 1}</text>")
+    for rel in _nice_ticks(0.0, end, 10):
+        t = origin + rel
+        x = sx(t)
+        out.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{pad_t}' y2='{height - pad_b}' stroke='#eee'/>")
+        out.append(
+            f"<text x='{x:.1f}' y='{height - pad_b + 16}' text-anchor='middle' font-size='11' fill='#555'>"
+            f"{_fmt_tick(rel)}</text>"
+        )
+    out.append(
+        f"<text x='{(x0 + x1) / 2}' y='{height - 6}' text-anchor='middle' font-size='12'>"
+        f"seconds since the first round{setup}</text>"
+    )
+    row = {w: i for i, w in enumerate(workers)}
+    for w in workers:
+        y = pad_t + row_h * row[w]
+        out.append(f"<text x='{x0 - 8}' y='{y + row_h / 2 + 4}' text-anchor='end' font-size='12'>worker {w}</text>")
+    for s in shown:
+        y = pad_t + row_h * row[s.worker] + 3
+        t = s.start
+        if s.lost:
+            w_px = max(3.0, sx(t + max(_round_seconds(s), 0.0)) - sx(t))
+            out.append(
+                f"<rect class='seg lost' x='{sx(t):.2f}' y='{y}' width='{w_px:.2f}' height='{row_h - 6}' fill='{LOST}'>"
+                f"<title>epoch {s.epoch + 1} round {s.round}: worker {s.worker} lost</title></rect>"
+            )
+            continue
+        for key, seconds in _phases(s):
+            if seconds <= 0:
+                continue
+            w_px = sx(t + seconds) - sx(t)
+            color = next(c for k, _, c in PHASES if k == key)
+            out.append(
+                f"<rect class='seg {key}' x='{sx(t):.2f}' y='{y}' width='{max(w_px, 0.5):.2f}' height='{row_h - 6}' "
+                f"fill='{color}'><title>epoch {s.epoch + 1} round {s.round} worker {s.worker}: {key} "
+                f"{seconds * 1000:.1f} ms</title></rect>"
+            )
+            t += seconds
+    out.append("</svg>")
+    if len(stats) > len(shown):
+        out.append(f"<p class='note'>The first {len(shown)} of {len(stats)} rounds are drawn.</p>")
+    return "".join(out)
+
+
+def _phases(s: RoundStats) -> list[tuple[str, float]]:
+    compute = max(0.0, s.compute_seconds - s.data_wait_seconds)
+    return [
+        ("send", s.send_seconds),
+        ("data", s.data_wait_seconds),
+        ("compute", compute),
+        ("comm", s.comm_seconds),
+        ("wait", s.wait_seconds),
+    ]
+
+
+def _round_seconds(s: RoundStats) -> float:
+    return s.send_seconds + s.compute_seconds + s.comm_seconds + s.wait_seconds
+
+
+def _breakdown(stats: Sequence[RoundStats], width: int = 1080) -> str:
+    """Stacked horizontal bars: each worker's total seconds per phase."""
+    workers = sorted({s.worker for s in stats})
+    if not workers:
+        return ""
+    totals = {w: _totals([s for s in stats if s.worker == w]) for w in workers}
+    longest = max(sum(t[k] for k, _, _ in PHASES) for t in totals.values()) or 1.0
+    row_h, pad_l, pad_r = 26, 80, 140
+    height = 10 + row_h * len(workers) + 10
+    out = [f"<svg id='breakdown' width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img'>"]
+    for i, w in enumerate(workers):
+        y = 10 + row_h * i
+        x = float(pad_l)
+        out.append(f"<text x='{pad_l - 8}' y='{y + row_h / 2 + 4}' text-anchor='end' font-size='12'>worker {w}</text>")
+        for key, label, color in PHASES:
+            sec = totals[w][key]
+            if sec <= 0:
+                continue
+            w_px = (width - pad_l - pad_r) * sec / longest
+            out.append(
+                f"<rect class='bar {key}' x='{x:.2f}' y='{y + 3}' width='{w_px:.2f}' height='{row_h - 6}' "
+                f"fill='{color}'>"
+                f"<title>worker {w}: {label} {sec:.2f} s</title></rect>"
+            )
+            x += w_px
+        total = sum(totals[w][k] for k, _, _ in PHASES)
+        out.append(f"<text x='{x + 6:.1f}' y='{y + row_h / 2 + 4}' font-size='12'>{total:.2f} s</text>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _worker_table(h: History) -> str:
+    rows = []
+    for w, s in sorted(h.summary()["workers"].items()):
+        mine = [r for r in h.stats if r.worker == w and not r.lost]
+        stale = [r.staleness for r in mine]
+        t = _totals(mine)
+        rate = t["samples"] / s["compute_seconds"] if s["compute_seconds"] else 0.0
+        rows.append(
+            [
+                f"worker {w}",
+                s["rounds"],
+                f"{s['samples']:,}",
+                f"{rate:,.0f}",
+                f"{s['compute_seconds']:.2f}",
+                f"{s['data_wait_seconds']:.2f}",
+                f"{t['send'] + t['comm']:.2f}",
+                f"{s['wait_seconds']:.2f}",
+                _fmt_bytes(s["bytes_sent"]),
+                _fmt_bytes(s["bytes_received"]),
+                f"{(sum(stale) / len(stale)) if stale else 0:.2f} / {max(stale, default=0)}",
+                s["dropped"],
+                s["lost"],
+            ]
+        )
+    head = [
+        "worker",
+        "rounds",
+        "samples",
+        "samples/s",
+        "compute s",
+        "data wait s",
+        "comm s",
+        "waiting s",
+        "sent",
+        "received",
+        "staleness",
+        "dropped",
+        "lost",
+    ]
+    note = (
+        "<p class=note>samples/s: while computing. comm: request and reply on the wire, beyond the weights sent. "
+        "staleness: mean / max updates applied between a worker's pull and its push (async). dropped: deltas "
+        "over max_staleness. lost: rounds the worker was lost in.</p>"
+    )
+    return _table(head, rows, "workers") + note
+
+
+def _events(h: History) -> str:
+    if not h.events:
+        return "<h2>Faults and membership</h2><p class='note'>None: every worker took part in every round.</p>"
+    rows = []
+    for ev in h.events:
+        extra = {k: v for k, v in ev.items() if k not in ("time", "event", "worker", "address", "epoch", "round")}
+        rows.append(
+            [
+                ev.get("event", ""),
+                ev.get("worker", ""),
+                ev.get("address", ""),
+                "" if ev.get("epoch") is None else int(ev["epoch"]) + 1,
+                ev.get("round", ""),
+                ", ".join(f"{k}={v}" for k, v in extra.items()),
+            ]
+        )
+    return "<h2>Faults and membership</h2>" + _table(
+        ["event", "worker", "address", "epoch", "round", "details"], rows, "events"
+    )
+
+
+def _params(h: History) -> str:
+    rows = [[k, v] for k, v in h.params.items() if k != "setup"]
+    rows.append(["epoch seconds", ", ".join(f"{s:.2f}" for s in h.epoch_seconds)])
+    return _table(["parameter", "value"], rows, "params")
+
+
+def _table(head: list[str], rows: list[list[Any]], table_id: str) -> str:
+    out = [f"<table id='{table_id}'><tr>" + "".join(f"<th>{_e(c)}</th>" for c in head) + "</tr>"]
+    out.extend("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    out.append("</table>")
+    return "".join(out)
+
+
+def find_chromium() -> str | None:
+    """The path of a Chromium (or Chrome) binary on this machine, or None."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome", "headless_shell"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def screenshot(
+    html_path: str | os.PathLike[str],
+    png_path: str | os.PathLike[str],
+    *,
+    width: int = 1200,
+    height: int = 1600,
+    timeout: float = 60.0,
+) -> Path:
+    """Render an HTML file (a report) to a PNG with headless Chromium, offline. Raises FileNotFoundError when
+    no Chromium is installed, RuntimeError when it fails."""
+    browser = find_chromium()
+    if browser is None:
+        raise FileNotFoundError("no chromium on PATH (Debian: apt-get install chromium)")
+    png = Path(png_path).resolve()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    url = Path(html_path).resolve().as_uri()
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",  # root in a container has no user namespace for the sandbox
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        f"--window-size={width},{height}",
+        f"--screenshot={png}",
+        url,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 or not png.exists():
+        raise RuntimeError(f"chromium could not render {url}: {done.stderr.strip()[-500:]}")
+    return png

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# System tools the test suite uses beyond Python and Rust, from Debian's packages (run as root, as CI does):
+# chromium renders the HTML training report in a real browser (tests/test_observability.py). Without root or
+# apt-get it says what is missing and goes on; the tests that need a tool skip outside CI and fail inside it.
+set -euo pipefail
+
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-dejavu-core)
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "install-system.sh: not root or no apt-get; please install: ${missing[*]}" >&2
+  exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+echo "== installing system packages: ${missing[*]}"
+if ! apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; then
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
