@@ -23,7 +23,8 @@ def _run(cwd: Path, *args: str) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_certs(directory: Path) -> dict[str, Path]:
+def make_certs(directory: Path, ips: tuple[str, ...] = ()) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1, localhost and ``ips``, another CA and an expired certificate."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     _run(d, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
@@ -32,7 +33,8 @@ def make_certs(directory: Path) -> dict[str, Path]:
          "-days", "2", "-subj", "/CN=someone-else")  # fmt: skip
     _run(d, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
          "-subj", "/CN=localhost")  # fmt: skip
-    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    sans = ",".join(["IP:127.0.0.1", "DNS:localhost", *(f"IP:{ip}" for ip in ips)])
+    (d / "ext").write_text(f"subjectAltName={sans}\n")
     _run(d, "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
          "-out", "server.pem", "-days", "1", "-extfile", "ext")  # fmt: skip
     (d / "index.txt").write_text("")

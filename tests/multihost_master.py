@@ -1,0 +1,112 @@
+"""The master side of the multi-host tests, run inside the master's network namespace:
+
+    python tests/multihost_master.py '{"addresses": [...], "token": ..., "tls_ca": ..., "mode": "sync", ...}'
+
+Trains a small dense model on MNIST across the hosts and prints one JSON line with the outcome. Optional faults,
+done from here so they land mid-training: ``link_down`` = ``[switch_ns, port, at_round, seconds]`` takes a host's
+link down when that round ends and brings it up ``seconds`` later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+
+import ddlf
+
+MNIST_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "data", "mnist")
+
+
+class HostsMnist(ddlf.IApp):
+    """A dense model on the first 6,000 MNIST images."""
+
+    dataset_key = "mnist-multihost"
+
+    def load_dataset(self):
+        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+        return x[:6000], y[:6000]
+
+    def preprocess(self, x, y):
+        return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
+
+    def create_model(self):
+        import keras
+
+        model = keras.Sequential(
+            [keras.Input(shape=(784,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, "softmax")]
+        )
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+
+class LinkFault(ddlf.callbacks.Callback):
+    """Take a link down at the end of a round, and up again some seconds later."""
+
+    def __init__(self, switch_ns: str, port: str, at_round: int, seconds: float) -> None:
+        self.cmd = ["ip", "netns", "exec", switch_ns, "ip", "link", "set", port]
+        self.at_round, self.seconds = at_round, seconds
+        self.fired = False
+
+    def on_round_end(self, round: int, logs=None) -> None:
+        if round == self.at_round and not self.fired:
+            self.fired = True
+            subprocess.run([*self.cmd, "down"], check=True)
+            threading.Timer(self.seconds, lambda: subprocess.run([*self.cmd, "up"], check=True)).start()
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    cluster = ddlf.Cluster(
+        args["addresses"],
+        token=args["token"],
+        tls_ca=args.get("tls_ca"),
+        heartbeat_interval=0.5,
+        heartbeat_timeout=args.get("heartbeat_timeout", 3.0),
+    )
+    callbacks = [LinkFault(*args["link_down"])] if args.get("link_down") else []
+    with cluster:
+        hosts = cluster.run(lambda worker: os.uname().nodename)  # same kernel: one machine, distinct namespaces
+        ips = cluster.call(_own_addresses)
+        app = HostsMnist(cluster)
+        (_, _), (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+        h = app.train(
+            epochs=args.get("epochs", 2),
+            batch_size=32,
+            mode=args["mode"],
+            averaging_frequency=args.get("averaging_frequency", 10),
+            staleness="dynsgd" if args["mode"] == "async" else "none",
+            verbose=0,
+            callbacks=callbacks,
+            rejoin_timeout=30,
+        )
+        _, acc = app.evaluate(xt[:2000], yt[:2000])
+        print(
+            json.dumps(
+                {
+                    "accuracy": float(acc),
+                    "samples": sum(s.samples for s in h.stats),
+                    "events": [{k: v for k, v in e.items() if k in ("event", "worker", "address")} for e in h.events],
+                    "workers_in_last_epoch": sorted(
+                        {s.worker for s in h.stats if s.epoch == h.epoch[-1] and s.samples}
+                    ),
+                    "hosts": hosts,
+                    "worker_ips": ips,
+                    "status": [s["address"] for s in cluster.status()],
+                }
+            )
+        )
+
+
+def _own_addresses() -> list[str]:
+    """The IPv4 addresses of the namespace the worker runs in (not 127.0.0.1)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+    return [line.split()[3].split("/")[0] for line in out.splitlines()]
+
+
+if __name__ == "__main__":
+    main()
