@@ -11,6 +11,8 @@ BENCHMARKS = {
     "data": "ddlf.bench.data",
     "train": "ddlf.bench.train",
     "faults": "ddlf.bench.faults",
+    "network": "ddlf.bench.network",
+    "project": "ddlf.bench.project",
 }
 
 
