@@ -111,3 +111,48 @@ def test_teardown_is_complete_even_when_the_test_fails(tmp_path: Path) -> None:
     assert wait_until(lambda: not any(pid_alive(p) for p in pids), 10)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "dv" not in "".join(line.split(":")[1] for line in links.splitlines())
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/sbin/sshd"), reason="needs openssh-server (scripts/install-system.sh)")
+def test_ddlf_up_and_down_over_ssh(tmp_path: Path) -> None:
+    """`ddlf up cluster.toml` from the master's namespace starts a worker on each host through its sshd, checks
+    versions and shows the table; jobs run; `ddlf down` stops them."""
+    with netns.VirtualNetwork(2) as net:
+        options = [netns.start_sshd(net, h, str(tmp_path)) for h in net.hosts]
+        ssh_options = options[0]  # the same key for both hosts
+        (tmp_path / "token").write_text("up-down-token\n")
+        workers = [f"{h.ip}:7071" for h in net.hosts]
+        config = tmp_path / "cluster.toml"
+        config.write_text(
+            f'workers = {json.dumps(workers)}\ntoken_file = "token"\n\n[launch]\n'
+            f"ssh_options = {json.dumps(ssh_options)}\npython = {json.dumps(sys.executable)}\n"
+            f'worker_args = ["--threads", "1"]\nlog_dir = {json.dumps(str(tmp_path))}\n'
+        )
+        ddlf_cmd = [sys.executable, "-m", "ddlf.cli"]
+        up = net.run(net.master, [*ddlf_cmd, "up", str(config)], timeout=120)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "2 workers up, all ddlf" in up.stdout
+        assert all(w in up.stdout for w in workers) and "DOWN" not in up.stdout
+        job = (
+            "import ddlf, os\n"
+            f"with ddlf.Cluster.from_config({str(config)!r}) as c:\n"
+            "    print(c.run(lambda worker: (worker.id, os.getpid())))\n"
+        )
+        ran = net.run(net.master, [sys.executable, "-c", job], timeout=60)
+        assert ran.returncode == 0 and ran.stdout.startswith("[(0, "), ran.stderr[-2000:]
+        down = net.run(net.master, [*ddlf_cmd, "down", str(config)], timeout=60)
+        assert down.returncode == 0 and down.stdout.count(": stopped") == 2, down.stdout + down.stderr
+        status = net.run(net.master, [*ddlf_cmd, "status", "--config", str(config), "--timeout", "2"], timeout=60)
+        assert wait_until(
+            lambda: (
+                net.run(net.master, [*ddlf_cmd, "status", "--config", str(config), "--timeout", "1"]).stdout.count(
+                    "DOWN"
+                )
+                == 2
+            ),
+            15,
+        ), status.stdout
+        # A host without sshd: a clear error naming it, nothing started.
+        config.write_text(config.read_text().replace(workers[0], f"{net.master.ip}:7071"))
+        bad = net.run(net.master, [*ddlf_cmd, "up", str(config), "--timeout", "10"], timeout=60)
+        assert bad.returncode == 1 and f"{net.master.ip}:7071: ssh {net.master.ip} failed" in bad.stderr

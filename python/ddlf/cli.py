@@ -1,5 +1,6 @@
 """The ``ddlf`` command: ``ddlf worker`` (the daemon), ``ddlf status`` (a table of workers), ``ddlf logs`` (a
-worker's recent log lines), ``ddlf demo`` (the README's local MNIST run) and ``ddlf bench`` (the benchmarks)."""
+worker's recent log lines), ``ddlf up`` / ``ddlf down`` (start / stop a cluster.toml's workers over SSH),
+``ddlf demo`` (the README's local MNIST run) and ``ddlf bench`` (the benchmarks)."""
 
 from __future__ import annotations
 
@@ -165,6 +166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     lg.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     lg.add_argument("-n", "--lines", type=int, default=100, help="how many of the last lines (0: all kept)")
     lg.add_argument("--timeout", type=float, default=3.0, help="seconds allowed per worker (default 3)")
+    upp = sub.add_parser("up", help="start the workers of a cluster.toml over ssh, check versions, show status")
+    upp.add_argument("config", help="cluster.toml (workers, token_file, [launch] ssh settings)")
+    upp.add_argument("--timeout", type=float, default=30.0, help="seconds for ssh and for workers to answer")
+    dn = sub.add_parser("down", help="stop the workers of a cluster.toml")
+    dn.add_argument("config", help="cluster.toml")
+    dn.add_argument("--timeout", type=float, default=10.0, help="seconds allowed per worker")
     demo = sub.add_parser("demo", help="train the paper's CNN on MNIST with 2 local workers")
     demo.add_argument("rest", nargs=argparse.REMAINDER, help="options for examples/mnist_sync.py")
     sub.add_parser("bench", help="run a benchmark (ddlf bench {rpc,tensor,data,train,faults})")
@@ -174,6 +181,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_status(args)
         if args.command == "logs":
             return _cmd_logs(args)
+        if args.command in ("up", "down"):
+            from . import launch
+
+            cfg = cluster_config.load(args.config)
+            try:
+                return (launch.up if args.command == "up" else launch.down)(cfg, timeout=args.timeout)
+            except launch.LaunchError as exc:
+                print(f"ddlf {args.command}: {exc}", file=sys.stderr)
+                return 1
         return _cmd_demo(args)
     except cluster_config.ConfigError as exc:
         print(f"ddlf: {exc}", file=sys.stderr)

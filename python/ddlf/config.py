@@ -10,6 +10,13 @@ connect_timeout = 10.0                    # seconds
 timeout = 600.0                           # default per-call deadline
 heartbeat_interval = 2.0
 heartbeat_timeout = 10.0
+
+[launch]                                  # optional: how `ddlf up` starts workers over SSH
+ssh_user = "ml"                           # default: your user name
+ssh_options = ["-i", "~/.ssh/ddlf"]       # extra arguments for the system ssh
+python = "/opt/ddlf/venv/bin/python"      # the interpreter with ddlf on the hosts (default: python3)
+worker_args = ["--threads", "8"]          # extra ddlf-worker arguments (TLS: --tls-cert/--tls-key on the hosts)
+log_dir = "/tmp"                          # where each worker's log goes on its host
 ```
 
 Relative paths are relative to the file. Every mistake is reported with the file and the line it is on.
@@ -37,7 +44,19 @@ class ConfigError(DdlfError, ValueError):
 
 _NUMBERS = ("connect_timeout", "timeout", "heartbeat_interval", "heartbeat_timeout")
 _PATHS = ("token_file", "tls_ca")
-_KNOWN = ("workers", "tls_domain", *_NUMBERS, *_PATHS)
+_KNOWN = ("workers", "tls_domain", "launch", *_NUMBERS, *_PATHS)
+_LAUNCH = {"ssh_user": str, "ssh_options": list, "python": str, "worker_args": list, "log_dir": str}
+
+
+@dataclass
+class LaunchConfig:
+    """The ``[launch]`` table: how ``ddlf up`` starts workers on their hosts over SSH."""
+
+    ssh_user: str | None = None
+    ssh_options: list[str] = field(default_factory=list)
+    python: str = "python3"
+    worker_args: list[str] = field(default_factory=list)
+    log_dir: str = "/tmp"
 
 
 @dataclass
@@ -50,6 +69,7 @@ class ClusterConfig:
     tls_domain: str | None = None
     options: dict[str, float] = field(default_factory=dict)
     path: Path | None = None
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def token(self) -> str | None:
         """The token from ``token_file``, else the ``DDLF_TOKEN`` environment variable."""
@@ -120,6 +140,15 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
         if v is not None and not isinstance(v, str):
             raise bad(key, f"expected a path, got {v!r}")
         paths[key] = (p.parent / v).resolve() if v else None
+    launch = data.get("launch", {})
+    if not isinstance(launch, dict):
+        raise bad("launch", "expected a table: [launch]")
+    for key, v in launch.items():
+        kind = _LAUNCH.get(key)
+        if kind is None:
+            raise bad(key, f"unknown [launch] setting (known: {', '.join(_LAUNCH)})")
+        if not isinstance(v, kind) or (kind is list and not all(isinstance(x, str) for x in v)):
+            raise bad(key, "expected " + ("a list of strings" if kind is list else "a string") + f", got {v!r}")
     domain = data.get("tls_domain")
     if domain is not None and not isinstance(domain, str):
         raise bad("tls_domain", f"expected a host name, got {domain!r}")
@@ -130,4 +159,5 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
         tls_domain=domain,
         options=options,
         path=p,
+        launch=LaunchConfig(**launch),
     )

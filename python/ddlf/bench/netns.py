@@ -264,3 +264,35 @@ def start_workers(
                 raise TimeoutError(f"the worker on {host.name} did not start within 60 s")
             time.sleep(0.05)
     return [f"{host.ip}:{port}" for host, _, _ in started]
+
+
+def start_sshd(net: VirtualNetwork, host: Host, workdir: str) -> list[str]:
+    """Run an OpenSSH server on ``host``'s address (port 22) that accepts root with a key made in ``workdir``.
+    Returns the ssh options a client needs (``-i KEY`` and no host-key prompts). Needs Debian's
+    openssh-server."""
+    sshd = "/usr/sbin/sshd"
+    if not os.path.exists(sshd):
+        raise FileNotFoundError("no /usr/sbin/sshd (Debian: apt-get install openssh-server)")
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+    key = os.path.join(workdir, "id_ed25519")
+    if not os.path.exists(key):
+        _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], True)
+        with open(key + ".pub") as src, open(os.path.join(workdir, "authorized_keys"), "w") as dst:
+            dst.write(src.read())
+    host_key = os.path.join(workdir, f"host-{host.name}")
+    if not os.path.exists(host_key):
+        _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", host_key], True)
+    config = os.path.join(workdir, f"sshd-{host.name}.conf")
+    with open(config, "w") as f:
+        f.write(
+            f"ListenAddress {host.ip}\nPort 22\nHostKey {host_key}\nPidFile {workdir}/sshd-{host.name}.pid\n"
+            f"AuthorizedKeysFile {workdir}/authorized_keys\nPermitRootLogin prohibit-password\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+        )
+    net.popen(host, [sshd, "-D", "-e", "-f", config], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while _in(host.ns, "ss", "-ltn", "sport = :22", check=False).stdout.count(host.ip) == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"sshd on {host.name} did not start")
+        time.sleep(0.05)
+    return ["-i", key, "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
