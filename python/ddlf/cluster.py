@@ -158,6 +158,29 @@ class Cluster:
         cfg = load(path)
         return cls(cfg.workers, **{**cfg.cluster_kwargs(), **overrides})
 
+    @classmethod
+    def from_kubernetes(
+        cls,
+        service: str = "ddlf-workers",
+        namespace: str | None = None,
+        replicas: int | None = None,
+        *,
+        port: int = 7070,
+        statefulset: str | None = None,
+        cluster_domain: str = "cluster.local",
+        **kwargs: Any,
+    ) -> Cluster:
+        """Connect to the workers of a StatefulSet behind a headless Service (``deploy/kubernetes``), by their
+        stable DNS names ``<statefulset>-<i>.<service>.<namespace>.svc.<cluster_domain>:<port>``. ``namespace``
+        defaults to ``DDLF_K8S_NAMESPACE``, then the pod's own namespace, then ``default``; ``replicas=None``
+        counts the pods whose names resolve. The token comes from ``token=`` or ``DDLF_TOKEN``."""
+        from .config import kubernetes_addresses
+
+        addresses = kubernetes_addresses(
+            service, namespace, replicas, port=port, statefulset=statefulset, cluster_domain=cluster_domain
+        )
+        return cls(addresses, **kwargs)
+
     def close(self) -> None:
         """Disconnect; for a :meth:`local` cluster, also stop its daemons. Idempotent."""
         if self._closed:

@@ -161,3 +161,49 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
         path=p,
         launch=LaunchConfig(**launch),
     )
+
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def kubernetes_addresses(
+    service: str,
+    namespace: str | None = None,
+    replicas: int | None = None,
+    *,
+    port: int = 7070,
+    statefulset: str | None = None,
+    cluster_domain: str = "cluster.local",
+    resolve: Any = None,
+) -> list[str]:
+    """The stable addresses of a StatefulSet's pods behind a headless Service (see ``Cluster.from_kubernetes``).
+    With ``replicas=None``, pods ``0, 1, ...`` are counted while their names resolve (``resolve``: a function
+    of a host name that raises ``OSError`` when it does not, ``socket.gethostbyname`` by default)."""
+    import socket
+
+    if namespace is None:
+        namespace = os.environ.get("DDLF_K8S_NAMESPACE")
+    if namespace is None:
+        try:
+            namespace = Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip() or "default"
+        except OSError:
+            namespace = "default"
+    if replicas is not None and replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    sts = statefulset or service
+
+    def host(i: int) -> str:
+        return f"{sts}-{i}.{service}.{namespace}.svc.{cluster_domain}"
+
+    if replicas is None:
+        resolve = resolve or socket.gethostbyname
+        replicas = 0
+        while True:
+            try:
+                resolve(host(replicas))
+            except OSError:
+                break
+            replicas += 1
+        if replicas == 0:
+            raise DdlfError(f"no pod of {sts} resolves as {host(0)}: is the StatefulSet running in {namespace!r}?")
+    return [f"{host(i)}:{port}" for i in range(replicas)]
