@@ -4,6 +4,12 @@ Loaders return numpy arrays: MNIST (IDX, gzip or raw), CIFAR-10 (binary version)
 (``.npy`` memory-mapped, so worker processes on one machine share one copy through the page cache) and arrays
 registered from Python.
 
+Every loader takes a local path or a URL on shared storage: ``s3://bucket/mnist``, ``gs://...``,
+``hdfs://namenode/...``, ``https://...``: anything `fsspec <https://filesystem-spec.readthedocs.io>`_ opens
+(``pip install s3fs`` for S3, ``gcsfs`` for GCS, pyarrow for HDFS). ``storage_options`` go to the filesystem
+(for S3: ``key``, ``secret``, ``endpoint_url`` for MinIO/Ceph and other S3-compatible stores); without them the
+usual environment (``AWS_*`` variables, instance roles) applies.
+
 The store keeps what ``load_dataset`` returned on each worker under a key chosen by the app, for the life of
 the daemon: a second run (another app, another script) with the same key skips loading entirely.
 """
@@ -32,11 +38,52 @@ class DatasetError(ValueError):
 _IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4")}
 
 
-def _open_maybe_gz(path: Path) -> bytes:
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names remote storage (``scheme://...``, other than ``file://``)."""
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+        import fsspec
+    except ImportError:
+        raise DatasetError(f"{url}: reading URLs needs fsspec (pip install fsspec, and s3fs for s3://)") from None
+    try:
+        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    except (ImportError, ValueError) as exc:
+        raise DatasetError(f"{url}: {exc}") from exc
+
+
+def read_bytes(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bytes:
+    """The whole content of a local file or of a URL on shared storage."""
+    if not is_url(path):
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    fs, where = _fs(str(path), storage_options)
+    try:
+        return fs.cat_file(where)
+    except FileNotFoundError as exc:
+        raise DatasetError(f"{path}: file not found") from exc
+    except Exception as exc:  # the storage library's own errors (permissions, network) name the cause
+        raise DatasetError(f"{path}: cannot read: {exc}") from exc
+
+
+def _exists(path: str, storage_options: Mapping[str, Any] | None) -> bool:
+    if not is_url(path):
+        return Path(path).exists()
+    fs, where = _fs(path, storage_options)
+    return bool(fs.exists(where))
+
+
+def _join(directory: str | os.PathLike[str], name: str) -> str:
+    d = os.fspath(directory)
+    return f"{d.rstrip('/')}/{name}" if is_url(d) else str(Path(d) / name)
+
+
+def _open_maybe_gz(path: Any, storage_options: Mapping[str, Any] | None = None) -> bytes:
+    raw = read_bytes(path, storage_options)
     if raw[:2] == b"\x1f\x8b":
         try:
             return gzip.decompress(raw)
@@ -45,10 +92,10 @@ def _open_maybe_gz(path: Path) -> bytes:
     return raw
 
 
-def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
-    """Read one IDX file (optionally gzip-compressed) into an array of its declared type and shape."""
-    path = Path(path)
-    data = _open_maybe_gz(path)
+def read_idx(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> np.ndarray:
+    """Read one IDX file (optionally gzip-compressed; a path or URL) into an array of its declared type and
+    shape."""
+    data = _open_maybe_gz(path, storage_options)
     if len(data) < 4:
         raise DatasetError(f"{path}: too short for an IDX header")
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
@@ -67,28 +114,30 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="), copy=False)
 
 
-def _find(directory: Path, stem: str) -> Path:
+def _find(directory: str | os.PathLike[str], stem: str, storage_options: Mapping[str, Any] | None) -> str:
     for name in (stem + ".gz", stem):
-        if (directory / name).exists():
-            return directory / name
-    raise DatasetError(f"{directory / stem}[.gz]: file not found")
+        candidate = _join(directory, name)
+        if _exists(candidate, storage_options):
+            return candidate
+    raise DatasetError(f"{_join(directory, stem)}[.gz]: file not found")
 
 
-def mnist(directory: str | os.PathLike[str]) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """MNIST from a directory of the four IDX files: ``((x_train, y_train), (x_test, y_test))``, uint8,
-    images of shape (N, 28, 28)."""
-    d = Path(directory)
+def mnist(
+    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """MNIST from a directory (or URL prefix) of the four IDX files: ``((x_train, y_train), (x_test,
+    y_test))``, uint8, images of shape (N, 28, 28)."""
     out = []
     for split in ("train", "t10k"):
-        images_path = _find(d, f"{split}-images-idx3-ubyte")
-        labels_path = _find(d, f"{split}-labels-idx1-ubyte")
-        x, y = read_idx(images_path), read_idx(labels_path)
+        images_path = _find(directory, f"{split}-images-idx3-ubyte", storage_options)
+        labels_path = _find(directory, f"{split}-labels-idx1-ubyte", storage_options)
+        x, y = read_idx(images_path, storage_options), read_idx(labels_path, storage_options)
         if x.ndim != 3:
             raise DatasetError(f"{images_path}: expected 3 dimensions (images), found {x.ndim}")
         if y.ndim != 1:
             raise DatasetError(f"{labels_path}: expected 1 dimension (labels), found {y.ndim}")
         if len(x) != len(y):
-            raise DatasetError(f"{labels_path}: {len(y)} labels for {len(x)} images in {images_path.name}")
+            raise DatasetError(f"{labels_path}: {len(y)} labels for {len(x)} images in {images_path}")
         out.append((x, y))
     return out[0], out[1]
 
@@ -98,13 +147,11 @@ def mnist(directory: str | os.PathLike[str]) -> tuple[tuple[np.ndarray, np.ndarr
 CIFAR_RECORD = 1 + 3 * 32 * 32
 
 
-def read_cifar10_batch(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR-10 binary batch file: ``(images (N, 32, 32, 3) uint8, labels (N,) uint8)``."""
-    path = Path(path)
-    try:
-        raw = np.fromfile(path, dtype=np.uint8)
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read: {exc}") from exc
+def read_cifar10_batch(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-10 binary batch file (a path or URL): ``(images (N, 32, 32, 3) uint8, labels (N,) uint8)``."""
+    raw = np.frombuffer(read_bytes(path, storage_options), dtype=np.uint8)
     if raw.size == 0 or raw.size % CIFAR_RECORD:
         raise DatasetError(f"{path}: {raw.size} bytes is not a whole number of {CIFAR_RECORD}-byte CIFAR-10 records")
     records = raw.reshape(-1, CIFAR_RECORD)
@@ -115,34 +162,51 @@ def read_cifar10_batch(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.nda
     return images, labels
 
 
-def cifar10(directory: str | os.PathLike[str]) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """CIFAR-10 (binary version) from its directory: ``data_batch_1..5.bin`` and ``test_batch.bin``."""
-    d = Path(directory)
-    train = [read_cifar10_batch(d / f"data_batch_{i}.bin") for i in range(1, 6) if (d / f"data_batch_{i}.bin").exists()]
+def cifar10(
+    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """CIFAR-10 (binary version) from its directory (or URL prefix): ``data_batch_1..5.bin`` and
+    ``test_batch.bin``."""
+    so = storage_options
+    parts = [_join(directory, f"data_batch_{i}.bin") for i in range(1, 6)]
+    train = [read_cifar10_batch(p, so) for p in parts if _exists(p, so)]
     if not train:
-        raise DatasetError(f"{d}: no data_batch_*.bin files")
-    test_path = d / "test_batch.bin"
-    if not test_path.exists():
+        raise DatasetError(f"{directory}: no data_batch_*.bin files")
+    test_path = _join(directory, "test_batch.bin")
+    if not _exists(test_path, so):
         raise DatasetError(f"{test_path}: file not found")
-    x_test, y_test = read_cifar10_batch(test_path)
+    x_test, y_test = read_cifar10_batch(test_path, so)
     return (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])), (x_test, y_test)
 
 
 # -- numpy files ------------------------------------------------------------------------------------------
 
 
-def npy(path: str | os.PathLike[str], mmap: bool = True) -> np.ndarray:
-    """A ``.npy`` array, memory-mapped read-only by default (processes on one machine share its pages)."""
+def npy(
+    path: str | os.PathLike[str], mmap: bool = True, storage_options: Mapping[str, Any] | None = None
+) -> np.ndarray:
+    """A ``.npy`` array, memory-mapped read-only by default (processes on one machine share its pages). From a
+    URL it is read into memory."""
+    if is_url(path):
+        import io
+
+        try:
+            return np.load(io.BytesIO(read_bytes(path, storage_options)), allow_pickle=False)
+        except ValueError as exc:
+            raise DatasetError(f"{path}: {exc}") from exc
     try:
         return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise DatasetError(f"{path}: {exc}") from exc
 
 
-def npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` archive (loaded into memory; use ``.npy`` files to memory-map)."""
+def npz(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` archive, a path or URL (loaded into memory; use ``.npy`` files to memory-map)."""
+    import io
+
+    source: Any = io.BytesIO(read_bytes(path, storage_options)) if is_url(path) else path
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with np.load(source, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except (OSError, ValueError) as exc:
         raise DatasetError(f"{path}: {exc}") from exc
