@@ -15,33 +15,17 @@ import subprocess
 import sys
 import threading
 
-import numpy as np
-
 import ddlf
 
-MNIST_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "data", "mnist")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.test_training import MNIST_DIR, SmallMnist
 
 
-class HostsMnist(ddlf.IApp):
-    """A dense model on the first 6,000 MNIST images."""
+class HostsMnist(SmallMnist):
+    """The tests' small dense model, on the first 6,000 MNIST images."""
 
     dataset_key = "mnist-multihost"
-
-    def load_dataset(self):
-        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
-        return x[:6000], y[:6000]
-
-    def preprocess(self, x, y):
-        return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
-
-    def create_model(self):
-        import keras
-
-        model = keras.Sequential(
-            [keras.Input(shape=(784,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, "softmax")]
-        )
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        return model
+    rows = 6000
 
 
 class LinkFault(ddlf.callbacks.Callback):
