@@ -155,6 +155,8 @@ def test_a_restarted_daemon_is_reprovisioned_by_replay(tmp_path: Path) -> None:
         d2 = Daemon("--threads", "1", "--listen", address, token=None)
         try:
             assert c.run("inc", 41) == [42]  # by name: only there because it was replayed
+            timings = c.last_call_timings()  # of the retry that answered, not of the re-provisioning
+            assert list(timings) == [0] and timings[0][1] >= timings[0][0] > 0
             assert c.run("greet") == ["hello"]  # defined by the replayed exec
             np.testing.assert_array_equal(c.get("weights")[0], np.arange(5.0))
             assert c.variables() == [["weights"]]

@@ -142,6 +142,27 @@ def test_tensorboard_event_files_read_back(trained) -> None:
     assert np.allclose([e.value for e in val.Scalars("epoch_loss")], history.history["val_loss"], rtol=1e-6)
 
 
+def test_a_bad_report_path_is_refused_before_training(cluster: ddlf.Cluster, tmp_path: Path) -> None:
+    app = SmallMnist(cluster)
+    (tmp_path / "a-file").write_text("")
+    for bad, why in (
+        (tmp_path / "run.txt", "give an .html file name"),
+        (tmp_path / "a-file" / "run.html", "not a writable directory"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            app.train(epochs=1, verbose=0, report=bad)
+    assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_timings_of_each_call_cover_its_workers(cluster: ddlf.Cluster) -> None:
+    cluster.run(lambda: None)
+    timings = cluster.last_call_timings()
+    assert sorted(timings) == [0, 1] and all(call >= work > 0 for work, call in timings.values())
+    cluster.run_on(1, lambda: None)
+    assert list(cluster.last_call_timings()) == [1]
+
+
 def test_tensorboard_rejects_a_bad_update_freq() -> None:
     with pytest.raises(ValueError, match="update_freq"):
         ddlf.callbacks.TensorBoard("x", update_freq="batch")

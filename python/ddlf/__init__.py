@@ -11,43 +11,19 @@ from ._ddlf import PROTOCOL_VERSION, __version__
 from ._executor import WorkerContext
 from .app import IApp
 from .cluster import Cluster
-from .errors import (
-    AuthenticationError,
-    DdlfError,
-    DeadlineExceeded,
-    InsecureConfiguration,
-    NotFoundError,
-    ProtocolError,
-    RemoteError,
-    RequestRejected,
-    SerializationError,
-    WorkerRestarted,
-    WorkerStartError,
-    WorkerUnavailable,
-)
+from .errors import *  # noqa: F403 - every error class, listed in errors.__all__
 from .history import History
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "AuthenticationError",
     "Cluster",
-    "DdlfError",
-    "DeadlineExceeded",
     "History",
     "IApp",
-    "InsecureConfiguration",
-    "NotFoundError",
-    "ProtocolError",
-    "RemoteError",
-    "RequestRejected",
-    "SerializationError",
     "WorkerContext",
-    "WorkerRestarted",
-    "WorkerStartError",
-    "WorkerUnavailable",
     "__version__",
     "callbacks",
     "datasets",
     "errors",
     "ops",
 ]
+__all__ += errors.__all__

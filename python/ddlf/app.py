@@ -34,7 +34,7 @@ import cloudpickle
 from .callbacks import Callback, ProgressBar
 from .cluster import Cluster
 from .history import History
-from .report import write_report
+from .report import check_report_path, write_report
 from .training import checkpoint
 from .training import worker as remote
 from .training.asynchronous import train_async as _train_async
@@ -189,6 +189,8 @@ class IApp:
             raise ValueError(
                 f"worker_shares has {len(cfg.shares)} entries for {len(self.cluster)} workers: give one per worker"
             )
+        if cfg.report is not None:
+            check_report_path(cfg.report)
         if rotate_shards_every is not None and not self.sharded:
             raise ValueError("rotate_shards_every needs a sharded app (sharded = True)")
         if mode == "sync":
@@ -300,13 +302,18 @@ class IApp:
             cb.on_train_begin()
         try:
             loop(self, cfg, history, cbs, initial_epoch, validation_data, members, resumed)
+        except BaseException:
+            if cfg.report:  # the report of a failed run helps; failing to write it must not hide why it failed
+                with contextlib.suppress(Exception):
+                    write_report(history, cfg.report)
+            raise
         finally:
             with contextlib.suppress(Exception):  # a lost worker must not hide the real error
                 self.cluster.call(
                     remote.teardown, (cfg.run_id,), workers=self.cluster.live_workers, return_exceptions=True
                 )
-            if cfg.report:
-                write_report(history, cfg.report)
+        if cfg.report:
+            write_report(history, cfg.report)
         for cb in cbs:
             cb.on_train_end({"history": history.history})
         return history

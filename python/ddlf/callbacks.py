@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .history import worker_totals
+
 
 class Callback:
     """Base class: override the hooks you need."""
@@ -216,13 +218,12 @@ class TensorBoard(Callback):
         if seconds > 0:
             self._train.add_scalar("ddlf/samples_per_second", sum(s.samples for s in stats) / seconds, epoch)
         self._train.add_scalar("ddlf/bytes_on_wire", float(sum(s.bytes_sent + s.bytes_received for s in stats)), epoch)
-        for w in sorted({s.worker for s in stats}):
-            mine = [s for s in stats if s.worker == w]
+        for w, row in sorted(worker_totals(stats).items()):
             for tag, value in (
-                ("compute_seconds", sum(s.compute_seconds for s in mine)),
-                ("data_wait_seconds", sum(s.data_wait_seconds for s in mine)),
-                ("communication_seconds", sum(s.send_seconds + s.comm_seconds for s in mine)),
-                ("wait_seconds", sum(s.wait_seconds for s in mine)),
+                ("compute_seconds", row["compute_seconds"]),
+                ("data_wait_seconds", row["data_wait_seconds"]),
+                ("communication_seconds", row["send_seconds"] + row["comm_seconds"]),
+                ("wait_seconds", row["wait_seconds"]),
             ):
                 self._train.add_scalar(f"ddlf/worker_{w}/{tag}", value, epoch)
 

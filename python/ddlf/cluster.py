@@ -450,6 +450,7 @@ class Cluster:
         Python thread, so it works while a function runs. A ``RemoteError``'s ``request_id`` finds its lines."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
+        n = min(n, 2**32 - 1)  # the daemon keeps 10,000 lines at most anyway
         lines, _dropped = self._raise_first(self._client.logs(self._targets([worker]), n, timeout))[0]
         return lines
 
@@ -586,7 +587,7 @@ class Cluster:
                 out = self._send(OPS["SET_VAR"], name, "", [i], [encoded], None)
             elif kind == "fn":
                 digest, blob = payload
-                out = self._send_raw(OPS["ADD_FUNCTION"], name, digest, [i], blob, None)
+                out = self._send(OPS["ADD_FUNCTION"], name, digest, [i], [(blob, [])], None)
                 if not isinstance(out[0], BaseException):
                     self._known[i][name] = digest
             elif kind == "exec":
@@ -632,6 +633,7 @@ class Cluster:
         """One request per target: ``encoded`` holds one ``(pickle, buffers)`` for all targets (serialized once)
         or one per target. Returns per-target values or exception instances."""
         if not targets:
+            self._timings.last = {}
             return []
         deadline = self._deadline(timeout)
         if len(encoded) == 1:
@@ -640,12 +642,6 @@ class Cluster:
         else:
             values = [(data, [b.raw() for b in bufs]) for data, bufs in encoded]
             raw = self._client.call_each(targets, op, name, digest, values, deadline)
-        return self._decode(targets, raw, name)
-
-    def _send_raw(
-        self, op: int, name: str, digest: str, targets: list[int], blob: bytes, timeout: float | None
-    ) -> list[Any]:
-        raw = self._client.call(targets, op, name, digest, blob, [], self._deadline(timeout))
         return self._decode(targets, raw, name)
 
     def last_call_timings(self) -> dict[int, tuple[float, float]]:
@@ -686,6 +682,7 @@ class Cluster:
         worker lost is pushed again, then those workers are asked once more; broken connections mark workers
         lost."""
         outcomes = self._send(op, name, digest, targets, encoded, timeout)
+        timings = self._timings.last
         redo: list[int] = []
         reached: set[int] = set()
         for k, out in enumerate(outcomes):
@@ -721,6 +718,8 @@ class Cluster:
             again_encoded = encoded if len(encoded) == 1 else [encoded[k] for k in redo]
             for k, out in zip(redo, self._send(op, name, digest, again_targets, again_encoded, timeout)):
                 outcomes[k] = out
+            timings.update(self._timings.last)  # the retried workers' second try; the others' first
+            self._timings.last = timings
         for k, out in enumerate(outcomes):
             if _broken(out) and k not in reached:
                 self._mark_lost(targets[k], out)
@@ -797,7 +796,7 @@ class Cluster:
         return cached
 
     def _push(self, name: str, digest: str, blob: bytes, targets: list[int], timeout: float | None) -> None:
-        self._raise_first(self._send_raw(OPS["ADD_FUNCTION"], name, digest, targets, blob, timeout))
+        self._raise_first(self._send(OPS["ADD_FUNCTION"], name, digest, targets, [(blob, [])], timeout))
         for i in targets:
             self._known[i][name] = digest
         self._replay.record("fn", name, (digest, blob))

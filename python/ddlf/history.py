@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
 @dataclass
 class RoundStats:
-    """What one worker did in one round (sync) or one chunk (async)."""
+    """What one worker did in one round (sync) or one chunk (async).
+
+    A round, for one worker, is ``send_seconds`` (weights out), then the training call: ``compute_seconds`` on
+    the worker (of which ``data_wait_seconds`` waiting for batches) and ``comm_seconds`` moving the request and
+    the reply, then ``wait_seconds`` idle until the slowest worker of the round is done (sync; async: the master's
+    own bookkeeping). ``bytes_sent``/``bytes_received`` are the master's view."""
 
     epoch: int
     round: int
@@ -28,12 +34,34 @@ class RoundStats:
     comm_seconds: float = 0.0  # request and reply on the wire (call seconds less the worker's compute)
 
 
-RoundStats.__doc__ = """What one worker did in one round (sync) or one chunk (async).
+_SUMS = (
+    "samples",
+    "compute_seconds",
+    "data_wait_seconds",
+    "send_seconds",
+    "comm_seconds",
+    "wait_seconds",
+    "bytes_sent",
+    "bytes_received",
+    "staleness",
+)
 
-A round, for one worker, is ``send_seconds`` (weights out), then the training call: ``compute_seconds`` on the
-worker (of which ``data_wait_seconds`` waiting for batches) and ``comm_seconds`` moving the request and the reply,
-then ``wait_seconds`` idle until the slowest worker of the round is done (sync; async: the master's own
-bookkeeping). ``bytes_sent``/``bytes_received`` are the master's view."""
+
+def worker_totals(stats: Iterable[RoundStats]) -> dict[int, dict[str, float]]:
+    """Per worker, sums over ``stats``: rounds, samples, seconds per phase, bytes, staleness (``staleness`` is
+    the sum over the rounds that were not lost; ``max_staleness`` the largest), deltas dropped, rounds lost."""
+    out: dict[int, dict[str, float]] = {}
+    for s in stats:
+        w = out.setdefault(
+            s.worker, {"rounds": 0, **dict.fromkeys(_SUMS, 0), "max_staleness": 0, "dropped": 0, "lost": 0}
+        )
+        w["rounds"] += 1
+        for key in _SUMS:
+            w[key] += getattr(s, key)
+        w["max_staleness"] = max(w["max_staleness"], s.staleness)
+        w["dropped"] += int(s.dropped)
+        w["lost"] += int(s.lost)
+    return out
 
 
 @dataclass
@@ -60,35 +88,8 @@ class History:
         self.epoch_seconds.append(seconds)
 
     def summary(self) -> dict[str, Any]:
-        """Totals over the run: bytes on the wire, compute and wait time per worker, staleness."""
-        per_worker: dict[int, dict[str, float]] = {}
-        for s in self.stats:
-            w = per_worker.setdefault(
-                s.worker,
-                {
-                    "rounds": 0,
-                    "samples": 0,
-                    "compute_seconds": 0.0,
-                    "wait_seconds": 0.0,
-                    "data_wait_seconds": 0.0,
-                    "bytes_sent": 0,
-                    "bytes_received": 0,
-                    "max_staleness": 0,
-                    "dropped": 0,
-                    "lost": 0,
-                },
-            )
-            w["rounds"] += 1
-            w["samples"] += s.samples
-            w["compute_seconds"] += s.compute_seconds
-            w["wait_seconds"] += s.wait_seconds
-            w["data_wait_seconds"] += s.data_wait_seconds
-            w["bytes_sent"] += s.bytes_sent
-            w["bytes_received"] += s.bytes_received
-            w["max_staleness"] = max(w["max_staleness"], s.staleness)
-            w["dropped"] += int(s.dropped)
-            w["lost"] += int(s.lost)
-        return {"workers": per_worker, "epoch_seconds": self.epoch_seconds}
+        """Totals over the run: per worker (:func:`worker_totals`) and the seconds of each epoch."""
+        return {"workers": worker_totals(self.stats), "epoch_seconds": self.epoch_seconds}
 
     def to_json(self) -> str:
         """Everything recorded, as JSON."""

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .history import History, RoundStats
+from .history import History, RoundStats, worker_totals
 
-__all__ = ["find_chromium", "render_report", "screenshot", "write_report"]
+__all__ = ["check_report_path", "find_chromium", "render_report", "screenshot", "write_report"]
 
 # Phase colours (colour-blind safe, Okabe-Ito) shared by the timeline, the breakdown and their legends.
 PHASES: list[tuple[str, str, str]] = [
@@ -51,6 +51,18 @@ td:first-child,th:first-child{text-align:left}.legend{display:flex;flex-wrap:wra
 .sw{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:-2px;margin-right:4px}
 .note{color:#666;font-size:12px}
 """
+
+
+def check_report_path(path: str | os.PathLike[str]) -> None:
+    """Raise ``ValueError`` now (before training) when a report could not be written at ``path``."""
+    p = Path(path)
+    if p.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"report={os.fspath(path)!r}: give an .html file name (its numbers go beside it as .json)")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if p.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ValueError(f"report={os.fspath(path)!r}: cannot write there ({parent} is not a writable directory)")
 
 
 def write_report(history: History, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
@@ -123,23 +135,24 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def _totals(stats: Sequence[RoundStats]) -> dict[str, float]:
-    t = {k: 0.0 for k in ("send", "compute", "data", "comm", "wait", "bytes_sent", "bytes_received", "samples")}
-    for s in stats:
-        t["send"] += s.send_seconds
-        t["compute"] += max(0.0, s.compute_seconds - s.data_wait_seconds)
-        t["data"] += s.data_wait_seconds
-        t["comm"] += s.comm_seconds
-        t["wait"] += s.wait_seconds
-        t["bytes_sent"] += s.bytes_sent
-        t["bytes_received"] += s.bytes_received
-        t["samples"] += s.samples
-    return t
+def _phase_seconds(row: dict[str, float]) -> dict[str, float]:
+    """A :func:`~ddlf.history.worker_totals` row as seconds per timeline phase (compute net of data wait)."""
+    return {
+        "send": row["send_seconds"],
+        "data": row["data_wait_seconds"],
+        "compute": max(0.0, row["compute_seconds"] - row["data_wait_seconds"]),
+        "comm": row["comm_seconds"],
+        "wait": row["wait_seconds"],
+    }
 
 
 def _cards(h: History) -> str:
-    t = _totals(h.stats)
-    busy = sum(t[k] for k in ("send", "compute", "data", "comm", "wait")) or 1.0
+    rows = worker_totals(h.stats).values()
+    t = {k: sum(row[k] for row in rows) for k in ("samples", "bytes_sent", "bytes_received")}
+    for row in rows:
+        for k, v in _phase_seconds(row).items():
+            t[k] = t.get(k, 0.0) + v
+    busy = sum(t[k] for k, _, _ in PHASES) or 1.0
     wall = sum(h.epoch_seconds)
     cards: list[tuple[str, str]] = []
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
@@ -349,7 +362,7 @@ def _breakdown(stats: Sequence[RoundStats], width: int = 1080) -> str:
     workers = sorted({s.worker for s in stats})
     if not workers:
         return ""
-    totals = {w: _totals([s for s in stats if s.worker == w]) for w in workers}
+    totals = {w: _phase_seconds(row) for w, row in worker_totals(stats).items()}
     longest = max(sum(t[k] for k, _, _ in PHASES) for t in totals.values()) or 1.0
     row_h, pad_l, pad_r = 26, 80, 140
     height = 10 + row_h * len(workers) + 10
@@ -377,11 +390,10 @@ def _breakdown(stats: Sequence[RoundStats], width: int = 1080) -> str:
 
 def _worker_table(h: History) -> str:
     rows = []
-    for w, s in sorted(h.summary()["workers"].items()):
-        mine = [r for r in h.stats if r.worker == w and not r.lost]
-        stale = [r.staleness for r in mine]
-        t = _totals(mine)
-        rate = t["samples"] / s["compute_seconds"] if s["compute_seconds"] else 0.0
+    for w, s in sorted(worker_totals(h.stats).items()):
+        rate = s["samples"] / s["compute_seconds"] if s["compute_seconds"] else 0.0
+        merged = s["rounds"] - s["lost"]
+        mean_staleness = s["staleness"] / merged if merged else 0.0
         rows.append(
             [
                 f"worker {w}",
@@ -390,11 +402,11 @@ def _worker_table(h: History) -> str:
                 f"{rate:,.0f}",
                 f"{s['compute_seconds']:.2f}",
                 f"{s['data_wait_seconds']:.2f}",
-                f"{t['send'] + t['comm']:.2f}",
+                f"{s['send_seconds'] + s['comm_seconds']:.2f}",
                 f"{s['wait_seconds']:.2f}",
                 _fmt_bytes(s["bytes_sent"]),
                 _fmt_bytes(s["bytes_received"]),
-                f"{(sum(stale) / len(stale)) if stale else 0:.2f} / {max(stale, default=0)}",
+                f"{mean_staleness:.2f} / {s['max_staleness']:.0f}",
                 s["dropped"],
                 s["lost"],
             ]

@@ -121,7 +121,7 @@ def master(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run_setting(
     net: netns.VirtualNetwork, addresses: list[str], rate: float | None, delay_ms: float, compression: str | None,
-    rounds: int, work: str,
+    rounds: int,
 ) -> dict[str, Any]:  # fmt: skip
     for host in [net.master, *net.hosts]:
         net.shape(host, rate)
@@ -170,11 +170,11 @@ def main(argv: list[str] | None = None) -> None:
         addresses = netns.start_workers(net, work, token=TOKEN, threads=1)
         for label, rate, delay in SETTINGS:
             for comp in COMPRESSIONS:
-                res = _run_setting(net, addresses[:2], rate, delay, comp, args.rounds, work)
+                res = _run_setting(net, addresses[:2], rate, delay, comp, args.rounds)
                 table.append((label, comp, res))
                 print(f"{label:>20} {comp or 'none':>8}: {res['wall']:.3f} s/round, compute {res['compute']:.3f} s")
         for n in counts:
-            res = _run_setting(net, addresses[:n], 1_000, 0.0, None, args.rounds, work)
+            res = _run_setting(net, addresses[:n], 1_000, 0.0, None, args.rounds)
             scaling.append(res)
             print(f"scaling {n} workers at 1 Gbit/s: {res['wall']:.3f} s/round, compute {res['compute']:.3f} s")
     from . import project
