@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -37,6 +38,9 @@ def _ddlf(*args: str, env: dict[str, str] | None = None, timeout: float = 60) ->
         ('timeout = 5\nworkers = ["no-port"]\n', "line 2: workers: 'no-port' is not \"host:port\""),
         ('workers = ["a:1"]\ntimeout = -1\n', "line 2: timeout: expected a positive number"),
         ("timeout = 5\n", "no 'workers' list"),
+        ('workers = ["a:1"]\n[launch]\nssh_options = "-i key"\n', "line 3: ssh_options: expected a list of strings"),
+        ('workers = ["a:1"]\n\n[launch]\nsudo = true\n', "line 4: sudo: unknown [launch] setting"),
+        ('workers = ["a:1"]\nlaunch = 3\n', "line 2: launch: expected a table"),
     ],
 )
 def test_a_malformed_cluster_file_names_the_line(tmp_path: Path, text: str, expected: str) -> None:
@@ -80,3 +84,11 @@ def test_status_lists_live_workers_and_says_which_is_down(daemon: Daemon, tmp_pa
 def test_worker_subcommand_is_the_daemon() -> None:
     out = _ddlf("worker", "--help")
     assert out.returncode == 0 and "--tls-cert" in out.stdout
+
+
+def test_ddlf_up_without_a_token_says_so(tmp_path: Path) -> None:
+    config = tmp_path / "cluster.toml"
+    config.write_text('workers = ["127.0.0.1:1"]\n')
+    env = {k: v for k, v in os.environ.items() if k != "DDLF_TOKEN"}
+    out = _ddlf("up", str(config), env=env)
+    assert out.returncode == 1 and "ddlf up needs a token" in out.stderr

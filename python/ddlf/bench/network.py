@@ -2,7 +2,7 @@
 compression, on hosts in network namespaces (see :mod:`ddlf.bench.netns`); then how the measured per-round time
 scales with the number of workers against the model of :mod:`ddlf.bench.project`.
 
-    sudo python -m ddlf.bench network [--rounds 6]
+    sudo .venv/bin/python -m ddlf.bench network [--rounds 6]   # from the repository root (needs root: namespaces)
 
 The model is a wide MLP (784-2048-2048-10, 5.8 M parameters, 23 MB of float32 weights): big enough that the
 network matters, small enough to compute on a laptop core. Each worker runs in its own namespace behind a veth
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     body += "\n\n" + project.markdown(table, scaling)
     path = report.write_section("network", body)
     Path(work, "network.json").write_text(json.dumps({"table": table, "scaling": scaling}, indent=1))
-    print(f"wrote the network section of {path}")
+    print(f"wrote the network section of {path}; measurements in {work}/network.json (python -m ddlf.bench project)")
 
 
 def _markdown(table: list[tuple[str, str | None, dict[str, Any]]], scaling: list[dict[str, Any]], took: float) -> str:
@@ -191,7 +191,7 @@ def _markdown(table: list[tuple[str, str | None, dict[str, Any]]], scaling: list
     lines = [
         "## Training over simulated networks (hosts in network namespaces)",
         "",
-        f"`sudo python -m ddlf.bench network` · {report.machine()} · {took:.0f} s",
+        f"`sudo .venv/bin/python -m ddlf.bench network` · {report.machine()} · {took:.0f} s",
         "",
         f"2 workers and the master, each in its own network namespace on a bridge; the wide MLP "
         f"({first['weights_bytes'] / 1e6:.1f} MB of float32 weights), sync mode, {AVG_FREQ} batches of {BATCH} per "

@@ -17,7 +17,8 @@ the reason compression (smaller ``up``) and more batches per round (fewer rounds
 
     python -m ddlf.bench project network.json [--samples 1000000] [--workers 8,64,512] [--gbits 10,25,100]
 
-reads the measurements written by ``python -m ddlf.bench network`` (its work directory's ``network.json``).
+reads the measurements written by ``python -m ddlf.bench network`` (``network.json`` in the work directory it
+prints).
 """
 
 from __future__ import annotations
