@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -242,3 +245,53 @@ def test_sharded_dataset_rotation_and_seeded_mode(cluster: ddlf.Cluster) -> None
     assert sum(s.samples for s in h.stats) == 3000
     with pytest.raises(ValueError, match="sharded"):
         SmallMnist(cluster).train(rotate_shards_every=2, verbose=0)
+
+
+def test_app_subclassing_an_app_from_a_neighbour_module(tmp_path) -> None:
+    """A script's app that subclasses an app defined in a file beside the script: workers, started elsewhere,
+    cannot import that file, so its module travels by value too (not only the script's own class)."""
+    scripts, elsewhere = tmp_path / "scripts", tmp_path / "elsewhere"
+    scripts.mkdir()
+    elsewhere.mkdir()
+    (scripts / "base_app.py").write_text(
+        textwrap.dedent(
+            f"""
+            import numpy as np
+            import ddlf
+
+            class BaseApp(ddlf.IApp):
+                dataset_key = "mnist-neighbour-test"
+                def load_dataset(self):
+                    (x, y), _ = ddlf.datasets.mnist({str(MNIST_DIR)!r})
+                    return x[: self.rows], y[: self.rows]
+                def preprocess(self, x, y):
+                    return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
+                def create_model(self):
+                    import keras
+                    model = keras.Sequential([keras.Input(shape=(784,)), keras.layers.Dense(10, "softmax")])
+                    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+                    return model
+            """
+        )
+    )
+    (scripts / "main.py").write_text(
+        textwrap.dedent(
+            """
+            import ddlf
+            from base_app import BaseApp
+
+            class Mine(BaseApp):
+                rows = 600
+
+            if __name__ == "__main__":
+                with ddlf.Cluster.local(1) as cluster:
+                    h = Mine(cluster).train(epochs=1, batch_size=64, verbose=0)
+                    print("samples", sum(s.samples for s in h.stats))
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(scripts / "main.py")], cwd=elsewhere, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "samples 600" in out.stdout

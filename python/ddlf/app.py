@@ -38,7 +38,7 @@ from .report import check_report_path, write_report
 from .training import checkpoint
 from .training import worker as remote
 from .training.asynchronous import train_async as _train_async
-from .training.common import TrainConfig
+from .training.common import TrainConfig, set_random_seed
 from .training.membership import Members
 from .training.sync import train_sync as _train_sync
 
@@ -90,7 +90,8 @@ class IApp:
         raise NotImplementedError
 
     def create_model(self) -> Any:
-        """Return a compiled Keras model. Runs on the master and on every worker."""
+        """Return a compiled Keras model (any backend), or a ``ddlf.models.TorchModel`` wrapping a torch module.
+        Runs on the master and on every worker."""
         raise NotImplementedError
 
     def load_shard(self, shard: int, n_shards: int) -> Any:
@@ -229,9 +230,10 @@ class IApp:
         clone = copy.copy(self)
         clone.cluster = None  # type: ignore[assignment]
         clone.model = None
-        module = sys.modules.get(type(self).__module__)
-        if module is not None and _is_local_module(module):
-            cloudpickle.register_pickle_by_value(module)
+        for cls in type(self).__mro__:  # the app's class and its bases (an app subclassing a neighbour file's app)
+            module = sys.modules.get(cls.__module__)
+            if module is not None and _is_local_module(module):
+                cloudpickle.register_pickle_by_value(module)
         return cloudpickle.dumps(clone)
 
     def _run(
@@ -243,10 +245,8 @@ class IApp:
         initial_epoch: int,
         mode: str,
     ) -> History:
-        import keras
-
         t_start = cfg.t0 = time.perf_counter()
-        keras.utils.set_random_seed(cfg.seed)
+        set_random_seed(cfg.seed)
         if self.model is None:
             self.model = self.create_model()
         resumed = checkpoint.load(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None

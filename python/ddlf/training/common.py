@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -53,6 +55,21 @@ class TrainConfig:
             raise ValueError("rotate_shards_every must be at least 1 epoch")
         if self.averaging_frequency is not None and self.averaging_frequency < 1:
             raise ValueError("averaging_frequency must be at least 1 batch")
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed Python's, numpy's and Keras's generators, and torch's when torch is loaded (a TorchModel's dropout)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        import keras
+    except ImportError:  # a torch-only installation
+        pass
+    else:
+        keras.utils.set_random_seed(seed)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
 
 
 def nbytes(arrays: Any) -> int:

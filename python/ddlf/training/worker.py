@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import ops
 from ..datasets import STORE
+from .common import set_random_seed
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -59,15 +60,17 @@ def _split_xy(value: Any) -> tuple[Any, Any]:
 def setup(worker: Any, run_id: str, app_blob: bytes, seed: int) -> dict[str, Any]:
     """Load (or reuse) the app's dataset and build its model on this worker."""
     import cloudpickle
-    import keras
 
     app = cloudpickle.loads(app_blob)
     t0 = time.perf_counter()
-    keras.utils.set_random_seed(seed + 1000 * (worker.id + 1))
+    worker_seed = seed + 1000 * (worker.id + 1)
+    set_random_seed(worker_seed)
     n_shards = worker.n_workers if app.sharded else 0
     item, cached = _load(app, worker.id if n_shards else None, n_shards)
     x, y = _split_xy(item.value)
     model = app.create_model()
+    if hasattr(model, "set_rng_state"):
+        set_random_seed(worker_seed)  # torch may have been imported by create_model itself
     _SESSIONS.clear()  # one training run at a time per worker
     _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards)
     return {
@@ -85,9 +88,35 @@ def teardown(run_id: str) -> None:
 
 
 def _rng_variables(model: Any) -> list[Any]:
-    """The model's variables that are neither weights nor optimizer state: random-generator states (dropout)."""
+    """A Keras model's variables that are neither weights nor optimizer state: random-generator states (dropout)."""
     weights = {id(w) for w in model.weights}
     return [v for v in model.variables if id(v) not in weights]
+
+
+# A model is a compiled Keras model, or an adapter (ddlf.models.TorchModel) that offers its optimizer and random
+# state through get_/set_optimizer_state and get_/set_rng_state.
+
+
+def _optimizer_built(model: Any) -> bool:
+    if hasattr(model, "get_optimizer_state"):
+        return bool(model.optimizer_built)
+    return bool(model.optimizer.built)
+
+
+def _rng_state(model: Any) -> list[np.ndarray]:
+    if hasattr(model, "get_rng_state"):
+        return model.get_rng_state()
+    return [np.asarray(v.numpy()) for v in _rng_variables(model)]
+
+
+def _set_rng_state(model: Any, state: list[np.ndarray]) -> None:
+    if hasattr(model, "set_rng_state"):
+        model.set_rng_state(state)
+        return
+    rng = _rng_variables(model)
+    if len(rng) == len(state):
+        for v, s in zip(rng, state):
+            v.assign(s)
 
 
 def session_state(run_id: str) -> dict[str, Any]:
@@ -96,8 +125,8 @@ def session_state(run_id: str) -> dict[str, Any]:
     session = _SESSIONS[run_id]
     model = session.model
     return {
-        "optimizer": _optimizer_state(model) if model.optimizer.built else None,
-        "rng": [np.asarray(v.numpy()) for v in _rng_variables(model)],
+        "optimizer": _optimizer_state(model) if _optimizer_built(model) else None,
+        "rng": _rng_state(model),
         "residual": session.residual,
     }
 
@@ -107,21 +136,24 @@ def restore_state(run_id: str, state: dict[str, Any]) -> None:
     session = _SESSIONS[run_id]
     model = session.model
     if state.get("optimizer") is not None:
-        if not model.optimizer.built:
+        if not hasattr(model, "set_optimizer_state") and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         _set_optimizer_state(model, state["optimizer"])
-    rng = _rng_variables(model)
-    if len(rng) == len(state.get("rng", [])):
-        for v, s in zip(rng, state["rng"]):
-            v.assign(s)
+    _set_rng_state(model, state.get("rng", []))
     session.residual = state.get("residual")
 
 
 def _optimizer_state(model: Any) -> list[np.ndarray]:
+    if hasattr(model, "get_optimizer_state"):
+        return model.get_optimizer_state()
     return [np.asarray(v.numpy()) for v in model.optimizer.variables]
 
 
 def _set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
+    if hasattr(model, "set_optimizer_state"):
+        # An optimizer that has not stepped yet has no state to take: it adopts the averaged one next round.
+        model.set_optimizer_state(state)
+        return
     variables = model.optimizer.variables
     if len(variables) != len(state):
         return  # not built yet on this worker: it builds on the first step and adopts the state next round

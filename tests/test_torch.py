@@ -1,0 +1,137 @@
+"""ddlf.models.TorchModel: a torch.nn.Module trained with the same API as a Keras model (skipped without torch)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf.models import TorchModel
+
+from .conftest import MNIST_DIR
+
+torch = pytest.importorskip("torch")
+
+
+def _mlp() -> TorchModel:
+    module = torch.nn.Sequential(
+        torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 10)
+    )
+    return TorchModel(module, lambda p: torch.optim.Adam(p, lr=1e-3), torch.nn.CrossEntropyLoss())
+
+
+class TorchMnist(ddlf.IApp):
+    """A small torch MLP on the first 3,000 MNIST images."""
+
+    dataset_key = "mnist-small-test"
+    rows = 3000
+
+    def load_dataset(self):
+        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+        return x[: self.rows], y[: self.rows]
+
+    def preprocess(self, x, y):
+        return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
+
+    def create_model(self):
+        return _mlp()
+
+
+@pytest.fixture(scope="module")
+def test_set():
+    _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+    return xt[:2000], yt[:2000]
+
+
+def test_weights_round_trip_and_bad_weights_are_refused() -> None:
+    a, b = _mlp(), _mlp()
+    w = a.get_weights()
+    assert [x.shape for x in w] == [(32, 784), (32,), (10, 32), (10,)]
+    assert all(x.dtype == np.float32 for x in w)
+    b.set_weights(w)
+    for x, y in zip(w, b.get_weights()):
+        np.testing.assert_array_equal(x, y)
+    w[0][0, 0] += 1.0  # a copy: changing it leaves the model alone
+    assert a.get_weights()[0][0, 0] != w[0][0, 0]
+    frozen = [x.copy() for x in w]
+    for x in frozen:
+        x.setflags(write=False)  # arrays that arrived over the wire are read-only
+    b.set_weights(frozen)
+    np.testing.assert_array_equal(b.get_weights()[0], frozen[0])
+    with pytest.raises(ValueError, match="expected 4 weight arrays, got 3"):
+        b.set_weights(w[:3])
+    with pytest.raises(ValueError, match="does not fit"):
+        b.set_weights([w[1], w[0], w[2], w[3]])
+    with pytest.raises(ValueError, match="unknown metrics"):
+        TorchModel(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.MSELoss(), metrics=["auc"])
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        TorchModel(lambda x: x, lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.MSELoss())
+
+
+def test_train_on_batch_evaluate_and_optimizer_state(tmp_path) -> None:
+    m = _mlp()
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 784), dtype=np.float32)
+    y = rng.integers(0, 10, 64)
+    assert not m.optimizer_built and m.get_optimizer_state() == []
+    first = m.train_on_batch(x, y, return_dict=True)
+    assert set(first) == {"loss", "accuracy"} and first["loss"] > 0
+    for _ in range(30):
+        logs = m.train_on_batch(x, y, return_dict=True)
+    assert logs["loss"] < first["loss"]  # the running mean falls as it fits the batch
+    loss, acc = m.evaluate(x, y, batch_size=16)
+    assert acc > 0.5 and loss < first["loss"]
+    assert m.predict(x).shape == (64, 10)
+    state = m.get_optimizer_state()
+    assert m.optimizer_built and len(state) == 3 * 4  # Adam: exp_avg, exp_avg_sq, step for each of 4 tensors
+    other = _mlp()
+    assert other.set_optimizer_state(state) is False  # has not stepped yet: nothing to take it into
+    other.train_on_batch(x, y)
+    assert other.set_optimizer_state(state) is True
+    for a, b in zip(state, other.get_optimizer_state()):
+        np.testing.assert_array_equal(a, b)
+    m.save(tmp_path / "m.pt")
+    fresh = _mlp()
+    fresh.load_weights(tmp_path / "m.pt")
+    np.testing.assert_array_equal(fresh.get_weights()[2], m.get_weights()[2])
+
+
+def test_torch_model_trains_sync_deterministically_and_evaluates(cluster: ddlf.Cluster, test_set, tmp_path) -> None:
+    runs = []
+    for _ in range(2):
+        app = TorchMnist(cluster)
+        h = app.train(
+            epochs=3,
+            batch_size=32,
+            mode="sync",
+            averaging_frequency=20,
+            average_optimizer_state=True,
+            validation_data=test_set,
+            seed=3,
+            callbacks=[ddlf.callbacks.ModelCheckpoint(str(tmp_path / "torch-{epoch}.pt"), monitor="val_accuracy")],
+            verbose=0,
+        )
+        runs.append(app.model.get_weights())
+    assert set(h.history) >= {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert h.history["loss"][-1] < h.history["loss"][0]
+    _, acc = app.evaluate(*test_set)
+    assert acc > 0.80
+    assert h.history["val_accuracy"][-1] == pytest.approx(acc)
+    for a, b in zip(*runs):  # same seed, same data: the same weights, dropout included
+        np.testing.assert_array_equal(a, b)
+    assert sorted(os.listdir(tmp_path)) == ["torch-1.pt", "torch-2.pt", "torch-3.pt"]
+    saved = _mlp()
+    saved.load_weights(str(tmp_path / "torch-3.pt"))
+    np.testing.assert_array_equal(saved.get_weights()[0], runs[1][0])
+
+
+def test_torch_model_trains_async(cluster: ddlf.Cluster, test_set) -> None:
+    app = TorchMnist(cluster)
+    h = app.train(epochs=3, batch_size=32, mode="async", averaging_frequency=5, staleness="dynsgd", verbose=0)
+    assert len(h.history["loss"]) == 3
+    _, acc = app.evaluate(*test_set)
+    assert acc > 0.75  # async runs are not bit-reproducible: the same margin as the Keras async test
+    assert max(s.staleness for s in h.stats) >= 1
+    assert sum(s.samples for s in h.stats) == 3 * 3000
