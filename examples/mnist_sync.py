@@ -1,6 +1,6 @@
 """Train the DDLF paper's CNN on MNIST with synchronous parameter averaging on a local 2-worker cluster.
 
-python examples/mnist_sync.py [--epochs 3] [--workers 2] [--batch-size 64] [--compression float16|topk]
+python examples/mnist_sync.py [--epochs 3] [--workers 2] [--batch-size 32] [--compression float16|topk]
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ from typing_extensions import Buffer
 
 __version__: str
 PROTOCOL_VERSION: int
+MALLOC_TUNED: bool
+"""Whether this process runs with the allocator policy for large transfers (glibc; off with DDLF_MALLOC=system)."""
 OPS: dict[str, int]
 """Operation codes of the wire protocol, by name without the ``OP_`` prefix."""
 ERROR_KINDS: dict[str, int]

@@ -1,4 +1,4 @@
-"""``python -m ddlf.bench {rpc}``: run a benchmark and record it in BENCHMARKS.md."""
+"""``python -m ddlf.bench NAME``: run a benchmark and record it in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "faults": "ddlf.bench.faults",
     "network": "ddlf.bench.network",
     "project": "ddlf.bench.project",
+    "elephas": "ddlf.bench.elephas",
 }
 
 

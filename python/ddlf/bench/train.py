@@ -39,7 +39,7 @@ def _single_process_epoch(mc, x, y, batch: int, seed: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ddlf.bench train", description=__doc__)
     p.add_argument("--epochs", type=int, default=10, help="epochs of the accuracy runs")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32, help="batch size per worker (Keras's default)")
     p.add_argument("--avg", type=int, default=50, help="sync averaging frequency (batches)")
     p.add_argument("--slow-ms", type=float, default=20.0, help="sleep per batch of the slowed worker")
     args = p.parse_args(argv)
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         report.table(["setting", "s/epoch"], thr_rows),
         "",
-        "Not measured yet: the paper's own comparison against elephas on Spark (needs a separate virtualenv "
-        "with tensorflow<2.20 and numpy<2).",
+        "The paper's own comparison, against elephas on Spark: `python -m ddlf.bench elephas` (its own section).",
     ]
     body = "\n".join(out)
     path = report.write_section("train", body)

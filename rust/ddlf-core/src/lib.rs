@@ -7,10 +7,12 @@
 //! * [`gather`]: rows of a dataset into a contiguous batch.
 //! * [`shm`]: shared-memory files for large buffers between processes on one machine.
 //! * [`kernels`]: weighted averages, in-place updates, deltas and half-precision conversion of weight lists.
+//! * [`memory`]: the allocator policy that keeps large transfer buffers' pages mapped between transfers.
 
 pub mod auth;
 pub mod frame;
 pub mod gather;
 pub mod kernels;
+pub mod memory;
 pub mod shm;
 pub mod shuffle;

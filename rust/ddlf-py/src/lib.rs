@@ -22,6 +22,10 @@ mod worker;
 
 #[pymodule]
 fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Large transfers reuse mapped heap pages instead of faulting fresh ones in each time (ddlf_core::memory).
+    let tuned = std::env::var("DDLF_MALLOC").map_or(true, |v| v != "system")
+        && ddlf_core::memory::tune_for_transfers(ddlf_core::memory::TRANSFER_POLICY);
+    m.add("MALLOC_TUNED", tuned)?;
     m.add("__version__", ddlf_proto::VERSION)?;
     m.add("PROTOCOL_VERSION", ddlf_proto::PROTOCOL_VERSION)?;
     m.add_class::<client::Client>()?;
