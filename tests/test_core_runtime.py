@@ -505,12 +505,14 @@ def test_received_arrays_are_writable_in_place(cluster: ddlf.Cluster) -> None:
     got = cluster.get("w")[0]
     got[:10] = 5  # results on the master are writable too
     assert got.flags.writeable and float(got.sum()) == 990 + 50
-    # Large values through shared memory: private copy-on-write mappings, writable, and no worker sees another's
-    # writes.
+    # Through shared memory (opt-in, one machine) workers read the master's pooled segment in place: read-only, as
+    # Ray's object store does; writing in place is refused, a copy is writable, and no worker sees another's.
     shm = ddlf.Cluster(cluster.addresses, cluster.token, shared_memory=True)
     assert all(i["shared_memory"] for i in shm.worker_info())
     shm.set("big", np.zeros(10_000_000, np.float32))
-    shm.run(lambda worker: worker.vars["big"].__iadd__(worker.id + 1) is not None)
+    with pytest.raises(ddlf.RemoteError, match="read-only"):
+        shm.run(lambda worker: worker.vars["big"].__iadd__(1))
+    shm.run(lambda worker: worker.vars.__setitem__("big", worker.vars["big"] + (worker.id + 1)))
     assert shm.run(lambda worker: float(worker.vars["big"][:4].sum())) == [4.0, 8.0]
     shm.delete("big")
     shm.close()

@@ -1,5 +1,6 @@
-"""The same-machine fast path: large values through /dev/shm files, cleaned up; workers that see another
-/dev/shm (as a container on the same kernel does) are detected at connect and use TCP."""
+"""The same-machine fast path: values through pooled /dev/shm segments (reused, never overwritten while held,
+removed at exit); workers that see another /dev/shm (as a container on the same kernel does) are detected at
+connect and use TCP; a full /dev/shm falls back to the socket."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import ddlf
 
 from .conftest import wait_until
 
-BIG = 40_000_000  # floats: 160 MB, above the 32 MiB threshold
+BIG = 40_000_000  # floats: 160 MB
+MB8 = 2_000_000  # floats: 8 MB, above the 1 MiB pool threshold
 
 
 def ddlf_files() -> set[str]:
@@ -31,18 +33,55 @@ def shm_cluster():
         yield c
 
 
-def test_large_values_go_through_shared_memory_and_leave_no_files(shm_cluster: ddlf.Cluster) -> None:
+def test_large_values_go_through_shared_memory(shm_cluster: ddlf.Cluster) -> None:
     cluster = shm_cluster
     assert all(i["shared_memory"] for i in cluster.worker_info())
-    before = ddlf_files()
     w = [np.arange(BIG // 4, dtype=np.float32) + i for i in range(4)]
     cluster.set("big", w)
     totals = cluster.run(lambda worker: [float(a[-1]) for a in worker.vars["big"]])
     assert totals == [[BIG // 4 - 1.0 + i for i in range(4)]] * 2
     back = cluster.run_on(1, lambda worker: worker.vars["big"])
     assert all(np.array_equal(a, b) for a, b in zip(back, w))
-    assert ddlf_files() == before
+    assert not back[0].flags.writeable  # a view of the worker's segment: copy it to write
     cluster.delete("big")
+
+
+def test_segments_are_reused_and_never_overwritten_while_held(shm_cluster: ddlf.Cluster) -> None:
+    cluster = shm_cluster
+    first = np.full(MB8, 1.0, dtype=np.float32)
+    cluster.set("held", first)  # each worker keeps a view of this segment
+    for k in range(6):
+        cluster.set("scratch", np.full(MB8, float(k), dtype=np.float32))
+    assert cluster.run(lambda worker: float(worker.vars["held"].sum())) == [float(MB8)] * 2
+    segments, _ = ddlf._ddlf.shared_memory_usage()
+    assert segments <= 3  # "held"'s segment, and the scratch values' reused ones
+    # A reply the master keeps is not overwritten by the worker's next replies.
+    kept = cluster.run_on(0, lambda x: x, np.full(MB8, 7.0, dtype=np.float32))
+    for k in range(4):
+        cluster.run_on(0, lambda x: x, np.full(MB8, float(k), dtype=np.float32))
+    assert float(kept.min()) == float(kept.max()) == 7.0
+    # Workers may write to what they receive only after copying it.
+    out = cluster.run_on(0, lambda x: (x.flags.writeable, float((x.copy() + 1).sum())), first)
+    assert out == (False, 2.0 * MB8)
+    cluster.delete("held")
+    cluster.delete("scratch")
+
+
+def test_no_segment_outlives_its_processes() -> None:
+    code = (
+        "import os, numpy as np, ddlf\n"
+        "with ddlf.Cluster.local(2, threads=1, shared_memory=True) as c:\n"
+        "    a = np.ones(2_000_000, dtype=np.float32)\n"
+        "    back = c.run(lambda x: x * 2, a)\n"
+        "    assert float(back[1].sum()) == 4_000_000.0\n"
+        "    print(os.getpid(), *[i['pid'] for i in c.worker_info()])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pids = out.stdout.split()
+    assert len(pids) == 3
+    left = [f for f in ddlf_files() if f.split("-")[1] in pids]
+    assert left == []
 
 
 def test_tcp_only_cluster_moves_the_same_values(shm_cluster: ddlf.Cluster) -> None:

@@ -6,6 +6,7 @@
 //! * [`shuffle`]: seeded permutations and per-worker index partitions.
 //! * [`gather`]: rows of a dataset into a contiguous batch.
 //! * [`shm`]: shared-memory files for large buffers between processes on one machine.
+//! * [`shm_pool`]: shared-memory segments reused from transfer to transfer, released by their readers.
 //! * [`kernels`]: weighted averages, in-place updates, deltas and half-precision conversion of weight lists.
 //! * [`memory`]: the allocator policy that keeps large transfer buffers' pages mapped between transfers.
 
@@ -15,4 +16,5 @@ pub mod gather;
 pub mod kernels;
 pub mod memory;
 pub mod shm;
+pub mod shm_pool;
 pub mod shuffle;

@@ -38,6 +38,8 @@ pub enum ShmError {
     },
     #[error("{0} offsets for {1} lengths")]
     Mismatch(usize, usize),
+    #[error("the shared-memory pool has no room for {0} bytes")]
+    PoolFull(u64),
 }
 
 /// This kernel's boot id: processes that see the same one share `/dev/shm` (on the same machine).
@@ -52,7 +54,7 @@ pub fn available() -> bool {
     std::path::Path::new(DIR).is_dir() && !boot_id().is_empty()
 }
 
-fn path_of(name: &str) -> Result<PathBuf, ShmError> {
+pub(crate) fn path_of(name: &str) -> Result<PathBuf, ShmError> {
     let ok = name.starts_with(PREFIX)
         && name.len() < 200
         && name
@@ -65,7 +67,7 @@ fn path_of(name: &str) -> Result<PathBuf, ShmError> {
     Ok(PathBuf::from(DIR).join(name))
 }
 
-fn unique_name() -> String {
+pub(crate) fn unique_name() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

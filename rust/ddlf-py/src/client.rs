@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::buffers::{
-    borrow_buffers, export, total_bytes, value_buffers, write_shm, SHM_THRESHOLD,
+    borrow_buffers, export, total_bytes, value_buffers, write_shm, POOL_THRESHOLD,
 };
 use crate::errors::{net_error, net_error_instance};
 
@@ -69,12 +69,13 @@ impl Outgoing {
         })
     }
 
-    /// The shared-memory file holding the buffers, written on first use. None if it cannot be written (a full
-    /// or missing /dev/shm): the buffers then go over the socket.
-    fn shared_memory(&mut self, py: Python<'_>) -> Option<ShmRef> {
+    /// The shared memory holding the buffers for `readers` workers, written on first use. None if there is no
+    /// room or it cannot be written (a full or missing /dev/shm): the buffers then go over the socket.
+    fn shared_memory(&mut self, py: Python<'_>, readers: u64) -> Option<ShmRef> {
         if self.shm.is_none() && !self.shm_failed {
-            match write_shm(py, &self.buffers) {
-                Ok(r) => self.shm = Some(r),
+            match write_shm(py, &self.buffers, readers) {
+                Ok(Some(r)) => self.shm = Some(r),
+                Ok(None) => self.shm_failed = true,
                 Err(e) => {
                     tracing::warn!(error = %e, "shared memory unavailable: sending over the socket");
                     self.shm_failed = true;
@@ -82,6 +83,21 @@ impl Outgoing {
             }
         }
         self.shm.clone()
+    }
+
+    /// After the call: a one-off file is removed; a pooled segment stays in the pool unless a worker may not have
+    /// taken it (its call failed), in which case it is retired rather than left waiting for that worker.
+    fn finish(&self, answers: &[&Answer]) {
+        let Some(r) = &self.shm else { return };
+        let failed = answers.iter().any(|a| match &a.result {
+            Err(_) => true,
+            Ok(reply) => reply.error == ddlf_proto::ErrorKind::BadRequest as i32,
+        });
+        if !r.pooled {
+            ddlf_core::shm::unlink(&r.name);
+        } else if failed {
+            ddlf_core::shm_pool::Pool::global().retire(&r.name);
+        }
     }
 }
 
@@ -251,14 +267,20 @@ impl Client {
         timeout: Option<Duration>,
     ) -> PyResult<Vec<Py<PyAny>>> {
         let conns = self.conns_for(&targets)?;
+        let via_shm =
+            |conn: &WorkerConn, out: &Outgoing| conn.shared_memory() && out.total >= POOL_THRESHOLD;
+        let mut readers = vec![0u64; values.len()];
+        for (conn, &v) in conns.iter().zip(&which) {
+            readers[v] += u64::from(via_shm(conn, &values[v]));
+        }
         let mut requests = Vec::with_capacity(targets.len());
         for (conn, &v) in conns.iter().zip(&which) {
-            let out = &mut values[v];
-            let shm = if conn.shared_memory() && out.total >= SHM_THRESHOLD {
-                out.shared_memory(py)
+            let shm = if via_shm(conn, &values[v]) {
+                values[v].shared_memory(py, readers[v])
             } else {
                 None
             };
+            let out = &values[v];
             let value = Value {
                 pickle: out.pickle.clone(),
                 buffers: if shm.is_some() {
@@ -271,9 +293,25 @@ impl Client {
             requests.push(request(op, &name, &digest, value, conn.shared_memory()));
         }
         let results = self.fan_out(py, conns, requests, timeout);
-        for out in &values {
-            if let Some(r) = &out.shm {
-                ddlf_core::shm::unlink(&r.name);
+        match &results {
+            Ok(answers) => {
+                for (v, out) in values.iter().enumerate() {
+                    let mine: Vec<&Answer> = answers
+                        .iter()
+                        .zip(&which)
+                        .filter(|(_, &w)| w == v)
+                        .map(|(a, _)| a)
+                        .collect();
+                    out.finish(&mine);
+                }
+            }
+            Err(_) => {
+                for out in &values {
+                    out.finish(&[]);
+                    if let Some(r) = out.shm.as_ref().filter(|r| r.pooled) {
+                        ddlf_core::shm_pool::Pool::global().retire(&r.name); // interrupted: nothing known
+                    }
+                }
             }
         }
         self.outcomes(py, &targets, results?)

@@ -45,6 +45,8 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(worker::serve_worker, m)?)?;
     m.add_function(wrap_pyfunction!(logging::init_logging, m)?)?;
     m.add_function(wrap_pyfunction!(logging::log_record, m)?)?;
+    m.add_function(wrap_pyfunction!(buffers::release_shared_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(buffers::shared_memory_usage, m)?)?;
     // Operation and error codes straight from the generated protocol, so Python never re-declares them.
     let ops = PyDict::new(m.py());
     for code in 0..64 {

@@ -14,7 +14,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::buffers::{copy_buffers, export, total_bytes, value_buffers, write_shm, SHM_THRESHOLD};
+use crate::buffers::{copy_buffers, export, total_bytes, value_buffers, write_shm, POOL_THRESHOLD};
 use crate::errors::daemon_error;
 
 /// How long the interpreter thread waits for a job before checking for signals (SIGINT/SIGTERM).
@@ -193,8 +193,8 @@ fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResul
 }
 
 /// `(0, pickle, buffers)` or `(kind, (type_name, message, traceback))` to a reply.
-/// With `shm` (the master shares this machine), large buffers are written once into a shared-memory file that
-/// the master maps and removes.
+/// With `shm` (the master shares this machine), large buffers are written once into a segment of this worker's
+/// shared-memory pool that the master maps (or a one-off file it removes).
 fn encode_result(py: Python<'_>, result: &Bound<'_, PyAny>, shm: bool) -> PyResult<CallReply> {
     let tuple = result.cast::<PyTuple>()?;
     let kind: i32 = tuple.get_item(0)?.extract()?;
@@ -205,9 +205,9 @@ fn encode_result(py: Python<'_>, result: &Bound<'_, PyAny>, shm: bool) -> PyResu
             pickle: Bytes::from(pickle),
             ..Default::default()
         };
-        if shm && total_bytes(&bufs) >= SHM_THRESHOLD {
-            match write_shm(py, &bufs) {
-                Ok(r) => value.shm = Some(r),
+        if shm && total_bytes(&bufs) >= POOL_THRESHOLD {
+            match write_shm(py, &bufs, 1) {
+                Ok(r) => value.shm = r,
                 // A full or missing /dev/shm is no reason to fail the call: the bytes go over the socket.
                 Err(e) => {
                     tracing::warn!(error = %e, "shared memory unavailable for a reply: sending it inline")

@@ -67,15 +67,17 @@ fn arb_value() -> impl Strategy<Value = Option<Value>> {
                 "[a-z./-]{0,24}",
                 proptest::collection::vec(any::<u64>(), 0..3),
                 proptest::collection::vec(any::<u64>(), 0..3),
+                any::<bool>(),
             )),
         )
             .prop_map(|(pickle, buffers, shm)| Value {
                 pickle: pickle.into(),
                 buffers: buffers.into_iter().map(Into::into).collect(),
-                shm: shm.map(|(name, offsets, lengths)| ShmRef {
+                shm: shm.map(|(name, offsets, lengths, pooled)| ShmRef {
                     name,
                     offsets,
                     lengths,
+                    pooled,
                 }),
             }),
     )
