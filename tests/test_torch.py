@@ -11,6 +11,7 @@ import ddlf
 from ddlf.models import TorchModel
 
 from .conftest import MNIST_DIR
+from .test_training import SmallMnist
 
 torch = pytest.importorskip("torch")
 
@@ -22,18 +23,8 @@ def _mlp() -> TorchModel:
     return TorchModel(module, lambda p: torch.optim.Adam(p, lr=1e-3), torch.nn.CrossEntropyLoss())
 
 
-class TorchMnist(ddlf.IApp):
-    """A small torch MLP on the first 3,000 MNIST images."""
-
-    dataset_key = "mnist-small-test"
-    rows = 3000
-
-    def load_dataset(self):
-        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
-        return x[: self.rows], y[: self.rows]
-
-    def preprocess(self, x, y):
-        return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
+class TorchMnist(SmallMnist):
+    """The Keras tests' small MNIST app, with a torch MLP instead."""
 
     def create_model(self):
         return _mlp()

@@ -14,7 +14,7 @@
 //! leaves its segments in /dev/shm (bounded by the pool's size limit).
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use memmap2::{MmapMut, MmapOptions};
 
-use crate::shm::{self, Layout, ShmError, ALIGN};
+use crate::shm::{self, Layout, ShmError};
 
 /// Bytes before a segment's data: the header page.
 pub const HEADER: u64 = 4096;
@@ -55,37 +55,19 @@ impl Segment {
     }
 
     fn create(capacity: u64) -> Result<Segment, ShmError> {
-        let name = shm::unique_name();
-        let path = shm::path_of(&name)?;
-        let io_err = |source| ShmError::Io {
-            name: name.clone(),
-            source,
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(io_err)?;
-        let made = (|| {
-            file.set_len(HEADER + capacity).map_err(io_err)?;
-            file.write_all_at(&MAGIC.to_le_bytes(), 0).map_err(io_err)?;
+        let (name, file, header) = shm::create_with(|file| {
+            file.set_len(HEADER + capacity)?;
+            file.write_all_at(&MAGIC.to_le_bytes(), 0)?;
             // SAFETY: our own file, sized above; the header page is only accessed through `readers`.
-            unsafe { MmapOptions::new().len(HEADER as usize).map_mut(&file) }.map_err(io_err)
-        })();
-        match made {
-            Ok(header) => Ok(Segment {
-                name,
-                file,
-                header,
-                capacity,
-                claimed_at: Instant::now(),
-            }),
-            Err(e) => {
-                let _ = std::fs::remove_file(&path);
-                Err(e)
-            }
-        }
+            unsafe { MmapOptions::new().len(HEADER as usize).map_mut(file) }
+        })?;
+        Ok(Segment {
+            name,
+            file,
+            header,
+            capacity,
+            claimed_at: Instant::now(),
+        })
     }
 }
 
@@ -119,13 +101,8 @@ impl Pool {
     /// Write `buffers` into a free segment (or a new one) for `n_readers` receivers. `Err(PoolFull)` when no
     /// segment fits within the pool's limit: the caller then uses a one-off file or the socket.
     pub fn write(&self, buffers: &[&[u8]], n_readers: u64) -> Result<Layout, ShmError> {
-        let mut offsets = Vec::with_capacity(buffers.len());
-        let mut total = 0u64;
-        for b in buffers {
-            total = total.div_ceil(ALIGN) * ALIGN;
-            offsets.push(HEADER + total);
-            total += b.len() as u64;
-        }
+        let (offsets, end) = shm::place(buffers, HEADER);
+        let total = end - HEADER;
         let mut segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
         let free = segments
             .iter()
@@ -289,34 +266,21 @@ pub fn attach(
             }
         }
     };
-    let len = map.len() as u64;
-    let mut ranges = Vec::with_capacity(offsets.len());
-    for (index, (&start, &n)) in offsets.iter().zip(lengths).enumerate() {
-        let end = start.saturating_add(n);
-        if start < HEADER || end > len {
-            return Err(ShmError::OutOfBounds {
-                name: name.to_string(),
-                index,
-                start,
-                end,
-                len,
-            });
-        }
-        ranges.push((start as usize, n as usize));
-    }
+    let ranges = shm::ranges(name, offsets, lengths, HEADER..map.len() as u64)?;
     Ok((Lease { map }, ranges))
-}
-
-/// A failed transfer that never became a [`Lease`] still owes its writer a release.
-pub fn release_unattached(name: &str) {
-    if let Ok((lease, _)) = attach(name, &[], &[]) {
-        drop(lease);
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shm::ALIGN;
+
+    /// A receiver that takes a transfer and drops it at once.
+    fn release_unattached(name: &str) {
+        if let Ok((lease, _)) = attach(name, &[], &[]) {
+            drop(lease);
+        }
+    }
 
     #[test]
     fn segments_are_reused_once_every_reader_released_them() {
