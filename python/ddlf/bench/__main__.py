@@ -13,7 +13,7 @@ BENCHMARKS = {
     "faults": "ddlf.bench.faults",
     "network": "ddlf.bench.network",
     "project": "ddlf.bench.project",
-    "elephas": "ddlf.bench.elephas",
+    "elephas": "ddlf.bench.vs_elephas",
 }
 
 

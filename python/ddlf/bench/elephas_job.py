@@ -12,7 +12,11 @@ import argparse
 import gzip
 import json
 import os
+import sys
 import time
+
+# This file's folder holds ddlf's benchmark modules: keep them from shadowing top-level packages.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 def read_idx(path: str):
