@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("run from the repository root (examples/data/mnist is needed)")
     elephas_python = ensure_venv(Path(args.venv).absolute())
     env = dict(os.environ, PYSPARK_PYTHON=str(elephas_python), PYSPARK_DRIVER_PYTHON=str(elephas_python))
+    elephas_env = dict(env, KERAS_BACKEND="tensorflow")  # importing ddlf set jax for this process's children
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     common = ["--epochs", str(args.epochs), "--batch", str(args.batch), "--workers", str(args.workers)]
     elephas = [str(elephas_python), str(JOB), "--data", "examples/data/mnist", *common]
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     accs: dict[str, list[float]] = {k: [] for k in contenders}
     for r in range(args.repeats):
         for name, cmd in contenders.items():
-            wall, out = _run(cmd, env)
+            wall, out = _run(cmd, elephas_env if name.startswith("elephas") else env)
             walls[name].append(wall)
             fits[name].append(out["fit"])
             accs[name].append(out["accuracy"])
