@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> None:
             "",
             "A ddlf round trip is `cluster.run_on(0, 'echo', weights)` (or `cluster.run` for all workers): the list "
             "goes to the worker, is unpickled there on the received memory, and comes back. 'over TCP' streams it "
-            "through gRPC on loopback (`shared_memory=False`); 'shared memory' writes it once into a /dev/shm file "
-            "that every local worker maps (`shared_memory=True`, opt-in). The raw socket moves the same bytes to an "
+            "through gRPC on loopback (`shared_memory=False`); 'shared memory' writes it once into a segment of the "
+            "sender's /dev/shm pool that every local worker reads in place (reply likewise) (`shared_memory=True`, "
+            "opt-in). The raw socket moves the same bytes to an "
             "echo process and back on loopback; memcpy copies them once.",
             "",
             report.table(["payload", "path", "ms", "GB/s moved", "time vs raw socket"], rt),
