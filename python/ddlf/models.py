@@ -18,6 +18,11 @@ __all__ = ["TorchModel"]
 _METRICS = ("accuracy",)
 
 
+def _arrays(tensors: Sequence[Any]) -> list[np.ndarray]:
+    """numpy copies of tensors (a copy: the model keeps training in place)."""
+    return [t.detach().cpu().numpy().copy() for t in tensors]
+
+
 class TorchModel:
     """A ``torch.nn.Module`` with a Keras-like training API.
 
@@ -68,21 +73,19 @@ class TorchModel:
 
     def get_weights(self) -> list[np.ndarray]:
         """Copies of the floating-point parameters and buffers, in ``state_dict`` order."""
-        return [t.detach().cpu().numpy().copy() for t in self._tensors()]
+        return _arrays(self._tensors())
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
         """Copy ``weights`` (as returned by :meth:`get_weights`) into the module."""
         tensors = self._tensors()
         if len(weights) != len(tensors):
             raise ValueError(f"expected {len(tensors)} weight arrays, got {len(weights)}")
-        with self._torch.no_grad(), warnings.catch_warnings():
-            # Arrays that arrived over the wire may be read-only; they are only read here.
-            warnings.simplefilter("ignore", UserWarning)
+        with self._torch.no_grad():
             for t, w in zip(tensors, weights):
                 w = np.asarray(w)
                 if tuple(w.shape) != tuple(t.shape):
                     raise ValueError(f"weight of shape {w.shape} does not fit a tensor of shape {tuple(t.shape)}")
-                t.copy_(self._torch.from_numpy(w))
+                t.copy_(self._tensor(w))
 
     @property
     def weights(self) -> list[Any]:
@@ -95,13 +98,15 @@ class TorchModel:
 
     # -- training and evaluation ------------------------------------------------------------------------------
 
-    def _inputs(self, x: Any) -> Any:
+    def _tensor(self, a: Any) -> Any:
+        """A tensor on ``a``'s memory, without a copy. Arrays that arrived over the wire may be read-only; every
+        caller only reads them (torch warns about read-only arrays all the same)."""
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only input arrays: never written
-            return self._torch.from_numpy(np.asarray(x))
+            warnings.simplefilter("ignore", UserWarning)
+            return self._torch.from_numpy(np.asarray(a))
 
     def _targets(self, y: Any) -> Any:
-        return self._inputs(y).to(self._target_dtype)
+        return self._tensor(y).to(self._target_dtype)
 
     def reset_metrics(self) -> None:
         """Start the running loss and metrics afresh (as Keras's ``model.reset_metrics``)."""
@@ -126,7 +131,7 @@ class TorchModel:
     def train_on_batch(self, x: Any, y: Any, return_dict: bool = False) -> Any:
         """One optimizer step on a batch; returns the running loss (and accuracy) since :meth:`reset_metrics`."""
         self.module.train()
-        inputs, target = self._inputs(x), self._targets(y)
+        inputs, target = self._tensor(x), self._targets(y)
         self.optimizer.zero_grad(set_to_none=True)
         out = self.module(inputs)
         loss = self.loss_fn(out, target)
@@ -147,7 +152,7 @@ class TorchModel:
         with self._torch.no_grad():
             for start in range(0, len(x), batch_size):
                 inputs, target = (
-                    self._inputs(x[start : start + batch_size]),
+                    self._tensor(x[start : start + batch_size]),
                     self._targets(y[start : start + batch_size]),
                 )
                 out = self.module(inputs)
@@ -161,7 +166,7 @@ class TorchModel:
         """The module's outputs on ``x``, as one numpy array."""
         self.module.eval()
         with self._torch.no_grad():
-            parts = [self.module(self._inputs(x[s : s + batch_size])).numpy() for s in range(0, len(x), batch_size)]
+            parts = [self.module(self._tensor(x[s : s + batch_size])).numpy() for s in range(0, len(x), batch_size)]
         return np.concatenate(parts) if parts else np.empty((0,))
 
     # -- state beyond the weights -----------------------------------------------------------------------------
@@ -184,7 +189,7 @@ class TorchModel:
 
     def get_optimizer_state(self) -> list[np.ndarray]:
         """Copies of the optimizer's state tensors (Adam's moments and step), empty before the first step."""
-        return [t.detach().cpu().numpy().copy() for t in self._optimizer_tensors() or []]
+        return _arrays(self._optimizer_tensors() or [])
 
     def set_optimizer_state(self, state: Sequence[np.ndarray]) -> bool:
         """Adopt ``state`` (from :meth:`get_optimizer_state`); False, and nothing changed, if it does not fit (this
@@ -196,7 +201,7 @@ class TorchModel:
             return False
         with self._torch.no_grad():
             for t, s in zip(tensors, state):
-                t.copy_(self._torch.from_numpy(np.array(s, dtype=np.asarray(s).dtype)))
+                t.copy_(self._tensor(s))
         return True
 
     def get_rng_state(self) -> list[np.ndarray]:
@@ -206,7 +211,7 @@ class TorchModel:
     def set_rng_state(self, state: Sequence[np.ndarray]) -> None:
         """Put back :meth:`get_rng_state`."""
         if len(state) == 1:
-            self._torch.set_rng_state(self._torch.from_numpy(np.array(state[0], dtype=np.uint8)))
+            self._torch.set_rng_state(self._tensor(np.asarray(state[0], dtype=np.uint8)))
 
     # -- saving -----------------------------------------------------------------------------------------------
 

@@ -178,7 +178,8 @@ impl Pool {
     }
 
     /// Whether `name` is one of this pool's segments.
-    pub fn owns(&self, name: &str) -> bool {
+    #[cfg(test)]
+    fn owns(&self, name: &str) -> bool {
         let segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
         segments.iter().any(|s| s.name == name)
     }

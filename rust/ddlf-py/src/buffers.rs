@@ -239,23 +239,21 @@ pub fn write_shm(
     readers: u64,
 ) -> Result<Option<ddlf_proto::ShmRef>, ddlf_core::shm::ShmError> {
     let total = total_bytes(bufs);
-    let (layout, pooled) = py
-        .detach(|| {
-            let slices: Vec<&[u8]> = bufs.iter().map(|b| b.as_ref()).collect();
-            match Pool::global().write(&slices, readers) {
-                Ok(layout) => Ok(Some((layout, true))),
-                Err(e) if total < SHM_THRESHOLD => {
-                    tracing::debug!(error = %e, "no pooled shared memory: sending over the socket");
-                    Ok(None)
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "no pooled shared memory: a one-off file");
-                    ddlf_core::shm::write(&slices).map(|l| Some((l, false)))
-                }
+    let written = py.detach(|| {
+        let slices: Vec<&[u8]> = bufs.iter().map(|b| b.as_ref()).collect();
+        match Pool::global().write(&slices, readers) {
+            Ok(layout) => Ok(Some((layout, true))),
+            Err(e) if total < SHM_THRESHOLD => {
+                tracing::debug!(error = %e, "no pooled shared memory: sending over the socket");
+                Ok(None)
             }
-        })?
-        .map_or((None, false), |(l, p)| (Some(l), p));
-    Ok(layout.map(|l| ddlf_proto::ShmRef {
+            Err(e) => {
+                tracing::debug!(error = %e, "no pooled shared memory: a one-off file");
+                ddlf_core::shm::write(&slices).map(|l| Some((l, false)))
+            }
+        }
+    })?;
+    Ok(written.map(|(l, pooled)| ddlf_proto::ShmRef {
         name: l.name,
         offsets: l.offsets,
         lengths: l.lengths,

@@ -86,17 +86,12 @@ impl Outgoing {
     }
 
     /// After the call: a one-off file is removed; a pooled segment stays in the pool unless a worker may not have
-    /// taken it (its call failed), in which case it is retired rather than left waiting for that worker.
-    fn finish(&self, answers: &[&Answer]) {
-        let Some(r) = &self.shm else { return };
-        let failed = answers.iter().any(|a| match &a.result {
-            Err(_) => true,
-            Ok(reply) => reply.error == ddlf_proto::ErrorKind::BadRequest as i32,
-        });
-        if !r.pooled {
-            ddlf_core::shm::unlink(&r.name);
-        } else if failed {
-            ddlf_core::shm_pool::Pool::global().retire(&r.name);
+    /// taken it (`failed`), in which case it is retired rather than left waiting for that worker.
+    fn finish(&self, failed: bool) {
+        match &self.shm {
+            Some(r) if !r.pooled => ddlf_core::shm::unlink(&r.name),
+            Some(r) if failed => ddlf_core::shm_pool::Pool::global().retire(&r.name),
+            _ => {}
         }
     }
 }
@@ -134,6 +129,15 @@ struct Answer {
     result: Result<CallReply, NetError>,
     seconds: f64,
     id: u64,
+}
+
+impl Answer {
+    /// The worker received the request's value (it answered, and not that the value was unreadable).
+    fn took_value(&self) -> bool {
+        self.result
+            .as_ref()
+            .is_ok_and(|r| r.error != ddlf_proto::ErrorKind::BadRequest as i32)
+    }
 }
 
 /// Connections to a list of worker daemons. Workers can be added, removed and reconnected (a daemon restarted
@@ -293,26 +297,15 @@ impl Client {
             requests.push(request(op, &name, &digest, value, conn.shared_memory()));
         }
         let results = self.fan_out(py, conns, requests, timeout);
-        match &results {
-            Ok(answers) => {
-                for (v, out) in values.iter().enumerate() {
-                    let mine: Vec<&Answer> = answers
-                        .iter()
-                        .zip(&which)
-                        .filter(|(_, &w)| w == v)
-                        .map(|(a, _)| a)
-                        .collect();
-                    out.finish(&mine);
-                }
-            }
-            Err(_) => {
-                for out in &values {
-                    out.finish(&[]);
-                    if let Some(r) = out.shm.as_ref().filter(|r| r.pooled) {
-                        ddlf_core::shm_pool::Pool::global().retire(&r.name); // interrupted: nothing known
-                    }
-                }
-            }
+        for (v, out) in values.iter().enumerate() {
+            let failed = match &results {
+                Err(_) => true, // interrupted: whether the workers took it is unknown
+                Ok(answers) => answers
+                    .iter()
+                    .zip(&which)
+                    .any(|(a, &w)| w == v && !a.took_value()),
+            };
+            out.finish(failed);
         }
         self.outcomes(py, &targets, results?)
     }
