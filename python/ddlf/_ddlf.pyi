@@ -38,6 +38,7 @@ class Client:
         shared_memory: bool = False,
         tls_ca: bytes | None = None,
         tls_domain: str | None = None,
+        direct_lane: bool = True,
     ) -> None: ...
     @property
     def addresses(self) -> list[str]: ...

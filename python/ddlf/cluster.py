@@ -67,6 +67,11 @@ class Cluster:
         tls_ca: talk TLS to the daemons (started with ``--tls-cert/--tls-key``), trusting this certificate
             authority: a path to a PEM file, or the PEM bytes. ``tls_domain``: the name their certificates are
             checked against (default: each address's host).
+        direct_lane: besides its gRPC connection, open a direct lane to each plaintext daemon: a second TCP
+            connection on the same port that carries small calls (requests up to 1 MiB) as plain frames, read
+            and answered by the worker's interpreter thread itself, with no HTTP/2 and no hand-over between
+            threads: about half the latency of a gRPC call (see BENCHMARKS.md). Large values, TLS, heartbeats
+            and calls made while another thread uses the lane go over gRPC. ``False``: everything over gRPC.
 
     Fault handling: a worker whose connection breaks is marked lost (a warning names it, and :attr:`events`
     records it). A daemon restarted at the same address is re-provisioned automatically the next time it is
@@ -86,6 +91,7 @@ class Cluster:
         heartbeat_timeout: float = 10.0,
         tls_ca: str | os.PathLike[str] | bytes | None = None,
         tls_domain: str | None = None,
+        direct_lane: bool = True,
         _local: LocalWorkers | None = None,
     ) -> None:
         if isinstance(addresses, str):
@@ -102,6 +108,7 @@ class Cluster:
             shared_memory=shared_memory,
             tls_ca=_read_pem(tls_ca, "tls_ca"),
             tls_domain=tls_domain,
+            direct_lane=direct_lane,
         )
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -131,6 +138,7 @@ class Cluster:
         start_timeout: float = 60.0,
         worker_args: Sequence[str] = (),
         shared_memory: bool = False,
+        direct_lane: bool = True,
     ) -> Cluster:
         """Start ``n_workers`` daemons on free loopback ports and connect to them.
 
@@ -144,7 +152,14 @@ class Cluster:
             threads = max(1, cpu_count() // n_workers)
         local = LocalWorkers(n_workers, threads=threads, start_timeout=start_timeout, extra_args=list(worker_args))
         try:
-            return cls(local.addresses, local.token, timeout=timeout, shared_memory=shared_memory, _local=local)
+            return cls(
+                local.addresses,
+                local.token,
+                timeout=timeout,
+                shared_memory=shared_memory,
+                direct_lane=direct_lane,
+                _local=local,
+            )
         except BaseException:
             local.terminate()
             raise

@@ -1,4 +1,6 @@
-"""One elephas training run of the paper's CNN on MNIST, for ``python -m ddlf.bench elephas``.
+"""One elephas training run of the paper's CNN on MNIST, for ``python -m ddlf.bench elephas``; with
+``--mode single``, the same model trained by one process's ``model.fit`` (no Spark): the baseline that the paper's
+and the issue's overhead figures divide by.
 
 Runs in elephas's own virtualenv (tensorflow<2.20, numpy<2, pyspark<=4.0), so it imports nothing from ddlf. Prints
 one JSON line: seconds to start Spark, seconds in ``fit``, test accuracy. The caller times the whole process.
@@ -52,7 +54,7 @@ def paper_cnn():
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--data", required=True)
-    p.add_argument("--mode", choices=["synchronous", "asynchronous"], default="synchronous")
+    p.add_argument("--mode", choices=["synchronous", "asynchronous", "single"], default="synchronous")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
@@ -61,7 +63,6 @@ def main() -> None:
     args = p.parse_args()
 
     import numpy as np
-    from pyspark import SparkConf, SparkContext
 
     t0 = time.perf_counter()
     x = read_idx(os.path.join(args.data, "train-images-idx3-ubyte.gz"))
@@ -72,6 +73,17 @@ def main() -> None:
         x, y = x[: args.limit], y[: args.limit]
     x = (x.astype(np.float32) / 255.0)[..., None]
     xt = (xt.astype(np.float32) / 255.0)[..., None]
+
+    if args.mode == "single":
+        model = paper_cnn()
+        t_fit = time.perf_counter()
+        model.fit(x, y, epochs=args.epochs, batch_size=args.batch, verbose=0, shuffle=True)
+        fit_seconds = time.perf_counter() - t_fit
+        _, acc = model.evaluate(xt, yt, batch_size=512, verbose=0)
+        print(json.dumps({"spark_start": 0.0, "fit": fit_seconds, "accuracy": float(acc)}), flush=True)
+        return
+
+    from pyspark import SparkConf, SparkContext
 
     conf = (
         SparkConf()

@@ -15,36 +15,49 @@ def _noop() -> None:
 
 
 def run(rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2) -> dict[str, list[float]]:
-    samples: dict[str, list[float]] = {"raw socket echo": [], "ddlf ping (Rust only)": [], "ddlf call, 1 worker": []}
-    samples[f"ddlf call, all {n_workers} workers"] = []
+    one, every = "ddlf call, 1 worker", f"ddlf call, all {n_workers} workers"
+    samples: dict[str, list[float]] = {
+        "raw socket echo": [],
+        "ddlf ping (Rust only, gRPC)": [],
+        one: [],
+        every: [],
+        f"{one}, gRPC only": [],
+        f"{every}, gRPC only": [],
+    }
     with Cluster.local(n_workers, threads=1) as cluster:
         cluster.add_function(_noop, "noop")
+        # The same daemons through a second master that never opens direct lanes: what the lanes save.
+        assert cluster._local is not None
+        grpc = Cluster(cluster.addresses, cluster._local.token, direct_lane=False)
         echo = RawEcho()
         payload = b"x" * 64
         client = cluster._client
         # Warm up every path.
         for _ in range(200):
             echo.round_trip(payload)
-            cluster.run_on(0, "noop")
-            cluster.run("noop")
+            for c in (cluster, grpc):
+                c.run_on(0, "noop")
+                c.run("noop")
         for _ in range(rounds):  # interleaved blocks, so drift hits every contender alike
             s = samples["raw socket echo"]
             for _ in range(calls_per_round):
                 s.append(echo.round_trip(payload))
-            s = samples["ddlf ping (Rust only)"]
+            s = samples["ddlf ping (Rust only, gRPC)"]
             for _ in range(calls_per_round):
                 s.append(client.heartbeat([0])[0][0])
-            s = samples["ddlf call, 1 worker"]
-            for _ in range(calls_per_round):
-                t0 = time.perf_counter()
-                cluster.run_on(0, "noop")
-                s.append(time.perf_counter() - t0)
-            s = samples[f"ddlf call, all {n_workers} workers"]
-            for _ in range(calls_per_round):
-                t0 = time.perf_counter()
-                cluster.run("noop")
-                s.append(time.perf_counter() - t0)
+            for c, suffix in ((cluster, ""), (grpc, ", gRPC only")):
+                s = samples[one + suffix]
+                for _ in range(calls_per_round):
+                    t0 = time.perf_counter()
+                    c.run_on(0, "noop")
+                    s.append(time.perf_counter() - t0)
+                s = samples[every + suffix]
+                for _ in range(calls_per_round):
+                    t0 = time.perf_counter()
+                    c.run("noop")
+                    s.append(time.perf_counter() - t0)
         echo.close()
+        grpc.close()
     return samples
 
 
@@ -78,8 +91,11 @@ def main(argv: list[str] | None = None) -> None:
             "",
             f"{args.rounds} interleaved rounds of {args.calls} sequential calls per contender; the raw socket echo "
             "is a length-prefixed 64-byte echo between two Python processes over loopback TCP (the floor). "
-            "A ddlf call is `cluster.run_on(0, 'noop')`: pickle the arguments, gRPC to the daemon, queue to its "
-            "Python thread, run, pickle the result, and back.",
+            "A ddlf call is `cluster.run_on(0, 'noop')` (or `cluster.run('noop')` on all workers): pickle the "
+            "arguments, send them on the worker's direct lane (a plain TCP connection whose frames the worker's "
+            "interpreter thread reads and answers itself), run, pickle the result, and back. The 'gRPC only' rows "
+            "are the same calls from a second master connected to the same daemons with `direct_lane=False`: "
+            "HTTP/2 to the daemon's network thread, handed to its Python thread and back.",
             "",
             report.table(["path", "p50 (µs)", "p99 (µs)", "calls/s at p50", "p50 vs floor"], rows),
             "",

@@ -56,26 +56,7 @@ pub struct Assembler {
 impl Assembler {
     /// Check the declared `lengths` (pickle first, then each buffer) against `limits`, then allocate.
     pub fn new(lengths: &[u64], limits: FrameLimits) -> Result<Self, FrameError> {
-        if lengths.is_empty() {
-            return Err(FrameError::NoParts);
-        }
-        if lengths.len() > limits.max_parts {
-            return Err(FrameError::TooManyParts(lengths.len(), limits.max_parts));
-        }
-        let mut declared: u64 = 0;
-        for &l in lengths {
-            declared = declared.checked_add(l).ok_or(FrameError::Overflow)?;
-        }
-        if declared > limits.max_total {
-            return Err(FrameError::TooLarge {
-                declared,
-                limit: limits.max_total,
-            });
-        }
-        let lengths: Vec<usize> = lengths
-            .iter()
-            .map(|&l| usize::try_from(l).map_err(|_| FrameError::Overflow))
-            .collect::<Result<_, _>>()?;
+        let (lengths, declared) = check_lengths(lengths, limits)?;
         let mut assembler = Assembler {
             parts: lengths.iter().map(|&l| Vec::with_capacity(l)).collect(),
             lengths,
@@ -130,6 +111,35 @@ impl Assembler {
         let pickle = parts.next().unwrap_or_default();
         Ok((pickle, parts.collect()))
     }
+}
+
+/// Check declared part lengths (pickle first, then each buffer) against `limits`: the lengths as `usize` and
+/// their total, or why they cannot be accepted. Nothing is allocated for the parts before this passes.
+pub fn check_lengths(
+    lengths: &[u64],
+    limits: FrameLimits,
+) -> Result<(Vec<usize>, u64), FrameError> {
+    if lengths.is_empty() {
+        return Err(FrameError::NoParts);
+    }
+    if lengths.len() > limits.max_parts {
+        return Err(FrameError::TooManyParts(lengths.len(), limits.max_parts));
+    }
+    let mut declared: u64 = 0;
+    for &l in lengths {
+        declared = declared.checked_add(l).ok_or(FrameError::Overflow)?;
+    }
+    if declared > limits.max_total {
+        return Err(FrameError::TooLarge {
+            declared,
+            limit: limits.max_total,
+        });
+    }
+    let lengths = lengths
+        .iter()
+        .map(|&l| usize::try_from(l).map_err(|_| FrameError::Overflow))
+        .collect::<Result<_, _>>()?;
+    Ok((lengths, declared))
 }
 
 /// The lengths to declare for a value.

@@ -3,6 +3,7 @@
 //! A [`WorkerConn`] is cheap to clone (it shares one HTTP/2 connection) and every call has a deadline, so a
 //! daemon killed with `kill -9` or a link that goes down turns into [`NetError`] in bounded time, never a hang.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::{Token, TOKEN_HEADER};
@@ -19,6 +20,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Request, Status};
 
 use crate::error::{describe_error, NetError};
+use crate::lane::Lane;
 use crate::stream::{from_chunks, to_chunks, Expect, Header, StreamError};
 
 /// How the master connects to its workers.
@@ -38,6 +40,8 @@ pub struct ClientConfig {
     pub shared_memory: bool,
     /// Talk TLS, trusting this certificate authority.
     pub tls: Option<ClientTls>,
+    /// Also open a direct lane to each worker (plaintext daemons only) for small calls.
+    pub direct_lane: bool,
 }
 
 /// How the master checks a TLS daemon's certificate.
@@ -59,6 +63,7 @@ impl Default for ClientConfig {
             max_message_size: usize::MAX,
             shared_memory: true,
             tls: None,
+            direct_lane: true,
         }
     }
 }
@@ -100,6 +105,8 @@ pub struct WorkerConn {
     limits: FrameLimits,
     /// Large buffers may go through shared memory (the worker opened our probe file at connect).
     shared_memory: bool,
+    /// The direct lane for small calls, when one could be opened.
+    lane: Option<Arc<Lane>>,
 }
 
 impl WorkerConn {
@@ -171,6 +178,7 @@ impl WorkerConn {
                 ..Default::default()
             },
             shared_memory: false,
+            lane: None,
         };
         // Shared memory is used only if the worker can open a file we wrote (same machine *and* same /dev/shm:
         // a container on this kernel has its own).
@@ -205,8 +213,39 @@ impl WorkerConn {
         }
         tracing::debug!(address, worker_version = %hello.worker_version, pid = hello.pid, "connected");
         conn.shared_memory = probe.is_some() && hello.shm_visible;
+        if config.direct_lane && config.tls.is_none() {
+            // Without a lane every call still works over gRPC, only slower: a failure here is no reason to fail
+            // the connection.
+            match Lane::open(
+                address,
+                config.token.as_ref(),
+                config.connect_timeout,
+                conn.limits,
+            )
+            .await
+            {
+                Ok(lane) if lane.instance() == hello.instance => conn.lane = Some(Arc::new(lane)),
+                Ok(_) => tracing::warn!(
+                    address,
+                    "direct lane reached another daemon instance: not used"
+                ),
+                Err(e) => {
+                    tracing::warn!(address, error = %e, "no direct lane: every call goes over gRPC")
+                }
+            }
+        }
         conn.hello = hello;
         Ok(conn)
+    }
+
+    /// The direct lane for one small call, unless there is none or another thread is using it.
+    pub fn lane(&self) -> Option<crate::lane::LaneCall<'_>> {
+        self.lane.as_ref()?.begin()
+    }
+
+    /// Whether this connection has a direct lane (it may be busy, or have broken since).
+    pub fn has_lane(&self) -> bool {
+        self.lane.is_some()
     }
 
     /// The address this connection was made to.

@@ -7,6 +7,9 @@
 //! A cap on open connections keeps a flood of them from exhausting the daemon's file descriptors and memory.
 //!
 //! The bytes read for the check are replayed to the server, so an accepted connection is untouched.
+//!
+//! A plaintext daemon also admits direct lanes (see [`crate::lane`]): a connection that opens with
+//! [`LANE_PREFACE`] is handed to the daemon's lane handler instead of the gRPC server.
 
 use std::io;
 use std::net::SocketAddr;
@@ -21,6 +24,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use crate::lane::LANE_PREFACE;
 
 /// The first bytes of every HTTP/2 connection (RFC 9113, section 3.4).
 pub const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -63,6 +68,16 @@ pub enum Refusal {
     TlsOnPlain,
     PlainOnTls,
     Garbage,
+    LanesOff,
+}
+
+/// What an admitted connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// gRPC over HTTP/2 (or TLS carrying it).
+    Grpc,
+    /// A direct lane.
+    Lane,
 }
 
 impl std::fmt::Display for Refusal {
@@ -84,23 +99,33 @@ impl std::fmt::Display for Refusal {
                 "plaintext on a TLS port (the master does not use TLS, this daemon does)"
             ),
             Refusal::Garbage => write!(f, "not a gRPC connection (unrecognised bytes)"),
+            Refusal::LanesOff => write!(
+                f,
+                "a direct lane, and this daemon serves none (TLS daemons serve gRPC only)"
+            ),
         }
     }
 }
 
-/// Judge the first bytes of a connection: `Ok` admits it, `Err` says why it is refused.
-pub fn judge(first: &[u8], tls: bool) -> Result<(), Refusal> {
+/// Judge the first bytes of a connection: `Ok` admits it (saying what it speaks), `Err` says why it is refused.
+pub fn judge(first: &[u8], tls: bool) -> Result<Admission, Refusal> {
     let is_tls_record = first.first() == Some(&0x16) && first.get(1) == Some(&0x03);
     if tls {
         if is_tls_record {
-            return Ok(());
+            return Ok(Admission::Grpc);
         }
         if H2_PREFACE.starts_with(first) || first.starts_with(H2_PREFACE) {
             return Err(Refusal::PlainOnTls);
         }
+        if first == &LANE_PREFACE[..first.len().min(LANE_PREFACE.len())] && !first.is_empty() {
+            return Err(Refusal::LanesOff);
+        }
     } else {
         if first == H2_PREFACE {
-            return Ok(());
+            return Ok(Admission::Grpc);
+        }
+        if first == LANE_PREFACE {
+            return Ok(Admission::Lane);
         }
         if is_tls_record {
             return Err(Refusal::TlsOnPlain);
@@ -124,9 +149,9 @@ fn needed(tls: bool) -> usize {
     }
 }
 
-/// Releases one connection slot when the connection is dropped.
+/// Holds one connection slot; releases it when dropped (with the connection it was taken for).
 #[derive(Debug)]
-struct Slot(Arc<ConnStats>);
+pub struct Slot(Arc<ConnStats>);
 
 impl Drop for Slot {
     fn drop(&mut self) {
@@ -199,12 +224,27 @@ impl AsyncWrite for Admitted {
     }
 }
 
+/// A direct lane that passed the preface check, for the daemon's lane handler (which checks its hello).
+#[derive(Debug)]
+pub struct LaneArrival {
+    pub stream: TcpStream,
+    pub peer: SocketAddr,
+    /// Keep it as long as the lane is open: the lane counts against the connection limit.
+    pub slot: Slot,
+}
+
+/// An admitted connection of either kind.
+enum Arrival {
+    Grpc(Admitted),
+    Lane(LaneArrival),
+}
+
 async fn admit(
     mut stream: TcpStream,
     peer: SocketAddr,
     config: &GuardConfig,
     slot: Slot,
-) -> Result<Admitted, Refusal> {
+) -> Result<Arrival, Refusal> {
     let want = needed(config.tls);
     let mut first = vec![0u8; want];
     let mut got = 0;
@@ -219,38 +259,44 @@ async fn admit(
             let plausible = if config.tls {
                 so_far[0] == 0x16
             } else {
-                H2_PREFACE.starts_with(so_far)
+                H2_PREFACE.starts_with(so_far) || LANE_PREFACE.starts_with(so_far)
             };
             if !plausible {
-                return judge(so_far, config.tls).map(|_| ());
+                return judge(so_far, config.tls);
             }
         }
         judge(&first, config.tls)
     };
-    match tokio::time::timeout(config.handshake_timeout, read).await {
+    let admission = match tokio::time::timeout(config.handshake_timeout, read).await {
         Err(_) => return Err(Refusal::Silent(config.handshake_timeout)),
         Ok(Err(r)) => return Err(r),
-        Ok(Ok(())) => {}
+        Ok(Ok(a)) => a,
+    };
+    if admission == Admission::Lane {
+        // The preface was read whole (it is exactly as long as the read), so the hello comes next.
+        return Ok(Arrival::Lane(LaneArrival { stream, peer, slot }));
     }
     let info = TcpConnectInfo {
         local_addr: stream.local_addr().ok(),
         remote_addr: Some(peer),
     };
-    Ok(Admitted {
+    Ok(Arrival::Grpc(Admitted {
         stream,
         prefix: first,
         pos: 0,
         info,
         _slot: slot,
-    })
+    }))
 }
 
-/// Accept connections on `listener`, check each one concurrently, and yield the admitted ones. Stops accepting
-/// (and closes the listening socket) when the returned stream is dropped.
+/// Accept connections on `listener`, check each one concurrently, and yield the admitted gRPC ones; direct lanes
+/// go to `lanes` (refused when it is `None`). Stops accepting (and closes the listening socket) when the
+/// returned stream is dropped.
 pub fn guarded(
     listener: TcpListener,
     config: GuardConfig,
     stats: Arc<ConnStats>,
+    lanes: Option<mpsc::UnboundedSender<LaneArrival>>,
 ) -> ReceiverStream<io::Result<Admitted>> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
@@ -276,13 +322,24 @@ pub fn guarded(
                 tracing::warn!(%peer, reason = %Refusal::TooMany(open - 1), "connection refused");
                 continue; // dropping the stream closes it; dropping the slot frees it
             }
-            let (tx, stats, config) = (tx.clone(), stats.clone(), config.clone());
+            let (tx, stats, config, lanes) =
+                (tx.clone(), stats.clone(), config.clone(), lanes.clone());
             tokio::spawn(async move {
                 match admit(stream, peer, &config, slot).await {
-                    Ok(conn) => {
+                    Ok(Arrival::Grpc(conn)) => {
                         tracing::debug!(%peer, "connection admitted");
                         let _ = tx.send(Ok(conn)).await;
                     }
+                    Ok(Arrival::Lane(lane)) => match lanes {
+                        Some(lanes) => {
+                            tracing::debug!(%peer, "direct lane admitted");
+                            let _ = lanes.send(lane);
+                        }
+                        None => {
+                            stats.refused.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(%peer, reason = %Refusal::LanesOff, "connection refused");
+                        }
+                    },
                     Err(reason) => {
                         stats.refused.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(%peer, %reason, "connection refused");
@@ -301,10 +358,13 @@ mod tests {
 
     #[test]
     fn the_preface_is_accepted_and_everything_else_named() {
-        assert_eq!(judge(H2_PREFACE, false), Ok(()));
+        assert_eq!(judge(H2_PREFACE, false), Ok(Admission::Grpc));
+        assert_eq!(judge(LANE_PREFACE, false), Ok(Admission::Lane));
+        assert_eq!(judge(&LANE_PREFACE[..3], true), Err(Refusal::LanesOff));
+        assert_eq!(judge(&LANE_PREFACE[..10], false), Err(Refusal::Garbage));
         assert_eq!(judge(b"GET / HTTP/1.1\r\n", false), Err(Refusal::Http1));
         assert_eq!(judge(&[0x16, 0x03, 0x01], false), Err(Refusal::TlsOnPlain));
-        assert_eq!(judge(&[0x16, 0x03, 0x01], true), Ok(()));
+        assert_eq!(judge(&[0x16, 0x03, 0x01], true), Ok(Admission::Grpc));
         assert_eq!(judge(&H2_PREFACE[..3], true), Err(Refusal::PlainOnTls));
         assert_eq!(judge(b"\x00\xffjunk", false), Err(Refusal::Garbage));
         assert_eq!(judge(b"", false), Err(Refusal::Garbage));
@@ -320,6 +380,7 @@ mod tests {
             Refusal::TlsOnPlain,
             Refusal::PlainOnTls,
             Refusal::Garbage,
+            Refusal::LanesOff,
         ] {
             assert!(r.to_string().len() > 10, "{r:?}");
         }
@@ -333,13 +394,14 @@ mod tests {
             /// No first bytes make the judge panic, and only a real preface (or TLS record) is accepted.
             #[test]
             fn judge_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64), tls: bool) {
-                let verdict = judge(&bytes, tls);
-                if verdict.is_ok() {
-                    if tls {
-                        prop_assert!(bytes[0] == 0x16 && bytes[1] == 0x03);
-                    } else {
-                        prop_assert_eq!(&bytes[..], &H2_PREFACE[..]);
+                match judge(&bytes, tls) {
+                    Ok(Admission::Grpc) if tls => prop_assert!(bytes[0] == 0x16 && bytes[1] == 0x03),
+                    Ok(Admission::Grpc) => prop_assert_eq!(&bytes[..], &H2_PREFACE[..]),
+                    Ok(Admission::Lane) => {
+                        prop_assert!(!tls);
+                        prop_assert_eq!(&bytes[..], &LANE_PREFACE[..]);
                     }
+                    Err(_) => {}
                 }
             }
         }

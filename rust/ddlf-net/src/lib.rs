@@ -3,12 +3,14 @@
 //! * [`client`]: connect with a deadline, version handshake, calls with deadlines, ping/status/shutdown.
 //! * [`server`]: the configured tonic server builder, token authentication, listener.
 //! * [`guard`]: admission control in front of a daemon's server (connection cap, handshake check, logging).
+//! * [`lane`]: direct lanes, calls framed on plain TCP and answered by the worker's interpreter thread itself.
 //! * [`stream`]: values cut into chunks for streamed calls, and read back (both ends).
 //! * [`error`]: [`NetError`], what can go wrong talking to a worker, always naming its address.
 
 pub mod client;
 pub mod error;
 pub mod guard;
+pub mod lane;
 pub mod server;
 pub mod stream;
 

@@ -5,12 +5,14 @@
 //! failure of one worker never hides the answers of the others.
 
 use std::future::Future;
+use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ddlf_core::auth::Token;
+use ddlf_net::lane::{deadline_wait, LaneCall, MAX_LANE_REQUEST};
 use ddlf_net::{ClientConfig, ClientTls, NetError, WorkerConn};
 use ddlf_proto::{CallReply, CallRequest, ShmRef, Value};
 use futures_util::future::join_all;
@@ -108,6 +110,7 @@ fn info_dict<'py>(py: Python<'py>, c: &WorkerConn) -> PyResult<Bound<'py, PyDict
     d.set_item("hostname", &h.hostname)?;
     d.set_item("shared_memory", c.shared_memory())?;
     d.set_item("instance", h.instance)?;
+    d.set_item("direct_lane", c.has_lane())?;
     Ok(d)
 }
 
@@ -137,6 +140,28 @@ impl Answer {
         self.result
             .as_ref()
             .is_ok_and(|r| r.error != ddlf_proto::ErrorKind::BadRequest as i32)
+    }
+}
+
+/// Whether a request is small enough for a direct lane (and carries no shared-memory reference).
+fn lane_sized(req: &CallRequest) -> bool {
+    req.value.as_ref().is_none_or(|v| {
+        v.shm.is_none()
+            && v.pickle.len() + v.buffers.iter().map(|b| b.len()).sum::<usize>() <= MAX_LANE_REQUEST
+    })
+}
+
+/// Whether Ctrl-C arrived while waiting (checked at most once: the first error is kept in `slot`).
+fn signalled(slot: &Mutex<Option<PyErr>>) -> io::Result<()> {
+    let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.is_none() {
+        if let Err(e) = Python::attach(|py| py.check_signals()) {
+            *slot = Some(e);
+        }
+    }
+    match *slot {
+        Some(_) => Err(io::ErrorKind::Interrupted.into()),
+        None => Ok(()),
     }
 }
 
@@ -240,6 +265,13 @@ impl Client {
                 id,
             }
         }
+        if requests.iter().all(lane_sized) {
+            // Every target must have its lane free; otherwise the call goes over gRPC, all of it.
+            let lanes: Vec<LaneCall<'_>> = conns.iter().map_while(WorkerConn::lane).collect();
+            if lanes.len() == conns.len() {
+                return self.over_lanes(py, &conns, lanes, requests, timeout);
+            }
+        }
         self.wait(py, async move {
             if conns.len() == 1 {
                 let req = requests.into_iter().next().unwrap_or_default();
@@ -253,6 +285,72 @@ impl Client {
             )
             .await
         })
+    }
+
+    /// One call over the direct lanes of its targets, on this thread with the GIL released: every request is
+    /// written, then every reply read. Waits wake every `MASTER_POLL` to check the deadline and for Ctrl-C, and
+    /// every heartbeat interval ping the worker over gRPC (answered by its network thread even while its Python
+    /// is busy), so a stopped or vanished worker is detected as the gRPC path's keepalive would.
+    fn over_lanes(
+        &self,
+        py: Python<'_>,
+        conns: &[WorkerConn],
+        mut lanes: Vec<LaneCall<'_>>,
+        requests: Vec<CallRequest>,
+        timeout: Option<Duration>,
+    ) -> PyResult<Vec<Answer>> {
+        let deadline = timeout.map(|t| (Instant::now() + t, t));
+        let interrupted: Mutex<Option<PyErr>> = Mutex::new(None);
+        let answers = py.detach(|| {
+            let sent: Vec<_> = lanes
+                .iter_mut()
+                .zip(requests)
+                .map(|(lane, req)| {
+                    let (id, start) = (req.request_id, Instant::now());
+                    let mut wait = deadline_wait(deadline, || signalled(&interrupted));
+                    (id, start, lane.send(req, deadline, &mut wait))
+                })
+                .collect();
+            lanes
+                .iter_mut()
+                .zip(conns)
+                .zip(sent)
+                .map(|((lane, conn), (id, start, sent))| {
+                    let mut next_beat = Instant::now() + self.config.keepalive_interval;
+                    let mut wait = deadline_wait(deadline, || {
+                        signalled(&interrupted)?;
+                        if Instant::now() >= next_beat {
+                            self.alive(conn)?;
+                            next_beat = Instant::now() + self.config.keepalive_interval;
+                        }
+                        Ok(())
+                    });
+                    Answer {
+                        result: sent.and_then(|()| lane.receive(deadline, &mut wait)),
+                        seconds: start.elapsed().as_secs_f64(),
+                        id,
+                    }
+                })
+                .collect::<Vec<_>>()
+        });
+        match interrupted.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(answers),
+        }
+    }
+
+    /// A heartbeat over gRPC within the keepalive timeout (called with the GIL released).
+    fn alive(&self, conn: &WorkerConn) -> io::Result<()> {
+        let t = self.config.keepalive_timeout;
+        let aborted = |why: String| io::Error::new(io::ErrorKind::ConnectionAborted, why);
+        match self.rt.block_on(conn.heartbeat(Some(t))) {
+            Ok(_) => Ok(()),
+            Err(NetError::DeadlineExceeded { .. }) => Err(aborted(format!(
+                "no answer to a heartbeat within {:.1} s",
+                t.as_secs_f64()
+            ))),
+            Err(e) => Err(aborted(format!("heartbeat failed: {e}"))),
+        }
     }
 
     /// Send each target its value (`values[which[i]]` to target `i`). Large buffers for workers on this
@@ -382,7 +480,7 @@ impl Client {
 impl Client {
     /// Connect to every address concurrently and check versions. Raises the first failure.
     #[new]
-    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = false, tls_ca = None, tls_domain = None))]
+    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = false, tls_ca = None, tls_domain = None, direct_lane = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -394,6 +492,7 @@ impl Client {
         shared_memory: bool,
         tls_ca: Option<&[u8]>,
         tls_domain: Option<String>,
+        direct_lane: bool,
     ) -> PyResult<Self> {
         if addresses.is_empty() {
             return Err(PyValueError::new_err(
@@ -417,6 +516,7 @@ impl Client {
                 ca_pem: ca.to_vec(),
                 domain: tls_domain,
             }),
+            direct_lane,
             ..Default::default()
         };
         // The master's runtime runs on the calling thread inside `block_on`: a call costs no thread hop on the

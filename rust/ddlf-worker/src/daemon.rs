@@ -119,12 +119,12 @@ impl Daemon {
             config.name.clone()
         };
         let state = Arc::new(WorkerState::new(name));
-        let (jobs, receiver) = queue(state.clone());
-        let (stop, mut stopped) = watch::channel(false);
         let limits = FrameLimits {
             max_total: config.server.max_message_size as u64,
             ..Default::default()
         };
+        let (jobs, receiver) = queue(state.clone(), limits).map_err(DaemonError::Runtime)?;
+        let (stop, mut stopped) = watch::channel(false);
         let service = WorkerService::new(state.clone(), jobs.clone(), stop.clone(), limits);
         // A streamed chunk is at most CHUNK_BYTES plus its header; unary requests up to the configured size.
         let server = WorkerServer::new(service)
@@ -144,6 +144,20 @@ impl Daemon {
         let mut guard = config.server.guard.clone();
         guard.tls = config.server.tls.is_some();
         let connections = state.connections.clone();
+        // Direct lanes on a plaintext daemon: their hellos are checked on this runtime, then the interpreter
+        // thread serves them (TLS daemons speak gRPC only).
+        let lanes = (!guard.tls).then(|| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let token = config.token.clone().map(Arc::new);
+            (
+                tx,
+                rx,
+                token,
+                guard.handshake_timeout,
+                state.clone(),
+                jobs.clone(),
+            )
+        });
         let (done_tx, done) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("ddlf-net".into())
@@ -159,7 +173,19 @@ impl Daemon {
                     // Every connection passes the admission guard (limit, preface check, handshake deadline)
                     // with Nagle off: HTTP/2 writes small frames (headers, trailers, window updates) after large
                     // ones, and Nagle would hold them for the peer's delayed ACK.
-                    let incoming = ddlf_net::guard::guarded(listener, guard, connections);
+                    let lane_tx = lanes.map(|(tx, mut rx, token, timeout, state, jobs)| {
+                        tokio::spawn(async move {
+                            while let Some(arrival) = rx.recv().await {
+                                let (token, state, jobs) =
+                                    (token.clone(), state.clone(), jobs.clone());
+                                tokio::spawn(crate::lanes::welcome(
+                                    arrival, token, timeout, state, jobs,
+                                ));
+                            }
+                        });
+                        tx
+                    });
+                    let incoming = ddlf_net::guard::guarded(listener, guard, connections, lane_tx);
                     let result = builder
                         .add_service(svc)
                         .serve_with_incoming_shutdown(incoming, async move {

@@ -1,30 +1,47 @@
-//! The queue between the gRPC service (tokio) and the interpreter thread.
+//! The queue between the network side and the interpreter thread.
 //!
-//! The service turns each `Call` into a [`Job`] and awaits its reply; the interpreter thread blocks on
-//! [`JobReceiver::next`] (it releases the GIL while it waits) and answers each job in arrival order.
+//! The gRPC service turns each `Call` into a [`Job`] and awaits its reply; the interpreter thread blocks on
+//! [`JobReceiver::next`] (it releases the GIL while it waits) and answers each job in arrival order. The same
+//! wait also watches the daemon's direct lanes ([`crate::lanes`]): a request arriving on one is read, and later
+//! answered, by the interpreter thread itself.
 
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ddlf_core::frame::FrameLimits;
 use ddlf_proto::{CallReply, CallRequest, Op};
 use tokio::sync::oneshot;
+use tonic::Status;
 
+use crate::lanes::{LaneIn, LaneOut, LaneRead};
 use crate::state::WorkerState;
 
 // Moved once per request; boxing would add an allocation to every call for no gain.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Message {
     Job(Job),
+    Lane(LaneIn),
     Shutdown,
+}
+
+/// Where a job's reply goes.
+enum ReplyTo {
+    /// The gRPC call awaiting it on the network runtime.
+    Grpc(oneshot::Sender<CallReply>),
+    /// Written by the interpreter thread to the lane the request came on.
+    Lane(Arc<LaneOut>),
 }
 
 /// One request for the interpreter.
 pub struct Job {
     pub request: CallRequest,
     pub enqueued_at: Instant,
-    reply: oneshot::Sender<CallReply>,
+    reply: ReplyTo,
     state: Arc<WorkerState>,
 }
 
@@ -34,14 +51,73 @@ impl Job {
         label(&self.request)
     }
 
-    /// Send the reply back to the waiting service call (if the master is still waiting).
+    /// Send the reply back: to the waiting service call (if the master is still waiting), or on the lane.
     pub fn respond(self, mut reply: CallReply) {
         reply.queue_seconds = reply.queue_seconds.max(0.0);
         self.state.end();
-        if self.reply.send(reply).is_err() {
-            tracing::debug!("reply dropped: the master stopped waiting");
+        match self.reply {
+            ReplyTo::Grpc(tx) => {
+                if tx.send(reply).is_err() {
+                    tracing::debug!("reply dropped: the master stopped waiting");
+                }
+            }
+            ReplyTo::Lane(out) => {
+                log_reply(&reply, self.enqueued_at.elapsed());
+                out.send(reply);
+            }
         }
     }
+}
+
+/// One line per answered call: a warning naming the exception when it failed, else a debug line.
+pub(crate) fn log_reply(reply: &CallReply, took: Duration) {
+    if let Some(e) = reply.exception.as_ref().filter(|_| reply.error != 0) {
+        tracing::warn!(
+            error = reply.error,
+            compute_s = reply.compute_seconds,
+            "call failed: {}: {}",
+            e.type_name,
+            first_line(&e.message)
+        );
+    } else {
+        tracing::debug!(
+            micros = took.as_micros() as u64,
+            compute_s = reply.compute_seconds,
+            "call served"
+        );
+    }
+}
+
+/// The first line of a message, at most 500 characters (a log line stays one line).
+fn first_line(message: &str) -> &str {
+    let line = message.lines().next().unwrap_or("");
+    match line.char_indices().nth(500) {
+        Some((i, _)) => &line[..i],
+        None => line,
+    }
+}
+
+/// Checks every request passes before it is queued, whichever way it came: a known operation, addressed to this
+/// instance of the daemon.
+pub(crate) fn screen(state: &WorkerState, req: &CallRequest) -> Result<(), Status> {
+    if Op::try_from(req.op).unwrap_or(Op::Unspecified) == Op::Unspecified {
+        return Err(state.reject(Status::invalid_argument(format!(
+            "unknown operation code {}",
+            req.op
+        ))));
+    }
+    if req.instance != 0 && req.instance != state.instance {
+        tracing::info!(
+            expected = req.instance,
+            ours = state.instance,
+            "request for an earlier instance of this daemon: the master must re-provision it"
+        );
+        return Err(Status::failed_precondition(format!(
+            "{}: this daemon started after the master connected, and holds nothing it pushed",
+            ddlf_net::error::RESTARTED
+        )));
+    }
+    Ok(())
 }
 
 /// `op:name`, for logs and status.
@@ -68,34 +144,152 @@ pub enum Next {
     Shutdown,
 }
 
+/// The interpreter thread's end: the queue, and the lanes it reads itself.
+struct Inbox {
+    rx: mpsc::Receiver<Message>,
+    lanes: Vec<LaneIn>,
+    /// Woken (one byte) whenever something is queued, so a wait that polls the lanes also sees the queue.
+    wake: UnixStream,
+}
+
 /// The interpreter thread's end of the queue.
 pub struct JobReceiver {
     // Behind a mutex only so that the receiver is `Sync` (the interpreter thread waits on it with the GIL
     // released); there is one consumer, so the lock is never contended.
-    rx: Mutex<mpsc::Receiver<Message>>,
+    inbox: Mutex<Inbox>,
     state: Arc<WorkerState>,
+    limits: FrameLimits,
+}
+
+// Moved once per request, as `Message` is.
+#[allow(clippy::large_enum_variant)]
+enum Queued {
+    Job(Job),
+    Shutdown,
+    Empty,
 }
 
 impl JobReceiver {
-    /// Wait up to `timeout` for the next job.
+    /// Wait up to `timeout` for the next job, from the queue or from a lane.
     pub fn next(&self, timeout: Duration) -> Next {
-        let rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
-        match rx.recv_timeout(timeout) {
-            Ok(Message::Job(job)) => {
-                self.state.queued.fetch_sub(1, Ordering::Relaxed);
-                self.state.begin(&job.label());
-                Next::Job(job)
+        let deadline = Instant::now() + timeout;
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match self.take_queued(&mut inbox) {
+                Queued::Job(job) => return self.started(job),
+                Queued::Shutdown => return Next::Shutdown,
+                Queued::Empty => {}
             }
-            Ok(Message::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => Next::Shutdown,
-            Err(mpsc::RecvTimeoutError::Timeout) => Next::Idle,
+            // Bytes already read past the previous request are a request the socket will not poll for.
+            if let Some(i) = inbox.lanes.iter().position(|l| l.has_buffered()) {
+                if let Some(job) = self.read_lane(&mut inbox, i) {
+                    return self.started(job);
+                }
+                continue;
+            }
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Next::Idle;
+            }
+            if inbox.lanes.is_empty() {
+                match inbox.rx.recv_timeout(remaining) {
+                    Ok(Message::Job(job)) => {
+                        self.state.queued.fetch_sub(1, Ordering::Relaxed);
+                        return self.started(job);
+                    }
+                    Ok(Message::Lane(lane)) => inbox.lanes.push(lane),
+                    Ok(Message::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        return Next::Shutdown
+                    }
+                    Err(mpsc::RecvTimeoutError::Timeout) => return Next::Idle,
+                }
+                continue;
+            }
+            let ready = poll_ready(&inbox, remaining);
+            if ready.first() == Some(&0) {
+                drain(&mut inbox.wake);
+            }
+            // The first ready lane is served; it then goes to the back, so busy lanes take turns.
+            if let Some(&i) = ready.iter().find(|&&i| i > 0) {
+                if let Some(job) = self.read_lane(&mut inbox, i - 1) {
+                    return self.started(job);
+                }
+            }
         }
+    }
+
+    fn started(&self, job: Job) -> Next {
+        self.state.begin(&job.label());
+        Next::Job(job)
+    }
+
+    fn take_queued(&self, inbox: &mut Inbox) -> Queued {
+        loop {
+            match inbox.rx.try_recv() {
+                Ok(Message::Job(job)) => {
+                    self.state.queued.fetch_sub(1, Ordering::Relaxed);
+                    return Queued::Job(job);
+                }
+                Ok(Message::Lane(lane)) => inbox.lanes.push(lane),
+                Ok(Message::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => {
+                    return Queued::Shutdown
+                }
+                Err(mpsc::TryRecvError::Empty) => return Queued::Empty,
+            }
+        }
+    }
+
+    /// Read the next request on lane `i`: a job to run, or None (refused and answered, or the lane closed).
+    fn read_lane(&self, inbox: &mut Inbox, i: usize) -> Option<Job> {
+        let mut lane = inbox.lanes.remove(i);
+        let job = match lane.read(&self.state, self.limits) {
+            LaneRead::Request(request) => Some(Job {
+                request,
+                enqueued_at: Instant::now(),
+                reply: ReplyTo::Lane(lane.out()),
+                state: self.state.clone(),
+            }),
+            LaneRead::Answered => None,
+            LaneRead::Closed => return None,
+        };
+        inbox.lanes.push(lane);
+        job
     }
 }
 
-/// The service's end of the queue.
+/// Wait until the wake socket (index 0) or lanes (index i + 1) are readable, or `timeout`; the ready indices.
+fn poll_ready(inbox: &Inbox, timeout: Duration) -> Vec<usize> {
+    let mut fds: Vec<libc::pollfd> = std::iter::once(inbox.wake.as_raw_fd())
+        .chain(inbox.lanes.iter().map(|l| l.fd()))
+        .map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let millis = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs that outlives the call.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, millis) };
+    if n <= 0 {
+        return Vec::new(); // timeout, or EINTR: the caller loops and re-checks its deadline
+    }
+    fds.iter()
+        .enumerate()
+        .filter(|(_, p)| p.revents != 0)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+fn drain(wake: &mut UnixStream) {
+    let mut sink = [0u8; 256];
+    while matches!(wake.read(&mut sink), Ok(n) if n > 0) {}
+}
+
+/// The network side's end of the queue.
 #[derive(Clone)]
 pub struct JobSender {
     tx: mpsc::Sender<Message>,
+    wake: Arc<UnixStream>,
     state: Arc<WorkerState>,
 }
 
@@ -107,36 +301,62 @@ impl JobSender {
         let job = Job {
             request,
             enqueued_at: Instant::now(),
-            reply,
+            reply: ReplyTo::Grpc(reply),
             state: self.state.clone(),
         };
         self.state.queued.fetch_add(1, Ordering::Relaxed);
-        if self.tx.send(Message::Job(job)).is_err() {
+        if !self.send(Message::Job(job)) {
             self.state.queued.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
         Some(rx)
     }
 
+    /// Hand a lane that passed its handshake to the interpreter thread.
+    pub(crate) fn add_lane(&self, lane: LaneIn) -> bool {
+        self.send(Message::Lane(lane))
+    }
+
     /// Wake the interpreter thread and tell it to leave its loop.
     pub fn shutdown(&self) {
-        let _ = self.tx.send(Message::Shutdown);
+        self.send(Message::Shutdown);
+    }
+
+    fn send(&self, message: Message) -> bool {
+        if self.tx.send(message).is_err() {
+            return false;
+        }
+        // Non-blocking: when the socket is full the interpreter has wake-ups pending anyway.
+        let _ = (&*self.wake).write(&[1]);
+        true
     }
 }
 
-/// A connected sender/receiver pair sharing `state`.
-pub fn queue(state: Arc<WorkerState>) -> (JobSender, JobReceiver) {
+/// A connected sender/receiver pair sharing `state`; requests read from lanes are held to `limits`.
+pub fn queue(
+    state: Arc<WorkerState>,
+    limits: FrameLimits,
+) -> std::io::Result<(JobSender, JobReceiver)> {
     let (tx, rx) = mpsc::channel();
-    (
+    let (wake_rx, wake_tx) = UnixStream::pair()?;
+    wake_rx.set_nonblocking(true)?;
+    wake_tx.set_nonblocking(true)?;
+    Ok((
         JobSender {
             tx,
+            wake: Arc::new(wake_tx),
             state: state.clone(),
         },
         JobReceiver {
-            rx: Mutex::new(rx),
+            inbox: Mutex::new(Inbox {
+                rx,
+                lanes: Vec::new(),
+                wake: wake_rx,
+            }),
             state,
+            limits,
         },
-    )
+    ))
 }
 
 #[cfg(test)]
@@ -146,7 +366,7 @@ mod tests {
     #[test]
     fn jobs_flow_in_order_and_replies_come_back() {
         let state = Arc::new(WorkerState::new("t".into()));
-        let (tx, rx) = queue(state.clone());
+        let (tx, rx) = queue(state.clone(), FrameLimits::default()).unwrap();
         let mut waits = Vec::new();
         for i in 0..3 {
             let req = CallRequest {
@@ -182,7 +402,7 @@ mod tests {
     #[test]
     fn submit_fails_when_interpreter_is_gone() {
         let state = Arc::new(WorkerState::new("t".into()));
-        let (tx, rx) = queue(state);
+        let (tx, rx) = queue(state, FrameLimits::default()).unwrap();
         drop(rx);
         assert!(tx.submit(CallRequest::default()).is_none());
     }

@@ -7,12 +7,14 @@
 //!
 //! * [`daemon`]: start/stop a daemon on its own runtime.
 //! * [`service`]: the gRPC service.
-//! * [`jobs`]: the queue between the service and the interpreter thread.
+//! * [`jobs`]: the queue between the service and the interpreter thread, which also reads direct lanes.
+//! * [`lanes`]: the daemon's end of direct lanes (handshake, reading requests, writing replies).
 //! * [`state`]: what the daemon knows about itself (uptime, counters, what is running).
 //! * [`logs`]: its recent log lines, kept in memory for the `Logs` RPC.
 
 pub mod daemon;
 pub mod jobs;
+pub mod lanes;
 pub mod logs;
 pub mod service;
 pub mod state;

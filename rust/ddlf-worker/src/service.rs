@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use ddlf_proto::worker_server::Worker;
 use ddlf_proto::{
-    CallReply, CallRequest, HelloReply, HelloRequest, LogsReply, LogsRequest, Op, PingReply,
+    CallReply, CallRequest, HelloReply, HelloRequest, LogsReply, LogsRequest, PingReply,
     PingRequest, ShutdownReply, ShutdownRequest, StatusReply, StatusRequest, PROTOCOL_VERSION,
     VERSION,
 };
@@ -20,7 +20,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::jobs::{label, JobSender};
+use crate::jobs::{label, log_reply, screen, JobSender};
 use crate::state::{rss_bytes, WorkerState};
 
 /// Bytes per streamed chunk.
@@ -54,23 +54,7 @@ impl WorkerService {
     /// Queue a request for the interpreter and wait for its reply.
     async fn run(&self, req: CallRequest) -> Result<CallReply, Status> {
         let start = Instant::now();
-        if Op::try_from(req.op).unwrap_or(Op::Unspecified) == Op::Unspecified {
-            return Err(self.reject(Status::invalid_argument(format!(
-                "unknown operation code {}",
-                req.op
-            ))));
-        }
-        if req.instance != 0 && req.instance != self.state.instance {
-            tracing::info!(
-                expected = req.instance,
-                ours = self.state.instance,
-                "request for an earlier instance of this daemon: the master must re-provision it"
-            );
-            return Err(Status::failed_precondition(format!(
-                "{}: this daemon started after the master connected, and holds nothing it pushed",
-                ddlf_net::error::RESTARTED
-            )));
-        }
+        screen(&self.state, &req)?;
         let what = label(&req);
         // Every line logged about this request, here and on the interpreter thread, carries its id (the
         // master's, unique per master process) and what it runs.
@@ -83,21 +67,7 @@ impl WorkerService {
             .await
             .map_err(|_| Status::unavailable("the worker stopped before answering"))?;
         let _entered = span.enter();
-        if let Some(e) = reply.exception.as_ref().filter(|_| reply.error != 0) {
-            tracing::warn!(
-                error = reply.error,
-                compute_s = reply.compute_seconds,
-                "call failed: {}: {}",
-                e.type_name,
-                first_line(&e.message)
-            );
-        } else {
-            tracing::debug!(
-                micros = start.elapsed().as_micros() as u64,
-                compute_s = reply.compute_seconds,
-                "call served"
-            );
-        }
+        log_reply(&reply, start.elapsed());
         Ok(reply)
     }
 
@@ -120,9 +90,7 @@ impl WorkerService {
     }
 
     fn reject(&self, status: Status) -> Status {
-        self.state.rejected.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(code = ?status.code(), message = status.message(), "request rejected");
-        status
+        self.state.reject(status)
     }
 }
 
@@ -228,15 +196,6 @@ impl Worker for WorkerService {
             jobs.shutdown();
         });
         Ok(Response::new(ShutdownReply {}))
-    }
-}
-
-/// The first line of a message, at most 500 characters (a log line stays one line).
-fn first_line(message: &str) -> &str {
-    let line = message.lines().next().unwrap_or("");
-    match line.char_indices().nth(500) {
-        Some((i, _)) => &line[..i],
-        None => line,
     }
 }
 

@@ -49,6 +49,13 @@ impl WorkerState {
         self.served.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Count and log a refused request; returns the status to answer with.
+    pub fn reject(&self, status: tonic::Status) -> tonic::Status {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(code = ?status.code(), message = status.message(), "request rejected");
+        status
+    }
+
     /// The running operation and for how long it has run.
     pub fn running(&self) -> Option<(String, std::time::Duration)> {
         self.running

@@ -347,8 +347,9 @@ async fn garbage_on_the_port_is_refused_and_the_worker_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_the_limit_are_refused() {
+    // Each master opens two connections: gRPC and its direct lane.
     let (daemon, _interp, addr) = start_guarded(ddlf_net::GuardConfig {
-        max_connections: 2,
+        max_connections: 4,
         ..Default::default()
     });
     let a = WorkerConn::connect(&addr.to_string(), &client_config(None))
@@ -361,7 +362,7 @@ async fn connections_over_the_limit_are_refused() {
     assert!(third.is_err(), "a third connection was admitted");
     a.ping(Some(Duration::from_secs(2))).await.unwrap();
     let st = a.status(Some(Duration::from_secs(2))).await.unwrap();
-    assert_eq!(st.connections_open, 2);
+    assert_eq!(st.connections_open, 4);
     assert!(st.connections_refused >= 1);
     drop(a);
     drop(_b);
@@ -427,4 +428,90 @@ async fn a_restarted_daemon_refuses_requests_meant_for_its_predecessor() {
         .await
         .unwrap();
     drop(daemon2);
+}
+
+/// One blocking call on a connection's direct lane.
+fn lane_call(conn: &WorkerConn, req: CallRequest) -> Result<CallReply, NetError> {
+    let mut call = conn.lane().expect("a free direct lane");
+    let deadline = Some((
+        std::time::Instant::now() + Duration::from_secs(5),
+        Duration::from_secs(5),
+    ));
+    let mut wait = ddlf_net::lane::deadline_wait(deadline, || Ok(()));
+    call.send(req, deadline, &mut wait)?;
+    call.receive(deadline, &mut wait)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_lanes_call_refuse_and_authenticate() {
+    let (daemon, interp) = start(Some("secret"), 1 << 20);
+    let addr = daemon.local_addr().to_string();
+    let conn = WorkerConn::connect(&addr, &client_config(Some("secret")))
+        .await
+        .unwrap();
+    assert!(conn.has_lane());
+    let busy = conn.clone();
+    // The interpreter is busy with a gRPC call: the lane's request waits its turn and is then answered.
+    let sleeper = tokio::spawn(async move {
+        busy.call(run_request("sleep", b"z"), Some(Duration::from_secs(5)))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let conn2 = conn.clone();
+    tokio::task::spawn_blocking(move || {
+        let conn = conn2;
+        let reply = lane_call(&conn, run_request("f", b"over the lane")).unwrap();
+        assert_eq!(&reply.value.unwrap().pickle[..], b"over the lane");
+        // Too large for this worker (1 MiB): refused as over gRPC, and the lane stays open and in step.
+        match lane_call(&conn, run_request("f", &vec![1u8; 3 << 19])) {
+            Err(NetError::Rejected { code, message, .. }) => {
+                assert_eq!(code, "ResourceExhausted");
+                assert!(
+                    message.contains("exceeds the limit of 1048576 bytes"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected Rejected, got {:?}", other.map(|_| ())),
+        }
+        let mut bad = run_request("f", b"x");
+        bad.op = 999;
+        assert!(matches!(
+            lane_call(&conn, bad),
+            Err(NetError::Rejected { code, .. }) if code == "InvalidArgument"
+        ));
+        let reply = lane_call(&conn, run_request("f", b"still")).unwrap();
+        assert_eq!(&reply.value.unwrap().pickle[..], b"still");
+    })
+    .await
+    .unwrap();
+    sleeper.await.unwrap().unwrap();
+
+    // A lane without the token, or with a wrong one, is refused at its hello.
+    for bad in [None, Token::new("wrong")] {
+        let limits = ddlf_core::frame::FrameLimits::default();
+        match ddlf_net::lane::Lane::open(&addr, bad.as_ref(), Duration::from_secs(2), limits).await
+        {
+            Err(NetError::Rejected { code, message, .. }) => {
+                assert_eq!(code, "LaneRefused");
+                assert!(message.contains("token"), "{message}");
+            }
+            other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
+        }
+    }
+    // A lane preface followed by garbage is closed; the real master is unaffected.
+    let mut hello = ddlf_net::lane::LANE_PREFACE.to_vec();
+    hello.extend_from_slice(&[0xff; 4]);
+    assert!(closed_after(daemon.local_addr(), &hello).await);
+    let reply = conn.call(run_request("f", b"grpc"), None).await.unwrap();
+    assert_eq!(&reply.value.unwrap().pickle[..], b"grpc");
+
+    let status = conn.status(None).await.unwrap();
+    assert_eq!(status.requests_rejected, 4); // too large, bad op, two bad tokens
+    conn.shutdown(Some(Duration::from_secs(2))).await.unwrap();
+    tokio::task::spawn_blocking(move || {
+        assert_eq!(interp.join().unwrap(), 4); // sleep, two lane calls, one gRPC call
+        daemon.stop(Duration::from_secs(1));
+    })
+    .await
+    .unwrap();
 }

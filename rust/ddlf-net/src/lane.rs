@@ -1,0 +1,652 @@
+//! Direct lanes: `Call`s as length-prefixed frames on a plain TCP connection, read and answered by the worker's
+//! interpreter thread itself (the protocol is described under "Direct lanes" in `proto/ddlf.proto`).
+//!
+//! Over gRPC a call crosses threads twice on the worker (network runtime to interpreter and back) and pays for
+//! HTTP/2 framing on both ends; on a lane, the master's calling thread writes the request and blocks reading the
+//! reply, and the worker's interpreter thread reads, runs and writes: the shape of a raw socket echo. Both ends
+//! share the framing here: [`write_frame`] and [`FrameReader`]. [`Lane`] is the master's end.
+//!
+//! Every blocking read and write runs with a socket timeout; when it fires, the caller's `on_wait` decides
+//! whether to keep waiting (the master checks its deadline and Ctrl-C there) or give up.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ddlf_core::auth::Token;
+use ddlf_core::frame::{check_lengths, FrameError, FrameLimits};
+use ddlf_proto::{
+    CallReply, CallRequest, LaneFrame, LaneHello, LaneWelcome, Value, PROTOCOL_VERSION,
+};
+use prost::Message;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::error::NetError;
+
+/// The first bytes of a lane connection, as long as the HTTP/2 preface so the daemon's admission check reads the
+/// same number of bytes for both.
+pub const LANE_PREFACE: &[u8; 24] = b"DDLF direct lane 1\r\n\r\n\r\n";
+
+/// The largest message part of a frame (a request or reply without its pickle and buffers: names, exception
+/// text, shared-memory references).
+pub const MAX_MESSAGE: usize = 16 << 20;
+
+/// The largest hello or welcome.
+const MAX_HANDSHAKE: usize = 64 << 10;
+
+/// Requests up to this size (pickle plus buffers) take the lane; larger ones stream over gRPC, whose chunking
+/// and flow control suit bulk data, and which never has a large write wait behind a busy interpreter.
+pub const MAX_LANE_REQUEST: usize = 1 << 20;
+
+/// The read buffer of a lane: a small frame arrives with one `read`.
+const READ_BUFFER: usize = 64 << 10;
+
+/// Parts smaller than this are copied into the frame's one write (one segment on the wire for a small call);
+/// larger ones are written from where they lie, never copied.
+const COALESCE: usize = 64 << 10;
+
+/// What can go wrong on a lane.
+#[derive(Debug, thiserror::Error)]
+pub enum LaneError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("the connection closed")]
+    Closed,
+    #[error("a frame message of {0} bytes exceeds the limit of {MAX_MESSAGE} bytes")]
+    MessageTooLarge(usize),
+    #[error("undecodable frame: {0}")]
+    Decode(#[from] prost::DecodeError),
+    #[error("{0}")]
+    Limits(#[from] FrameError),
+}
+
+/// Called when a socket read or write times out: `Ok` waits on, `Err` gives up with that error.
+pub type OnWait<'a> = &'a mut dyn FnMut() -> io::Result<()>;
+
+fn waiting(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+fn write_all(dst: &mut impl Write, mut data: &[u8], on_wait: OnWait<'_>) -> Result<(), LaneError> {
+    while !data.is_empty() {
+        match dst.write(data) {
+            Ok(0) => return Err(LaneError::Closed),
+            Ok(n) => data = &data[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if waiting(&e) => on_wait()?,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Write one frame: `frame` (whose value, if any, must leave out the pickle and buffers), then `pickle` and
+/// `buffers` raw, with their lengths declared in the message.
+pub fn write_frame(
+    dst: &mut impl Write,
+    mut frame: LaneFrame,
+    pickle: &[u8],
+    buffers: &[Bytes],
+    on_wait: OnWait<'_>,
+) -> Result<(), LaneError> {
+    frame.lengths = std::iter::once(pickle.len() as u64)
+        .chain(buffers.iter().map(|b| b.len() as u64))
+        .collect();
+    let len = frame.encoded_len();
+    if len > MAX_MESSAGE {
+        return Err(LaneError::MessageTooLarge(len));
+    }
+    let small: usize = std::iter::once(pickle.len())
+        .chain(buffers.iter().map(|b| b.len()))
+        .filter(|&l| l < COALESCE)
+        .sum();
+    let mut head = Vec::with_capacity(4 + len + small);
+    head.extend_from_slice(&(len as u32).to_le_bytes());
+    frame
+        .encode(&mut head)
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    for part in std::iter::once(pickle).chain(buffers.iter().map(|b| &b[..])) {
+        if part.len() < COALESCE {
+            head.extend_from_slice(part);
+        } else {
+            write_all(dst, &head, on_wait)?;
+            head.clear();
+            write_all(dst, part, on_wait)?;
+        }
+    }
+    write_all(dst, &head, on_wait)
+}
+
+/// Reads frames from a lane through a small buffer (a whole small frame in one `read`).
+pub struct FrameReader {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl Default for FrameReader {
+    fn default() -> Self {
+        FrameReader {
+            buf: vec![0; READ_BUFFER].into_boxed_slice(),
+            start: 0,
+            end: 0,
+        }
+    }
+}
+
+fn read_some(src: &mut impl Read, dst: &mut [u8], on_wait: OnWait<'_>) -> Result<usize, LaneError> {
+    loop {
+        match src.read(dst) {
+            Ok(0) => return Err(LaneError::Closed),
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if waiting(&e) => on_wait()?,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+impl FrameReader {
+    /// Whether bytes of a next frame are already buffered (then the socket may not poll readable for them).
+    pub fn has_buffered(&self) -> bool {
+        self.start < self.end
+    }
+
+    fn take_buffered(&mut self, dst: &mut [u8]) -> usize {
+        let n = (self.end - self.start).min(dst.len());
+        dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        }
+        n
+    }
+
+    fn read_exact(
+        &mut self,
+        src: &mut impl Read,
+        dst: &mut [u8],
+        on_wait: OnWait<'_>,
+    ) -> Result<(), LaneError> {
+        let mut done = self.take_buffered(dst);
+        while done < dst.len() {
+            if dst.len() - done >= self.buf.len() {
+                // Large parts go straight to their destination.
+                done += read_some(src, &mut dst[done..], on_wait)?;
+            } else {
+                let end = self.end;
+                self.end += read_some(src, &mut self.buf[end..], on_wait)?;
+                done += self.take_buffered(&mut dst[done..]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Read the message of the next frame (its pickle and buffers follow: [`Self::read_parts`] or
+    /// [`Self::skip`]).
+    pub fn read_message(
+        &mut self,
+        src: &mut impl Read,
+        on_wait: OnWait<'_>,
+    ) -> Result<LaneFrame, LaneError> {
+        let mut len = [0u8; 4];
+        self.read_exact(src, &mut len, on_wait)?;
+        let len = u32::from_le_bytes(len) as usize;
+        if len > MAX_MESSAGE {
+            return Err(LaneError::MessageTooLarge(len));
+        }
+        let mut msg = vec![0u8; len];
+        self.read_exact(src, &mut msg, on_wait)?;
+        Ok(LaneFrame::decode(&msg[..])?)
+    }
+
+    /// Read the pickle and buffers declared by `lengths`, after checking them against `limits`.
+    pub fn read_parts(
+        &mut self,
+        src: &mut impl Read,
+        lengths: &[u64],
+        limits: FrameLimits,
+        on_wait: OnWait<'_>,
+    ) -> Result<Value, LaneError> {
+        let (lengths, _) = check_lengths(lengths, limits)?;
+        let mut parts = Vec::with_capacity(lengths.len());
+        for l in lengths {
+            let mut part = vec![0u8; l];
+            self.read_exact(src, &mut part, on_wait)?;
+            parts.push(Bytes::from(part));
+        }
+        let mut parts = parts.into_iter();
+        Ok(Value {
+            pickle: parts.next().unwrap_or_default(),
+            buffers: parts.collect(),
+            shm: None,
+        })
+    }
+
+    /// Read and discard `n` bytes (the parts of a refused request), keeping the lane in step.
+    pub fn skip(
+        &mut self,
+        src: &mut impl Read,
+        mut n: u64,
+        on_wait: OnWait<'_>,
+    ) -> Result<(), LaneError> {
+        let mut sink = vec![0u8; READ_BUFFER];
+        while n > 0 {
+            let k = (n as usize).min(sink.len());
+            self.read_exact(src, &mut sink[..k], on_wait)?;
+            n -= k as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Set the socket options both ends of a lane use: no Nagle (a frame is written whole), TCP keepalive (a peer
+/// whose host vanished is noticed while a call waits), and read/write timeouts of `poll`.
+pub fn configure(stream: &TcpStream, poll: Duration) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(poll))?;
+    stream.set_write_timeout(Some(poll))?;
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(5))
+        .with_interval(Duration::from_secs(2))
+        .with_retries(3);
+    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
+}
+
+/// Encode a handshake message with its length prefix.
+pub fn handshake_bytes(message: &impl Message) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + message.encoded_len());
+    out.extend_from_slice(&(message.encoded_len() as u32).to_le_bytes());
+    // Encoding into a Vec only fails for lack of capacity, which it grows.
+    let _ = message.encode(&mut out);
+    out
+}
+
+/// Read a length-prefixed handshake message (the hello on the daemon, the welcome on the master).
+pub async fn read_handshake<M: Message + Default>(
+    src: &mut (impl tokio::io::AsyncRead + Unpin),
+) -> Result<M, LaneError> {
+    let mut len = [0u8; 4];
+    src.read_exact(&mut len).await?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_HANDSHAKE {
+        return Err(LaneError::MessageTooLarge(len));
+    }
+    let mut msg = vec![0u8; len];
+    src.read_exact(&mut msg).await?;
+    Ok(M::decode(&msg[..])?)
+}
+
+/// How often a master waiting on a lane wakes to check its deadline and for Ctrl-C.
+pub const MASTER_POLL: Duration = Duration::from_millis(50);
+
+/// The master's end of a lane to one worker. One call at a time: a thread that finds it busy uses gRPC.
+#[derive(Debug)]
+pub struct Lane {
+    address: String,
+    io: Mutex<Slot>,
+    limits: FrameLimits,
+    instance: u64,
+}
+
+/// A lane's connection: free for a call, taken by one, or closed after a failure.
+#[derive(Debug)]
+enum Slot {
+    Free(LaneIo),
+    Busy,
+    Broken,
+}
+
+#[derive(Debug)]
+struct LaneIo {
+    stream: TcpStream,
+    reader: FrameReader,
+}
+
+impl std::fmt::Debug for FrameReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameReader")
+            .field("buffered", &(self.end - self.start))
+            .finish()
+    }
+}
+
+impl Lane {
+    /// Open a lane to `address` and pass its handshake within `timeout`.
+    pub async fn open(
+        address: &str,
+        token: Option<&Token>,
+        timeout: Duration,
+        limits: FrameLimits,
+    ) -> Result<Lane, NetError> {
+        let unavailable = |reason: String| NetError::Unavailable {
+            address: address.to_string(),
+            reason: format!("direct lane: {reason}"),
+        };
+        let handshake = async {
+            let mut stream = tokio::net::TcpStream::connect(address).await?;
+            let hello = LaneHello {
+                protocol_version: PROTOCOL_VERSION,
+                authorization: token.map(Token::header_value).unwrap_or_default(),
+            };
+            let mut out = LANE_PREFACE.to_vec();
+            out.extend(handshake_bytes(&hello));
+            stream.write_all(&out).await?;
+            let welcome: LaneWelcome = read_handshake(&mut stream).await?;
+            Ok::<_, LaneError>((stream, welcome))
+        };
+        let (stream, welcome) = match tokio::time::timeout(timeout, handshake).await {
+            Err(_) => {
+                return Err(NetError::DeadlineExceeded {
+                    address: address.to_string(),
+                    after: timeout,
+                })
+            }
+            Ok(Err(e)) => return Err(unavailable(e.to_string())),
+            Ok(Ok(x)) => x,
+        };
+        if !welcome.refused.is_empty() {
+            return Err(NetError::Rejected {
+                address: address.to_string(),
+                code: "LaneRefused".into(),
+                message: welcome.refused,
+            });
+        }
+        let stream = stream
+            .into_std()
+            .and_then(|s| s.set_nonblocking(false).map(|()| s))
+            .and_then(|s| configure(&s, MASTER_POLL).map(|()| s))
+            .map_err(|e| unavailable(e.to_string()))?;
+        Ok(Lane {
+            address: address.to_string(),
+            io: Mutex::new(Slot::Free(LaneIo {
+                stream,
+                reader: FrameReader::default(),
+            })),
+            limits,
+            instance: welcome.instance,
+        })
+    }
+
+    /// The lane for one call, unless another thread is using it or it broke.
+    pub fn begin(&self) -> Option<LaneCall<'_>> {
+        let mut slot = self.io.lock().unwrap_or_else(|e| e.into_inner());
+        match std::mem::replace(&mut *slot, Slot::Busy) {
+            Slot::Free(io) => Some(LaneCall {
+                lane: self,
+                io: Some(io),
+            }),
+            other => {
+                *slot = other;
+                None
+            }
+        }
+    }
+
+    /// The daemon instance that answered the handshake.
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+}
+
+/// One call on a lane, holding it (other threads meanwhile use gRPC). Any failure closes the lane (its state
+/// is unknown): later calls use gRPC.
+pub struct LaneCall<'a> {
+    lane: &'a Lane,
+    io: Option<LaneIo>,
+}
+
+impl Drop for LaneCall<'_> {
+    fn drop(&mut self) {
+        let mut slot = self.lane.io.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = match self.io.take() {
+            Some(io) => Slot::Free(io),
+            None => Slot::Broken,
+        };
+    }
+}
+
+impl LaneCall<'_> {
+    fn fail(&mut self, e: LaneError, deadline: Option<(Instant, Duration)>) -> NetError {
+        self.io = None;
+        let address = self.lane.address.clone();
+        match e {
+            LaneError::Io(e) if waiting(&e) => NetError::DeadlineExceeded {
+                address,
+                after: deadline.map(|(_, t)| t).unwrap_or_default(),
+            },
+            LaneError::Io(e) if e.kind() == io::ErrorKind::Interrupted => NetError::Rejected {
+                address,
+                code: "Cancelled".into(),
+                message: e.to_string(),
+            },
+            LaneError::Io(e) if e.kind() == io::ErrorKind::ConnectionAborted => {
+                NetError::Unavailable {
+                    address,
+                    reason: e.to_string(),
+                }
+            }
+            LaneError::Io(_) | LaneError::Closed => NetError::Unavailable {
+                address,
+                reason: format!("the connection broke (direct lane): {e}"),
+            },
+            invalid => NetError::Rejected {
+                address,
+                code: "InvalidReply".into(),
+                message: invalid.to_string(),
+            },
+        }
+    }
+
+    /// Send `request` (its value inline: no shared memory) to the worker.
+    pub fn send(
+        &mut self,
+        mut request: CallRequest,
+        deadline: Option<(Instant, Duration)>,
+        on_wait: OnWait<'_>,
+    ) -> Result<(), NetError> {
+        request.instance = self.lane.instance;
+        let value = request.value.take().unwrap_or_default();
+        let frame = LaneFrame {
+            request: Some(request),
+            ..Default::default()
+        };
+        let Some(io) = self.io.as_mut() else {
+            return Err(self.fail(LaneError::Closed, deadline));
+        };
+        write_frame(
+            &mut io.stream,
+            frame,
+            &value.pickle,
+            &value.buffers,
+            on_wait,
+        )
+        .map_err(|e| self.fail(e, deadline))
+    }
+
+    /// Wait for the reply to the request sent.
+    pub fn receive(
+        &mut self,
+        deadline: Option<(Instant, Duration)>,
+        on_wait: OnWait<'_>,
+    ) -> Result<CallReply, NetError> {
+        let limits = self.lane.limits;
+        let Some(io) = self.io.as_mut() else {
+            return Err(self.fail(LaneError::Closed, deadline));
+        };
+        let result = (|| {
+            let frame = io.reader.read_message(&mut io.stream, &mut *on_wait)?;
+            if frame.refused_code != 0 {
+                return Ok(Err(frame));
+            }
+            let value =
+                io.reader
+                    .read_parts(&mut io.stream, &frame.lengths, limits, &mut *on_wait)?;
+            Ok(Ok((frame, value)))
+        })();
+        match result {
+            Err(e) => Err(self.fail(e, deadline)),
+            Ok(Err(refused)) => {
+                let status = tonic::Status::new(
+                    tonic::Code::from(refused.refused_code),
+                    refused.refused_message,
+                );
+                Err(NetError::from_status(&self.lane.address, &status))
+            }
+            Ok(Ok((frame, mut value))) => {
+                let mut reply = frame.reply.unwrap_or_default();
+                if let Some(shm) = reply.value.take().and_then(|v| v.shm) {
+                    value.shm = Some(shm);
+                }
+                reply.value = Some(value);
+                Ok(reply)
+            }
+        }
+    }
+}
+
+/// The master's `on_wait` for a call with an optional deadline: give up once it passes (as a timeout), otherwise
+/// run `check` (Ctrl-C), whose error ends the wait.
+pub fn deadline_wait(
+    deadline: Option<(Instant, Duration)>,
+    mut check: impl FnMut() -> io::Result<()>,
+) -> impl FnMut() -> io::Result<()> {
+    move || {
+        if deadline.is_some_and(|(at, _)| Instant::now() >= at) {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        check()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        configure(&a, Duration::from_millis(20)).unwrap();
+        configure(&b, Duration::from_millis(20)).unwrap();
+        (a, b)
+    }
+
+    fn give_up() -> impl FnMut() -> io::Result<()> {
+        || Err(io::ErrorKind::TimedOut.into())
+    }
+
+    #[test]
+    fn the_preface_is_as_long_as_http2s() {
+        assert_eq!(LANE_PREFACE.len(), crate::guard::H2_PREFACE.len());
+        assert!(!crate::guard::H2_PREFACE.starts_with(&LANE_PREFACE[..1]));
+    }
+
+    #[test]
+    fn frames_round_trip_with_small_and_large_parts() {
+        let (mut a, mut b) = pair();
+        let big = Bytes::from(vec![7u8; 3 * READ_BUFFER + 5]);
+        let parts = vec![Bytes::from_static(b"small"), big.clone(), Bytes::new()];
+        let request = CallRequest {
+            op: 8,
+            name: "f".into(),
+            request_id: 42,
+            ..Default::default()
+        };
+        let frame = LaneFrame {
+            request: Some(request.clone()),
+            ..Default::default()
+        };
+        let writer = std::thread::spawn(move || {
+            for _ in 0..2 {
+                write_frame(&mut a, frame.clone(), b"pickle", &parts, &mut give_up()).unwrap();
+            }
+            a
+        });
+        let mut reader = FrameReader::default();
+        let mut wait = || Ok(());
+        for _ in 0..2 {
+            let got = reader.read_message(&mut b, &mut wait).unwrap();
+            assert_eq!(got.request.as_ref().unwrap().request_id, 42);
+            assert_eq!(got.lengths, vec![6, 5, big.len() as u64, 0]);
+            let value = reader
+                .read_parts(&mut b, &got.lengths, FrameLimits::default(), &mut wait)
+                .unwrap();
+            assert_eq!(&value.pickle[..], b"pickle");
+            assert_eq!(value.buffers[1], big);
+            assert!(value.buffers[2].is_empty());
+        }
+        assert!(!reader.has_buffered());
+        drop(writer.join().unwrap());
+        assert!(matches!(
+            reader.read_message(&mut b, &mut wait),
+            Err(LaneError::Closed)
+        ));
+    }
+
+    #[test]
+    fn declared_lengths_are_checked_before_anything_is_read() {
+        let (mut a, mut b) = pair();
+        let frame = LaneFrame::default();
+        write_frame(&mut a, frame, &[1u8; 100], &[], &mut give_up()).unwrap();
+        let mut reader = FrameReader::default();
+        let msg = reader.read_message(&mut b, &mut give_up()).unwrap();
+        let small = FrameLimits {
+            max_total: 10,
+            ..Default::default()
+        };
+        let err = reader
+            .read_parts(&mut b, &msg.lengths, small, &mut give_up())
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            LaneError::Limits(FrameError::TooLarge { .. })
+        ));
+        // The refused bytes can be skipped and the lane stays in step.
+        reader.skip(&mut b, 100, &mut give_up()).unwrap();
+        write_frame(&mut a, LaneFrame::default(), b"ok", &[], &mut give_up()).unwrap();
+        let msg = reader.read_message(&mut b, &mut give_up()).unwrap();
+        assert_eq!(msg.lengths, vec![2]);
+    }
+
+    #[test]
+    fn a_huge_or_garbage_message_is_an_error_not_an_allocation() {
+        let (mut a, mut b) = pair();
+        a.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        let mut reader = FrameReader::default();
+        assert!(matches!(
+            reader.read_message(&mut b, &mut give_up()),
+            Err(LaneError::MessageTooLarge(_))
+        ));
+        a.write_all(&3u32.to_le_bytes()).unwrap();
+        a.write_all(&[0xff, 0xff, 0xff]).unwrap();
+        assert!(matches!(
+            reader.read_message(&mut b, &mut give_up()),
+            Err(LaneError::Decode(_))
+        ));
+    }
+
+    #[test]
+    fn a_silent_peer_hands_control_to_on_wait() {
+        let (_a, mut b) = pair();
+        let mut reader = FrameReader::default();
+        let mut waits = 0;
+        let mut wait = || {
+            waits += 1;
+            if waits < 3 {
+                Ok(())
+            } else {
+                Err(io::ErrorKind::TimedOut.into())
+            }
+        };
+        let err = reader.read_message(&mut b, &mut wait).unwrap_err();
+        assert!(matches!(err, LaneError::Io(e) if e.kind() == io::ErrorKind::TimedOut));
+        assert_eq!(waits, 3);
+    }
+}

@@ -1,0 +1,269 @@
+//! The daemon's end of direct lanes (see `ddlf_net::lane` and "Direct lanes" in `proto/ddlf.proto`).
+//!
+//! The network runtime checks a new lane's hello (token and protocol version, within the handshake deadline),
+//! then hands the socket to the interpreter thread, which from then on reads requests from it between jobs
+//! ([`crate::jobs::JobReceiver::next`]) and writes each reply itself when the job is done.
+
+use std::io;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ddlf_core::auth::Token;
+use ddlf_core::frame::{FrameError, FrameLimits};
+use ddlf_net::guard::{LaneArrival, Slot};
+use ddlf_net::lane::{
+    configure, handshake_bytes, read_handshake, write_frame, FrameReader, LaneError,
+};
+use ddlf_proto::{CallReply, CallRequest, LaneFrame, LaneHello, LaneWelcome, PROTOCOL_VERSION};
+use tokio::io::AsyncWriteExt;
+use tonic::Status;
+
+use crate::jobs::{screen, JobSender};
+use crate::state::WorkerState;
+
+/// How long a lane may stall in the middle of a frame (or a reply write) before the daemon closes it. The
+/// interpreter thread is the one waiting, so this is short; a master never pauses inside a frame.
+const STALL: Duration = Duration::from_secs(10);
+
+/// The most bytes of a refused request the daemon reads and discards to keep its lane in step (a master sends at
+/// most `ddlf_net::lane::MAX_LANE_REQUEST` on a lane); past it the lane is closed after the refusal.
+const DRAIN_LIMIT: u64 = 16 << 20;
+
+/// Check a new lane's hello and, if it passes, give the lane to the interpreter thread.
+pub(crate) async fn welcome(
+    arrival: LaneArrival,
+    token: Option<Arc<Token>>,
+    handshake_timeout: Duration,
+    state: Arc<WorkerState>,
+    jobs: JobSender,
+) {
+    let LaneArrival {
+        mut stream,
+        peer,
+        slot,
+    } = arrival;
+    let hello =
+        match tokio::time::timeout(handshake_timeout, read_handshake::<LaneHello>(&mut stream))
+            .await
+        {
+            Ok(Ok(hello)) => hello,
+            Ok(Err(e)) => return refuse_silently(&state, peer, &e.to_string()),
+            Err(_) => {
+                return refuse_silently(&state, peer, "no hello within the handshake deadline")
+            }
+        };
+    let refused = if hello.protocol_version != PROTOCOL_VERSION {
+        format!(
+            "the master speaks protocol {}, this worker protocol {PROTOCOL_VERSION} (ddlf {})",
+            hello.protocol_version,
+            ddlf_proto::VERSION
+        )
+    } else if token
+        .as_ref()
+        .is_some_and(|t| !t.verify_header(hello.authorization.as_bytes()))
+    {
+        state
+            .rejected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if hello.authorization.is_empty() {
+            "this worker requires a token and none was sent".into()
+        } else {
+            "wrong token".into()
+        }
+    } else {
+        String::new()
+    };
+    if !refused.is_empty() {
+        tracing::warn!(%peer, reason = %refused, "direct lane refused");
+    }
+    let answer = LaneWelcome {
+        protocol_version: PROTOCOL_VERSION,
+        instance: state.instance,
+        refused: refused.clone(),
+    };
+    if let Err(e) = stream.write_all(&handshake_bytes(&answer)).await {
+        return refuse_silently(&state, peer, &e.to_string());
+    }
+    if !refused.is_empty() {
+        return;
+    }
+    let stream = match stream
+        .into_std()
+        .and_then(|s| s.set_nonblocking(false).map(|()| s))
+        .and_then(|s| configure(&s, STALL).map(|()| s))
+    {
+        Ok(s) => s,
+        Err(e) => return tracing::warn!(%peer, error = %e, "cannot set up a direct lane"),
+    };
+    match LaneIn::new(stream, peer, slot) {
+        Ok(lane) => {
+            if jobs.add_lane(lane) {
+                tracing::debug!(%peer, "direct lane open");
+            }
+        }
+        Err(e) => tracing::warn!(%peer, error = %e, "cannot set up a direct lane"),
+    }
+}
+
+fn refuse_silently(state: &WorkerState, peer: SocketAddr, why: &str) {
+    state
+        .connections
+        .refused
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::warn!(%peer, reason = why, "direct lane refused: bad hello");
+}
+
+/// The interpreter thread's side of a lane: where requests are read.
+pub(crate) struct LaneIn {
+    stream: TcpStream,
+    reader: FrameReader,
+    out: Arc<LaneOut>,
+    _slot: Slot,
+}
+
+/// What reading a lane gave.
+// Returned once per request and unpacked at once; boxing would add an allocation to every call.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum LaneRead {
+    /// A request to run.
+    Request(CallRequest),
+    /// A request refused without running; the refusal was written and the lane stays open.
+    Answered,
+    /// The lane is closed (by the master, or by us after a broken frame): drop it.
+    Closed,
+}
+
+fn give_up() -> io::Result<()> {
+    Err(io::ErrorKind::TimedOut.into())
+}
+
+impl LaneIn {
+    fn new(stream: TcpStream, peer: SocketAddr, slot: Slot) -> io::Result<Self> {
+        let out = Arc::new(LaneOut {
+            stream: stream.try_clone()?,
+            peer,
+        });
+        Ok(LaneIn {
+            stream,
+            reader: FrameReader::default(),
+            out,
+            _slot: slot,
+        })
+    }
+
+    pub(crate) fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    pub(crate) fn has_buffered(&self) -> bool {
+        self.reader.has_buffered()
+    }
+
+    /// Where this lane's replies are written.
+    pub(crate) fn out(&self) -> Arc<LaneOut> {
+        self.out.clone()
+    }
+
+    /// Read the next request (the socket is readable, or bytes are buffered) and screen it as the gRPC service
+    /// does; a refused request is answered here.
+    pub(crate) fn read(&mut self, state: &WorkerState, limits: FrameLimits) -> LaneRead {
+        let peer = self.out.peer;
+        let frame = match self.reader.read_message(&mut self.stream, &mut give_up) {
+            Ok(f) => f,
+            Err(LaneError::Closed) => {
+                tracing::debug!(%peer, "direct lane closed by the master");
+                return LaneRead::Closed;
+            }
+            Err(e) => return self.broken(state, &e),
+        };
+        let Some(mut request) = frame.request else {
+            return self.broken(state, &"a frame without a request");
+        };
+        let value =
+            match self
+                .reader
+                .read_parts(&mut self.stream, &frame.lengths, limits, &mut give_up)
+            {
+                Ok(v) => v,
+                Err(LaneError::Limits(e @ FrameError::TooLarge { declared, .. })) => {
+                    // The same words as a streamed request refused over gRPC.
+                    let status = state.reject(Status::resource_exhausted(e.to_string()));
+                    // Keep the lane in step by reading past the refused bytes, unless there are too many of them.
+                    let keep = declared <= DRAIN_LIMIT
+                        && self
+                            .reader
+                            .skip(&mut self.stream, declared, &mut give_up)
+                            .is_ok();
+                    self.out.refuse(&status);
+                    return if keep {
+                        LaneRead::Answered
+                    } else {
+                        LaneRead::Closed
+                    };
+                }
+                Err(e) => return self.broken(state, &e),
+            };
+        if let Some(shm) = request.value.take().and_then(|v| v.shm) {
+            return self.broken(
+                state,
+                &format!("shared-memory file {} sent on a direct lane", shm.name),
+            );
+        }
+        request.value = Some(value);
+        match screen(state, &request) {
+            Ok(()) => LaneRead::Request(request),
+            Err(status) => {
+                self.out.refuse(&status);
+                LaneRead::Answered
+            }
+        }
+    }
+
+    fn broken(&self, state: &WorkerState, why: &dyn std::fmt::Display) -> LaneRead {
+        state
+            .rejected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tracing::warn!(peer = %self.out.peer, reason = %why, "direct lane closed: malformed frame");
+        LaneRead::Closed
+    }
+}
+
+/// Where a lane's replies are written (by the interpreter thread, once its job is done).
+pub struct LaneOut {
+    stream: TcpStream,
+    peer: SocketAddr,
+}
+
+impl LaneOut {
+    /// Write `reply`. A failure (the master went away) is logged; the lane's reader then finds it closed.
+    pub(crate) fn send(&self, mut reply: CallReply) {
+        let value = reply.value.take().unwrap_or_default();
+        reply.value = value.shm.clone().map(|shm| ddlf_proto::Value {
+            shm: Some(shm),
+            ..Default::default()
+        });
+        let frame = LaneFrame {
+            reply: Some(reply),
+            ..Default::default()
+        };
+        self.write(frame, &value.pickle, &value.buffers);
+    }
+
+    fn refuse(&self, status: &Status) {
+        let frame = LaneFrame {
+            refused_code: status.code() as i32,
+            refused_message: status.message().to_string(),
+            ..Default::default()
+        };
+        self.write(frame, &[], &[]);
+    }
+
+    fn write(&self, frame: LaneFrame, pickle: &[u8], buffers: &[bytes::Bytes]) {
+        if let Err(e) = write_frame(&mut &self.stream, frame, pickle, buffers, &mut give_up) {
+            tracing::debug!(peer = %self.peer, error = %e, "reply not delivered: the direct lane broke");
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
