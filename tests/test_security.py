@@ -42,6 +42,7 @@ def tls_daemon(certs: dict[str, Path]):
 def test_tls_master_runs_code_on_a_tls_daemon(tls_daemon: Daemon, certs: dict[str, Path], tmp_path: Path) -> None:
     with ddlf.Cluster([tls_daemon.address], token=tls_daemon.token, tls_ca=certs["ca"]) as c:
         assert c.run(lambda: 6 * 7) == [42]
+        assert c.worker_info()[0]["direct_lane"] is False  # TLS daemons speak gRPC only
         marker = c.run(_touch, str(tmp_path / "ran"))[0]
         assert os.path.exists(marker)
 
@@ -128,7 +129,7 @@ def test_garbage_on_the_port_is_refused_logged_and_the_daemon_keeps_serving() ->
 
 
 def test_connections_over_the_limit_are_refused() -> None:
-    d = Daemon("--max-connections", "2")
+    d = Daemon("--max-connections", "4")  # two masters, each with its gRPC connection and its direct lane
     try:
         a = ddlf.Cluster([d.address], token=d.token)
         b = ddlf.Cluster([d.address], token=d.token)

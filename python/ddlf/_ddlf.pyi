@@ -39,6 +39,7 @@ class Client:
         tls_ca: bytes | None = None,
         tls_domain: str | None = None,
         direct_lane: bool = True,
+        lane_spin_us: int | None = None,
     ) -> None: ...
     @property
     def addresses(self) -> list[str]: ...
@@ -92,6 +93,7 @@ def serve_worker(
     tls_key: bytes | None = None,
     max_connections: int | None = None,
     handshake_timeout: float | None = None,
+    lane_spin_us: int | None = None,
 ) -> None:
     """Run a worker daemon in this process until shutdown or a signal; this thread runs the jobs."""
 

@@ -72,6 +72,9 @@ class Cluster:
             and answered by the worker's interpreter thread itself, with no HTTP/2 and no hand-over between
             threads: about half the latency of a gRPC call (see BENCHMARKS.md). Large values, TLS, heartbeats
             and calls made while another thread uses the lane go over gRPC. ``False``: everything over gRPC.
+        lane_spin_us: microseconds a call on a lane spins (non-blocking reads, yielding the CPU) for its reply
+            before it sleeps; a reply within it costs no wake-up (default: ``DDLF_LANE_SPIN_US``, else 100;
+            0 sleeps at once). ``Cluster.local`` gives its daemons the same setting.
 
     Fault handling: a worker whose connection breaks is marked lost (a warning names it, and :attr:`events`
     records it). A daemon restarted at the same address is re-provisioned automatically the next time it is
@@ -92,6 +95,7 @@ class Cluster:
         tls_ca: str | os.PathLike[str] | bytes | None = None,
         tls_domain: str | None = None,
         direct_lane: bool = True,
+        lane_spin_us: int | None = None,
         _local: LocalWorkers | None = None,
     ) -> None:
         if isinstance(addresses, str):
@@ -109,6 +113,7 @@ class Cluster:
             tls_ca=_read_pem(tls_ca, "tls_ca"),
             tls_domain=tls_domain,
             direct_lane=direct_lane,
+            lane_spin_us=lane_spin_us,
         )
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -139,6 +144,7 @@ class Cluster:
         worker_args: Sequence[str] = (),
         shared_memory: bool = False,
         direct_lane: bool = True,
+        lane_spin_us: int | None = None,
     ) -> Cluster:
         """Start ``n_workers`` daemons on free loopback ports and connect to them.
 
@@ -150,7 +156,10 @@ class Cluster:
             from .threads import cpu_count
 
             threads = max(1, cpu_count() // n_workers)
-        local = LocalWorkers(n_workers, threads=threads, start_timeout=start_timeout, extra_args=list(worker_args))
+        args = list(worker_args)
+        if lane_spin_us is not None:
+            args += ["--lane-spin-us", str(int(lane_spin_us))]
+        local = LocalWorkers(n_workers, threads=threads, start_timeout=start_timeout, extra_args=args)
         try:
             return cls(
                 local.addresses,
@@ -158,6 +167,7 @@ class Cluster:
                 timeout=timeout,
                 shared_memory=shared_memory,
                 direct_lane=direct_lane,
+                lane_spin_us=lane_spin_us,
                 _local=local,
             )
         except BaseException:

@@ -57,13 +57,21 @@ def _parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=int,
         default=None,
-        help="connections open at once; more are refused and logged (default 1024)",
+        help="connections open at once, a master's direct lane included (two per master); more are refused and logged "
+        "(default 1024)",
     )
     p.add_argument(
         "--handshake-timeout",
         type=float,
         default=None,
         help="seconds a new connection may take to open with a valid preface (default 10)",
+    )
+    p.add_argument(
+        "--lane-spin-us",
+        type=int,
+        default=None,
+        help="microseconds the interpreter thread spins for the next direct-lane request before it sleeps "
+        "(default: DDLF_LANE_SPIN_US, else 100; 0 sleeps at once)",
     )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
@@ -125,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls_key=tls_key,
             max_connections=args.max_connections,
             handshake_timeout=args.handshake_timeout,
+            lane_spin_us=args.lane_spin_us,
         )
     except WorkerStartError as exc:
         print(f"ddlf-worker: {exc}", file=sys.stderr)

@@ -1,9 +1,11 @@
-"""Floors measured next to ddlf: a raw Python TCP socket echo on loopback, run in a separate process."""
+"""Floors measured next to ddlf: a raw Python TCP socket echo on loopback, run in a separate process; optionally
+with both ends busy-polling before they block (what ddlf's direct lanes do), for a like-for-like floor."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import socket
 import struct
 import time
@@ -23,7 +25,22 @@ def _recv_exact(sock: socket.socket, n: int, buf: bytearray | None = None) -> me
     return view[:n]
 
 
-def _echo_server(port_q: Any) -> None:
+def _spin_until_readable(sock: socket.socket, spin: float) -> None:
+    """Poll ``sock`` without blocking for up to ``spin`` seconds (yielding the CPU between polls)."""
+    if spin <= 0:
+        return
+    end = time.perf_counter() + spin
+    while True:
+        try:
+            sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return  # data, or the end of the stream: the blocking read takes it from here
+        except BlockingIOError:
+            if time.perf_counter() >= end:
+                return
+            os.sched_yield()
+
+
+def _echo_server(port_q: Any, spin: float = 0.0) -> None:
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("127.0.0.1", 0))
@@ -34,6 +51,7 @@ def _echo_server(port_q: Any) -> None:
     buf = bytearray(1 << 20)
     try:
         while True:
+            _spin_until_readable(conn, spin)
             (n,) = _HDR.unpack(_recv_exact(conn, _HDR.size))
             if n == 0:
                 break
@@ -50,12 +68,14 @@ def _echo_server(port_q: Any) -> None:
 
 
 class RawEcho:
-    """A length-prefixed echo server in another process, and a client socket to it."""
+    """A length-prefixed echo server in another process, and a client socket to it. ``spin_us``: both ends poll
+    without blocking for up to that many microseconds before each blocking read."""
 
-    def __init__(self) -> None:
+    def __init__(self, spin_us: float = 0.0) -> None:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        self.proc = ctx.Process(target=_echo_server, args=(q,), daemon=True)
+        self.spin = spin_us / 1e6
+        self.proc = ctx.Process(target=_echo_server, args=(q, self.spin), daemon=True)
         self.proc.start()
         port = q.get(timeout=30)
         self.sock = socket.create_connection(("127.0.0.1", port))
@@ -75,6 +95,7 @@ class RawEcho:
         """Send payload, read it back; returns seconds."""
         t0 = time.perf_counter()
         self.sock.sendall(_HDR.pack(len(payload)) + payload)
+        _spin_until_readable(self.sock, self.spin)
         (n,) = _HDR.unpack(_recv_exact(self.sock, _HDR.size))
         _recv_exact(self.sock, n, self._buf if n <= len(self._buf) else None)
         return time.perf_counter() - t0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from ..cluster import Cluster
 from . import report
@@ -14,49 +15,56 @@ def _noop() -> None:
     return None
 
 
-def run(rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2) -> dict[str, list[float]]:
+def _timed(samples: list[float], calls: int, fn: Any, *args: Any) -> None:
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn(*args)
+        samples.append(time.perf_counter() - t0)
+
+
+def run(rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2, spin_us: int = 100) -> dict[str, list[float]]:
     one, every = "ddlf call, 1 worker", f"ddlf call, all {n_workers} workers"
+    floor, floor_spin = "raw socket echo", f"raw socket echo, both ends busy-polling {spin_us} µs"
+    no_spin = ", lane without busy-polling"
     samples: dict[str, list[float]] = {
-        "raw socket echo": [],
+        floor: [],
+        floor_spin: [],
         "ddlf ping (Rust only, gRPC)": [],
         one: [],
         every: [],
+        one + no_spin: [],
+        every + no_spin: [],
         f"{one}, gRPC only": [],
         f"{every}, gRPC only": [],
     }
-    with Cluster.local(n_workers, threads=1) as cluster:
-        cluster.add_function(_noop, "noop")
-        # The same daemons through a second master that never opens direct lanes: what the lanes save.
+    with (
+        Cluster.local(n_workers, threads=1, lane_spin_us=spin_us) as cluster,
+        Cluster.local(n_workers, threads=1, lane_spin_us=0) as quiet,
+    ):
+        # The first daemons again, through a second master that never opens direct lanes: what the lanes save.
         assert cluster._local is not None
         grpc = Cluster(cluster.addresses, cluster._local.token, direct_lane=False)
-        echo = RawEcho()
+        for c in (cluster, quiet):
+            c.add_function(_noop, "noop")
+        echo, echo_spin = RawEcho(), RawEcho(spin_us=spin_us)
         payload = b"x" * 64
         client = cluster._client
         # Warm up every path.
         for _ in range(200):
             echo.round_trip(payload)
-            for c in (cluster, grpc):
+            echo_spin.round_trip(payload)
+            for c in (cluster, quiet, grpc):
                 c.run_on(0, "noop")
                 c.run("noop")
         for _ in range(rounds):  # interleaved blocks, so drift hits every contender alike
-            s = samples["raw socket echo"]
-            for _ in range(calls_per_round):
-                s.append(echo.round_trip(payload))
-            s = samples["ddlf ping (Rust only, gRPC)"]
-            for _ in range(calls_per_round):
-                s.append(client.heartbeat([0])[0][0])
-            for c, suffix in ((cluster, ""), (grpc, ", gRPC only")):
-                s = samples[one + suffix]
-                for _ in range(calls_per_round):
-                    t0 = time.perf_counter()
-                    c.run_on(0, "noop")
-                    s.append(time.perf_counter() - t0)
-                s = samples[every + suffix]
-                for _ in range(calls_per_round):
-                    t0 = time.perf_counter()
-                    c.run("noop")
-                    s.append(time.perf_counter() - t0)
+            samples[floor] += [echo.round_trip(payload) for _ in range(calls_per_round)]
+            samples[floor_spin] += [echo_spin.round_trip(payload) for _ in range(calls_per_round)]
+            samples["ddlf ping (Rust only, gRPC)"] += [client.heartbeat([0])[0][0] for _ in range(calls_per_round)]
+            for c, suffix in ((cluster, ""), (quiet, no_spin), (grpc, ", gRPC only")):
+                _timed(samples[one + suffix], calls_per_round, c.run_on, 0, "noop")
+                _timed(samples[every + suffix], calls_per_round, c.run, "noop")
         echo.close()
+        echo_spin.close()
         grpc.close()
     return samples
 
@@ -66,8 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--calls", type=int, default=500, help="calls per round per contender")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--spin-us", type=int, default=100, help="busy-polling of the lanes (and of the raw echo's row)")
     args = p.parse_args(argv)
-    samples = run(args.rounds, args.calls, args.workers)
+    samples = run(args.rounds, args.calls, args.workers, args.spin_us)
     floor = report.median(samples["raw socket echo"])
     rows = []
     for name, s in samples.items():
@@ -86,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             "## RPC latency (no-op call)",
             "",
             f"Command: `python -m ddlf.bench rpc --rounds {args.rounds} --calls {args.calls} "
-            f"--workers {args.workers}`  ",
+            f"--workers {args.workers} --spin-us {args.spin_us}`  ",
             f"Machine: {report.machine()}",
             "",
             f"{args.rounds} interleaved rounds of {args.calls} sequential calls per contender; the raw socket echo "
@@ -95,7 +104,11 @@ def main(argv: list[str] | None = None) -> None:
             "arguments, send them on the worker's direct lane (a plain TCP connection whose frames the worker's "
             "interpreter thread reads and answers itself), run, pickle the result, and back. The 'gRPC only' rows "
             "are the same calls from a second master connected to the same daemons with `direct_lane=False`: "
-            "HTTP/2 to the daemon's network thread, handed to its Python thread and back.",
+            "HTTP/2 to the daemon's network thread, handed to its Python thread and back. On a lane both ends "
+            f"busy-poll up to {args.spin_us} µs (non-blocking reads, yielding the CPU) before they sleep, so a quick "
+            "reply or next request costs no wake-up; the 'without busy-polling' rows are a second set of daemons "
+            "and master with `lane_spin_us=0`, and the busy-polling raw echo applies the same technique to the "
+            "floor. Ratios are to the plain raw echo, measured in the same run.",
             "",
             report.table(["path", "p50 (µs)", "p99 (µs)", "calls/s at p50", "p50 vs floor"], rows),
             "",

@@ -42,6 +42,8 @@ pub struct ClientConfig {
     pub tls: Option<ClientTls>,
     /// Also open a direct lane to each worker (plaintext daemons only) for small calls.
     pub direct_lane: bool,
+    /// How long a lane call spins for its reply before it blocks (see `lane::default_spin`).
+    pub lane_spin: Duration,
 }
 
 /// How the master checks a TLS daemon's certificate.
@@ -64,6 +66,7 @@ impl Default for ClientConfig {
             shared_memory: true,
             tls: None,
             direct_lane: true,
+            lane_spin: crate::lane::default_spin(),
         }
     }
 }
@@ -221,6 +224,7 @@ impl WorkerConn {
                 config.token.as_ref(),
                 config.connect_timeout,
                 conn.limits,
+                config.lane_spin,
             )
             .await
             {
@@ -243,9 +247,19 @@ impl WorkerConn {
         self.lane.as_ref()?.begin()
     }
 
-    /// Whether this connection has a direct lane (it may be busy, or have broken since).
+    /// Whether this connection has a direct lane open (free or busy; not broken).
     pub fn has_lane(&self) -> bool {
-        self.lane.is_some()
+        self.lane.as_ref().is_some_and(|l| l.is_open())
+    }
+
+    /// Reopen a broken direct lane; call it once the worker has answered over gRPC (so it is alive). A failure
+    /// leaves calls on gRPC.
+    pub async fn revive_lane(&self) {
+        if let Some(lane) = &self.lane {
+            if let Err(e) = lane.reopen().await {
+                tracing::debug!(address = %self.address, error = %e, "direct lane not reopened");
+            }
+        }
     }
 
     /// The address this connection was made to.

@@ -11,6 +11,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -52,7 +53,7 @@ const COALESCE: usize = 64 << 10;
 pub enum LaneError {
     #[error("{0}")]
     Io(#[from] io::Error),
-    #[error("the connection closed")]
+    #[error("closed by the other end")]
     Closed,
     #[error("a frame message of {0} bytes exceeds the limit of {MAX_MESSAGE} bytes")]
     MessageTooLarge(usize),
@@ -151,7 +152,72 @@ fn read_some(src: &mut impl Read, dst: &mut [u8], on_wait: OnWait<'_>) -> Result
     }
 }
 
+/// How long a lane's reader spins (non-blocking reads, yielding the CPU between them) before it blocks: the
+/// master after sending a request, the worker's interpreter thread after answering one. A reply or the next
+/// request that comes within it is picked up without the thread sleeping, so no wake-up (an inter-processor
+/// interrupt, costly in a VM) is paid for it. The default for both ends: `DDLF_LANE_SPIN_US` (0: block at
+/// once), else 100 us; `Cluster(lane_spin_us=...)` and `ddlf-worker --lane-spin-us` set it per process.
+pub fn default_spin() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let micros = std::env::var("DDLF_LANE_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(100);
+        Duration::from_micros(micros.min(1_000_000))
+    })
+}
+
 impl FrameReader {
+    /// Read whatever `src` has without blocking; returns whether anything (or the end of the stream) came.
+    pub fn try_fill(&mut self, src: &TcpStream) -> bool {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        if self.end == self.buf.len() {
+            return true;
+        }
+        let room = &mut self.buf[self.end..];
+        // SAFETY: `room` is valid writable memory of `room.len()` bytes for the duration of the call.
+        let n = unsafe {
+            libc::recv(
+                src.as_raw_fd(),
+                room.as_mut_ptr().cast(),
+                room.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            n if n > 0 => {
+                self.end += n as usize;
+                true
+            }
+            0 => true, // the end of the stream: the blocking read that follows reports it
+            _ => false,
+        }
+    }
+
+    /// Spin up to `spin` for bytes on `src` (see [`spin`]); returns whether they came.
+    pub fn spin_for(&mut self, src: &TcpStream, spin: Duration) -> bool {
+        if self.has_buffered() {
+            return true;
+        }
+        if spin.is_zero() {
+            return false;
+        }
+        let start = Instant::now();
+        loop {
+            if self.try_fill(src) {
+                return true;
+            }
+            if start.elapsed() >= spin {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
     /// Whether bytes of a next frame are already buffered (then the socket may not poll readable for them).
     pub fn has_buffered(&self) -> bool {
         self.start < self.end
@@ -292,6 +358,60 @@ pub struct Lane {
     io: Mutex<Slot>,
     limits: FrameLimits,
     instance: u64,
+    token: Option<Token>,
+    timeout: Duration,
+    spin: Duration,
+}
+
+/// Connect to `address`, pass the lane handshake within `timeout`: the connection and the daemon's instance.
+async fn connect(
+    address: &str,
+    token: Option<&Token>,
+    timeout: Duration,
+) -> Result<(LaneIo, u64), NetError> {
+    let unavailable = |reason: String| NetError::Unavailable {
+        address: address.to_string(),
+        reason: format!("direct lane: {reason}"),
+    };
+    let handshake = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        let hello = LaneHello {
+            protocol_version: PROTOCOL_VERSION,
+            authorization: token.map(Token::header_value).unwrap_or_default(),
+        };
+        let mut out = LANE_PREFACE.to_vec();
+        out.extend(handshake_bytes(&hello));
+        stream.write_all(&out).await?;
+        let welcome: LaneWelcome = read_handshake(&mut stream).await?;
+        Ok::<_, LaneError>((stream, welcome))
+    };
+    let (stream, welcome) = match tokio::time::timeout(timeout, handshake).await {
+        Err(_) => {
+            return Err(NetError::DeadlineExceeded {
+                address: address.to_string(),
+                after: timeout,
+            })
+        }
+        Ok(Err(e)) => return Err(unavailable(e.to_string())),
+        Ok(Ok(x)) => x,
+    };
+    if !welcome.refused.is_empty() {
+        return Err(NetError::Rejected {
+            address: address.to_string(),
+            code: "LaneRefused".into(),
+            message: welcome.refused,
+        });
+    }
+    let stream = stream
+        .into_std()
+        .and_then(|s| s.set_nonblocking(false).map(|()| s))
+        .and_then(|s| configure(&s, MASTER_POLL).map(|()| s))
+        .map_err(|e| unavailable(e.to_string()))?;
+    let io = LaneIo {
+        stream,
+        reader: FrameReader::default(),
+    };
+    Ok((io, welcome.instance))
 }
 
 /// A lane's connection: free for a call, taken by one, or closed after a failure.
@@ -323,59 +443,51 @@ impl Lane {
         token: Option<&Token>,
         timeout: Duration,
         limits: FrameLimits,
+        spin: Duration,
     ) -> Result<Lane, NetError> {
-        let unavailable = |reason: String| NetError::Unavailable {
-            address: address.to_string(),
-            reason: format!("direct lane: {reason}"),
-        };
-        let handshake = async {
-            let mut stream = tokio::net::TcpStream::connect(address).await?;
-            let hello = LaneHello {
-                protocol_version: PROTOCOL_VERSION,
-                authorization: token.map(Token::header_value).unwrap_or_default(),
-            };
-            let mut out = LANE_PREFACE.to_vec();
-            out.extend(handshake_bytes(&hello));
-            stream.write_all(&out).await?;
-            let welcome: LaneWelcome = read_handshake(&mut stream).await?;
-            Ok::<_, LaneError>((stream, welcome))
-        };
-        let (stream, welcome) = match tokio::time::timeout(timeout, handshake).await {
-            Err(_) => {
-                return Err(NetError::DeadlineExceeded {
-                    address: address.to_string(),
-                    after: timeout,
-                })
-            }
-            Ok(Err(e)) => return Err(unavailable(e.to_string())),
-            Ok(Ok(x)) => x,
-        };
-        if !welcome.refused.is_empty() {
-            return Err(NetError::Rejected {
-                address: address.to_string(),
-                code: "LaneRefused".into(),
-                message: welcome.refused,
-            });
-        }
-        let stream = stream
-            .into_std()
-            .and_then(|s| s.set_nonblocking(false).map(|()| s))
-            .and_then(|s| configure(&s, MASTER_POLL).map(|()| s))
-            .map_err(|e| unavailable(e.to_string()))?;
+        let (io, instance) = connect(address, token, timeout).await?;
         Ok(Lane {
             address: address.to_string(),
-            io: Mutex::new(Slot::Free(LaneIo {
-                stream,
-                reader: FrameReader::default(),
-            })),
+            io: Mutex::new(Slot::Free(io)),
             limits,
-            instance: welcome.instance,
+            instance,
+            token: token.cloned(),
+            timeout,
+            spin,
         })
+    }
+
+    /// After the lane broke (a deadline, Ctrl-C, a reset) and the worker has since answered over gRPC: open a
+    /// fresh connection to the same daemon instance. Does nothing if the lane is open.
+    pub async fn reopen(&self) -> Result<(), NetError> {
+        if !matches!(*self.slot(), Slot::Broken) {
+            return Ok(());
+        }
+        let (io, instance) = connect(&self.address, self.token.as_ref(), self.timeout).await?;
+        if instance != self.instance {
+            return Err(NetError::Restarted {
+                address: self.address.clone(),
+            });
+        }
+        let mut slot = self.slot();
+        if matches!(*slot, Slot::Broken) {
+            *slot = Slot::Free(io);
+        }
+        Ok(())
+    }
+
+    /// Whether the lane is open (free, or carrying a call), rather than broken.
+    pub fn is_open(&self) -> bool {
+        !matches!(*self.slot(), Slot::Broken)
+    }
+
+    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.io.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The lane for one call, unless another thread is using it or it broke.
     pub fn begin(&self) -> Option<LaneCall<'_>> {
-        let mut slot = self.io.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.slot();
         match std::mem::replace(&mut *slot, Slot::Busy) {
             Slot::Free(io) => Some(LaneCall {
                 lane: self,
@@ -403,7 +515,7 @@ pub struct LaneCall<'a> {
 
 impl Drop for LaneCall<'_> {
     fn drop(&mut self) {
-        let mut slot = self.lane.io.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.lane.slot();
         *slot = match self.io.take() {
             Some(io) => Slot::Free(io),
             None => Slot::Broken,
@@ -479,6 +591,7 @@ impl LaneCall<'_> {
         let Some(io) = self.io.as_mut() else {
             return Err(self.fail(LaneError::Closed, deadline));
         };
+        io.reader.spin_for(&io.stream, self.lane.spin);
         let result = (|| {
             let frame = io.reader.read_message(&mut io.stream, &mut *on_wait)?;
             if frame.refused_code != 0 {

@@ -273,17 +273,25 @@ impl Client {
             }
         }
         self.wait(py, async move {
-            if conns.len() == 1 {
+            let answers = if conns.len() == 1 {
                 let req = requests.into_iter().next().unwrap_or_default();
-                return vec![timed(&conns[0], req, timeout).await];
+                vec![timed(&conns[0], req, timeout).await]
+            } else {
+                join_all(
+                    conns
+                        .iter()
+                        .zip(requests)
+                        .map(|(c, req)| timed(c, req, timeout)),
+                )
+                .await
+            };
+            // A worker that answered is alive: a lane of its that broke earlier is worth opening again.
+            for (c, a) in conns.iter().zip(&answers) {
+                if a.result.is_ok() {
+                    c.revive_lane().await;
+                }
             }
-            join_all(
-                conns
-                    .iter()
-                    .zip(requests)
-                    .map(|(c, req)| timed(c, req, timeout)),
-            )
-            .await
+            answers
         })
     }
 
@@ -480,7 +488,7 @@ impl Client {
 impl Client {
     /// Connect to every address concurrently and check versions. Raises the first failure.
     #[new]
-    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = false, tls_ca = None, tls_domain = None, direct_lane = true))]
+    #[pyo3(signature = (addresses, token = None, connect_timeout = 10.0, keepalive_interval = 5.0, keepalive_timeout = 10.0, shared_memory = false, tls_ca = None, tls_domain = None, direct_lane = true, lane_spin_us = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -493,6 +501,7 @@ impl Client {
         tls_ca: Option<&[u8]>,
         tls_domain: Option<String>,
         direct_lane: bool,
+        lane_spin_us: Option<u64>,
     ) -> PyResult<Self> {
         if addresses.is_empty() {
             return Err(PyValueError::new_err(
@@ -517,6 +526,9 @@ impl Client {
                 domain: tls_domain,
             }),
             direct_lane,
+            lane_spin: lane_spin_us
+                .map(Duration::from_micros)
+                .unwrap_or_else(ddlf_net::lane::default_spin),
             ..Default::default()
         };
         // The master's runtime runs on the calling thread inside `block_on`: a call costs no thread hop on the

@@ -25,7 +25,7 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 /// `(0, pickle, buffers)` or `(error_kind, (type_name, message, traceback))`. `executor.on_listening(address)`
 /// is called once the port is bound.
 #[pyfunction]
-#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 1, tls_cert = None, tls_key = None, max_connections = None, handshake_timeout = None))]
+#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 1, tls_cert = None, tls_key = None, max_connections = None, handshake_timeout = None, lane_spin_us = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn serve_worker(
     py: Python<'_>,
@@ -40,6 +40,7 @@ pub fn serve_worker(
     tls_key: Option<&[u8]>,
     max_connections: Option<u64>,
     handshake_timeout: Option<f64>,
+    lane_spin_us: Option<u64>,
 ) -> PyResult<()> {
     let token = match token {
         Some(t) => Some(Token::new(t).ok_or_else(|| PyValueError::new_err("the token is empty"))?),
@@ -82,6 +83,9 @@ pub fn serve_worker(
         server,
         name: name.unwrap_or_default(),
         runtime_threads: network_threads,
+        lane_spin: lane_spin_us
+            .map(Duration::from_micros)
+            .unwrap_or_else(ddlf_net::lane::default_spin),
     };
     let (daemon, jobs) = py
         .detach(|| Daemon::start(config))

@@ -47,6 +47,8 @@ pub struct DaemonConfig {
     pub name: String,
     /// Threads of the network runtime.
     pub runtime_threads: usize,
+    /// How long the interpreter thread spins for the next lane request before it sleeps.
+    pub lane_spin: Duration,
 }
 
 impl Default for DaemonConfig {
@@ -58,6 +60,7 @@ impl Default for DaemonConfig {
             server: ServerConfig::default(),
             name: String::new(),
             runtime_threads: 1,
+            lane_spin: ddlf_net::lane::default_spin(),
         }
     }
 }
@@ -123,7 +126,8 @@ impl Daemon {
             max_total: config.server.max_message_size as u64,
             ..Default::default()
         };
-        let (jobs, receiver) = queue(state.clone(), limits).map_err(DaemonError::Runtime)?;
+        let (jobs, receiver) =
+            queue(state.clone(), limits, config.lane_spin).map_err(DaemonError::Runtime)?;
         let (stop, mut stopped) = watch::channel(false);
         let service = WorkerService::new(state.clone(), jobs.clone(), stop.clone(), limits);
         // A streamed chunk is at most CHUNK_BYTES plus its header; unary requests up to the configured size.

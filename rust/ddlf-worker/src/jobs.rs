@@ -159,6 +159,7 @@ pub struct JobReceiver {
     inbox: Mutex<Inbox>,
     state: Arc<WorkerState>,
     limits: FrameLimits,
+    spin: Duration,
 }
 
 // Moved once per request, as `Message` is.
@@ -174,6 +175,7 @@ impl JobReceiver {
     pub fn next(&self, timeout: Duration) -> Next {
         let deadline = Instant::now() + timeout;
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        let mut spun = false;
         loop {
             match self.take_queued(&mut inbox) {
                 Queued::Job(job) => return self.started(job),
@@ -204,6 +206,14 @@ impl JobReceiver {
                     Err(mpsc::RecvTimeoutError::Timeout) => return Next::Idle,
                 }
                 continue;
+            }
+            // Before sleeping, spin a little: a master making calls back to back sends the next one within
+            // microseconds of our reply, and catching it awake saves the wake-up.
+            if !spun {
+                spun = true;
+                if spin_for_work(&mut inbox, self.spin.min(remaining)) {
+                    continue;
+                }
             }
             let ready = poll_ready(&inbox, remaining);
             if ready.first() == Some(&0) {
@@ -280,9 +290,32 @@ fn poll_ready(inbox: &Inbox, timeout: Duration) -> Vec<usize> {
         .collect()
 }
 
-fn drain(wake: &mut UnixStream) {
+/// Drain the wake socket; whether it held anything (something was queued).
+fn drain(wake: &mut UnixStream) -> bool {
     let mut sink = [0u8; 256];
-    while matches!(wake.read(&mut sink), Ok(n) if n > 0) {}
+    let mut any = false;
+    while matches!(wake.read(&mut sink), Ok(n) if n > 0) {
+        any = true;
+    }
+    any
+}
+
+/// Non-blocking checks of every lane and of the queue's wake socket for up to `spin`, yielding the CPU between
+/// rounds; whether something arrived.
+fn spin_for_work(inbox: &mut Inbox, spin: Duration) -> bool {
+    if spin.is_zero() {
+        return false;
+    }
+    let start = Instant::now();
+    loop {
+        if inbox.lanes.iter_mut().any(|l| l.try_fill()) || drain(&mut inbox.wake) {
+            return true;
+        }
+        if start.elapsed() >= spin {
+            return false;
+        }
+        std::thread::yield_now();
+    }
 }
 
 /// The network side's end of the queue.
@@ -332,10 +365,12 @@ impl JobSender {
     }
 }
 
-/// A connected sender/receiver pair sharing `state`; requests read from lanes are held to `limits`.
+/// A connected sender/receiver pair sharing `state`; requests read from lanes are held to `limits`, and the
+/// interpreter thread spins up to `spin` for the next request before it sleeps.
 pub fn queue(
     state: Arc<WorkerState>,
     limits: FrameLimits,
+    spin: Duration,
 ) -> std::io::Result<(JobSender, JobReceiver)> {
     let (tx, rx) = mpsc::channel();
     let (wake_rx, wake_tx) = UnixStream::pair()?;
@@ -355,6 +390,7 @@ pub fn queue(
             }),
             state,
             limits,
+            spin,
         },
     ))
 }
@@ -366,7 +402,7 @@ mod tests {
     #[test]
     fn jobs_flow_in_order_and_replies_come_back() {
         let state = Arc::new(WorkerState::new("t".into()));
-        let (tx, rx) = queue(state.clone(), FrameLimits::default()).unwrap();
+        let (tx, rx) = queue(state.clone(), FrameLimits::default(), Duration::ZERO).unwrap();
         let mut waits = Vec::new();
         for i in 0..3 {
             let req = CallRequest {
@@ -402,7 +438,7 @@ mod tests {
     #[test]
     fn submit_fails_when_interpreter_is_gone() {
         let state = Arc::new(WorkerState::new("t".into()));
-        let (tx, rx) = queue(state, FrameLimits::default()).unwrap();
+        let (tx, rx) = queue(state, FrameLimits::default(), Duration::ZERO).unwrap();
         drop(rx);
         assert!(tx.submit(CallRequest::default()).is_none());
     }

@@ -161,6 +161,11 @@ impl LaneIn {
         self.reader.has_buffered()
     }
 
+    /// Take whatever has arrived without blocking; whether anything (or the end of the stream) did.
+    pub(crate) fn try_fill(&mut self) -> bool {
+        self.reader.try_fill(&self.stream)
+    }
+
     /// Where this lane's replies are written.
     pub(crate) fn out(&self) -> Arc<LaneOut> {
         self.out.clone()

@@ -489,7 +489,14 @@ async fn direct_lanes_call_refuse_and_authenticate() {
     // A lane without the token, or with a wrong one, is refused at its hello.
     for bad in [None, Token::new("wrong")] {
         let limits = ddlf_core::frame::FrameLimits::default();
-        match ddlf_net::lane::Lane::open(&addr, bad.as_ref(), Duration::from_secs(2), limits).await
+        match ddlf_net::lane::Lane::open(
+            &addr,
+            bad.as_ref(),
+            Duration::from_secs(2),
+            limits,
+            Duration::ZERO,
+        )
+        .await
         {
             Err(NetError::Rejected { code, message, .. }) => {
                 assert_eq!(code, "LaneRefused");

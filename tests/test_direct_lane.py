@@ -1,0 +1,121 @@
+"""Direct lanes: small calls travel as plain frames read by the worker's interpreter thread; large values,
+concurrent callers and masters that opt out use gRPC. Either way the results, errors and faults are the same."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ddlf
+
+from .conftest import Daemon
+
+
+def _ident(x):
+    return x
+
+
+def _boom():
+    raise ValueError("raised on the worker")
+
+
+@pytest.fixture
+def both(daemon: Daemon):
+    """Two masters on one daemon: one with a direct lane, one over gRPC only."""
+    lane = ddlf.Cluster([daemon.address], daemon.token)
+    grpc = ddlf.Cluster([daemon.address], daemon.token, direct_lane=False)
+    yield lane, grpc
+    lane.close()
+    grpc.close()
+
+
+def test_a_master_opens_a_lane_unless_told_not_to(both) -> None:
+    lane, grpc = both
+    assert lane.worker_info()[0]["direct_lane"] is True
+    assert grpc.worker_info()[0]["direct_lane"] is False
+
+
+def test_lane_and_grpc_give_the_same_values_small_and_large(both) -> None:
+    lane, grpc = both
+    small = {"a": [1, 2.5, "x"], "arr": np.arange(10, dtype=np.float32)}
+    large = np.random.default_rng(0).random(400_000)  # 3.2 MB: over the lane's 1 MiB request limit
+    for c in both:
+        out = c.run(_ident, small)[0]
+        assert out["a"] == small["a"]
+        np.testing.assert_array_equal(out["arr"], small["arr"])
+        np.testing.assert_array_equal(c.run(_ident, large)[0], large)
+        # A small request with a large reply comes back on the lane.
+        c.set("big", large)
+        np.testing.assert_array_equal(c.get("big")[0], large)
+    assert lane.run(_ident, 7) == grpc.run(_ident, 7) == [7]
+
+
+def test_remote_errors_are_the_same_on_the_lane(both) -> None:
+    for c in both:
+        with pytest.raises(ddlf.RemoteError, match="raised on the worker") as info:
+            c.run(_boom)
+        assert info.value.remote_type == "ValueError"
+        assert "_boom" in info.value.remote_traceback
+        with pytest.raises(ddlf.NotFoundError, match="no_such_function"):
+            c.run("no_such_function")
+        assert c.run(_ident, 1) == [1]  # still serving
+
+
+def test_concurrent_callers_share_the_lane_or_fall_back_to_grpc(both) -> None:
+    lane, _ = both
+    errors: list[BaseException] = []
+    results: dict[int, list[int]] = {}
+
+    def caller(k: int) -> None:
+        try:
+            results[k] = [lane.run_on(0, _ident, k * 1000 + i) for i in range(50)]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert results == {k: [k * 1000 + i for i in range(50)] for k in range(4)}
+
+
+def test_a_deadline_on_the_lane_then_calls_go_on(both) -> None:
+    lane, _ = both
+    t0 = time.monotonic()
+    with pytest.raises(ddlf.DeadlineExceeded):
+        lane.run(time.sleep, 1.0, timeout=0.2)
+    assert time.monotonic() - t0 < 0.9
+    # The lane's state is unknown after a deadline: it is closed, and the next call goes over gRPC (waiting its
+    # turn behind the sleep still running on the worker). That answer shows the worker alive: the lane reopens.
+    assert lane.worker_info()[0]["direct_lane"] is False
+    assert lane.run(_ident, "after") == ["after"]
+    assert lane.worker_info()[0]["direct_lane"] is True
+    assert lane.run(_ident, "on the new lane") == ["on the new lane"]
+
+
+def test_a_killed_worker_fails_a_lane_call_with_worker_unavailable(daemon: Daemon) -> None:
+    c = ddlf.Cluster([daemon.address], daemon.token)
+    assert c.run(_ident, 1) == [1]
+    box: dict[str, BaseException] = {}
+
+    def call() -> None:
+        try:
+            c.run(time.sleep, 30)
+        except BaseException as exc:
+            box["exc"] = exc
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    daemon.proc.kill()
+    t.join(10)
+    assert not t.is_alive()
+    assert time.monotonic() - t0 < 5
+    assert isinstance(box.get("exc"), ddlf.WorkerUnavailable), box
+    assert daemon.address in str(box["exc"])
