@@ -119,3 +119,22 @@ def test_a_killed_worker_fails_a_lane_call_with_worker_unavailable(daemon: Daemo
     assert time.monotonic() - t0 < 5
     assert isinstance(box.get("exc"), ddlf.WorkerUnavailable), box
     assert daemon.address in str(box["exc"])
+
+
+def test_grpc_stays_healthy_while_only_the_lane_is_used() -> None:
+    # The daemon pings each master every 0.3 s and drops it after 0.5 s without an answer. With every call on the
+    # lane, the master's gRPC connection carries nothing for seconds; it must still answer those pings.
+    d = Daemon("--keepalive", "0.3", "0.5")
+    try:
+        c = ddlf.Cluster([d.address], d.token)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            assert c.run(_ident, 1) == [1]
+            time.sleep(0.01)
+        assert c.status()[0]["requests_served"] > 10  # status is gRPC only
+        big = np.arange(300_000, dtype=np.float64)  # 2.4 MB: over gRPC
+        np.testing.assert_array_equal(c.run(_ident, big)[0], big)
+        assert not c.lost_workers and not c.events
+        c.close()
+    finally:
+        d.stop()

@@ -44,7 +44,9 @@ class Client:
     @property
     def addresses(self) -> list[str]: ...
     def __len__(self) -> int: ...
-    def worker_info(self) -> list[dict[str, Any]]: ...
+    def worker_info(self) -> list[dict[str, Any]]:
+        """Per worker: its hello (version, protocol_version, name, pid, hostname, instance) and this connection's
+        ``shared_memory`` and ``direct_lane`` (open now)."""
     def reconnect(self, index: int, timeout: float | None = None) -> dict[str, Any]:
         """A fresh connection to worker ``index``'s address; returns its hello info (with ``instance``)."""
     def add(self, address: str, timeout: float | None = None) -> int:
@@ -94,6 +96,7 @@ def serve_worker(
     max_connections: int | None = None,
     handshake_timeout: float | None = None,
     lane_spin_us: int | None = None,
+    keepalive: tuple[float, float] | None = None,
 ) -> None:
     """Run a worker daemon in this process until shutdown or a signal; this thread runs the jobs."""
 

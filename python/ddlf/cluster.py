@@ -256,7 +256,9 @@ class Cluster:
         return self._local.token if self._local is not None else None
 
     def worker_info(self) -> list[dict[str, Any]]:
-        """What each worker reported at connect time: version, pid, hostname, name."""
+        """What each worker reported at connect time (version, protocol_version, pid, hostname, name, instance),
+        with ``shared_memory`` (large buffers go through /dev/shm) and ``direct_lane`` (small calls have a direct
+        lane open now) for this master's connection."""
         return list(self._client.worker_info())
 
     # -- variables ----------------------------------------------------------------------------------------

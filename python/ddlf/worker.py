@@ -73,6 +73,15 @@ def _parser() -> argparse.ArgumentParser:
         help="microseconds the interpreter thread spins for the next direct-lane request before it sleeps "
         "(default: DDLF_LANE_SPIN_US, else 100; 0 sleeps at once)",
     )
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        nargs=2,
+        metavar=("INTERVAL", "TIMEOUT"),
+        default=None,
+        help="seconds between HTTP/2 keepalive pings to each master, and how long one may go unanswered before "
+        "the connection is closed (default 10 20)",
+    )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -134,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_connections=args.max_connections,
             handshake_timeout=args.handshake_timeout,
             lane_spin_us=args.lane_spin_us,
+            keepalive=tuple(args.keepalive) if args.keepalive else None,
         )
     except WorkerStartError as exc:
         print(f"ddlf-worker: {exc}", file=sys.stderr)

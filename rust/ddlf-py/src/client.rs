@@ -531,9 +531,13 @@ impl Client {
                 .unwrap_or_else(ddlf_net::lane::default_spin),
             ..Default::default()
         };
-        // The master's runtime runs on the calling thread inside `block_on`: a call costs no thread hop on the
-        // master side, and calls to many workers still overlap on the one thread.
-        let rt = tokio::runtime::Builder::new_current_thread()
+        // The gRPC connections live on a runtime thread of their own, so they are serviced even while no call
+        // is in flight: keepalive pings are answered and sent (the daemon drops a connection whose master stops
+        // answering them; with small calls on the direct lanes, gRPC can sit unused for minutes). The calling
+        // thread still polls its own call inside `block_on`; small calls skip this runtime altogether.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("ddlf-client")
             .enable_all()
             .build()
             .map_err(|e| PyValueError::new_err(format!("cannot start the client runtime: {e}")))?;

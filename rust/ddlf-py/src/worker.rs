@@ -25,7 +25,7 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 /// `(0, pickle, buffers)` or `(error_kind, (type_name, message, traceback))`. `executor.on_listening(address)`
 /// is called once the port is bound.
 #[pyfunction]
-#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 1, tls_cert = None, tls_key = None, max_connections = None, handshake_timeout = None, lane_spin_us = None))]
+#[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 1, tls_cert = None, tls_key = None, max_connections = None, handshake_timeout = None, lane_spin_us = None, keepalive = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn serve_worker(
     py: Python<'_>,
@@ -41,6 +41,7 @@ pub fn serve_worker(
     max_connections: Option<u64>,
     handshake_timeout: Option<f64>,
     lane_spin_us: Option<u64>,
+    keepalive: Option<(f64, f64)>,
 ) -> PyResult<()> {
     let token = match token {
         Some(t) => Some(Token::new(t).ok_or_else(|| PyValueError::new_err("the token is empty"))?),
@@ -75,6 +76,17 @@ pub fn serve_worker(
             ));
         }
         server.guard.handshake_timeout = Duration::from_secs_f64(t);
+    }
+    if let Some((interval, timeout)) = keepalive {
+        for (what, v) in [("interval", interval), ("timeout", timeout)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(PyValueError::new_err(format!(
+                    "keepalive {what} must be a positive number of seconds"
+                )));
+            }
+        }
+        server.keepalive_interval = Duration::from_secs_f64(interval);
+        server.keepalive_timeout = Duration::from_secs_f64(timeout);
     }
     let config = DaemonConfig {
         listen,
