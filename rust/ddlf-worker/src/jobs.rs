@@ -162,14 +162,6 @@ pub struct JobReceiver {
     spin: Duration,
 }
 
-// Moved once per request, as `Message` is.
-#[allow(clippy::large_enum_variant)]
-enum Queued {
-    Job(Job),
-    Shutdown,
-    Empty,
-}
-
 impl JobReceiver {
     /// Wait up to `timeout` for the next job, from the queue or from a lane.
     pub fn next(&self, timeout: Duration) -> Next {
@@ -177,10 +169,17 @@ impl JobReceiver {
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
         let mut spun = false;
         loop {
-            match self.take_queued(&mut inbox) {
-                Queued::Job(job) => return self.started(job),
-                Queued::Shutdown => return Next::Shutdown,
-                Queued::Empty => {}
+            // Everything already queued first (lanes that arrived are added on the way).
+            loop {
+                match inbox.rx.try_recv() {
+                    Ok(message) => {
+                        if let Some(next) = self.accept(&mut inbox, message) {
+                            return next;
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return Next::Shutdown,
+                }
             }
             // Bytes already read past the previous request are a request the socket will not poll for.
             if let Some(i) = inbox.lanes.iter().position(|l| l.has_buffered()) {
@@ -194,18 +193,15 @@ impl JobReceiver {
                 return Next::Idle;
             }
             if inbox.lanes.is_empty() {
+                // Nothing to poll but the queue: block on it.
                 match inbox.rx.recv_timeout(remaining) {
-                    Ok(Message::Job(job)) => {
-                        self.state.queued.fetch_sub(1, Ordering::Relaxed);
-                        return self.started(job);
-                    }
-                    Ok(Message::Lane(lane)) => inbox.lanes.push(lane),
-                    Ok(Message::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-                        return Next::Shutdown
-                    }
+                    Ok(message) => match self.accept(&mut inbox, message) {
+                        Some(next) => return next,
+                        None => continue,
+                    },
                     Err(mpsc::RecvTimeoutError::Timeout) => return Next::Idle,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return Next::Shutdown,
                 }
-                continue;
             }
             // Before sleeping, spin a little: a master making calls back to back sends the next one within
             // microseconds of our reply, and catching it awake saves the wake-up.
@@ -233,19 +229,18 @@ impl JobReceiver {
         Next::Job(job)
     }
 
-    fn take_queued(&self, inbox: &mut Inbox) -> Queued {
-        loop {
-            match inbox.rx.try_recv() {
-                Ok(Message::Job(job)) => {
-                    self.state.queued.fetch_sub(1, Ordering::Relaxed);
-                    return Queued::Job(job);
-                }
-                Ok(Message::Lane(lane)) => inbox.lanes.push(lane),
-                Ok(Message::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => {
-                    return Queued::Shutdown
-                }
-                Err(mpsc::TryRecvError::Empty) => return Queued::Empty,
+    /// A message from the queue: what `next` returns for it, or None for a lane (kept, to be polled).
+    fn accept(&self, inbox: &mut Inbox, message: Message) -> Option<Next> {
+        match message {
+            Message::Job(job) => {
+                self.state.queued.fetch_sub(1, Ordering::Relaxed);
+                Some(self.started(job))
             }
+            Message::Lane(lane) => {
+                inbox.lanes.push(lane);
+                None
+            }
+            Message::Shutdown => Some(Next::Shutdown),
         }
     }
 
