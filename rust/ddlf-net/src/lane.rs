@@ -37,9 +37,18 @@ pub const MAX_MESSAGE: usize = 16 << 20;
 /// The largest hello or welcome.
 const MAX_HANDSHAKE: usize = 64 << 10;
 
-/// Requests up to this size (pickle plus buffers) take the lane; larger ones stream over gRPC, whose chunking
-/// and flow control suit bulk data, and which never has a large write wait behind a busy interpreter.
+/// Requests up to this size on the wire (pickle plus inline buffers; buffers in shared memory do not count) take
+/// the lane; larger ones stream over gRPC, whose chunking and flow control suit bulk data, and which never has a
+/// large write wait behind a busy interpreter.
 pub const MAX_LANE_REQUEST: usize = 1 << 20;
+
+/// Whether a request with this value goes on a lane: its bytes on the wire (pickle and inline buffers; buffers in
+/// shared memory travel as a reference) are at most [`MAX_LANE_REQUEST`].
+pub fn fits_lane(value: Option<&Value>) -> bool {
+    value.is_none_or(|v| {
+        v.pickle.len() + v.buffers.iter().map(|b| b.len()).sum::<usize>() <= MAX_LANE_REQUEST
+    })
+}
 
 /// The read buffer of a lane: a small frame arrives with one `read`.
 const READ_BUFFER: usize = 64 << 10;
@@ -123,6 +132,22 @@ pub fn write_frame(
     write_all(dst, &head, on_wait)
 }
 
+/// What of a value travels in a frame's message: only its shared-memory reference, if it has one (the pickle and
+/// buffers follow the message raw).
+pub fn message_value(value: &Value) -> Option<Value> {
+    value.shm.clone().map(|shm| Value {
+        shm: Some(shm),
+        ..Default::default()
+    })
+}
+
+/// A value whole again: the parts read after a frame's message, and the shared-memory reference the message
+/// carried (see [`message_value`]).
+pub fn joined_value(message: Option<Value>, mut parts: Value) -> Value {
+    parts.shm = message.and_then(|v| v.shm);
+    parts
+}
+
 /// Reads frames from a lane through a small buffer (a whole small frame in one `read`).
 pub struct FrameReader {
     buf: Box<[u8]>,
@@ -160,11 +185,19 @@ fn read_some(src: &mut impl Read, dst: &mut [u8], on_wait: OnWait<'_>) -> Result
 pub fn default_spin() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *SPIN.get_or_init(|| {
-        let micros = std::env::var("DDLF_LANE_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(100);
-        Duration::from_micros(micros.min(1_000_000))
+        let Ok(text) = std::env::var("DDLF_LANE_SPIN_US") else {
+            return Duration::from_micros(100);
+        };
+        match text.trim().parse::<u64>() {
+            Ok(micros) if micros <= 1_000_000 => Duration::from_micros(micros),
+            _ => {
+                tracing::warn!(
+                    value = %text,
+                    "DDLF_LANE_SPIN_US must be whole microseconds from 0 to 1000000: using 100"
+                );
+                Duration::from_micros(100)
+            }
+        }
     })
 }
 
@@ -198,7 +231,7 @@ impl FrameReader {
         }
     }
 
-    /// Spin up to `spin` for bytes on `src` (see [`spin`]); returns whether they came.
+    /// Spin up to `spin` for bytes on `src` (see [`default_spin`]); returns whether they came.
     pub fn spin_for(&mut self, src: &TcpStream, spin: Duration) -> bool {
         if self.has_buffered() {
             return true;
@@ -555,7 +588,7 @@ impl LaneCall<'_> {
         }
     }
 
-    /// Send `request` (its value inline: no shared memory) to the worker.
+    /// Send `request` to the worker.
     pub fn send(
         &mut self,
         mut request: CallRequest,
@@ -564,6 +597,7 @@ impl LaneCall<'_> {
     ) -> Result<(), NetError> {
         request.instance = self.lane.instance;
         let value = request.value.take().unwrap_or_default();
+        request.value = message_value(&value);
         let frame = LaneFrame {
             request: Some(request),
             ..Default::default()
@@ -611,12 +645,9 @@ impl LaneCall<'_> {
                 );
                 Err(NetError::from_status(&self.lane.address, &status))
             }
-            Ok(Ok((frame, mut value))) => {
+            Ok(Ok((frame, parts))) => {
                 let mut reply = frame.reply.unwrap_or_default();
-                if let Some(shm) = reply.value.take().and_then(|v| v.shm) {
-                    value.shm = Some(shm);
-                }
-                reply.value = Some(value);
+                reply.value = Some(joined_value(reply.value.take(), parts));
                 Ok(reply)
             }
         }
@@ -653,6 +684,38 @@ mod tests {
 
     fn give_up() -> impl FnMut() -> io::Result<()> {
         || Err(io::ErrorKind::TimedOut.into())
+    }
+
+    #[test]
+    fn what_fits_a_lane_is_counted_on_the_wire() {
+        let inline = |n: usize| Value {
+            pickle: Bytes::from(vec![0u8; 100]),
+            buffers: vec![Bytes::from(vec![0u8; n])],
+            shm: None,
+        };
+        assert!(fits_lane(None));
+        assert!(fits_lane(Some(&inline(MAX_LANE_REQUEST - 100))));
+        assert!(!fits_lane(Some(&inline(MAX_LANE_REQUEST))));
+        // A gigabyte in shared memory is a reference on the wire: it rides the lane.
+        let shared = Value {
+            pickle: Bytes::from_static(b"p"),
+            buffers: vec![],
+            shm: Some(ddlf_proto::ShmRef {
+                name: "ddlf-x".into(),
+                offsets: vec![0],
+                lengths: vec![1 << 30],
+                pooled: true,
+            }),
+        };
+        assert!(fits_lane(Some(&shared)));
+        // Its reference travels in the frame's message and is joined back to the parts read after it.
+        let parts = Value {
+            pickle: shared.pickle.clone(),
+            ..Default::default()
+        };
+        let whole = joined_value(message_value(&shared), parts);
+        assert_eq!(whole, shared);
+        assert_eq!(message_value(&inline(1)), None);
     }
 
     #[test]

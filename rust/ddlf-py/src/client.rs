@@ -7,12 +7,12 @@
 use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ddlf_core::auth::Token;
-use ddlf_net::lane::{deadline_wait, LaneCall, MAX_LANE_REQUEST};
+use ddlf_net::lane::{deadline_wait, fits_lane, LaneCall};
 use ddlf_net::{ClientConfig, ClientTls, NetError, WorkerConn};
 use ddlf_proto::{CallReply, CallRequest, ShmRef, Value};
 use futures_util::future::join_all;
@@ -143,14 +143,6 @@ impl Answer {
     }
 }
 
-/// Whether a request is small enough for a direct lane (and carries no shared-memory reference).
-fn lane_sized(req: &CallRequest) -> bool {
-    req.value.as_ref().is_none_or(|v| {
-        v.shm.is_none()
-            && v.pickle.len() + v.buffers.iter().map(|b| b.len()).sum::<usize>() <= MAX_LANE_REQUEST
-    })
-}
-
 /// Whether Ctrl-C arrived while waiting (checked at most once: the first error is kept in `slot`).
 fn signalled(slot: &Mutex<Option<PyErr>>) -> io::Result<()> {
     let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -170,7 +162,8 @@ fn signalled(slot: &Mutex<Option<PyErr>>) -> io::Result<()> {
 #[pyclass(frozen, module = "ddlf._ddlf")]
 pub struct Client {
     rt: tokio::runtime::Runtime,
-    conns: RwLock<Vec<WorkerConn>>,
+    // Shared, not cloned per call: a call takes a snapshot of the list by bumping reference counts.
+    conns: RwLock<Vec<Arc<WorkerConn>>>,
     config: ClientConfig,
 }
 
@@ -206,15 +199,15 @@ impl Client {
         })
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, Vec<WorkerConn>> {
+    fn read(&self) -> RwLockReadGuard<'_, Vec<Arc<WorkerConn>>> {
         self.conns.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, Vec<WorkerConn>> {
+    fn write(&self) -> RwLockWriteGuard<'_, Vec<Arc<WorkerConn>>> {
         self.conns.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn conns_for(&self, targets: &[usize]) -> PyResult<Vec<WorkerConn>> {
+    fn conns_for(&self, targets: &[usize]) -> PyResult<Vec<Arc<WorkerConn>>> {
         let conns = self.read();
         targets
             .iter()
@@ -251,7 +244,7 @@ impl Client {
     fn fan_out(
         &self,
         py: Python<'_>,
-        conns: Vec<WorkerConn>,
+        conns: Vec<Arc<WorkerConn>>,
         requests: Vec<CallRequest>,
         timeout: Option<Duration>,
     ) -> PyResult<Vec<Answer>> {
@@ -265,9 +258,9 @@ impl Client {
                 id,
             }
         }
-        if requests.iter().all(lane_sized) {
+        if requests.iter().all(|r| fits_lane(r.value.as_ref())) {
             // Every target must have its lane free; otherwise the call goes over gRPC, all of it.
-            let lanes: Vec<LaneCall<'_>> = conns.iter().map_while(WorkerConn::lane).collect();
+            let lanes: Vec<LaneCall<'_>> = conns.iter().map_while(|c| c.lane()).collect();
             if lanes.len() == conns.len() {
                 return self.over_lanes(py, &conns, lanes, requests, timeout);
             }
@@ -302,7 +295,7 @@ impl Client {
     fn over_lanes(
         &self,
         py: Python<'_>,
-        conns: &[WorkerConn],
+        conns: &[Arc<WorkerConn>],
         mut lanes: Vec<LaneCall<'_>>,
         requests: Vec<CallRequest>,
         timeout: Option<Duration>,
@@ -468,7 +461,7 @@ impl Client {
     ) -> PyResult<Vec<Py<PyAny>>>
     where
         T: Send,
-        F: Fn(WorkerConn) -> Fut + Send,
+        F: Fn(Arc<WorkerConn>) -> Fut + Send,
         Fut: Future<Output = Result<T, NetError>> + Send,
     {
         let conns = self.conns_for(&targets)?;
@@ -554,7 +547,7 @@ impl Client {
         let mut conns = Vec::with_capacity(results.len());
         for (i, r) in results.into_iter().enumerate() {
             match r {
-                Ok(c) => conns.push(c),
+                Ok(c) => conns.push(Arc::new(c)),
                 Err(e) => return Err(net_error(py, &e, Some(i))),
             }
         }
@@ -596,7 +589,7 @@ impl Client {
         let info = info_dict(py, &conn)?;
         let mut conns = self.write();
         if let Some(slot) = conns.get_mut(index) {
-            *slot = conn;
+            *slot = Arc::new(conn);
         }
         Ok(info)
     }
@@ -609,7 +602,7 @@ impl Client {
             .connect_one(py, address, timeout)?
             .map_err(|e| net_error(py, &e, Some(index)))?;
         let mut conns = self.write();
-        conns.push(conn);
+        conns.push(Arc::new(conn));
         Ok(conns.len() - 1)
     }
 

@@ -14,7 +14,8 @@ use ddlf_core::auth::Token;
 use ddlf_core::frame::{FrameError, FrameLimits};
 use ddlf_net::guard::{LaneArrival, Slot};
 use ddlf_net::lane::{
-    configure, handshake_bytes, read_handshake, write_frame, FrameReader, LaneError,
+    configure, handshake_bytes, joined_value, message_value, read_handshake, write_frame,
+    FrameReader, LaneError,
 };
 use ddlf_proto::{CallReply, CallRequest, LaneFrame, LaneHello, LaneWelcome, PROTOCOL_VERSION};
 use tokio::io::AsyncWriteExt;
@@ -210,13 +211,7 @@ impl LaneIn {
                 }
                 Err(e) => return self.broken(state, &e),
             };
-        if let Some(shm) = request.value.take().and_then(|v| v.shm) {
-            return self.broken(
-                state,
-                &format!("shared-memory file {} sent on a direct lane", shm.name),
-            );
-        }
-        request.value = Some(value);
+        request.value = Some(joined_value(request.value.take(), value));
         match screen(state, &request) {
             Ok(()) => LaneRead::Request(request),
             Err(status) => {
@@ -245,10 +240,7 @@ impl LaneOut {
     /// Write `reply`. A failure (the master went away) is logged; the lane's reader then finds it closed.
     pub(crate) fn send(&self, mut reply: CallReply) {
         let value = reply.value.take().unwrap_or_default();
-        reply.value = value.shm.clone().map(|shm| ddlf_proto::Value {
-            shm: Some(shm),
-            ..Default::default()
-        });
+        reply.value = message_value(&value);
         let frame = LaneFrame {
             reply: Some(reply),
             ..Default::default()
