@@ -3,6 +3,8 @@ concurrent callers and masters that opt out use gRPC. Either way the results, er
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -138,3 +140,38 @@ def test_grpc_stays_healthy_while_only_the_lane_is_used() -> None:
         c.close()
     finally:
         d.stop()
+
+
+def test_values_in_shared_memory_ride_the_lane_as_a_reference(daemon: Daemon) -> None:
+    # 3.2 MB over the lane's 1 MiB limit inline, but through shared memory only its reference is on the wire.
+    big = np.random.default_rng(1).random(400_000)
+    with ddlf.Cluster([daemon.address], daemon.token, shared_memory=True) as c:
+        info = c.worker_info()[0]
+        assert info["shared_memory"] is True and info["direct_lane"] is True
+        for _ in range(3):  # pooled segments are reused call after call
+            out = c.run(_ident, big)[0]
+            np.testing.assert_array_equal(out, big)
+        assert c.worker_info()[0]["direct_lane"] is True
+    # The pool is this process's: leave it empty for tests that count its segments.
+    ddlf._ddlf.release_shared_memory()
+
+
+def test_bad_lane_settings_are_refused_clearly() -> None:
+    for bad in (-1, 2_000_000, 1.5, True):
+        with pytest.raises(ValueError, match="lane_spin_us must be a whole number of microseconds"):
+            ddlf.Cluster(["127.0.0.1:1"], "t", lane_spin_us=bad)
+    with pytest.raises(ValueError, match="lane_spin_us"):
+        ddlf.Cluster.local(1, lane_spin_us=-5)  # refused before any daemon starts
+    for args, words in (
+        (["--lane-spin-us", "-1"], "--lane-spin-us: whole microseconds from 0 to 1000000"),
+        (["--keepalive", "0", "1"], "--keepalive: a positive number of seconds"),
+        (["--handshake-timeout", "nan"], "--handshake-timeout: a positive number of seconds"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "ddlf.worker", "--listen", "127.0.0.1:0", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, out.stderr
+        assert words in out.stderr

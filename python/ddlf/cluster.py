@@ -43,6 +43,19 @@ KINDS = _ddlf.ERROR_KINDS
 _OK, _REMOTE_ERROR, _NET_ERROR = 0, 1, 2
 
 T = TypeVar("T")
+
+MAX_LANE_SPIN_US = 1_000_000
+
+
+def check_lane_spin_us(value: Any) -> int:
+    """Check a ``lane_spin_us`` setting: whole microseconds from 0 (sleep at once) to 1 s."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LANE_SPIN_US:
+        raise ValueError(
+            f"lane_spin_us must be a whole number of microseconds from 0 to {MAX_LANE_SPIN_US}, got {value!r}"
+        )
+    return value
+
+
 FunctionRef = Callable[..., Any] | str
 
 
@@ -68,7 +81,8 @@ class Cluster:
             authority: a path to a PEM file, or the PEM bytes. ``tls_domain``: the name their certificates are
             checked against (default: each address's host).
         direct_lane: besides its gRPC connection, open a direct lane to each plaintext daemon: a second TCP
-            connection on the same port that carries small calls (requests up to 1 MiB) as plain frames, read
+            connection on the same port that carries small calls (requests up to 1 MiB on the wire; values in
+            shared memory count as their reference) as plain frames, read
             and answered by the worker's interpreter thread itself, with no HTTP/2 and no hand-over between
             threads: about half the latency of a gRPC call (see BENCHMARKS.md). Large values, TLS, heartbeats
             and calls made while another thread uses the lane go over gRPC. ``False``: everything over gRPC.
@@ -102,6 +116,8 @@ class Cluster:
             addresses = [addresses]
         if token is None:
             token = os.environ.get("DDLF_TOKEN") or None
+        if lane_spin_us is not None:
+            lane_spin_us = check_lane_spin_us(lane_spin_us)
         self._local = _local
         self._client = _ddlf.Client(
             list(addresses),
@@ -158,7 +174,7 @@ class Cluster:
             threads = max(1, cpu_count() // n_workers)
         args = list(worker_args)
         if lane_spin_us is not None:
-            args += ["--lane-spin-us", str(int(lane_spin_us))]
+            args += ["--lane-spin-us", str(check_lane_spin_us(lane_spin_us))]
         local = LocalWorkers(n_workers, threads=threads, start_timeout=start_timeout, extra_args=args)
         try:
             return cls(

@@ -15,11 +15,29 @@ from collections.abc import Sequence
 
 from . import _ddlf
 from ._executor import Executor
+from .cluster import MAX_LANE_SPIN_US, check_lane_spin_us
 from .errors import WorkerStartError
 from .local import die_with_parent
 from .threads import in_effect, thread_env
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a positive number of seconds, got {text!r}")
+    return value
+
+
+def _spin_us(text: str) -> int:
+    try:
+        return check_lane_spin_us(int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"whole microseconds from 0 to {MAX_LANE_SPIN_US}, got {text!r}") from exc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,20 +80,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--handshake-timeout",
-        type=float,
+        type=_positive_seconds,
         default=None,
         help="seconds a new connection may take to open with a valid preface (default 10)",
     )
     p.add_argument(
         "--lane-spin-us",
-        type=int,
+        type=_spin_us,
         default=None,
         help="microseconds the interpreter thread spins for the next direct-lane request before it sleeps "
         "(default: DDLF_LANE_SPIN_US, else 100; 0 sleeps at once)",
     )
     p.add_argument(
         "--keepalive",
-        type=float,
+        type=_positive_seconds,
         nargs=2,
         metavar=("INTERVAL", "TIMEOUT"),
         default=None,
