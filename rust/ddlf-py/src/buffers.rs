@@ -173,7 +173,8 @@ pub fn copy_buffers(py: Python<'_>, bufs: &[Exported]) -> Vec<Bytes> {
 }
 
 /// Share exported buffers as `Bytes` without copying: each keeps its export until the last slice is dropped
-/// (which takes the GIL briefly to release it). For the master only, whose calls run on its own thread.
+/// (which takes the GIL briefly to release it). For sends that finish before the calling thread runs more Python:
+/// the master's calls, and a worker's reply written in place on a lane.
 pub fn borrow_buffers(bufs: Vec<Exported>) -> Vec<Bytes> {
     bufs.into_iter().map(Bytes::from_owner).collect()
 }

@@ -14,7 +14,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::buffers::{copy_buffers, export, total_bytes, value_buffers, write_shm, POOL_THRESHOLD};
+use crate::buffers::{
+    borrow_buffers, copy_buffers, export, total_bytes, value_buffers, write_shm, POOL_THRESHOLD,
+};
 use crate::errors::daemon_error;
 
 /// How long the interpreter thread waits for a job before checking for signals (SIGINT/SIGTERM).
@@ -165,20 +167,24 @@ fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResul
         Ok(b) => b,
         Err(e) => {
             // The connect-time probe said we share /dev/shm with the master; the file is gone or unreadable now.
-            job.respond(remote_exception(
-                ErrorKind::BadRequest,
-                "SharedMemoryUnavailable",
-                format!(
-                    "cannot open the master's shared-memory file: {e} \
+            respond(
+                py,
+                job,
+                remote_exception(
+                    ErrorKind::BadRequest,
+                    "SharedMemoryUnavailable",
+                    format!(
+                        "cannot open the master's shared-memory file: {e} \
                      (connect with shared_memory=False to send everything over TCP)"
+                    ),
                 ),
-            ));
+            );
             return Ok(());
         }
     };
     let outcome = executor.call_method1(intern!(py, "handle"), (op, name, digest, pickle, buffers));
     let mut reply = match outcome {
-        Ok(result) => match encode_result(py, &result, reply_shm) {
+        Ok(result) => match encode_result(py, &result, reply_shm, job.replies_in_place()) {
             Ok(reply) => reply,
             Err(e) => remote_exception(
                 ErrorKind::Serialization,
@@ -192,7 +198,7 @@ fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResul
                 "WorkerStopping",
                 format!("the worker is stopping: {e}"),
             );
-            job.respond(reply);
+            respond(py, job, reply);
             return Err(e);
         }
         // The executor catches user exceptions itself; anything reaching here is a bug in ddlf's own code.
@@ -204,14 +210,26 @@ fn run_job(py: Python<'_>, executor: &Bound<'_, PyAny>, mut job: Job) -> PyResul
     };
     reply.compute_seconds = start.elapsed().as_secs_f64();
     reply.queue_seconds = queue_seconds;
-    job.respond(reply);
+    respond(py, job, reply);
     Ok(())
+}
+
+/// Answer `job` with the GIL released: a reply written to a lane may be large, and lent buffers are released
+/// (briefly taking the GIL) only once written.
+fn respond(py: Python<'_>, job: Job, reply: CallReply) {
+    py.detach(|| job.respond(reply));
 }
 
 /// `(0, pickle, buffers)` or `(kind, (type_name, message, traceback))` to a reply.
 /// With `shm` (the master shares this machine), large buffers are written once into a segment of this worker's
-/// shared-memory pool that the master maps (or a one-off file it removes).
-fn encode_result(py: Python<'_>, result: &Bound<'_, PyAny>, shm: bool) -> PyResult<CallReply> {
+/// shared-memory pool that the master maps (or a one-off file it removes). With `lend` (the reply is written
+/// before this thread runs anything else) buffers going over the socket are lent, not copied.
+fn encode_result(
+    py: Python<'_>,
+    result: &Bound<'_, PyAny>,
+    shm: bool,
+    lend: bool,
+) -> PyResult<CallReply> {
     let tuple = result.cast::<PyTuple>()?;
     let kind: i32 = tuple.get_item(0)?.extract()?;
     if kind == 0 {
@@ -231,7 +249,11 @@ fn encode_result(py: Python<'_>, result: &Bound<'_, PyAny>, shm: bool) -> PyResu
             }
         }
         if value.shm.is_none() {
-            value.buffers = copy_buffers(py, &bufs);
+            value.buffers = if lend {
+                borrow_buffers(bufs)
+            } else {
+                copy_buffers(py, &bufs)
+            };
         }
         return Ok(CallReply {
             value: Some(value),

@@ -51,6 +51,12 @@ impl Job {
         label(&self.request)
     }
 
+    /// Whether this thread writes the reply itself, before it takes another job (a lane's request): the reply's
+    /// buffers may then be lent from the Python objects instead of copied, as nothing else runs meanwhile.
+    pub fn replies_in_place(&self) -> bool {
+        matches!(self.reply, ReplyTo::Lane(_))
+    }
+
     /// Send the reply back: to the waiting service call (if the master is still waiting), or on the lane.
     pub fn respond(self, mut reply: CallReply) {
         reply.queue_seconds = reply.queue_seconds.max(0.0);
