@@ -307,7 +307,7 @@ impl FrameReader {
     /// Read the pickle and buffers declared by `lengths`, after checking them against `limits`.
     pub fn read_parts(
         &mut self,
-        src: &mut impl Read,
+        src: &TcpStream,
         lengths: &[u64],
         limits: FrameLimits,
         on_wait: OnWait<'_>,
@@ -315,9 +315,7 @@ impl FrameReader {
         let (lengths, _) = check_lengths(lengths, limits)?;
         let mut parts = Vec::with_capacity(lengths.len());
         for l in lengths {
-            let mut part = vec![0u8; l];
-            self.read_exact(src, &mut part, on_wait)?;
-            parts.push(Bytes::from(part));
+            parts.push(Bytes::from(self.read_part(src, l, &mut *on_wait)?));
         }
         let mut parts = parts.into_iter();
         Ok(Value {
@@ -325,6 +323,43 @@ impl FrameReader {
             buffers: parts.collect(),
             shm: None,
         })
+    }
+
+    /// One part of `len` bytes, allocated at its size and filled by the socket directly (a large part is never
+    /// zeroed first nor staged through the read buffer).
+    fn read_part(
+        &mut self,
+        src: &TcpStream,
+        len: usize,
+        on_wait: OnWait<'_>,
+    ) -> Result<Vec<u8>, LaneError> {
+        let mut part = Vec::with_capacity(len);
+        let n = (self.end - self.start).min(len);
+        part.extend_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        }
+        while part.len() < len {
+            let rest = len - part.len();
+            if rest < self.buf.len() {
+                // A small remainder comes through the read buffer (one `read` may bring the next frame too).
+                let done = part.len();
+                part.resize(len, 0);
+                self.read_exact(&mut &*src, &mut part[done..], on_wait)?;
+                break;
+            }
+            let spare = &mut part.spare_capacity_mut()[..rest];
+            match socket2::SockRef::from(src).recv(spare) {
+                Ok(0) => return Err(LaneError::Closed),
+                // SAFETY: `recv` initialised the first `k` bytes of the spare capacity.
+                Ok(k) => unsafe { part.set_len(part.len() + k) },
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if waiting(&e) => on_wait()?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(part)
     }
 
     /// Read and discard `n` bytes (the parts of a refused request), keeping the lane in step.
@@ -631,9 +666,9 @@ impl LaneCall<'_> {
             if frame.refused_code != 0 {
                 return Ok(Err(frame));
             }
-            let value =
-                io.reader
-                    .read_parts(&mut io.stream, &frame.lengths, limits, &mut *on_wait)?;
+            let value = io
+                .reader
+                .read_parts(&io.stream, &frame.lengths, limits, &mut *on_wait)?;
             Ok(Ok((frame, value)))
         })();
         match result {
@@ -752,7 +787,7 @@ mod tests {
             assert_eq!(got.request.as_ref().unwrap().request_id, 42);
             assert_eq!(got.lengths, vec![6, 5, big.len() as u64, 0]);
             let value = reader
-                .read_parts(&mut b, &got.lengths, FrameLimits::default(), &mut wait)
+                .read_parts(&b, &got.lengths, FrameLimits::default(), &mut wait)
                 .unwrap();
             assert_eq!(&value.pickle[..], b"pickle");
             assert_eq!(value.buffers[1], big);
@@ -778,7 +813,7 @@ mod tests {
             ..Default::default()
         };
         let err = reader
-            .read_parts(&mut b, &msg.lengths, small, &mut give_up())
+            .read_parts(&b, &msg.lengths, small, &mut give_up())
             .unwrap_err();
         assert!(matches!(
             err,

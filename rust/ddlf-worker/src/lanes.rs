@@ -187,30 +187,29 @@ impl LaneIn {
         let Some(mut request) = frame.request else {
             return self.broken(state, &"a frame without a request");
         };
-        let value =
-            match self
-                .reader
-                .read_parts(&mut self.stream, &frame.lengths, limits, &mut give_up)
-            {
-                Ok(v) => v,
-                Err(LaneError::Limits(e @ FrameError::TooLarge { declared, .. })) => {
-                    // The same words as a streamed request refused over gRPC.
-                    let status = state.reject(Status::resource_exhausted(e.to_string()));
-                    // Keep the lane in step by reading past the refused bytes, unless there are too many of them.
-                    let keep = declared <= DRAIN_LIMIT
-                        && self
-                            .reader
-                            .skip(&mut self.stream, declared, &mut give_up)
-                            .is_ok();
-                    self.out.refuse(&status);
-                    return if keep {
-                        LaneRead::Answered
-                    } else {
-                        LaneRead::Closed
-                    };
-                }
-                Err(e) => return self.broken(state, &e),
-            };
+        let value = match self
+            .reader
+            .read_parts(&self.stream, &frame.lengths, limits, &mut give_up)
+        {
+            Ok(v) => v,
+            Err(LaneError::Limits(e @ FrameError::TooLarge { declared, .. })) => {
+                // The same words as a streamed request refused over gRPC.
+                let status = state.reject(Status::resource_exhausted(e.to_string()));
+                // Keep the lane in step by reading past the refused bytes, unless there are too many of them.
+                let keep = declared <= DRAIN_LIMIT
+                    && self
+                        .reader
+                        .skip(&mut self.stream, declared, &mut give_up)
+                        .is_ok();
+                self.out.refuse(&status);
+                return if keep {
+                    LaneRead::Answered
+                } else {
+                    LaneRead::Closed
+                };
+            }
+            Err(e) => return self.broken(state, &e),
+        };
         request.value = Some(joined_value(request.value.take(), value));
         match screen(state, &request) {
             Ok(()) => LaneRead::Request(request),
