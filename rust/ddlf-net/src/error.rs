@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use ddlf_proto::Refusal;
+
 /// What went wrong on the way to (or back from) one worker daemon.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
@@ -27,30 +29,38 @@ pub enum NetError {
         theirs: u32,
         their_version: String,
     },
-    /// The daemon refused the request itself (too large, malformed, ...). It keeps serving.
-    #[error("worker {address} rejected the request ({code}): {message}")]
-    Rejected {
+    /// The daemon refused the request itself (too large, malformed, ...), for a reason given by its code. It
+    /// keeps serving.
+    #[error("worker {address} rejected the request ({}): {message}", crate::refusal::name(*.refusal))]
+    Refused {
         address: String,
-        code: String,
+        refusal: Refusal,
         message: String,
     },
     /// The daemon at this address restarted since we connected: what was pushed to it is gone.
     #[error("worker {address} restarted since this master connected to it: what was pushed to it is gone")]
     Restarted { address: String },
-    /// The address is not something we can connect to.
+    /// The worker's answer could not be decoded (a broken or hostile peer): the master refused it.
+    #[error("worker {address} sent a reply that cannot be decoded: {reason}")]
+    InvalidReply { address: String, reason: String },
+    /// The wait was interrupted on the master (Ctrl-C): the worker may still run the request.
+    #[error("the call to worker {address} was interrupted")]
+    Interrupted { address: String },
+    /// The address (or a setting for it, such as the token) is not something we can connect with.
     #[error("invalid worker address {address:?}: {reason}")]
     InvalidAddress { address: String, reason: String },
 }
 
-/// How a daemon begins its refusal of a request addressed to an earlier instance of itself.
-pub const RESTARTED: &str = "daemon restarted";
-
 impl NetError {
-    /// Classify a gRPC status returned by a call to `address`.
+    /// Classify a gRPC status returned by a call to `address`: by its refusal code when the daemon gave one,
+    /// else by the status code (a transport failure, or tonic's own error).
     pub fn from_status(address: &str, status: &tonic::Status) -> Self {
         use tonic::Code;
         let address = address.to_string();
         let message = status.message().to_string();
+        if let Some(refusal) = crate::refusal::of_status(status) {
+            return Self::refused(address, refusal, message);
+        }
         match status.code() {
             Code::Unauthenticated | Code::PermissionDenied => NetError::Unauthenticated {
                 address,
@@ -66,12 +76,33 @@ impl NetError {
                     reason: describe_transport(status),
                 }
             }
-            Code::FailedPrecondition if message.starts_with(RESTARTED) => {
-                NetError::Restarted { address }
-            }
-            code => NetError::Rejected {
+            Code::ResourceExhausted => NetError::Refused {
                 address,
-                code: format!("{code:?}"),
+                refusal: Refusal::TooLarge,
+                message,
+            },
+            _ => NetError::InvalidReply {
+                address,
+                reason: format!("{:?}: {message}", status.code()),
+            },
+        }
+    }
+
+    /// The error for a refusal with this code (from gRPC metadata or a lane frame).
+    pub fn refused(address: String, refusal: Refusal, message: String) -> Self {
+        match refusal {
+            Refusal::Restarted => NetError::Restarted { address },
+            Refusal::Unauthenticated => NetError::Unauthenticated {
+                address,
+                reason: message,
+            },
+            Refusal::ShuttingDown => NetError::Unavailable {
+                address,
+                reason: message,
+            },
+            refusal => NetError::Refused {
+                address,
+                refusal,
                 message,
             },
         }
@@ -84,8 +115,10 @@ impl NetError {
             | NetError::DeadlineExceeded { address, .. }
             | NetError::Unauthenticated { address, .. }
             | NetError::ProtocolMismatch { address, .. }
-            | NetError::Rejected { address, .. }
+            | NetError::Refused { address, .. }
             | NetError::Restarted { address }
+            | NetError::InvalidReply { address, .. }
+            | NetError::Interrupted { address }
             | NetError::InvalidAddress { address, .. } => address,
         }
     }
@@ -144,8 +177,39 @@ mod tests {
         ));
         let s = tonic::Status::resource_exhausted("too big");
         let e = NetError::from_status("a:1", &s);
-        assert!(matches!(e, NetError::Rejected { .. }));
+        assert!(matches!(
+            e,
+            NetError::Refused {
+                refusal: Refusal::TooLarge,
+                ..
+            }
+        ));
         assert_eq!(e.address(), "a:1");
         assert!(e.to_string().contains("too big"));
+    }
+
+    #[test]
+    fn refusal_codes_decide_not_messages() {
+        let s = crate::refusal::status(Refusal::Restarted, "anything at all");
+        assert!(matches!(
+            NetError::from_status("a:1", &s),
+            NetError::Restarted { .. }
+        ));
+        // The old message prefix alone no longer means anything.
+        let s = tonic::Status::failed_precondition("daemon restarted: ...");
+        assert!(matches!(
+            NetError::from_status("a:1", &s),
+            NetError::InvalidReply { .. }
+        ));
+        let s = crate::refusal::status(Refusal::Malformed, "bad op");
+        let e = NetError::from_status("a:1", &s);
+        assert!(matches!(
+            e,
+            NetError::Refused {
+                refusal: Refusal::Malformed,
+                ..
+            }
+        ));
+        assert!(e.to_string().contains("(malformed)"));
     }
 }

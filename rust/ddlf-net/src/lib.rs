@@ -5,18 +5,24 @@
 //! * [`guard`]: admission control in front of a daemon's server (connection cap, handshake check, logging).
 //! * [`lane`]: direct lanes, calls framed on plain TCP and answered by the worker's interpreter thread itself.
 //! * [`stream`]: values cut into chunks for streamed calls, and read back (both ends).
+//! * [`pool`]: [`Pool`], the master's connections to all its workers and the dispatch policy (lane or gRPC,
+//!   shared memory, liveness while waiting, typed [`pool::Outcome`]s).
+//! * [`refusal`]: a daemon's refusal codes on gRPC statuses.
 //! * [`error`]: [`NetError`], what can go wrong talking to a worker, always naming its address.
 
 pub mod client;
 pub mod error;
 pub mod guard;
 pub mod lane;
+pub mod pool;
+pub mod refusal;
 pub mod server;
 pub mod stream;
 
 pub use client::{ClientConfig, ClientTls, WorkerConn};
 pub use error::NetError;
 pub use guard::{ConnStats, GuardConfig};
+pub use pool::{Answer, Outcome, Outgoing, Pool};
 pub use server::{ServerAuth, ServerConfig, ServerTls};
 
 /// HTTP/2 flow-control windows. The defaults (64 KiB) throttle bulk transfers on fast links; weights are

@@ -98,7 +98,7 @@ impl ServerAuth {
             .map(|a| a.to_string())
             .unwrap_or_else(|| "unknown peer".into());
         tracing::warn!(%peer, reason = why, "request refused: authentication failed");
-        Status::unauthenticated(why)
+        crate::refusal::status(ddlf_proto::Refusal::Unauthenticated, why)
     }
 }
 

@@ -13,7 +13,7 @@ pub mod v1 {
 pub use v1::*;
 
 /// Bumped whenever a message changes incompatibly. Master and worker compare it at connect time.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The package version, shared by the master and the worker daemon.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -179,14 +179,6 @@ pub fn borrow_buffers(bufs: Vec<Exported>) -> Vec<Bytes> {
     bufs.into_iter().map(Bytes::from_owner).collect()
 }
 
-/// Values with at least this many buffer bytes go through a pooled shared-memory segment between processes on
-/// one machine (one copy into pages that already exist, instead of the socket's copies).
-pub const POOL_THRESHOLD: usize = 1 << 20;
-
-/// Without room in the pool, values at least this large still go through a one-off shared-memory file. Below
-/// it, creating and freeing a file costs more than the socket (measured: 4 MB took 5.8 ms vs 3.7 ms over TCP).
-pub const SHM_THRESHOLD: usize = 32 << 20;
-
 /// Wrap received buffers for Python.
 pub fn to_recv_buffers(py: Python<'_>, bufs: Vec<Bytes>) -> PyResult<Vec<Py<RecvBuffer>>> {
     bufs.into_iter()
@@ -231,35 +223,14 @@ pub fn value_buffers(
     }
 }
 
-/// Put buffers in shared memory for `readers` receivers (one copy, GIL released): a segment of this process's
-/// pool, or, without room there, a one-off file for values of [`SHM_THRESHOLD`] or more. `Ok(None)`: use the
-/// socket.
+/// Put buffers in shared memory for `readers` receivers (the policy is `ddlf_net::pool::write_shm`), with the
+/// GIL released for the copy.
 pub fn write_shm(
     py: Python<'_>,
     bufs: &[impl AsRef<[u8]> + Sync],
     readers: u64,
 ) -> Result<Option<ddlf_proto::ShmRef>, ddlf_core::shm::ShmError> {
-    let total = total_bytes(bufs);
-    let written = py.detach(|| {
-        let slices: Vec<&[u8]> = bufs.iter().map(|b| b.as_ref()).collect();
-        match Pool::global().write(&slices, readers) {
-            Ok(layout) => Ok(Some((layout, true))),
-            Err(e) if total < SHM_THRESHOLD => {
-                tracing::debug!(error = %e, "no pooled shared memory: sending over the socket");
-                Ok(None)
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "no pooled shared memory: a one-off file");
-                ddlf_core::shm::write(&slices).map(|l| Some((l, false)))
-            }
-        }
-    })?;
-    Ok(written.map(|(l, pooled)| ddlf_proto::ShmRef {
-        name: l.name,
-        offsets: l.offsets,
-        lengths: l.lengths,
-        pooled,
-    }))
+    py.detach(|| ddlf_net::pool::write_shm(bufs, readers))
 }
 
 /// Remove this process's pooled shared-memory segments (at exit; receivers' mappings stay valid).

@@ -1,10 +1,12 @@
 //! `ddlf._ddlf`: the Python bindings. Only conversions, GIL handling and error mapping live here; the logic is
 //! in the crates below (`ddlf-net`, `ddlf-worker`, `ddlf-core`).
 //!
-//! * [`client`]: `Client`, the master's connections to its workers.
+//! * [`client`]: `Client` over `ddlf_net::Pool`, and `Reply`, one worker's answer.
+//! * [`wait`]: the one GIL-releasing, Ctrl-C-aware wait every blocking call goes through.
 //! * [`worker`]: `serve_worker`, the daemon's interpreter loop.
 //! * [`buffers`]: `RecvBuffer`, received bytes exposed to Python without a copy; reading Python buffers.
-//! * [`ops`]: `ddlf.ops` kernels (merge, precision, shuffle, gather).
+//! * [`arrays`]: `ddlf.ops` array kernels (merge, precision), dtype-checked.
+//! * [`ops`]: `ddlf.ops` index kernels (shuffle, partitions, gather).
 //! * [`pipeline`]: `BatchPipeline`, batches gathered and prefetched by a Rust thread.
 //! * [`errors`]: Rust errors to `ddlf.errors` exception classes.
 //! * [`logging`]: `tracing` output, configured from `DDLF_LOG` / `RUST_LOG`.
@@ -12,31 +14,43 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+mod arrays;
 mod buffers;
 mod client;
 mod errors;
 mod logging;
 mod ops;
 mod pipeline;
+mod wait;
 mod worker;
+
+/// Apply the allocator policy for large transfers (`ddlf_core::memory`): called when a cluster, a worker or a
+/// training run starts, never at import. `DDLF_MALLOC=system` keeps glibc's defaults. Returns whether this
+/// process runs with the policy; idempotent.
+#[pyfunction]
+fn tune_allocator() -> bool {
+    static TUNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TUNED.get_or_init(|| {
+        std::env::var("DDLF_MALLOC").map_or(true, |v| v != "system")
+            && ddlf_core::memory::tune_for_transfers(ddlf_core::memory::TRANSFER_POLICY)
+    })
+}
 
 #[pymodule]
 fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // Large transfers reuse mapped heap pages instead of faulting fresh ones in each time (ddlf_core::memory).
-    let tuned = std::env::var("DDLF_MALLOC").map_or(true, |v| v != "system")
-        && ddlf_core::memory::tune_for_transfers(ddlf_core::memory::TRANSFER_POLICY);
-    m.add("MALLOC_TUNED", tuned)?;
     m.add("__version__", ddlf_proto::VERSION)?;
     m.add("PROTOCOL_VERSION", ddlf_proto::PROTOCOL_VERSION)?;
     m.add_class::<client::Client>()?;
+    m.add_class::<client::Reply>()?;
+    m.add_class::<errors::ErrorClass>()?;
     m.add_class::<buffers::RecvBuffer>()?;
     m.add_class::<pipeline::BatchPipeline>()?;
-    m.add_function(wrap_pyfunction!(ops::weighted_average, m)?)?;
-    m.add_function(wrap_pyfunction!(ops::axpy_, m)?)?;
-    m.add_function(wrap_pyfunction!(ops::delta, m)?)?;
-    m.add_function(wrap_pyfunction!(ops::to_half, m)?)?;
-    m.add_function(wrap_pyfunction!(ops::from_half, m)?)?;
-    m.add_function(wrap_pyfunction!(ops::topk, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::weighted_average, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::axpy_, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::delta, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::to_half, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::from_half, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::topk, m)?)?;
     m.add_function(wrap_pyfunction!(ops::permutation, m)?)?;
     m.add_function(wrap_pyfunction!(ops::partitions, m)?)?;
     m.add_function(wrap_pyfunction!(ops::partition_for, m)?)?;
@@ -47,6 +61,7 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(logging::log_record, m)?)?;
     m.add_function(wrap_pyfunction!(buffers::release_shared_memory, m)?)?;
     m.add_function(wrap_pyfunction!(buffers::shared_memory_usage, m)?)?;
+    m.add_function(wrap_pyfunction!(tune_allocator, m)?)?;
     // Operation and error codes straight from the generated protocol, so Python never re-declares them.
     let ops = PyDict::new(m.py());
     for code in 0..64 {

@@ -14,10 +14,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::buffers::{
-    borrow_buffers, copy_buffers, export, total_bytes, value_buffers, write_shm, POOL_THRESHOLD,
-};
+use crate::buffers::{borrow_buffers, copy_buffers, export, total_bytes, value_buffers, write_shm};
 use crate::errors::daemon_error;
+use ddlf_net::pool::POOL_THRESHOLD;
 
 /// How long the interpreter thread waits for a job before checking for signals (SIGINT/SIGTERM).
 const IDLE_POLL: Duration = Duration::from_millis(100);

@@ -5,6 +5,8 @@
 //! wait also watches the daemon's direct lanes ([`crate::lanes`]): a request arriving on one is read, and later
 //! answered, by the interpreter thread itself.
 
+use ddlf_net::refusal;
+use ddlf_proto::Refusal;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -107,10 +109,10 @@ fn first_line(message: &str) -> &str {
 /// instance of the daemon.
 pub(crate) fn screen(state: &WorkerState, req: &CallRequest) -> Result<(), Status> {
     if Op::try_from(req.op).unwrap_or(Op::Unspecified) == Op::Unspecified {
-        return Err(state.reject(Status::invalid_argument(format!(
-            "unknown operation code {}",
-            req.op
-        ))));
+        return Err(state.reject(refusal::status(
+            Refusal::Malformed,
+            format!("unknown operation code {}", req.op),
+        )));
     }
     if req.instance != 0 && req.instance != state.instance {
         tracing::info!(
@@ -118,10 +120,10 @@ pub(crate) fn screen(state: &WorkerState, req: &CallRequest) -> Result<(), Statu
             ours = state.instance,
             "request for an earlier instance of this daemon: the master must re-provision it"
         );
-        return Err(Status::failed_precondition(format!(
-            "{}: this daemon started after the master connected, and holds nothing it pushed",
-            ddlf_net::error::RESTARTED
-        )));
+        return Err(refusal::status(
+            Refusal::Restarted,
+            "this daemon started after the master connected, and holds nothing it pushed",
+        ));
     }
     Ok(())
 }

@@ -4,6 +4,8 @@
 //! then hands the socket to the interpreter thread, which from then on reads requests from it between jobs
 //! ([`crate::jobs::JobReceiver::next`]) and writes each reply itself when the job is done.
 
+use ddlf_net::refusal;
+use ddlf_proto::Refusal;
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -55,12 +57,13 @@ pub(crate) async fn welcome(
                 return refuse_silently(&state, peer, "no hello within the handshake deadline")
             }
         };
-    let refused = if hello.protocol_version != PROTOCOL_VERSION {
-        format!(
+    let (refusal, refused) = if hello.protocol_version != PROTOCOL_VERSION {
+        let why = format!(
             "the master speaks protocol {}, this worker protocol {PROTOCOL_VERSION} (ddlf {})",
             hello.protocol_version,
             ddlf_proto::VERSION
-        )
+        );
+        (Refusal::Protocol, why)
     } else if token
         .as_ref()
         .is_some_and(|t| !t.verify_header(hello.authorization.as_bytes()))
@@ -68,13 +71,14 @@ pub(crate) async fn welcome(
         state
             .rejected
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if hello.authorization.is_empty() {
-            "this worker requires a token and none was sent".into()
+        let why = if hello.authorization.is_empty() {
+            "this worker requires a token and none was sent"
         } else {
-            "wrong token".into()
-        }
+            "wrong token"
+        };
+        (Refusal::Unauthenticated, why.to_string())
     } else {
-        String::new()
+        (Refusal::None, String::new())
     };
     if !refused.is_empty() {
         tracing::warn!(%peer, reason = %refused, "direct lane refused");
@@ -83,6 +87,7 @@ pub(crate) async fn welcome(
         protocol_version: PROTOCOL_VERSION,
         instance: state.instance,
         refused: refused.clone(),
+        refusal: refusal as i32,
     };
     if let Err(e) = stream.write_all(&handshake_bytes(&answer)).await {
         return refuse_silently(&state, peer, &e.to_string());
@@ -194,7 +199,7 @@ impl LaneIn {
             Ok(v) => v,
             Err(LaneError::Limits(e @ FrameError::TooLarge { declared, .. })) => {
                 // The same words as a streamed request refused over gRPC.
-                let status = state.reject(Status::resource_exhausted(e.to_string()));
+                let status = state.reject(refusal::status(Refusal::TooLarge, e.to_string()));
                 // Keep the lane in step by reading past the refused bytes, unless there are too many of them.
                 let keep = declared <= DRAIN_LIMIT
                     && self
@@ -248,8 +253,10 @@ impl LaneOut {
     }
 
     fn refuse(&self, status: &Status) {
+        // Every refusal the daemon makes carries its code; a status without one (none is made today) is
+        // reported as malformed rather than dropped.
         let frame = LaneFrame {
-            refused_code: status.code() as i32,
+            refusal: refusal::of_status(status).unwrap_or(Refusal::Malformed) as i32,
             refused_message: status.message().to_string(),
             ..Default::default()
         };

@@ -12,9 +12,11 @@ use ddlf_proto::{
 };
 use std::pin::Pin;
 
-use ddlf_core::frame::{self, FrameError, FrameLimits};
+use ddlf_core::frame::{FrameError, FrameLimits};
+use ddlf_net::refusal;
 use ddlf_net::stream::{from_chunks, to_chunks, Expect, Header, StreamError};
 use ddlf_proto::Chunk;
+use ddlf_proto::Refusal;
 use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
@@ -60,7 +62,10 @@ impl WorkerService {
         // master's, unique per master process) and what it runs.
         let span = tracing::info_span!("call", id = req.request_id, op = %what);
         let Some(waiting) = self.jobs.submit(req) else {
-            return Err(Status::unavailable("the worker is shutting down"));
+            return Err(refusal::status(
+                Refusal::ShuttingDown,
+                "the worker is shutting down",
+            ));
         };
         let reply = waiting
             .instrument(span.clone())
@@ -78,10 +83,11 @@ impl WorkerService {
             .map_err(|e| match e {
                 StreamError::Status(s) => s,
                 StreamError::Frame(f) => self.reject(frame_status(f)),
-                StreamError::Malformed(m) => self.reject(Status::invalid_argument(m)),
+                StreamError::Malformed(m) => self.reject(refusal::status(Refusal::Malformed, m)),
             })?;
         let mut request = first.request.ok_or_else(|| {
-            self.reject(Status::invalid_argument(
+            self.reject(refusal::status(
+                Refusal::Malformed,
                 "the first chunk carries no request",
             ))
         })?;
@@ -111,7 +117,6 @@ impl Worker for WorkerService {
             worker_name: self.state.name.clone(),
             pid: std::process::id() as u64,
             hostname: self.state.hostname.clone(),
-            boot_id: ddlf_core::shm::boot_id(),
             shm_visible: !req.shm_probe.is_empty()
                 && ddlf_core::shm::map(&req.shm_probe, &[], &[]).is_ok(),
             instance: self.state.instance,
@@ -147,20 +152,6 @@ impl Worker for WorkerService {
             connections_open: self.state.connections.open.load(Ordering::Relaxed),
             connections_refused: self.state.connections.refused.load(Ordering::Relaxed),
         }))
-    }
-
-    async fn call(&self, request: Request<CallRequest>) -> Result<Response<CallReply>, Status> {
-        let req = request.into_inner();
-        if let Some(v) = &req.value {
-            let total: u64 = frame::lengths(&v.pickle, &v.buffers).iter().sum();
-            if total > self.limits.max_total {
-                return Err(self.reject(Status::resource_exhausted(format!(
-                    "request of {total} bytes is too large: this worker accepts at most {} bytes",
-                    self.limits.max_total
-                ))));
-            }
-        }
-        Ok(Response::new(self.run(req).await?))
     }
 
     type CallStreamStream = ChunkStream;
@@ -208,8 +199,8 @@ pub fn reply_chunks(mut reply: CallReply, chunk_bytes: usize) -> Vec<Chunk> {
 fn frame_status(e: FrameError) -> Status {
     match e {
         FrameError::TooLarge { .. } | FrameError::TooManyParts(..) | FrameError::Overflow => {
-            Status::resource_exhausted(e.to_string())
+            refusal::status(Refusal::TooLarge, e.to_string())
         }
-        _ => Status::invalid_argument(e.to_string()),
+        _ => refusal::status(Refusal::Malformed, e.to_string()),
     }
 }

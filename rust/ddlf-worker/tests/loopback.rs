@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use ddlf_core::auth::Token;
 use ddlf_net::{ClientConfig, NetError, ServerConfig, WorkerConn};
-use ddlf_proto::{CallReply, CallRequest, Op, Value};
+use ddlf_proto::{CallReply, CallRequest, Op, Refusal, Value};
 use ddlf_worker::{Daemon, DaemonConfig, JobReceiver, Next};
 
 /// Echoes the request's value; `sleep` ops make the interpreter busy for the given milliseconds.
@@ -92,12 +92,11 @@ async fn call_round_trip_and_auth() {
     // Oversized requests are refused and the worker keeps serving.
     let big = vec![7u8; 2 << 20];
     match conn.call(run_request("f", &big), None).await {
-        Err(NetError::Rejected { code, message, .. }) => {
-            assert_eq!(code, "ResourceExhausted");
-            assert!(
-                message.contains("accepts at most 1048576 bytes"),
-                "{message}"
-            );
+        Err(NetError::Refused {
+            refusal, message, ..
+        }) => {
+            assert_eq!(refusal, Refusal::TooLarge);
+            assert!(message.contains("1048576 bytes"), "{message}");
         }
         other => panic!("expected Rejected, got {:?}", other.map(|_| ())),
     }
@@ -109,7 +108,10 @@ async fn call_round_trip_and_auth() {
     bad.op = 999;
     assert!(matches!(
         conn.call(bad, None).await,
-        Err(NetError::Rejected { .. })
+        Err(NetError::Refused {
+            refusal: Refusal::Malformed,
+            ..
+        })
     ));
 
     conn.shutdown(Some(Duration::from_secs(2))).await.unwrap();
@@ -464,8 +466,10 @@ async fn direct_lanes_call_refuse_and_authenticate() {
         assert_eq!(&reply.value.unwrap().pickle[..], b"over the lane");
         // Too large for this worker (1 MiB): refused as over gRPC, and the lane stays open and in step.
         match lane_call(&conn, run_request("f", &vec![1u8; 3 << 19])) {
-            Err(NetError::Rejected { code, message, .. }) => {
-                assert_eq!(code, "ResourceExhausted");
+            Err(NetError::Refused {
+                refusal, message, ..
+            }) => {
+                assert_eq!(refusal, Refusal::TooLarge);
                 assert!(
                     message.contains("exceeds the limit of 1048576 bytes"),
                     "{message}"
@@ -477,7 +481,10 @@ async fn direct_lanes_call_refuse_and_authenticate() {
         bad.op = 999;
         assert!(matches!(
             lane_call(&conn, bad),
-            Err(NetError::Rejected { code, .. }) if code == "InvalidArgument"
+            Err(NetError::Refused {
+                refusal: Refusal::Malformed,
+                ..
+            })
         ));
         let reply = lane_call(&conn, run_request("f", b"still")).unwrap();
         assert_eq!(&reply.value.unwrap().pickle[..], b"still");
@@ -498,9 +505,8 @@ async fn direct_lanes_call_refuse_and_authenticate() {
         )
         .await
         {
-            Err(NetError::Rejected { code, message, .. }) => {
-                assert_eq!(code, "LaneRefused");
-                assert!(message.contains("token"), "{message}");
+            Err(NetError::Unauthenticated { reason, .. }) => {
+                assert!(reason.contains("token"), "{reason}");
             }
             other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
         }

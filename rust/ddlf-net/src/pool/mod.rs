@@ -1,0 +1,563 @@
+//! [`Pool`]: the master's connections to its workers, and the dispatch policy of every call.
+//!
+//! A call goes to many workers at once and comes back as one typed [`Answer`] per worker, so a failure of one
+//! worker never hides the answers of the others. The pool decides, per call:
+//!
+//! * **the path**: small requests ride the direct lanes when every target's lane is free (the calling thread
+//!   writes and reads the frames itself); anything else goes over gRPC on the pool's runtime;
+//! * **shared memory**: a large value for workers on this machine is written once into a pooled segment that
+//!   they all map (see [`outgoing`]); a segment a worker may not have taken is retired;
+//! * **liveness**: a wait on a lane pings the worker over gRPC every keepalive interval, so a stopped worker is
+//!   declared lost as the gRPC path's keepalive would;
+//! * **request ids**, unique in this process, and **lane revival** once a worker answers over gRPC again.
+//!
+//! Waits never hold a lock the caller cares about and poll an [`Interrupt`] (Ctrl-C in the Python bindings)
+//! every [`INTERRUPT_POLL`].
+
+pub mod outgoing;
+
+use std::future::Future;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use ddlf_proto::{CallReply, CallRequest, ErrorKind, Op, StatusReply, Value};
+use futures_util::future::join_all;
+
+pub use outgoing::{write_shm, Outgoing, POOL_THRESHOLD, SHM_THRESHOLD};
+
+use crate::client::{ClientConfig, WorkerConn};
+use crate::error::NetError;
+use crate::lane::{deadline_wait, fits_lane, LaneCall};
+
+/// How often a waiting call checks its [`Interrupt`].
+pub const INTERRUPT_POLL: Duration = Duration::from_millis(50);
+
+/// Checked while a call waits, without any lock held: an error ends the wait ([`PoolError::Interrupted`]).
+pub type Interrupt<'a> = &'a (dyn Fn() -> io::Result<()> + Sync);
+
+/// An [`Interrupt`] that never interrupts (`&never`).
+pub fn never() -> io::Result<()> {
+    Ok(())
+}
+
+/// Request ids, unique within this process: the worker's log lines about a request carry its id, and so does
+/// the error the master raises when the request fails.
+static NEXT_REQUEST_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Per target: its result, or why it has none.
+pub type PerWorker<T> = Vec<Result<T, NetError>>;
+
+/// What went wrong with a pool operation as a whole (a worker's own failure is an [`Outcome::Failed`]).
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("a cluster needs at least one worker address")]
+    NoWorkers,
+    #[error("worker index {index} out of range: the cluster has {len} workers")]
+    NoSuchWorker { index: usize, len: usize },
+    #[error("{values} values for {targets} workers")]
+    ValueCount { values: usize, targets: usize },
+    /// Connecting to worker `index` failed.
+    #[error("{source}")]
+    Connect {
+        index: usize,
+        #[source]
+        source: NetError,
+    },
+    /// The caller's [`Interrupt`] ended the wait: whether the workers ran the request is unknown.
+    #[error("interrupted")]
+    Interrupted,
+    #[error("cannot start the client runtime: {0}")]
+    Runtime(io::Error),
+}
+
+/// What one worker made of a call.
+#[derive(Debug)]
+pub enum Outcome {
+    /// It ran, and this is the result.
+    Reply(Value),
+    /// It ran and raised, or could not run it (unknown name, undecodable value): the worker keeps serving.
+    Remote {
+        kind: ErrorKind,
+        type_name: String,
+        message: String,
+        traceback: String,
+    },
+    /// The request or its reply failed on the way (worker unreachable, deadline, refusal).
+    Failed(NetError),
+}
+
+/// One worker's answer to a call.
+#[derive(Debug)]
+pub struct Answer {
+    /// The worker's index in the pool.
+    pub worker: usize,
+    pub outcome: Outcome,
+    /// Seconds the worker's interpreter spent on it (0 when it did not answer).
+    pub worker_seconds: f64,
+    /// Seconds from sending the request to having the whole reply.
+    pub call_seconds: f64,
+    pub request_id: u64,
+}
+
+impl Answer {
+    fn new(worker: usize, result: Result<CallReply, NetError>, seconds: f64, id: u64) -> Self {
+        let (outcome, worker_seconds) = match result {
+            Ok(reply) => {
+                let s = reply.compute_seconds;
+                match ErrorKind::try_from(reply.error).unwrap_or(ErrorKind::User) {
+                    ErrorKind::None => (Outcome::Reply(reply.value.unwrap_or_default()), s),
+                    kind => {
+                        let e = reply.exception.unwrap_or_default();
+                        let remote = Outcome::Remote {
+                            kind,
+                            type_name: e.type_name,
+                            message: e.message,
+                            traceback: e.traceback,
+                        };
+                        (remote, s)
+                    }
+                }
+            }
+            Err(e) => (Outcome::Failed(e), 0.0),
+        };
+        Answer {
+            worker,
+            outcome,
+            worker_seconds,
+            call_seconds: seconds,
+            request_id: id,
+        }
+    }
+
+    /// The worker received the request's value (it answered, and not that the value was unreadable).
+    fn took_value(&self) -> bool {
+        match &self.outcome {
+            Outcome::Reply(_) => true,
+            Outcome::Remote { kind, .. } => *kind != ErrorKind::BadRequest,
+            Outcome::Failed(_) => false,
+        }
+    }
+}
+
+/// What a call asks of each worker.
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub op: Op,
+    pub name: String,
+    /// Content hash of the function the master expects `name` to be (run, add function).
+    pub digest: String,
+}
+
+/// Connections to a list of worker daemons. Workers can be added, removed and reconnected (a daemon restarted
+/// at the same address); the list is read under a lock and each call works on a snapshot of it.
+pub struct Pool {
+    rt: tokio::runtime::Runtime,
+    // Shared, not cloned per call: a call takes a snapshot of the list by bumping reference counts.
+    conns: RwLock<Vec<Arc<WorkerConn>>>,
+    config: ClientConfig,
+}
+
+impl Pool {
+    /// Connect to every address concurrently and check versions; the first failure is the error.
+    pub fn connect(
+        addresses: &[String],
+        config: ClientConfig,
+        interrupt: Interrupt<'_>,
+    ) -> Result<Pool, PoolError> {
+        if addresses.is_empty() {
+            return Err(PoolError::NoWorkers);
+        }
+        // The gRPC connections live on a runtime thread of their own, so they are serviced even while no call
+        // is in flight: keepalive pings are answered and sent (the daemon drops a connection whose master stops
+        // answering them; with small calls on the direct lanes, gRPC can sit unused for minutes). The calling
+        // thread still polls its own call inside `block_on`; small calls skip this runtime altogether.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("ddlf-client")
+            .enable_all()
+            .build()
+            .map_err(PoolError::Runtime)?;
+        let pool = Pool {
+            rt,
+            conns: RwLock::new(vec![]),
+            config,
+        };
+        let config = &pool.config;
+        let results = pool.wait(
+            join_all(addresses.iter().map(|a| WorkerConn::connect(a, config))),
+            interrupt,
+        )?;
+        let mut conns = Vec::with_capacity(results.len());
+        for (index, r) in results.into_iter().enumerate() {
+            conns.push(Arc::new(
+                r.map_err(|source| PoolError::Connect { index, source })?,
+            ));
+        }
+        *pool.write() = conns;
+        Ok(pool)
+    }
+
+    /// Run `fut` on the pool's runtime on this thread, checking `interrupt` every [`INTERRUPT_POLL`].
+    pub fn wait<F: Future>(
+        &self,
+        fut: F,
+        interrupt: Interrupt<'_>,
+    ) -> Result<F::Output, PoolError> {
+        self.rt.block_on(async move {
+            tokio::pin!(fut);
+            loop {
+                tokio::select! {
+                    out = &mut fut => return Ok(out),
+                    _ = tokio::time::sleep(INTERRUPT_POLL) => {
+                        interrupt().map_err(|_| PoolError::Interrupted)?;
+                    }
+                }
+            }
+        })
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Vec<Arc<WorkerConn>>> {
+        self.conns.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Vec<Arc<WorkerConn>>> {
+        self.conns.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The number of workers.
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    /// Whether the pool has no workers (every one was removed).
+    pub fn is_empty(&self) -> bool {
+        self.read().is_empty()
+    }
+
+    /// The connections now, in worker order (a snapshot).
+    pub fn connections(&self) -> Vec<Arc<WorkerConn>> {
+        self.read().clone()
+    }
+
+    /// The connections to `targets`, in that order.
+    pub fn targets(&self, targets: &[usize]) -> Result<Vec<Arc<WorkerConn>>, PoolError> {
+        let conns = self.read();
+        targets
+            .iter()
+            .map(|&index| {
+                conns.get(index).cloned().ok_or(PoolError::NoSuchWorker {
+                    index,
+                    len: conns.len(),
+                })
+            })
+            .collect()
+    }
+
+    fn connect_one(
+        &self,
+        address: String,
+        index: usize,
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<WorkerConn, PoolError> {
+        let mut config = self.config.clone();
+        if let Some(t) = timeout {
+            config.connect_timeout = t;
+        }
+        self.wait(
+            async move { WorkerConn::connect(&address, &config).await },
+            interrupt,
+        )?
+        .map_err(|source| PoolError::Connect { index, source })
+    }
+
+    /// Replace worker `index`'s connection with a fresh one to the same address (after its daemon restarted, or
+    /// its link came back). Returns the new connection.
+    pub fn reconnect(
+        &self,
+        index: usize,
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<Arc<WorkerConn>, PoolError> {
+        let address = self.targets(&[index])?[0].address().to_string();
+        let conn = Arc::new(self.connect_one(address, index, timeout, interrupt)?);
+        if let Some(slot) = self.write().get_mut(index) {
+            *slot = conn.clone();
+        }
+        Ok(conn)
+    }
+
+    /// Connect to one more worker; it becomes the last one. Returns its index.
+    pub fn add(
+        &self,
+        address: String,
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<usize, PoolError> {
+        let index = self.len();
+        let conn = self.connect_one(address, index, timeout, interrupt)?;
+        let mut conns = self.write();
+        conns.push(Arc::new(conn));
+        Ok(conns.len() - 1)
+    }
+
+    /// Drop worker `index`'s connection; the workers after it move down by one. Returns its address.
+    pub fn remove(&self, index: usize) -> Result<String, PoolError> {
+        let mut conns = self.write();
+        if index >= conns.len() {
+            return Err(PoolError::NoSuchWorker {
+                index,
+                len: conns.len(),
+            });
+        }
+        Ok(conns.remove(index).address().to_string())
+    }
+
+    /// Run `call` on each target: target `i` gets `values[which[i]]` (one value for all, serialized once, or
+    /// one per target). Large buffers for workers on this machine go through shared memory written once per
+    /// value whatever the number of workers that map it; everyone else gets them over the socket.
+    pub fn call(
+        &self,
+        targets: &[usize],
+        call: &Call,
+        mut values: Vec<Outgoing>,
+        which: &[usize],
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<Vec<Answer>, PoolError> {
+        if which.len() != targets.len() || which.iter().any(|&v| v >= values.len()) {
+            return Err(PoolError::ValueCount {
+                values: values.len(),
+                targets: targets.len(),
+            });
+        }
+        let conns = self.targets(targets)?;
+        let via_shm = |conn: &WorkerConn, out: &Outgoing| conn.shared_memory() && out.wants_shm();
+        let mut readers = vec![0u64; values.len()];
+        for (conn, &v) in conns.iter().zip(which) {
+            readers[v] += u64::from(via_shm(conn, &values[v]));
+        }
+        let requests: Vec<CallRequest> = conns
+            .iter()
+            .zip(which)
+            .map(|(conn, &v)| {
+                let shm_readers = via_shm(conn, &values[v]).then_some(readers[v]);
+                CallRequest {
+                    op: call.op as i32,
+                    name: call.name.clone(),
+                    digest: call.digest.clone(),
+                    value: Some(values[v].value(shm_readers)),
+                    request_id: NEXT_REQUEST_ID.fetch_add(1, Ordering::Relaxed),
+                    reply_shm: conn.shared_memory(),
+                    instance: 0, // set by the connection
+                }
+            })
+            .collect();
+        let answers = self.fan_out(targets, &conns, requests, timeout, interrupt);
+        for (v, out) in values.iter().enumerate() {
+            let failed = match &answers {
+                Err(_) => true, // interrupted: whether the workers took it is unknown
+                Ok(answers) => answers
+                    .iter()
+                    .zip(which)
+                    .any(|(a, &w)| w == v && !a.took_value()),
+            };
+            out.finish(failed);
+        }
+        answers
+    }
+
+    /// Send one request per connection concurrently and wait for every answer.
+    fn fan_out(
+        &self,
+        targets: &[usize],
+        conns: &[Arc<WorkerConn>],
+        requests: Vec<CallRequest>,
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<Vec<Answer>, PoolError> {
+        if requests.iter().all(|r| fits_lane(r.value.as_ref())) {
+            // Every target must have its lane free; otherwise the call goes over gRPC, all of it.
+            let lanes: Vec<LaneCall<'_>> = conns.iter().map_while(|c| c.lane()).collect();
+            if lanes.len() == conns.len() {
+                return self.over_lanes(targets, conns, lanes, requests, timeout, interrupt);
+            }
+        }
+        async fn timed(
+            worker: usize,
+            c: &WorkerConn,
+            req: CallRequest,
+            timeout: Option<Duration>,
+        ) -> Answer {
+            let id = req.request_id;
+            let start = Instant::now();
+            let result = c.call(req, timeout).await;
+            Answer::new(worker, result, start.elapsed().as_secs_f64(), id)
+        }
+        self.wait(
+            async move {
+                let answers = join_all(
+                    targets
+                        .iter()
+                        .zip(conns)
+                        .zip(requests)
+                        .map(|((&w, c), req)| timed(w, c, req, timeout)),
+                )
+                .await;
+                // A worker that answered is alive: a lane of its that broke earlier is worth opening again.
+                for (c, a) in conns.iter().zip(&answers) {
+                    if !matches!(a.outcome, Outcome::Failed(_)) {
+                        c.revive_lane().await;
+                    }
+                }
+                answers
+            },
+            interrupt,
+        )
+    }
+
+    /// One call over the direct lanes of its targets, on this thread: every request is written, then every reply
+    /// read. Waits wake every `MASTER_POLL` to check the deadline and the interrupt, and every heartbeat interval
+    /// ping the worker over gRPC (answered by its network thread even while its Python is busy).
+    fn over_lanes(
+        &self,
+        targets: &[usize],
+        conns: &[Arc<WorkerConn>],
+        mut lanes: Vec<LaneCall<'_>>,
+        requests: Vec<CallRequest>,
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<Vec<Answer>, PoolError> {
+        let deadline = timeout.map(|t| (Instant::now() + t, t));
+        let mut interrupted = false;
+        let check = |interrupted: &mut bool| -> io::Result<()> {
+            if !*interrupted && interrupt().is_err() {
+                *interrupted = true;
+            }
+            match interrupted {
+                true => Err(io::ErrorKind::Interrupted.into()),
+                false => Ok(()),
+            }
+        };
+        let sent: Vec<_> = lanes
+            .iter_mut()
+            .zip(requests)
+            .map(|(lane, req)| {
+                let (id, start) = (req.request_id, Instant::now());
+                let mut wait = deadline_wait(deadline, || check(&mut interrupted));
+                (id, start, lane.send(req, deadline, &mut wait))
+            })
+            .collect();
+        let answers = lanes
+            .iter_mut()
+            .zip(conns)
+            .zip(targets)
+            .zip(sent)
+            .map(|(((lane, conn), &worker), (id, start, sent))| {
+                let mut next_beat = Instant::now() + self.config.keepalive_interval;
+                let mut wait = deadline_wait(deadline, || {
+                    check(&mut interrupted)?;
+                    if Instant::now() >= next_beat {
+                        self.alive(conn)?;
+                        next_beat = Instant::now() + self.config.keepalive_interval;
+                    }
+                    Ok(())
+                });
+                let result = sent.and_then(|()| lane.receive(deadline, &mut wait));
+                Answer::new(worker, result, start.elapsed().as_secs_f64(), id)
+            })
+            .collect();
+        match interrupted {
+            true => Err(PoolError::Interrupted),
+            false => Ok(answers),
+        }
+    }
+
+    /// A heartbeat over gRPC within the keepalive timeout (blocking).
+    fn alive(&self, conn: &WorkerConn) -> io::Result<()> {
+        let t = self.config.keepalive_timeout;
+        let aborted = |why: String| io::Error::new(io::ErrorKind::ConnectionAborted, why);
+        match self.rt.block_on(conn.heartbeat(Some(t))) {
+            Ok(_) => Ok(()),
+            Err(NetError::DeadlineExceeded { .. }) => Err(aborted(format!(
+                "no answer to a heartbeat within {:.1} s",
+                t.as_secs_f64()
+            ))),
+            Err(e) => Err(aborted(format!("heartbeat failed: {e}"))),
+        }
+    }
+
+    /// Run `f` on each target concurrently (requests the daemon's network side answers by itself).
+    pub fn each<T, F, Fut>(
+        &self,
+        targets: &[usize],
+        f: F,
+        interrupt: Interrupt<'_>,
+    ) -> Result<PerWorker<T>, PoolError>
+    where
+        F: Fn(Arc<WorkerConn>) -> Fut,
+        Fut: Future<Output = Result<T, NetError>>,
+    {
+        let conns = self.targets(targets)?;
+        self.wait(join_all(conns.into_iter().map(f)), interrupt)
+    }
+
+    /// `(round trip, daemon instance)` per target. An instance other than at connect time: the daemon restarted.
+    pub fn heartbeat(
+        &self,
+        targets: &[usize],
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<PerWorker<(Duration, u64)>, PoolError> {
+        self.each(
+            targets,
+            move |c| async move { c.heartbeat(timeout).await },
+            interrupt,
+        )
+    }
+
+    /// Each target's status.
+    pub fn status(
+        &self,
+        targets: &[usize],
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<PerWorker<StatusReply>, PoolError> {
+        self.each(
+            targets,
+            move |c| async move { c.status(timeout).await },
+            interrupt,
+        )
+    }
+
+    /// Each target's last `lines` log lines (0: all it keeps) and how many fell out of its buffer.
+    pub fn logs(
+        &self,
+        targets: &[usize],
+        lines: u32,
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<PerWorker<(Vec<String>, u64)>, PoolError> {
+        self.each(
+            targets,
+            move |c| async move { c.logs(lines, timeout).await },
+            interrupt,
+        )
+    }
+
+    /// Ask each target daemon to exit.
+    pub fn shutdown(
+        &self,
+        targets: &[usize],
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<PerWorker<()>, PoolError> {
+        self.each(
+            targets,
+            move |c| async move { c.shutdown(timeout).await },
+            interrupt,
+        )
+    }
+}
