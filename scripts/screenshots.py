@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 import ddlf  # noqa: E402
-from ddlf.report import screenshot  # noqa: E402
+from chromium import screenshot  # noqa: E402
 from mnist_common import MnistApp, test_data  # noqa: E402
 
 OUT = ROOT / "docs" / "images"

@@ -13,6 +13,9 @@ import pytest
 
 import ddlf
 
+# The suite trains with Keras on JAX, the backend the install scripts install (ddlf itself sets nothing at import).
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_DIR = os.path.join(REPO, "examples", "data", "mnist")
 

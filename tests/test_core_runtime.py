@@ -224,22 +224,22 @@ def test_function_that_cannot_load_on_workers(cluster: ddlf.Cluster, tmp_path) -
 def test_malformed_requests_are_refused_and_the_worker_keeps_serving(cluster: ddlf.Cluster) -> None:
     client = cluster._client
     # Garbage where a pickle should be.
-    [outcome] = client.call([0], _ddlf.OPS["SET_VAR"], "x", "", b"\x80\x05garbage", [], 5.0)
-    assert outcome[0] == 1 and outcome[1] == _ddlf.ERROR_KINDS["BAD_REQUEST"]
+    [reply] = client.call([0], _ddlf.OPS["SET_VAR"], "x", "", b"\x80\x05garbage", [], 5.0)
+    assert isinstance(reply.error, ddlf.RemoteError) and reply.error.kind == "bad_request"
     # An operation code the protocol does not define.
-    [outcome] = client.call([0], 999, "x", "", b"", [], 5.0)
-    assert isinstance(outcome[1], ddlf.RequestRejected)
+    [reply] = client.call([0], 999, "x", "", b"", [], 5.0)
+    assert isinstance(reply.error, ddlf.RequestRejected) and reply.error.code == "malformed"
     # A function payload that is not a function.
-    [outcome] = client.call([0], _ddlf.OPS["ADD_FUNCTION"], "f", "d", b"not a pickle", [], 5.0)
-    assert outcome[0] == 1
+    [reply] = client.call([0], _ddlf.OPS["ADD_FUNCTION"], "f", "d", b"not a pickle", [], 5.0)
+    assert isinstance(reply.error, ddlf.RemoteError)
     # Empty names.
     with pytest.raises(ddlf.RemoteError, match="non-empty name"):
         cluster.set("", 1)
     # Module paths that escape the module directory.
-    [outcome] = client.call(
+    [reply] = client.call(
         [0], _ddlf.OPS["UPLOAD_MODULE"], "evil", "", __import__("pickle").dumps({"../evil.py": b"x"}), [], 5.0
     )
-    assert outcome[0] == 1 and "refusing module path" in outcome[2][1]
+    assert isinstance(reply.error, ddlf.RemoteError) and "refusing module path" in reply.error.remote_message
     assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]
     assert cluster.status()[0]["requests_rejected"] >= 1
 

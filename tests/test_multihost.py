@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ddlf.bench import netns
 
 from .certs import make_certs

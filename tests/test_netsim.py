@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from ddlf.bench import project
 
 import ddlf
-from ddlf.bench import project
 
 from .conftest import Daemon
 

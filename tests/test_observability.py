@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scripts.chromium import find_chromium, screenshot
 
 import ddlf
-from ddlf.report import find_chromium, screenshot
 
 from .conftest import Daemon
 from .test_training import SmallMnist

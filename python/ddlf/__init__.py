@@ -6,9 +6,7 @@ persistent variables and functions to them, and call those functions from your s
 
 from __future__ import annotations
 
-import atexit
-
-from . import _ddlf, callbacks, datasets, errors, ops
+from . import callbacks, datasets, errors, ops
 from ._ddlf import PROTOCOL_VERSION, __version__
 from ._executor import WorkerContext
 from .app import IApp
@@ -29,7 +27,3 @@ __all__ = [
     "ops",
 ]
 __all__ += errors.__all__
-
-# This process's pooled shared-memory segments (its sends to workers on this machine, or a worker's replies) are
-# removed when it exits; receivers that still map one keep their mapping.
-atexit.register(_ddlf.release_shared_memory)

@@ -27,14 +27,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
-
 import cloudpickle
 
 from .callbacks import Callback, ProgressBar
 from .cluster import Cluster
 from .history import History
 from .report import check_report_path, write_report
+from .settings import keras_backend_default
 from .training import checkpoint
 from .training import worker as remote
 from .training.asynchronous import train_async as _train_async
@@ -74,6 +73,7 @@ class IApp:
     :meth:`load_shard`, and shuffling happens within each shard."""
 
     def __init__(self, cluster: Cluster) -> None:
+        keras_backend_default()  # the master builds the model too: the same backend as its workers
         self.cluster = cluster
         self.model: Any = None
         self.stop_training = False

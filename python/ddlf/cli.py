@@ -1,6 +1,6 @@
 """The ``ddlf`` command: ``ddlf worker`` (the daemon), ``ddlf status`` (a table of workers), ``ddlf logs`` (a
 worker's recent log lines), ``ddlf up`` / ``ddlf down`` (start / stop a cluster.toml's workers over SSH),
-``ddlf demo`` (the README's local MNIST run) and ``ddlf bench`` (the benchmarks)."""
+``ddlf demo`` (the README's local MNIST run). The benchmarks run from a checkout: ``python -m benchmarks NAME``."""
 
 from __future__ import annotations
 
@@ -13,71 +13,7 @@ from typing import Any
 
 from . import config as cluster_config
 from .errors import DdlfError
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def _status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """One row per address: what the daemon says about itself, or why it could not be asked. Each worker is
-    asked on its own connection, so a dead one never hides (or delays) the others."""
-    from .cluster import Cluster
-    from .datasets import _remote_describe
-
-    rows: list[dict[str, Any]] = []
-    for i, address in enumerate(addresses):
-        row: dict[str, Any] = {"id": i, "address": address}
-        try:
-            c = Cluster([address], connect_timeout=timeout, timeout=timeout, **kw)
-        except DdlfError as exc:
-            row["error"] = getattr(exc, "reason", None) or str(exc)
-            rows.append(row)
-            continue
-        try:
-            st = c.status(timeout=timeout)[0]
-            row.update(st)
-            if st["running"]:
-                row["contents"] = f"busy: {st['running']}"  # its Python is taken; do not queue behind it
-            else:
-                v, f, d = c.variables()[0], c.functions()[0], c.call(_remote_describe)[0]
-                row["contents"] = f"{len(v)} vars, {len(f)} fns, " + (
-                    ", ".join(f"{ds['key']} ({_size(ds['nbytes'])})" for ds in d) or "no datasets"
-                )
-        except DdlfError as exc:
-            row["error"] = getattr(exc, "reason", None) or str(exc)
-        finally:
-            c.close()
-        rows.append(row)
-    return rows
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = ["id", "address", "version", "uptime", "memory", "running", "contents"]
-    lines = []
-    for r in rows:
-        if "error" in r:
-            lines.append([str(r["id"]), r["address"], "-", "-", "-", "DOWN", r["error"][:70]])
-            continue
-        up = r["uptime_s"]
-        lines.append(
-            [
-                str(r["id"]),
-                r["address"],
-                r["version"],
-                f"{up / 3600:.1f} h" if up >= 3600 else f"{up:.0f} s",
-                _size(r["rss_bytes"]),
-                f"{r['running']} ({r['running_for_s']:.0f} s)" if r["running"] else "idle",
-                r.get("contents", ""),
-            ]
-        )
-    widths = [max(len(h), *(len(line[k]) for line in lines)) for k, h in enumerate(head)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines)])
+from .status_table import status_rows, table
 
 
 def _targets(args: argparse.Namespace, command: str) -> tuple[list[str], dict[str, Any]] | None:
@@ -100,8 +36,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if found is None:
         return 2
     addresses, kw = found
-    rows = _status_rows(addresses, kw, args.timeout)
-    print(_table(rows))
+    rows = status_rows(addresses, kw, args.timeout)
+    print(table(rows))
     return 1 if any("error" in r for r in rows) else 0
 
 
@@ -144,16 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .worker import main as worker_main
 
         return worker_main(argv[1:])
-    if argv[:1] == ["bench"]:
-        from .bench.__main__ import BENCHMARKS
-
-        if len(argv) < 2 or argv[1] not in BENCHMARKS:
-            print(f"usage: ddlf bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
-            return 2
-        import importlib
-
-        importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
-        return 0
     p = argparse.ArgumentParser(prog="ddlf", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("worker", help="run a worker daemon (same as ddlf-worker; see ddlf worker --help)")
@@ -174,7 +100,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     dn.add_argument("--timeout", type=float, default=10.0, help="seconds allowed per worker")
     demo = sub.add_parser("demo", help="train the paper's CNN on MNIST with 2 local workers")
     demo.add_argument("rest", nargs=argparse.REMAINDER, help="options for examples/mnist_sync.py")
-    sub.add_parser("bench", help="run a benchmark (ddlf bench {rpc,tensor,data,train,faults})")
     args = p.parse_args(argv)
     try:
         if args.command == "status":

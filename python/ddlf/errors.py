@@ -1,10 +1,24 @@
-"""Exceptions raised by ddlf.
+r"""Exceptions raised by ddlf.
 
 Everything ddlf raises derives from :class:`DdlfError`. Errors about one worker carry its ``worker_id`` (its
-index in the cluster, when known) and ``address``.
+index in the cluster, when known) and ``address``. A call that fails on several workers raises a
+:class:`WorkerErrorGroup`: an :class:`ExceptionGroup` of the per-worker errors that is also an instance of their
+most specific common ddlf class (``except RemoteError`` still catches two workers' ``RemoteError``\ s, and
+``except* RemoteError`` sees each one).
+
+The Rust extension builds these classes by type: :data:`_CLASSES` maps each ``ddlf._ddlf.ErrorClass`` to its class.
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ._ddlf import ErrorClass
+
+if sys.version_info < (3, 11):  # pragma: no cover - the backport on Python 3.10
+    from exceptiongroup import ExceptionGroup
 
 
 class DdlfError(Exception):
@@ -80,8 +94,11 @@ class RemoteError(DdlfError):
         remote_message: str = "",
         remote_traceback: str = "",
         request_id: int | None = None,
+        kind: str = "user",
     ) -> None:
         super().__init__(message, address=address, worker_id=worker_id)
+        self.kind = kind
+        """``"user"``: user code raised; ``"bad_request"``: the worker could not decode the request's value."""
         self.remote_type = remote_type
         self.remote_message = remote_message
         self.remote_traceback = remote_traceback
@@ -122,6 +139,70 @@ class InsecureConfiguration(WorkerStartError):
     """A daemon was asked to listen on a non-loopback address without a token."""
 
 
+class WorkerErrorGroup(ExceptionGroup, DdlfError):  # type: ignore[misc]
+    """Several workers failed one call: :attr:`exceptions` holds each worker's error, in worker order.
+
+    The group is also an instance of its errors' most specific common ddlf class, and carries the first error's
+    attributes (``worker_id``, ``address``, ``remote_type``, ...), so code written for one worker's error keeps
+    working. Build one with :func:`group`.
+    """
+
+    def __new__(cls, message: str, exceptions: Sequence[BaseException]) -> WorkerErrorGroup:
+        return super().__new__(cls, message, exceptions)
+
+    def __init__(self, message: str, exceptions: Sequence[BaseException]) -> None:
+        first = exceptions[0]
+        self.__dict__.update(vars(first))
+
+    def derive(self, excs: Sequence[BaseException]) -> Any:  # type: ignore[override]
+        return group(list(excs), self.message)
+
+
+_GROUP_CLASSES: dict[type, type[WorkerErrorGroup]] = {}
+
+
+def group(errors: Sequence[BaseException], message: str | None = None) -> BaseException:
+    """One exception for a call's per-worker errors: the error itself when there is one, else a
+    :class:`WorkerErrorGroup` that is also an instance of the errors' most specific common ddlf class."""
+    if len(errors) == 1:
+        return errors[0]
+    common: type = DdlfError
+    for cls in type(errors[0]).__mro__:
+        if isinstance(cls, type) and issubclass(cls, DdlfError) and all(isinstance(e, cls) for e in errors):
+            common = cls
+            break
+    if common not in _GROUP_CLASSES:
+        bases = (WorkerErrorGroup,) if common is DdlfError else (WorkerErrorGroup, common)
+        _GROUP_CLASSES[common] = type(f"{common.__name__}Group", bases, {"__module__": __name__})
+    if message is None:
+        message = f"{len(errors)} workers failed; the first, {errors[0]}"
+    return _GROUP_CLASSES[common](message, list(errors))
+
+
+def raise_for(outcomes: list[Any]) -> list[Any]:
+    """Return ``outcomes`` if none is an exception; otherwise raise the one error, or a group of them."""
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    if errors:
+        raise group(errors)
+    return outcomes
+
+
+_CLASSES: dict[ErrorClass, type[DdlfError]] = {
+    ErrorClass.WorkerUnavailable: WorkerUnavailable,
+    ErrorClass.DeadlineExceeded: DeadlineExceeded,
+    ErrorClass.WorkerRestarted: WorkerRestarted,
+    ErrorClass.AuthenticationError: AuthenticationError,
+    ErrorClass.ProtocolError: ProtocolError,
+    ErrorClass.RequestRejected: RequestRejected,
+    ErrorClass.RemoteError: RemoteError,
+    ErrorClass.NotFoundError: NotFoundError,
+    ErrorClass.SerializationError: SerializationError,
+    ErrorClass.WorkerStartError: WorkerStartError,
+    ErrorClass.InsecureConfiguration: InsecureConfiguration,
+}
+"""What the Rust extension raises for each of its error classes (complete: checked by the unit tests)."""
+
+
 __all__ = [
     "AuthenticationError",
     "DdlfError",
@@ -132,6 +213,7 @@ __all__ = [
     "RemoteError",
     "RequestRejected",
     "SerializationError",
+    "WorkerErrorGroup",
     "WorkerRestarted",
     "WorkerStartError",
     "WorkerUnavailable",

@@ -44,7 +44,7 @@ def _start_command(cfg: ClusterConfig, address: str) -> str:
 
 def up(cfg: ClusterConfig, *, timeout: float = 30.0, out: TextIO = sys.stdout) -> int:
     """Start every worker of ``cfg`` on its host; returns a process exit code (0: all up, same version)."""
-    from .cli import _status_rows, _table
+    from .status_table import status_rows, table
 
     token = cfg.token()
     if not token:
@@ -71,12 +71,12 @@ def up(cfg: ClusterConfig, *, timeout: float = 30.0, out: TextIO = sys.stdout) -
         kw.pop(key, None)
     deadline = time.monotonic() + timeout
     while True:
-        rows = _status_rows(cfg.workers, kw, 3.0)
+        rows = status_rows(cfg.workers, kw, 3.0)
         down = [r for r in rows if "error" in r]
         if not down or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    print(_table(rows), file=out)
+    print(table(rows), file=out)
     if down:
         print(f"ddlf up: {len(down)} worker(s) did not come up: see their logs in {cfg.launch.log_dir}", file=out)
         return 1

@@ -15,15 +15,13 @@ import html
 import math
 import os
 import platform
-import shutil
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .history import History, RoundStats, worker_totals
 
-__all__ = ["check_report_path", "find_chromium", "render_report", "screenshot", "write_report"]
+__all__ = ["check_report_path", "render_report", "write_report"]
 
 # Phase colours (colour-blind safe, Okabe-Ito) shared by the timeline, the breakdown and their legends.
 PHASES: list[tuple[str, str, str]] = [
@@ -466,45 +464,3 @@ def _table(head: list[str], rows: list[list[Any]], table_id: str) -> str:
     out.extend("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
     out.append("</table>")
     return "".join(out)
-
-
-def find_chromium() -> str | None:
-    """The path of a Chromium (or Chrome) binary on this machine, or None."""
-    for name in ("chromium", "chromium-browser", "google-chrome", "chrome", "headless_shell"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def screenshot(
-    html_path: str | os.PathLike[str],
-    png_path: str | os.PathLike[str],
-    *,
-    width: int = 1200,
-    height: int = 1600,
-    timeout: float = 60.0,
-) -> Path:
-    """Render an HTML file (a report) to a PNG with headless Chromium, offline. Raises FileNotFoundError when
-    no Chromium is installed, RuntimeError when it fails."""
-    browser = find_chromium()
-    if browser is None:
-        raise FileNotFoundError("no chromium on PATH (Debian: apt-get install chromium)")
-    png = Path(png_path).resolve()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    url = Path(html_path).resolve().as_uri()
-    cmd = [
-        browser,
-        "--headless",
-        "--no-sandbox",  # root in a container has no user namespace for the sandbox
-        "--disable-gpu",
-        "--hide-scrollbars",
-        "--no-first-run",
-        f"--window-size={width},{height}",
-        f"--screenshot={png}",
-        url,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0 or not png.exists():
-        raise RuntimeError(f"chromium could not render {url}: {done.stderr.strip()[-500:]}")
-    return png

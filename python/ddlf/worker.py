@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 from . import _ddlf
 from ._executor import Executor
-from .cluster import MAX_LANE_SPIN_US, check_lane_spin_us
 from .errors import WorkerStartError
 from .local import die_with_parent
+from .settings import MAX_LANE_SPIN_US, check_lane_spin_us, keras_backend_default, prepare_process
 from .threads import in_effect, thread_env
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
@@ -126,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ddlf-worker``."""
     die_with_parent()  # local workers (Cluster.local) never outlive their master
     args = _parser().parse_args(argv)
+    keras_backend_default()
+    prepare_process()
     token = _read_token(args.token_file)
     if args.threads and not in_effect(args.threads):
         # numpy's BLAS is already loaded (this module imports ddlf): caps only work from the start, so start over

@@ -55,7 +55,7 @@ class Members:
                 self._last_recover = time.monotonic()
                 c.recover(timeout=1.0)
             self._sync_events()
-            need = [i for i in c.live_workers if self.ready.get(c.addresses[i]) != c._instances[i]]
+            need = [i for i in c.live_workers if self.ready.get(c.addresses[i]) != c.instance(i)]
             if need:
                 outcomes = c.call(
                     remote.setup, (self.run_id, self.blob, self.seed), workers=need, return_exceptions=True
@@ -67,12 +67,12 @@ class Members:
                         raise out
                     address = c.addresses[i]
                     self._check_rows(i, out)
-                    self.ready[address] = c._instances[i]
+                    self.ready[address] = c.instance(i)
                     self.info[address] = out
                     if not first:
                         self.note("joined", worker=i, address=address)
             self._sync_events()
-            return [i for i in c.live_workers if self.ready.get(c.addresses[i]) == c._instances[i]]
+            return [i for i in c.live_workers if self.ready.get(c.addresses[i]) == c.instance(i)]
 
     def _check_rows(self, i: int, info: dict[str, Any]) -> None:
         app = self.app

@@ -6,7 +6,6 @@ A training session holds the app, its model and its dataset (from the worker's d
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +14,8 @@ import numpy as np
 
 from .. import ops
 from ..datasets import STORE
+from ..settings import keras_backend_default
 from .common import set_random_seed
-
-os.environ.setdefault("KERAS_BACKEND", "jax")
 
 
 @dataclass
@@ -61,6 +59,7 @@ def setup(worker: Any, run_id: str, app_blob: bytes, seed: int) -> dict[str, Any
     """Load (or reuse) the app's dataset and build its model on this worker."""
     import cloudpickle
 
+    keras_backend_default()
     app = cloudpickle.loads(app_blob)
     t0 = time.perf_counter()
     worker_seed = seed + 1000 * (worker.id + 1)

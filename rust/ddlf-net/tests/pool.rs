@@ -93,7 +93,7 @@ fn config(shared_memory: bool) -> ClientConfig {
 
 fn run(name: &str) -> Call {
     Call {
-        op: Op::Run,
+        op: Op::Run as i32,
         name: name.into(),
         digest: String::new(),
     }

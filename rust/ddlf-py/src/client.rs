@@ -10,7 +10,7 @@ use bytes::Bytes;
 use ddlf_core::auth::Token;
 use ddlf_net::pool::{Call, Outcome};
 use ddlf_net::{Answer, ClientConfig, ClientTls, NetError, Outgoing, Pool, WorkerConn};
-use ddlf_proto::{Op, StatusReply};
+use ddlf_proto::StatusReply;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -186,8 +186,6 @@ impl Client {
         timeout: Option<f64>,
     ) -> PyResult<Vec<Reply>> {
         let timeout = seconds(timeout)?;
-        let op = Op::try_from(op)
-            .map_err(|_| PyValueError::new_err(format!("unknown operation code {op}")))?;
         let call = Call { op, name, digest };
         let pool = &self.pool;
         let answers = detached(py, |interrupt| {

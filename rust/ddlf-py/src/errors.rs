@@ -129,6 +129,8 @@ pub fn remote_error_instance<'py>(
             kwargs.set_item("remote_message", f.message)?;
             kwargs.set_item("remote_traceback", f.traceback)?;
             kwargs.set_item("request_id", f.request_id)?;
+            let kind = f.kind.as_str_name().trim_start_matches("ERROR_KIND_");
+            kwargs.set_item("kind", kind.to_ascii_lowercase())?;
             let message = format!("{place} raised {}: {}", f.type_name, f.message);
             (ErrorClass::RemoteError, message)
         }

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use ddlf_proto::{CallReply, CallRequest, ErrorKind, Op, StatusReply, Value};
+use ddlf_proto::{CallReply, CallRequest, ErrorKind, StatusReply, Value};
 use futures_util::future::join_all;
 
 pub use outgoing::{write_shm, Outgoing, POOL_THRESHOLD, SHM_THRESHOLD};
@@ -144,7 +144,8 @@ impl Answer {
 /// What a call asks of each worker.
 #[derive(Clone, Debug)]
 pub struct Call {
-    pub op: Op,
+    /// The operation code (`ddlf_proto::Op`); a code the daemon does not know is refused by it, not here.
+    pub op: i32,
     pub name: String,
     /// Content hash of the function the master expects `name` to be (run, add function).
     pub digest: String,
@@ -345,7 +346,7 @@ impl Pool {
             .map(|(conn, &v)| {
                 let shm_readers = via_shm(conn, &values[v]).then_some(readers[v]);
                 CallRequest {
-                    op: call.op as i32,
+                    op: call.op,
                     name: call.name.clone(),
                     digest: call.digest.clone(),
                     value: Some(values[v].value(shm_readers)),

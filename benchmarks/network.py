@@ -1,13 +1,13 @@
 """Training over simulated networks: seconds per round and the share spent communicating, per link setting and
-compression, on hosts in network namespaces (see :mod:`ddlf.bench.netns`); then how the measured per-round time
-scales with the number of workers against the model of :mod:`ddlf.bench.project`.
+compression, on hosts in network namespaces (see :mod:`benchmarks.netns`); then how the measured per-round time
+scales with the number of workers against the model of :mod:`benchmarks.project`.
 
-    sudo .venv/bin/python -m ddlf.bench network [--rounds 6]   # from the repository root (needs root: namespaces)
+    sudo .venv/bin/python -m benchmarks network [--rounds 6]   # from the repository root (needs root: namespaces)
 
 The model is a wide MLP (784-2048-2048-10, 5.8 M parameters, 23 MB of float32 weights): big enough that the
 network matters, small enough to compute on a laptop core. Each worker runs in its own namespace behind a veth
 link; bandwidth caps are ``tbf`` qdiscs on both ends of every link (the master's included), added latency is
-the delay relay (``ddlf.bench.relay``; this kernel has no ``sch_netem``), one-way on each of the master's
+the delay relay (``benchmarks.relay``; this kernel has no ``sch_netem``), one-way on each of the master's
 connections. Sync mode, 5 batches of 64 per round, TCP (no shared memory between namespaces).
 """
 
@@ -131,7 +131,7 @@ def _run_setting(
         pairs = [f"127.0.0.1:{9100 + i}={a}" for i, a in enumerate(addresses)]
         relay = net.popen(
             net.master,
-            [sys.executable, "-m", "ddlf.bench.relay", "--delay-ms", str(delay_ms), *pairs],
+            [sys.executable, "-m", "benchmarks.relay", "--delay-ms", str(delay_ms), *pairs],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -139,7 +139,7 @@ def _run_setting(
         targets = [f"127.0.0.1:{9100 + i}" for i in range(len(addresses))]
     spec = {"addresses": targets, "compression": compression, "rounds": rounds, "data_dir": _mnist_dir()}
     try:
-        done = net.run(net.master, [sys.executable, "-m", "ddlf.bench.network", "--master", json.dumps(spec)])
+        done = net.run(net.master, [sys.executable, "-m", "benchmarks.network", "--master", json.dumps(spec)])
     finally:
         if relay is not None:
             relay.terminate()
@@ -150,7 +150,7 @@ def _run_setting(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddlf.bench network", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks network", description=__doc__)
     p.add_argument("--rounds", type=int, default=6, help="rounds per measurement (the first is left out)")
     p.add_argument("--scaling", default="2,4,6", help="worker counts for the scaling check (at 1 Gbit/s)")
     p.add_argument("--master", help=argparse.SUPPRESS)
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     body += "\n\n" + project.markdown(table, scaling)
     path = report.write_section("network", body)
     Path(work, "network.json").write_text(json.dumps({"table": table, "scaling": scaling}, indent=1))
-    print(f"wrote the network section of {path}; measurements in {work}/network.json (python -m ddlf.bench project)")
+    print(f"wrote the network section of {path}; measurements in {work}/network.json (python -m benchmarks project)")
 
 
 def _markdown(table: list[tuple[str, str | None, dict[str, Any]]], scaling: list[dict[str, Any]], took: float) -> str:
@@ -191,12 +191,12 @@ def _markdown(table: list[tuple[str, str | None, dict[str, Any]]], scaling: list
     lines = [
         "## Training over simulated networks (hosts in network namespaces)",
         "",
-        f"`sudo .venv/bin/python -m ddlf.bench network` · {report.machine()} · {took:.0f} s",
+        f"`sudo .venv/bin/python -m benchmarks network` · {report.machine()} · {took:.0f} s",
         "",
         f"2 workers and the master, each in its own network namespace on a bridge; the wide MLP "
         f"({first['weights_bytes'] / 1e6:.1f} MB of float32 weights), sync mode, {AVG_FREQ} batches of {BATCH} per "
         "round; medians over the rounds after the first. Bandwidth: `tbf` on both ends of every link. Latency: "
-        "one-way delay added by `ddlf.bench.relay` on each master connection (the kernel here has no "
+        "one-way delay added by `benchmarks.relay` on each master connection (the kernel here has no "
         "`sch_netem`). *comm share* = 1 - (slowest worker's compute) / (round wall time). All on one 2-core "
         "machine: worker compute is slowed by sharing cores, so read the comm column, and ratios within a row.",
         "",

@@ -6,7 +6,8 @@ import argparse
 import time
 from typing import Any
 
-from ..cluster import Cluster
+from ddlf.cluster import Cluster
+
 from . import report
 from .baselines import RawEcho
 
@@ -70,7 +71,7 @@ def run(rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2, spin_u
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddlf.bench rpc", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks rpc", description=__doc__)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--calls", type=int, default=500, help="calls per round per contender")
     p.add_argument("--workers", type=int, default=2)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             "## RPC latency (no-op call)",
             "",
-            f"Command: `python -m ddlf.bench rpc --rounds {args.rounds} --calls {args.calls} "
+            f"Command: `python -m benchmarks rpc --rounds {args.rounds} --calls {args.calls} "
             f"--workers {args.workers} --spin-us {args.spin_us}`  ",
             f"Machine: {report.machine()}",
             "",

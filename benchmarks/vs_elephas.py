@@ -10,7 +10,7 @@ from this tree into it at the start of every run (a wheel from the build cache).
 the same model's ``model.fit`` in one process there; ``--jax`` adds ddlf on the project's default backend (Keras on
 JAX, from this virtualenv).
 
-    python -m ddlf.bench elephas --epochs 2 --repeats 3
+    python -m benchmarks elephas --epochs 2 --repeats 3
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddlf.bench elephas", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks elephas", description=__doc__)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     }
     if not args.no_async_elephas:
         contenders[e_async] = ([*elephas, "--mode", "asynchronous"], tf_env)
-    ddlf_tf = [str(elephas_python), "-m", "ddlf.bench", "elephas", *common]
+    ddlf_tf = [str(elephas_python), "-m", "benchmarks", "elephas", *common]
     contenders[d_sync] = ([*ddlf_tf, "--ddlf-job", "sync"], tf_env)
     contenders[d_async] = ([*ddlf_tf, "--ddlf-job", "async"], tf_env)
     if args.jax:
-        ddlf_jax = [sys.executable, "-m", "ddlf.bench", "elephas", *common]
+        ddlf_jax = [sys.executable, "-m", "benchmarks", "elephas", *common]
         contenders["ddlf sync, 2 local workers (Keras on JAX)"] = ([*ddlf_jax, "--ddlf-job", "sync"], jax_env)
         contenders["ddlf async, 2 local workers (Keras on JAX)"] = ([*ddlf_jax, "--ddlf-job", "async"], jax_env)
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             "## The paper's comparison: elephas on Spark vs ddlf (the paper's CNN on MNIST)",
             "",
-            f"Command: `python -m ddlf.bench elephas --epochs {args.epochs} --repeats {args.repeats}"
+            f"Command: `python -m benchmarks elephas --epochs {args.epochs} --repeats {args.repeats}"
             f"{' --jax' if args.jax else ''}`  ",
             f"Machine: {report.machine()}",
             "",

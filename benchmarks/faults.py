@@ -1,4 +1,4 @@
-"""Faults, measured: ``python -m ddlf.bench faults`` writes RELIABILITY.md.
+"""Faults, measured: ``python -m benchmarks faults`` writes RELIABILITY.md.
 
 * kill -9 one of 3 workers mid-epoch, sync and async, on full MNIST (60,000 images, a dense model), against an
   undisturbed run of the same configuration in the same invocation: accuracy, time to detect, rows skipped;
@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import datasets
-from ..app import IApp
-from ..callbacks import LambdaCallback
-from ..cluster import Cluster
-from ..local import LocalWorkers
+from ddlf import datasets
+from ddlf.app import IApp
+from ddlf.callbacks import LambdaCallback
+from ddlf.cluster import Cluster
+from ddlf.local import LocalWorkers
+
 from . import report
 
 
@@ -154,7 +155,7 @@ def _soak(calls: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddlf.bench faults", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks faults", description=__doc__)
     p.add_argument("--epochs", type=int, default=3, help="epochs of the kill -9 runs")
     p.add_argument("--calls", type=int, default=100_000, help="calls of the soak run")
     p.add_argument("--data", default=os.path.join("examples", "data", "mnist"))
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     body = "\n".join(
         [
-            "## Measured faults (`python -m ddlf.bench faults`)",
+            "## Measured faults (`python -m benchmarks faults`)",
             "",
             f"Machine: {report.machine()}.",
             "",

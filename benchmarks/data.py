@@ -9,8 +9,9 @@ import time
 
 import numpy as np
 
-from .. import datasets, ops, serialization
-from ..cluster import Cluster
+from ddlf import datasets, ops, serialization
+from ddlf.cluster import Cluster
+
 from . import report
 
 MNIST_ROWS, MNIST_ROW = 60_000, 784
@@ -137,10 +138,10 @@ def step_time_isolated(scales: list[int], batch: int, steps: int) -> list[list[s
     import subprocess
     import sys
 
-    from ..threads import thread_env
+    from ddlf.threads import thread_env
 
     code = (
-        "import json, sys; from ddlf.bench.data import step_time; "
+        "import json, sys; from benchmarks.data import step_time; "
         f"print(json.dumps(step_time({scales!r}, {batch}, {steps})))"
     )
     out = subprocess.run(
@@ -171,7 +172,7 @@ def reload_skipped() -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddlf.bench data", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks data", description=__doc__)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--scales", default="1,4,16", help="dataset sizes in multiples of MNIST")
     p.add_argument("--batch", type=int, default=256)
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     sections = [
         "## Worker-side datasets",
         "",
-        f"Command: `python -m ddlf.bench data --repeats {args.repeats} --scales {args.scales} --batch {args.batch} "
+        f"Command: `python -m benchmarks data --repeats {args.repeats} --scales {args.scales} --batch {args.batch} "
         f"--steps {args.steps}`  ",
         f"Machine: {report.machine()}",
         "",

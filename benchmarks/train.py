@@ -10,7 +10,8 @@ import time
 
 import numpy as np
 
-from ..cluster import Cluster
+from ddlf.cluster import Cluster
+
 from . import report
 
 
@@ -37,7 +38,7 @@ def _single_process_epoch(mc, x, y, batch: int, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddlf.bench train", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks train", description=__doc__)
     p.add_argument("--epochs", type=int, default=10, help="epochs of the accuracy runs")
     p.add_argument("--batch", type=int, default=32, help="batch size per worker (Keras's default)")
     p.add_argument("--avg", type=int, default=50, help="sync averaging frequency (batches)")
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     out = [
         "## Training (the paper's CNN on MNIST, 2 local workers)",
         "",
-        f"Command: `python -m ddlf.bench train --epochs {args.epochs} --batch {args.batch} --avg {args.avg} "
+        f"Command: `python -m benchmarks train --epochs {args.epochs} --batch {args.batch} --avg {args.avg} "
         f"--slow-ms {args.slow_ms:g}`  ",
         f"Machine: {report.machine()}",
         "",
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         report.table(["setting", "s/epoch"], thr_rows),
         "",
-        "The paper's own comparison, against elephas on Spark: `python -m ddlf.bench elephas` (its own section).",
+        "The paper's own comparison, against elephas on Spark: `python -m benchmarks elephas` (its own section).",
     ]
     body = "\n".join(out)
     path = report.write_section("train", body)

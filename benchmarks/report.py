@@ -34,7 +34,7 @@ def machine() -> str:
             mem = f", {kb / 2**20:.0f} GiB RAM"
     except OSError:
         pass
-    from .. import __version__
+    from ddlf import __version__
 
     return (
         f"{cpu}, {cores} cores{mem}; Linux {platform.release()}; Python {sys.version.split()[0]}; "

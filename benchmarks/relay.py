@@ -1,11 +1,11 @@
 """A TCP relay that adds a fixed one-way delay: the latency that ``tc netem`` would add on kernels without it.
 
-    python -m ddlf.bench.relay --delay-ms 10 LISTEN=TARGET [LISTEN=TARGET ...]
+    python -m benchmarks.relay --delay-ms 10 LISTEN=TARGET [LISTEN=TARGET ...]
 
 Each ``LISTEN`` (``host:port``) accepts connections and forwards them to ``TARGET``; every chunk read from either
 side is written to the other ``delay`` later, in order, so a request/reply round trip takes ``2 * delay`` more
 and a stream keeps its throughput (up to what the relay can copy). Run it in the master's namespace of a
-:class:`~ddlf.bench.netns.VirtualNetwork` so that the delayed bytes still cross the real (shaped) veth link.
+:class:`~benchmarks.netns.VirtualNetwork` so that the delayed bytes still cross the real (shaped) veth link.
 It writes ``ready`` on stdout once listening.
 """
 

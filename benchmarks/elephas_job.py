@@ -1,4 +1,4 @@
-"""One elephas training run of the paper's CNN on MNIST, for ``python -m ddlf.bench elephas``; with
+"""One elephas training run of the paper's CNN on MNIST, for ``python -m benchmarks elephas``; with
 ``--mode single``, the same model trained by one process's ``model.fit`` (no Spark): the baseline that the paper's
 and the issue's overhead figures divide by.
 

@@ -15,9 +15,9 @@ so communication per epoch stays constant as ``n`` grows while compute per epoch
 saturates once ``n * (down + up) * 8 / B`` approaches the per-round compute. That is the MareNostrum lesson, and
 the reason compression (smaller ``up``) and more batches per round (fewer rounds) pay off on big clusters.
 
-    python -m ddlf.bench project network.json [--samples 1000000] [--workers 8,64,512] [--gbits 10,25,100]
+    python -m benchmarks project network.json [--samples 1000000] [--workers 8,64,512] [--gbits 10,25,100]
 
-reads the measurements written by ``python -m ddlf.bench network`` (``network.json`` in the work directory it
+reads the measurements written by ``python -m benchmarks network`` (``network.json`` in the work directory it
 prints).
 """
 
@@ -73,7 +73,7 @@ def markdown(
     """The projection section: the model checked against the namespaces, then the projected table."""
     eff = calibrate(scaling)
     lines = [
-        "### Projection to larger clusters (`ddlf.bench.project`)",
+        "### Projection to larger clusters (`benchmarks.project`)",
         "",
         "Model: round = compute + 2·rtt + n·(down + up)·8 / (B·efficiency); epoch = rounds(n) · round (see "
         f"`python/ddlf/bench/project.py`). Efficiency calibrated at {min(r['workers'] for r in scaling)} "
@@ -123,8 +123,8 @@ def markdown(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddlf.bench project", description=__doc__)
-    p.add_argument("measurements", help="network.json written by python -m ddlf.bench network")
+    p = argparse.ArgumentParser(prog="python -m benchmarks project", description=__doc__)
+    p.add_argument("measurements", help="network.json written by python -m benchmarks network")
     p.add_argument("--samples", type=int, default=1_000_000)
     p.add_argument("--workers", default="8,64,512")
     p.add_argument("--gbits", default="10,25,100")

@@ -8,8 +8,9 @@ import time
 
 import numpy as np
 
-from .. import ops
-from ..cluster import Cluster
+from ddlf import ops
+from ddlf.cluster import Cluster
+
 from . import report
 from .baselines import RawEcho
 
@@ -130,7 +131,7 @@ def wire_bytes() -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddlf.bench tensor", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks tensor", description=__doc__)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--merge-lists", type=int, default=8)
     p.add_argument("--merge-mb", type=float, default=100.0)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             "## Tensor data plane",
             "",
-            f"Command: `python -m ddlf.bench tensor --repeats {args.repeats} --merge-lists {args.merge_lists} "
+            f"Command: `python -m benchmarks tensor --repeats {args.repeats} --merge-lists {args.merge_lists} "
             f"--merge-mb {args.merge_mb:g}`  ",
             f"Machine: {report.machine()}",
             "",

@@ -1,0 +1,28 @@
+"""``python -m benchmarks NAME``: run a benchmark and record it in BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "rpc": "benchmarks.rpc",
+    "tensor": "benchmarks.tensor",
+    "data": "benchmarks.data",
+    "train": "benchmarks.train",
+    "faults": "benchmarks.faults",
+    "network": "benchmarks.network",
+    "project": "benchmarks.project",
+    "elephas": "benchmarks.vs_elephas",
+}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
+        print(f"usage: python -m benchmarks {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
+        sys.exit(2)
+    importlib.import_module(BENCHMARKS[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()
