@@ -13,10 +13,12 @@ from .app import IApp
 from .cluster import Cluster
 from .errors import *  # noqa: F403 - every error class, listed in errors.__all__
 from .history import History
+from .training.run import FailurePolicy
 
 __all__ = [
     "PROTOCOL_VERSION",
     "Cluster",
+    "FailurePolicy",
     "History",
     "IApp",
     "WorkerContext",

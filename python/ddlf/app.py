@@ -39,6 +39,7 @@ from .training import worker as remote
 from .training.asynchronous import train_async as _train_async
 from .training.common import TrainConfig, set_random_seed
 from .training.membership import Members
+from .training.run import FailurePolicy, TrainingRun
 from .training.sync import train_sync as _train_sync
 
 
@@ -77,9 +78,8 @@ class IApp:
         self.cluster = cluster
         self.model: Any = None
         self.stop_training = False
-        self._rows = 0
-        self._shard_rows: list[int] = []
-        self._epochs_done = 0
+        self.epochs_done = 0
+        """Epochs trained so far (by this app's train calls, or restored from a checkpoint)."""
         if self.dataset_key is None:
             self.dataset_key = f"{type(self).__module__}.{type(self).__qualname__}"
 
@@ -130,6 +130,7 @@ class IApp:
         resume: bool = False,
         rejoin_timeout: float = 60.0,
         report: str | os.PathLike[str] | None = None,
+        failure_policy: FailurePolicy | None = None,
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -158,9 +159,11 @@ class IApp:
                 curves, a per-worker timeline of every round, where the time went, bytes on the wire, staleness
                 and faults; its numbers go beside it as JSON (``run.html`` -> ``run.json``). See
                 :mod:`ddlf.report`.
+            failure_policy: what a worker's failure does (:class:`ddlf.FailurePolicy`): by default a lost worker
+                is left out and taken back when it returns, and an exception in user code stops training.
 
-        Lost workers never stop training: see :mod:`ddlf.training.sync` and :mod:`ddlf.training.asynchronous`
-        for what happens to their rows, and ``history.events`` for what happened.
+        Lost workers never stop training (unless the failure policy says so): see :mod:`ddlf.training.sync` and
+        :mod:`ddlf.training.asynchronous` for what happens to their rows, and ``history.events`` for what happened.
         """
         if resume and checkpoint_dir is None:
             raise ValueError("resume=True needs the checkpoint_dir to resume from")
@@ -184,6 +187,7 @@ class IApp:
             rejoin_timeout=rejoin_timeout,
             resume=resume,
             report=os.fspath(report) if report is not None else None,
+            failure_policy=failure_policy if failure_policy is not None else FailurePolicy(),
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):
@@ -219,12 +223,13 @@ class IApp:
 
     # -- internals --------------------------------------------------------------------------------------
 
-    def _validate(self, data: tuple[Any, Any]) -> dict[str, float]:
+    def validate(self, data: tuple[Any, Any]) -> dict[str, float]:
+        """Evaluate the master's model on ``(x, y)`` (after :meth:`preprocess`): Keras's ``val_*`` logs."""
         x, y = self.preprocess(*data)
         out = self.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
         return {f"val_{k}": float(v) for k, v in out.items()}
 
-    def _shipped_copy(self) -> bytes:
+    def shipped(self) -> bytes:
         """What travels to workers: the app without its cluster connection or model, pickled by value when its
         class lives in a local module (a script's neighbour file) that workers could not import."""
         clone = copy.copy(self)
@@ -256,21 +261,21 @@ class IApp:
         if not live:
             live = members.wait_for_any(cfg.rejoin_timeout)
         infos = [members.info[self.cluster.addresses[i]] for i in live]
-        self._shard_rows = [i["rows"] for i in infos]
+        shard_rows = [i["rows"] for i in infos]
         if self.sharded:
-            self._rows = sum(self._shard_rows)
+            rows = sum(shard_rows)
         else:
-            rows = set(self._shard_rows)
-            if len(rows) != 1:
-                raise ValueError(f"workers loaded datasets of different sizes: {sorted(rows)}")
-            self._rows = rows.pop()
+            sizes = set(shard_rows)
+            if len(sizes) != 1:
+                raise ValueError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
+            rows = members.rows = sizes.pop()
         self.stop_training = False
         history.params = {
             "epochs": cfg.epochs,
             "batch_size": cfg.batch_size,
             "mode": mode,
             "workers": len(self.cluster),
-            "samples": self._rows,
+            "samples": rows,
             "setup": infos,
             "compression": cfg.compression,
         }
@@ -286,11 +291,11 @@ class IApp:
             members.note("resumed", epochs_done=initial_epoch, checkpoint=str(checkpoint.path_in(cfg.checkpoint_dir)))
         cbs = list(callbacks)
         if cfg.verbose:
-            cbs.insert(0, ProgressBar(cfg.epochs, self._rows))
+            cbs.insert(0, ProgressBar(cfg.epochs, rows))
             cached = sum(bool(i["cached"]) for i in infos)
             saved = sum(i["first_load_seconds"] for i in infos if i["cached"])
             print(
-                f"ddlf: {mode} training on {len(live)} workers, {self._rows} samples per epoch; "
+                f"ddlf: {mode} training on {len(live)} workers, {rows} samples per epoch; "
                 f"dataset {self.dataset_key!r} cached on {cached}/{len(infos)} workers"
                 + (f" (saved {saved:.2f} s of loading)" if cached else "")
                 + (f"; resuming after epoch {initial_epoch}" if resumed is not None else "")
@@ -300,8 +305,21 @@ class IApp:
             cb.set_app(self)
             cb.history = history
             cb.on_train_begin()
+        run = TrainingRun(
+            app=self,
+            cfg=cfg,
+            history=history,
+            callbacks=cbs,
+            members=members,
+            rows=rows,
+            shard_rows=shard_rows,
+            initial_epoch=initial_epoch,
+            validation_data=validation_data,
+            resumed=resumed,
+            policy=cfg.failure_policy,
+        )
         try:
-            loop(self, cfg, history, cbs, initial_epoch, validation_data, members, resumed)
+            loop(run)
         except BaseException:
             if cfg.report:  # the report of a failed run helps; failing to write it must not hide why it failed
                 with contextlib.suppress(Exception):

@@ -1,10 +1,10 @@
 r"""Exceptions raised by ddlf.
 
 Everything ddlf raises derives from :class:`DdlfError`. Errors about one worker carry its ``worker_id`` (its
-index in the cluster, when known) and ``address``. A call that fails on several workers raises a
-:class:`WorkerErrorGroup`: an :class:`ExceptionGroup` of the per-worker errors that is also an instance of their
-most specific common ddlf class (``except RemoteError`` still catches two workers' ``RemoteError``\ s, and
-``except* RemoteError`` sees each one).
+index in the cluster, when known) and ``address``. A call that fails on several workers raises one error for all
+of them, marked :class:`WorkerErrors`, with ``.exceptions`` holding each worker's: an :class:`ExceptionGroup` that
+is also their most specific common ddlf class (``except RemoteError`` still catches two workers' errors, and
+``except* RemoteError`` sees each one); connection errors differ slightly, see :class:`WorkerErrors`.
 
 The Rust extension builds these classes by type: :data:`_CLASSES` maps each ``ddlf._ddlf.ErrorClass`` to its class.
 """
@@ -139,44 +139,66 @@ class InsecureConfiguration(WorkerStartError):
     """A daemon was asked to listen on a non-loopback address without a token."""
 
 
-class WorkerErrorGroup(ExceptionGroup, DdlfError):  # type: ignore[misc]
-    """Several workers failed one call: :attr:`exceptions` holds each worker's error, in worker order.
+class WorkerErrors:
+    """Marks the error of a call that failed on several workers: :attr:`exceptions` holds each worker's error, in
+    worker order, and the error itself carries the first one's attributes (``worker_id``, ``address``, ...).
 
-    The group is also an instance of its errors' most specific common ddlf class, and carries the first error's
-    attributes (``worker_id``, ``address``, ``remote_type``, ...), so code written for one worker's error keeps
-    working. Build one with :func:`group`.
+    It is a :class:`WorkerErrorGroup` (an :class:`ExceptionGroup`) that is also the errors' most specific common
+    ddlf class, so both ``except RemoteError`` and ``except* RemoteError`` work. The connection errors
+    (:class:`WorkerUnavailable`, :class:`DeadlineExceeded`, :class:`WorkerRestarted`, :class:`AuthenticationError`)
+    are also ``OSError``\\ s, a layout Python lets no class share with ``ExceptionGroup``: several of those raise
+    the common class itself (``except DeadlineExceeded`` and ``except TimeoutError`` keep working, and ``except*``
+    matches it whole) with :attr:`exceptions` listing every worker's error.
     """
+
+    exceptions: tuple[BaseException, ...]
+
+
+class WorkerErrorGroup(ExceptionGroup, DdlfError, WorkerErrors):  # type: ignore[misc]
+    """Several workers failed one call (see :class:`WorkerErrors`). Build one with :func:`group`."""
 
     def __new__(cls, message: str, exceptions: Sequence[BaseException]) -> WorkerErrorGroup:
         return super().__new__(cls, message, exceptions)
 
     def __init__(self, message: str, exceptions: Sequence[BaseException]) -> None:
-        first = exceptions[0]
-        self.__dict__.update(vars(first))
+        self.__dict__.update(vars(exceptions[0]))
 
     def derive(self, excs: Sequence[BaseException]) -> Any:  # type: ignore[override]
         return group(list(excs), self.message)
 
 
-_GROUP_CLASSES: dict[type, type[WorkerErrorGroup]] = {}
+_GROUP_CLASSES: dict[type, type] = {}
 
 
 def group(errors: Sequence[BaseException], message: str | None = None) -> BaseException:
     """One exception for a call's per-worker errors: the error itself when there is one, else a
-    :class:`WorkerErrorGroup` that is also an instance of the errors' most specific common ddlf class."""
+    :class:`WorkerErrors` exception of their most specific common ddlf class."""
     if len(errors) == 1:
         return errors[0]
-    common: type = DdlfError
-    for cls in type(errors[0]).__mro__:
-        if isinstance(cls, type) and issubclass(cls, DdlfError) and all(isinstance(e, cls) for e in errors):
-            common = cls
-            break
-    if common not in _GROUP_CLASSES:
-        bases = (WorkerErrorGroup,) if common is DdlfError else (WorkerErrorGroup, common)
-        _GROUP_CLASSES[common] = type(f"{common.__name__}Group", bases, {"__module__": __name__})
     if message is None:
         message = f"{len(errors)} workers failed; the first, {errors[0]}"
-    return _GROUP_CLASSES[common](message, list(errors))
+    common = [c for c in type(errors[0]).__mro__ if issubclass(c, DdlfError) and all(isinstance(e, c) for e in errors)]
+    base = common[0] if common else DdlfError
+    cls = _group_class(base)
+    if issubclass(cls, WorkerErrorGroup):
+        return cls(message, list(errors))
+    exc = cls.__new__(cls, message)
+    BaseException.__init__(exc, message)
+    exc.__dict__.update(vars(errors[0]))
+    exc.exceptions = tuple(errors)
+    return exc
+
+
+def _group_class(base: type) -> type:
+    if base not in _GROUP_CLASSES:
+        name = f"{base.__name__}Group"
+        if base is DdlfError:
+            _GROUP_CLASSES[base] = WorkerErrorGroup
+        elif issubclass(base, OSError):  # no common layout with ExceptionGroup
+            _GROUP_CLASSES[base] = type(name, (base, WorkerErrors), {"__module__": __name__})
+        else:
+            _GROUP_CLASSES[base] = type(name, (WorkerErrorGroup, base), {"__module__": __name__})
+    return _GROUP_CLASSES[base]
 
 
 def raise_for(outcomes: list[Any]) -> list[Any]:
@@ -214,6 +236,7 @@ __all__ = [
     "RequestRejected",
     "SerializationError",
     "WorkerErrorGroup",
+    "WorkerErrors",
     "WorkerRestarted",
     "WorkerStartError",
     "WorkerUnavailable",

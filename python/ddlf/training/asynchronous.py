@@ -27,9 +27,10 @@ from .. import ops
 from ..errors import WorkerUnavailable
 from ..history import History, RoundStats
 from . import worker as remote
-from .common import TrainConfig, decode_payload, end_epoch, nbytes
+from .common import TrainConfig, decode_payload, nbytes
 from .membership import Members
-from .sync import save_checkpoint
+from .plan import Chunk, chunks, shard_layout
+from .run import TrainingRun, WorkerResult
 
 DEFAULT_CHUNK_BATCHES = 10
 SUPERVISE_EVERY = 0.2  # seconds between the supervisor's looks at the workers
@@ -40,9 +41,9 @@ class _Epoch:
     """The shared state of one asynchronous epoch: chunks left, results so far."""
 
     epoch: int
-    chunks: deque[tuple[np.ndarray, int | None]]  # (rows, shard): a shared queue of the whole dataset
-    own: dict[int, deque[tuple[np.ndarray, int | None]]] = field(default_factory=dict)  # sharded: per shard
-    results: list[dict[str, Any]] = field(default_factory=list)
+    chunks: deque[Chunk]  # a shared queue of the whole dataset
+    own: dict[int, deque[Chunk]] = field(default_factory=dict)  # sharded: one queue per shard
+    results: list[WorkerResult] = field(default_factory=list)
     done: int = 0
     in_flight: int = 0
     shard_of: dict[int, int] = field(default_factory=dict)  # sharded: worker -> the shard it works through
@@ -66,43 +67,25 @@ class _Epoch:
         return len(self.chunks) + sum(len(q) for q in self.own.values())
 
 
-def train_async(
-    app: Any,
-    cfg: TrainConfig,
-    history: History,
-    callbacks: list[Any],
-    initial_epoch: int,
-    validation_data: Any,
-    members: Members,
-    resumed: dict[str, Any] | None = None,
-) -> History:
-    cluster = app.cluster
-    rows = app._rows
+def train_async(run: TrainingRun) -> History:
+    """The asynchronous loop: one thread per live worker takes chunks off the epoch's queue."""
+    app, cfg, history, cluster, members = run.app, run.cfg, run.history, run.cluster, run.members
     chunk_rows = (cfg.averaging_frequency or DEFAULT_CHUNK_BATCHES) * cfg.batch_size
     weights = [np.ascontiguousarray(w, dtype=w.dtype) for w in app.model.get_weights()]
     lock = threading.Lock()
     state: dict[str, Any] = {"version": 0, "round": 0, "error": None}
-    for epoch in range(initial_epoch, cfg.epochs):
-        members.epoch = epoch
-        t_epoch = time.perf_counter()
-        for cb in callbacks:
-            cb.on_epoch_begin(epoch)
-        shard_of: dict[int, int] = {}
+    for epoch in range(run.initial_epoch, cfg.epochs):
+        t_epoch = run.begin_epoch(epoch)
         if app.sharded:
             # Each worker works through the shard it holds (rotating every k epochs if asked).
-            n = len(app._shard_rows)
-            k = cfg.rotate_shards_every
-            own = {}
-            for w in range(n):
-                shard = (w + (epoch // k if k else 0)) % n
-                shard_of[w] = shard
-                m = app._shard_rows[shard]
-                perm = ops.permutation(m, cfg.seed * 1_000_003 + shard, epoch)
-                own[shard] = deque((perm[i : i + chunk_rows], shard) for i in range(0, m, chunk_rows))
-            ep = _Epoch(epoch, deque(), own, shard_of=shard_of)
+            layout = shard_layout(len(run.shard_rows), epoch, cfg.seed, cfg.rotate_shards_every)
+            own = {
+                shard: chunks(ops.permutation(run.shard_rows[shard], seed, epoch), chunk_rows, shard)
+                for shard, seed in zip(layout.shards, layout.seeds)
+            }
+            ep = _Epoch(epoch, deque(), own, shard_of=dict(enumerate(layout.shards)))
         else:
-            perm = ops.permutation(rows, cfg.seed, epoch)
-            ep = _Epoch(epoch, deque((perm[i : i + chunk_rows], None) for i in range(0, rows, chunk_rows)))
+            ep = _Epoch(epoch, chunks(ops.permutation(run.rows, cfg.seed, epoch), chunk_rows))
 
         def work(address: str, ep: _Epoch) -> None:
             while True:
@@ -145,17 +128,14 @@ def train_async(
                     with lock:
                         ep.in_flight -= 1
                         queue.appendleft((chunk, shard))  # nothing is lost: another worker trains it
-                        if isinstance(res, WorkerUnavailable):
+                        if run.policy.decide(res) == "raise":
+                            state["error"] = res  # surfaced by the master thread
+                        elif isinstance(res, WorkerUnavailable):
                             ep.lost.add(w)
-                            history.stats.append(
-                                RoundStats(
-                                    ep.epoch, state["round"], w, 0, 0.0, wall, 0.0, 0, 0, lost=True, start=t0 - cfg.t0
-                                )
-                            )
-                        else:
-                            state["error"] = res  # a bug in user code: surfaced by the master thread
+                            run.lost(ep.epoch, state["round"], w, wall, t0)
                     return
-                delta = decode_payload(res["weights"], start_weights)
+                res = WorkerResult.from_reply(w, res)
+                delta = decode_payload(res.weights, start_weights)
                 with lock:
                     ep.in_flight -= 1
                     staleness = state["version"] - version
@@ -165,37 +145,35 @@ def train_async(
                         ops.axpy_(weights, delta, scale)
                         state["version"] += 1
                     ep.results.append(res)
-                    ep.done += res["samples"]
+                    ep.done += res.samples
                     history.stats.append(
                         RoundStats(
                             epoch=ep.epoch,
                             round=state["round"],
                             worker=w,
-                            samples=res["samples"],
-                            compute_seconds=res["compute_seconds"],
+                            samples=res.samples,
+                            compute_seconds=res.compute_seconds,
                             wait_seconds=max(0.0, wall - call_s),
-                            data_wait_seconds=res["data_wait_seconds"],
+                            data_wait_seconds=res.data_wait_seconds,
                             bytes_sent=nbytes(start_weights),
-                            bytes_received=nbytes(res["weights"]),
+                            bytes_received=nbytes(res.weights),
                             staleness=staleness,
                             dropped=dropped,
                             start=t0 - cfg.t0,
-                            comm_seconds=max(0.0, call_s - res["compute_seconds"]),
+                            comm_seconds=max(0.0, call_s - res.compute_seconds),
                         )
                     )
                     state["round"] += 1
                     round_no = state["round"]
-                    logs = dict(res["logs"], samples_done=ep.done)
-                for cb in callbacks:
-                    cb.on_round_end(round_no, logs)
+                    logs = dict(res.logs, samples_done=ep.done)
+                run.round_end(round_no, logs)
 
         _supervise(cluster, members, ep, work, lock, state, cfg)
         if state["error"] is not None:
             raise state["error"]
         members.live()  # record this epoch's events in History
-        stop = end_epoch(app, weights, ep.results, epoch, t_epoch, history, callbacks, validation_data)
-        if cfg.checkpoint_dir:
-            save_checkpoint(app, cfg, members, epoch + 1, weights, None, history, "async")
+        stop = run.end_epoch(weights, ep.results, epoch, t_epoch)
+        run.save_checkpoint(epoch + 1, weights, None, "async")
         if stop:
             break
     return history

@@ -37,6 +37,7 @@ class TrainConfig:
     resume: bool = False
     rejoin_timeout: float = 60.0  # every worker lost: how long to wait for one to come back
     report: str | None = None  # write an HTML training report there at the end (and its stats as JSON)
+    failure_policy: Any = None  # a training.run.FailurePolicy: what a worker's failure does
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
 
@@ -53,6 +54,8 @@ class TrainConfig:
             raise ValueError(f"staleness must be 'none' or 'dynsgd', not {self.staleness!r}")
         if self.rotate_shards_every is not None and self.rotate_shards_every < 1:
             raise ValueError("rotate_shards_every must be at least 1 epoch")
+        if self.failure_policy is not None and not hasattr(self.failure_policy, "decide"):
+            raise TypeError(f"failure_policy must be a ddlf.FailurePolicy, not {type(self.failure_policy).__name__}")
         if self.averaging_frequency is not None and self.averaging_frequency < 1:
             raise ValueError("averaging_frequency must be at least 1 batch")
 
@@ -93,13 +96,6 @@ def decode_payload(arrays: list[Any], like: list[np.ndarray] | None = None) -> l
     return arrays
 
 
-def weighted_logs(results: list[dict[str, Any]]) -> dict[str, float]:
-    """Average the workers' Keras logs, weighted by samples."""
-    total = sum(r["samples"] for r in results) or 1
-    keys = set().union(*(r["logs"].keys() for r in results)) if results else set()
-    return {k: sum(r["logs"].get(k, 0.0) * r["samples"] for r in results) / total for k in sorted(keys)}
-
-
 def average_states(states: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
     """Average optimizer states: float arrays weighted, integer ones (step counters) from the first worker."""
     out = []
@@ -110,28 +106,3 @@ def average_states(states: list[list[np.ndarray]], weights: list[float]) -> list
         else:
             out.append(np.array(arrays[0]))
     return out
-
-
-def end_epoch(
-    app: Any,
-    weights: list[np.ndarray],
-    results: list[dict[str, Any]],
-    epoch: int,
-    t_epoch: float,
-    history: Any,
-    callbacks: list[Any],
-    validation_data: Any,
-) -> bool:
-    """Close an epoch (either mode): the master's model takes the weights, the workers' logs are averaged,
-    validation runs, History and callbacks hear of it. Returns whether training should stop."""
-    import time
-
-    app.model.set_weights(weights)
-    logs = weighted_logs([r for r in results if r["samples"] > 0])
-    if validation_data is not None:
-        logs.update(app._validate(validation_data))
-    history.record_epoch(logs, time.perf_counter() - t_epoch)
-    for cb in callbacks:
-        cb.on_epoch_end(epoch, logs)
-    app._epochs_done = epoch + 1
-    return bool(app.stop_training)

@@ -25,7 +25,8 @@ class Members:
         self.seed = seed
         self.history = history
         self.rejoin_interval = rejoin_interval
-        self.blob = app._shipped_copy()
+        self.blob = app.shipped()
+        self.rows = 0  # rows every worker must hold (whole-dataset runs), once the first ones are set up
         self.ready: dict[str, int] = {}  # address -> daemon instance set up for this run
         self.info: dict[str, dict[str, Any]] = {}
         self.epoch = 0
@@ -76,11 +77,11 @@ class Members:
 
     def _check_rows(self, i: int, info: dict[str, Any]) -> None:
         app = self.app
-        if app.sharded or not app._rows:
+        if app.sharded or not self.rows:
             return
-        if info["rows"] != app._rows:
+        if info["rows"] != self.rows:
             raise ValueError(
-                f"worker {i} ({self.cluster.addresses[i]}) loaded {info['rows']} rows; the others {app._rows}"
+                f"worker {i} ({self.cluster.addresses[i]}) loaded {info['rows']} rows; the others {self.rows}"
             )
 
     def wait_for_any(self, timeout: float) -> list[int]:

@@ -28,237 +28,125 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import WorkerUnavailable
 from ..history import History, RoundStats
-from . import checkpoint
 from . import worker as remote
-from .common import TrainConfig, average_states, decode_payload, end_epoch, nbytes, weighted_logs
-from .membership import Members
+from .common import average_states, decode_payload, nbytes
+from .plan import ShardPlan, SlicePlan
+from .run import TrainingRun, WorkerResult, weighted_logs
 
 
-def train_sync(
-    app: Any,
-    cfg: TrainConfig,
-    history: History,
-    callbacks: list[Any],
-    initial_epoch: int,
-    validation_data: Any,
-    members: Members,
-    resumed: dict[str, Any] | None = None,
-) -> History:
-    cluster = app.cluster
+def train_sync(run: TrainingRun) -> History:
+    """The synchronous loop: one round = broadcast weights, every live worker trains its rows, average."""
+    app, cfg, history, cluster = run.app, run.cfg, run.history, run.cluster
     weights = [np.ascontiguousarray(w) for w in app.model.get_weights()]
-    opt_state: list[np.ndarray] | None = resumed.get("optimizer_state") if resumed else None
+    opt_state: list[np.ndarray] | None = run.resumed.get("optimizer_state") if run.resumed else None
     round_no = len({(s.epoch, s.round) for s in history.stats})
-    for epoch in range(initial_epoch, cfg.epochs):
-        members.epoch = epoch
-        t_epoch = time.perf_counter()
-        for cb in callbacks:
-            cb.on_epoch_begin(epoch)
-        plan: _SlicePlan | _ShardPlan = _ShardPlan(app, cfg, epoch) if app.sharded else _SlicePlan(app, cfg, epoch)
-        epoch_results: list[dict[str, Any]] = []
+    for epoch in range(run.initial_epoch, cfg.epochs):
+        t_epoch = run.begin_epoch(epoch)
+        plan = ShardPlan(run.shard_rows, cfg, epoch) if app.sharded else SlicePlan(run.rows, len(cluster), cfg, epoch)
+        epoch_results: list[WorkerResult] = []
         done = 0
         while not plan.finished():
-            members.round = round_no
-            live = members.live() or members.wait_for_any(cfg.rejoin_timeout)
+            run.members.round = round_no
+            live = run.members.live() or run.members.wait_for_any(cfg.rejoin_timeout)
             assignments = plan.next_round(live)
             if not assignments:
                 continue
-            targets = [w for w, _ in assignments]
             t0 = time.perf_counter()
-            sent_ok = cluster.set("__ddlf_weights", weights, workers=targets, return_exceptions=True)
-            send_s = cluster.last_call_timings()
-            t_sent = time.perf_counter()
-            args, kwargs, running = [], [], []
-            for (w, extra), ok in zip(assignments, sent_ok):
-                if isinstance(ok, BaseException):
-                    _fail(ok)
-                    history.stats.append(
-                        RoundStats(epoch, round_no, w, 0, 0.0, 0.0, 0.0, 0, 0, lost=True, start=t0 - cfg.t0)
-                    )
-                    continue
-                kw: dict[str, Any] = {
-                    "batch_size": cfg.batch_size,
-                    "return_delta": cfg.compression is not None,
-                    "compression": cfg.compression,
-                    "prefetch": cfg.prefetch,
-                    "return_optimizer_state": cfg.average_optimizer_state,
-                    "optimizer_state": opt_state,
-                    "topk_ratio": cfg.topk_ratio,
-                    **extra,
-                }
-                if cfg.slow_worker and cfg.slow_worker[0] == w:
-                    kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
-                indices = kw.pop("indices")
-                args.append((cfg.run_id, indices))
-                kwargs.append(kw)
-                running.append(w)
-            outcomes = (
-                cluster.run_each(remote.train_chunk, args, kwargs, workers=running, return_exceptions=True)
-                if running
-                else []
-            )
-            call_s = cluster.last_call_timings()
+            results, t_sent, send_s, call_s = _round(run, weights, opt_state, assignments, epoch, round_no, t0)
             wall = time.perf_counter() - t0
-            results: list[tuple[int, dict[str, Any]]] = []
-            for w, out in zip(running, outcomes):
-                if isinstance(out, BaseException):
-                    _fail(out)
-                    history.stats.append(
-                        RoundStats(epoch, round_no, w, 0, 0.0, wall, 0.0, 0, 0, lost=True, start=t0 - cfg.t0)
-                    )
-                    continue
-                results.append((w, out))
-            members.live()  # copies the loss events into History now, with this round's number
-            live_results = [res for _, res in results if res["samples"] > 0]
+            run.members.live()  # copies the loss events into History now, with this round's number
+            live_results = [r for r in results if r.samples > 0]
             if live_results:
-                payloads = [decode_payload(res["weights"], weights) for res in live_results]
-                merged = ops.weighted_average(payloads, [res["samples"] for res in live_results])
+                samples = [r.samples for r in live_results]
+                payloads = [decode_payload(r.weights, weights) for r in live_results]
+                merged = ops.weighted_average(payloads, samples)
                 if cfg.compression is not None:  # workers sent deltas
                     ops.axpy_(weights, merged)
                 else:
                     weights = merged
                 if cfg.average_optimizer_state:
-                    opt_state = average_states(
-                        [res["optimizer_state"] for res in live_results], [res["samples"] for res in live_results]
-                    )
+                    opt_state = average_states([r.optimizer_state for r in live_results], samples)
             sent = nbytes(weights) + (nbytes(opt_state) if opt_state else 0)
-            for w, res in results:
+            for r in results:
+                comm = call_s.get(r.worker, (0.0, 0.0))[1]
                 history.stats.append(
                     RoundStats(
                         epoch=epoch,
                         round=round_no,
-                        worker=w,
-                        samples=res["samples"],
-                        compute_seconds=res["compute_seconds"],
-                        wait_seconds=max(0.0, wall - (t_sent - t0) - call_s.get(w, (0.0, 0.0))[1]),
-                        data_wait_seconds=res["data_wait_seconds"],
+                        worker=r.worker,
+                        samples=r.samples,
+                        compute_seconds=r.compute_seconds,
+                        wait_seconds=max(0.0, wall - (t_sent - t0) - comm),
+                        data_wait_seconds=r.data_wait_seconds,
                         bytes_sent=sent,
-                        bytes_received=nbytes(res["weights"]) + nbytes(res.get("optimizer_state")),
+                        bytes_received=nbytes(r.weights) + nbytes(r.optimizer_state),
                         start=t0 - cfg.t0,
-                        send_seconds=send_s.get(w, (0.0, t_sent - t0))[1],
-                        comm_seconds=max(0.0, call_s.get(w, (0.0, 0.0))[1] - res["compute_seconds"]),
+                        send_seconds=send_s.get(r.worker, (0.0, t_sent - t0))[1],
+                        comm_seconds=max(0.0, comm - r.compute_seconds),
                     )
                 )
-            epoch_results += [res for _, res in results]
-            done += sum(res["samples"] for _, res in results)
-            round_logs = weighted_logs(live_results) if live_results else {}
+            epoch_results += results
+            done += sum(r.samples for r in results)
+            round_logs: dict[str, Any] = weighted_logs(live_results) if live_results else {}
             round_logs["samples_done"] = done
-            for cb in callbacks:
-                cb.on_round_end(round_no, round_logs)
+            run.round_end(round_no, round_logs)
             round_no += 1
-        stop = end_epoch(app, weights, epoch_results, epoch, t_epoch, history, callbacks, validation_data)
-        if cfg.checkpoint_dir:
-            save_checkpoint(app, cfg, members, epoch + 1, weights, opt_state, history, "sync")
+        stop = run.end_epoch(weights, epoch_results, epoch, t_epoch)
+        run.save_checkpoint(epoch + 1, weights, opt_state, "sync")
         if stop:
             break
     return history
 
 
-def _fail(exc: BaseException) -> None:
-    """A worker's failure in a round: a lost worker is left out (the cluster marked it and warned); anything
-    else (a bug in user code, a bad argument) stops training."""
-    if not isinstance(exc, WorkerUnavailable):
-        raise exc
-
-
-def save_checkpoint(
-    app: Any,
-    cfg: TrainConfig,
-    members: Members,
-    epochs_done: int,
+def _round(
+    run: TrainingRun,
     weights: list[np.ndarray],
     opt_state: list[np.ndarray] | None,
-    history: History,
-    mode: str,
-) -> None:
-    """Write the run's checkpoint, with each live worker's own state (optimizer, random generators)."""
-    cluster = app.cluster
-    live = members.live()
-    states = cluster.call(remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True)
-    worker_states = {w: s for w, s in zip(live, states) if not isinstance(s, BaseException)}
-    checkpoint.save(
-        cfg.checkpoint_dir,
-        epochs_done=epochs_done,
-        mode=mode,
-        seed=cfg.seed,
-        weights=[np.asarray(w) for w in weights],
-        optimizer_state=opt_state,
-        worker_states=worker_states,
-        history=history,
+    assignments: list[tuple[int, dict[str, Any]]],
+    epoch: int,
+    round_no: int,
+    t0: float,
+) -> tuple[list[WorkerResult], float, dict[int, tuple[float, float]], dict[int, tuple[float, float]]]:
+    """Send the weights to the round's workers and have each train its rows. Returns the results of the
+    workers that answered, when sending ended, and the send and train calls' per-worker timings."""
+    cfg, cluster = run.cfg, run.cluster
+    targets = [w for w, _ in assignments]
+    sent_ok = cluster.set("__ddlf_weights", weights, workers=targets, return_exceptions=True)
+    send_s = cluster.last_call_timings()
+    t_sent = time.perf_counter()
+    args, kwargs, running = [], [], []
+    for (w, extra), ok in zip(assignments, sent_ok):
+        if isinstance(ok, BaseException):
+            run.fail(ok)
+            run.lost(epoch, round_no, w, 0.0, t0)
+            continue
+        kw: dict[str, Any] = {
+            "batch_size": cfg.batch_size,
+            "return_delta": cfg.compression is not None,
+            "compression": cfg.compression,
+            "prefetch": cfg.prefetch,
+            "return_optimizer_state": cfg.average_optimizer_state,
+            "optimizer_state": opt_state,
+            "topk_ratio": cfg.topk_ratio,
+            **extra,
+        }
+        if cfg.slow_worker and cfg.slow_worker[0] == w:
+            kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
+        indices = kw.pop("indices")
+        args.append((cfg.run_id, indices))
+        kwargs.append(kw)
+        running.append(w)
+    outcomes = (
+        cluster.run_each(remote.train_chunk, args, kwargs, workers=running, return_exceptions=True) if running else []
     )
-
-
-class _SlicePlan:
-    """The whole dataset on every worker: one seeded permutation per epoch, consumed round by round by the
-    workers live at that round (``indices``: the master sends each its slice; ``seeded``: only the slice's
-    bounds, and the worker regenerates the permutation)."""
-
-    def __init__(self, app: Any, cfg: TrainConfig, epoch: int) -> None:
-        self.cfg, self.epoch = cfg, epoch
-        self.rows = app._rows
-        self.n_workers = len(app.cluster)
-        self.offset = 0
-        self.perm = ops.permutation(self.rows, cfg.seed, epoch) if cfg.shuffle == "indices" else None
-        self.per_worker = (cfg.averaging_frequency or 0) * cfg.batch_size  # 0: the whole epoch in one round
-
-    def finished(self) -> bool:
-        return self.offset >= self.rows
-
-    def next_round(self, live: list[int]) -> list[tuple[int, dict[str, Any]]]:
-        left = self.rows - self.offset
-        total = min(left, self.per_worker * len(live)) if self.per_worker else left
-        shares = self.cfg.shares if self.cfg.shares and len(self.cfg.shares) == self.n_workers else None
-        sizes = ops.split_sizes(total, [shares[w] for w in live] if shares else [1.0] * len(live))
-        out = []
-        lo = self.offset
-        for w, n in zip(live, sizes):
-            hi = lo + int(n)
-            if self.perm is not None:
-                out.append((w, {"indices": self.perm[lo:hi]}))
-            else:
-                out.append((w, {"indices": None, "seeded": (self.cfg.seed, self.epoch, [1.0], 0, lo, hi)}))
-            lo = hi
-        self.offset = lo
-        return out
-
-
-class _ShardPlan:
-    """A sharded dataset: each worker shuffles within the shard it holds (with rotation, the shard of worker
-    ``(w + epoch // k) % n``), from a per-shard seed, ``averaging_frequency`` batches per round. A lost worker's
-    shard is skipped until it is back (only it holds those rows)."""
-
-    def __init__(self, app: Any, cfg: TrainConfig, epoch: int) -> None:
-        self.cfg, self.epoch = cfg, epoch
-        n = len(app._shard_rows)
-        k = cfg.rotate_shards_every
-        self.shards = [(w + (epoch // k if k else 0)) % n for w in range(n)]
-        self.seeds = [cfg.seed * 1_000_003 + s for s in self.shards]
-        self.sizes = [app._shard_rows[s] for s in self.shards]
-        self.perms = (
-            [ops.permutation(m, seed, epoch) for m, seed in zip(self.sizes, self.seeds)]
-            if cfg.shuffle == "indices"
-            else None
-        )
-        self.per_round = (cfg.averaging_frequency or 0) * cfg.batch_size or max(self.sizes)
-        self.n_rounds = max(1, -(-max(self.sizes) // self.per_round))
-        self.r = 0
-
-    def finished(self) -> bool:
-        return self.r >= self.n_rounds
-
-    def next_round(self, live: list[int]) -> list[tuple[int, dict[str, Any]]]:
-        start, stop = self.r * self.per_round, (self.r + 1) * self.per_round
-        self.r += 1
-        out = []
-        for w in live:
-            if w >= len(self.shards):
-                continue  # added after the shards were laid out: no shard of its own
-            extra: dict[str, Any] = {"shard": self.shards[w]}
-            if self.perms is not None:
-                extra["indices"] = self.perms[w][start:stop]
-            else:
-                extra["indices"] = None
-                extra["seeded"] = (self.seeds[w], self.epoch, [1.0], 0, start, stop)
-            out.append((w, extra))
-        return out
+    call_s = cluster.last_call_timings()
+    wall = time.perf_counter() - t0
+    results: list[WorkerResult] = []
+    for w, out in zip(running, outcomes):
+        if isinstance(out, BaseException):
+            run.fail(out)
+            run.lost(epoch, round_no, w, wall, t0)
+            continue
+        results.append(WorkerResult.from_reply(w, out))
+    return results, t_sent, send_s, call_s

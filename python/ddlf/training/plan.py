@@ -1,0 +1,127 @@
+"""Which rows each worker trains, round by round: the epoch's plans.
+
+The master never sends data, only indices (or, with ``shuffle="seeded"``, the bounds of a slice of a permutation
+each worker regenerates). Two layouts:
+
+* :class:`SlicePlan`: the whole dataset on every worker; one seeded permutation per epoch, consumed from the front
+  by the workers live at each round.
+* :class:`ShardPlan`: each worker holds a shard (rotating every ``rotate_shards_every`` epochs) and walks a
+  permutation of it.
+
+:func:`shard_layout` is the one rotation and seed formula both loops use; :func:`chunks` cuts an epoch into the
+asynchronous loop's queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from .common import TrainConfig
+
+SHARD_SEED_STRIDE = 1_000_003
+"""Shard ``s`` of a run with seed ``seed`` is shuffled from seed ``seed * SHARD_SEED_STRIDE + s``."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which shard each worker position holds in one epoch, and the seed of its permutation."""
+
+    shards: list[int]
+    seeds: list[int]
+
+
+def shard_layout(n_shards: int, epoch: int, seed: int, rotate_every: int | None) -> ShardLayout:
+    """Worker ``w`` holds shard ``(w + epoch // k) % n`` (no rotation without ``k``)."""
+    shift = epoch // rotate_every if rotate_every else 0
+    shards = [(w + shift) % n_shards for w in range(n_shards)]
+    return ShardLayout(shards, [seed * SHARD_SEED_STRIDE + s for s in shards])
+
+
+Assignment = tuple[int, dict[str, Any]]
+"""One worker's part of a round: ``(worker, {"indices": ..., "shard"?: ..., "seeded"?: ...})``."""
+
+
+class SlicePlan:
+    """The whole dataset on every worker: one seeded permutation per epoch, consumed round by round by the
+    workers live at that round (``indices``: the master sends each its slice; ``seeded``: only the slice's
+    bounds, and the worker regenerates the permutation)."""
+
+    def __init__(self, rows: int, n_workers: int, cfg: TrainConfig, epoch: int) -> None:
+        self.cfg, self.epoch = cfg, epoch
+        self.rows = rows
+        self.n_workers = n_workers
+        self.offset = 0
+        self.perm = ops.permutation(rows, cfg.seed, epoch) if cfg.shuffle == "indices" else None
+        self.per_worker = (cfg.averaging_frequency or 0) * cfg.batch_size  # 0: the whole epoch in one round
+
+    def finished(self) -> bool:
+        return self.offset >= self.rows
+
+    def next_round(self, live: list[int]) -> list[Assignment]:
+        left = self.rows - self.offset
+        total = min(left, self.per_worker * len(live)) if self.per_worker else left
+        shares = self.cfg.shares if self.cfg.shares and len(self.cfg.shares) == self.n_workers else None
+        sizes = ops.split_sizes(total, [shares[w] for w in live] if shares else [1.0] * len(live))
+        out: list[Assignment] = []
+        lo = self.offset
+        for w, n in zip(live, sizes):
+            hi = lo + int(n)
+            if self.perm is not None:
+                out.append((w, {"indices": self.perm[lo:hi]}))
+            else:
+                out.append((w, {"indices": None, "seeded": (self.cfg.seed, self.epoch, [1.0], 0, lo, hi)}))
+            lo = hi
+        self.offset = lo
+        return out
+
+
+class ShardPlan:
+    """A sharded dataset: each worker shuffles within the shard it holds, ``averaging_frequency`` batches per
+    round. A lost worker's shard is skipped until it is back (only it holds those rows)."""
+
+    def __init__(self, shard_rows: list[int], cfg: TrainConfig, epoch: int) -> None:
+        self.cfg, self.epoch = cfg, epoch
+        layout = shard_layout(len(shard_rows), epoch, cfg.seed, cfg.rotate_shards_every)
+        self.shards, self.seeds = layout.shards, layout.seeds
+        self.sizes = [shard_rows[s] for s in self.shards]
+        self.perms = (
+            [ops.permutation(m, seed, epoch) for m, seed in zip(self.sizes, self.seeds)]
+            if cfg.shuffle == "indices"
+            else None
+        )
+        self.per_round = (cfg.averaging_frequency or 0) * cfg.batch_size or max(self.sizes)
+        self.n_rounds = max(1, -(-max(self.sizes) // self.per_round))
+        self.r = 0
+
+    def finished(self) -> bool:
+        return self.r >= self.n_rounds
+
+    def next_round(self, live: list[int]) -> list[Assignment]:
+        start, stop = self.r * self.per_round, (self.r + 1) * self.per_round
+        self.r += 1
+        out: list[Assignment] = []
+        for w in live:
+            if w >= len(self.shards):
+                continue  # added after the shards were laid out: no shard of its own
+            extra: dict[str, Any] = {"shard": self.shards[w]}
+            if self.perms is not None:
+                extra["indices"] = self.perms[w][start:stop]
+            else:
+                extra["indices"] = None
+                extra["seeded"] = (self.seeds[w], self.epoch, [1.0], 0, start, stop)
+            out.append((w, extra))
+        return out
+
+
+Chunk = tuple[np.ndarray, int | None]
+"""A piece of the asynchronous queue: its rows, and the shard they index (None: the whole dataset)."""
+
+
+def chunks(perm: np.ndarray, chunk_rows: int, shard: int | None = None) -> deque[Chunk]:
+    """An epoch's permutation cut into the asynchronous loop's queue of chunks."""
+    return deque((perm[i : i + chunk_rows], shard) for i in range(0, len(perm), chunk_rows))

@@ -1,0 +1,160 @@
+"""One training run: what the synchronous and asynchronous loops share.
+
+A :class:`TrainingRun` holds the app, its config, History, callbacks, membership (:class:`~.membership.Members`),
+the dataset's size and the :class:`FailurePolicy`; it opens and closes epochs, records rounds and lost workers, and
+writes checkpoints. A loop only decides what a round is. :class:`WorkerResult` is what a worker's training chunk
+returns, typed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import WorkerUnavailable
+from ..history import History, RoundStats
+from . import checkpoint
+from . import worker as remote
+from .common import TrainConfig
+from .membership import Members
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """What a worker's failure does to a training run (in the spirit of Ray Train v2's ``FailurePolicy``).
+
+    ``lost_worker``: a worker that is lost (killed, stopped, cut off; :class:`~ddlf.errors.WorkerUnavailable`):
+    ``"continue"`` leaves it out (sync: the round is re-weighted over the survivors; async: its chunk goes back
+    to the queue) and takes it back when it returns; ``"raise"`` stops training with its error.
+    ``remote_error``: user code raised on a worker (or any other error): ``"raise"`` stops training (the default:
+    a bug does not fix itself); ``"continue"`` leaves that worker's result out of the round.
+    """
+
+    lost_worker: Literal["continue", "raise"] = "continue"
+    remote_error: Literal["continue", "raise"] = "raise"
+
+    def __post_init__(self) -> None:
+        for what in ("lost_worker", "remote_error"):
+            if getattr(self, what) not in ("continue", "raise"):
+                raise ValueError(f"{what} must be 'continue' or 'raise', not {getattr(self, what)!r}")
+
+    def decide(self, exc: BaseException) -> Literal["continue", "raise"]:
+        """What to do about a worker's failure ``exc``."""
+        if isinstance(exc, WorkerUnavailable):
+            return self.lost_worker
+        return self.remote_error
+
+
+@dataclass
+class WorkerResult:
+    """What one worker's training chunk returned (``training.worker.train_chunk``)."""
+
+    worker: int
+    samples: int
+    weights: list[Any]
+    """Its weights, or its delta (compressed: half precision, or top-k ``(indices, values)`` pairs)."""
+    compute_seconds: float
+    data_wait_seconds: float
+    logs: dict[str, float] = field(default_factory=dict)
+    optimizer_state: list[np.ndarray] | None = None
+
+    @classmethod
+    def from_reply(cls, worker: int, reply: dict[str, Any]) -> WorkerResult:
+        return cls(
+            worker=worker,
+            samples=int(reply["samples"]),
+            weights=reply["weights"],
+            compute_seconds=float(reply["compute_seconds"]),
+            data_wait_seconds=float(reply["data_wait_seconds"]),
+            logs=dict(reply.get("logs", {})),
+            optimizer_state=reply.get("optimizer_state"),
+        )
+
+
+def weighted_logs(results: list[WorkerResult]) -> dict[str, float]:
+    """Average the workers' Keras logs, weighted by samples."""
+    total = sum(r.samples for r in results) or 1
+    keys = set().union(*(r.logs.keys() for r in results)) if results else set()
+    return {k: sum(r.logs.get(k, 0.0) * r.samples for r in results) / total for k in sorted(keys)}
+
+
+@dataclass
+class TrainingRun:
+    """One ``app.train`` call, as both loops see it."""
+
+    app: Any
+    cfg: TrainConfig
+    history: History
+    callbacks: list[Any]
+    members: Members
+    rows: int
+    """Rows per epoch (a sharded dataset: all shards together)."""
+    shard_rows: list[int]
+    """Rows of each shard (one entry per set-up worker when not sharded)."""
+    initial_epoch: int = 0
+    validation_data: Any = None
+    resumed: dict[str, Any] | None = None
+    policy: FailurePolicy = field(default_factory=FailurePolicy)
+
+    @property
+    def cluster(self) -> Any:
+        return self.app.cluster
+
+    def fail(self, exc: BaseException) -> None:
+        """A worker failed: raise unless the policy says to carry on without it."""
+        if self.policy.decide(exc) == "raise":
+            raise exc
+
+    def begin_epoch(self, epoch: int) -> float:
+        """Open an epoch; returns its start time."""
+        self.members.epoch = epoch
+        for cb in self.callbacks:
+            cb.on_epoch_begin(epoch)
+        return time.perf_counter()
+
+    def round_end(self, round_no: int, logs: dict[str, Any]) -> None:
+        for cb in self.callbacks:
+            cb.on_round_end(round_no, logs)
+
+    def lost(self, epoch: int, round_no: int, worker: int, wall: float, t0: float) -> None:
+        """Record a worker lost during a round."""
+        stats = RoundStats(epoch, round_no, worker, 0, 0.0, wall, 0.0, 0, 0, lost=True, start=t0 - self.cfg.t0)
+        self.history.stats.append(stats)
+
+    def end_epoch(self, weights: list[np.ndarray], results: list[WorkerResult], epoch: int, t_epoch: float) -> bool:
+        """Close an epoch: the master's model takes the weights, the workers' logs are averaged, validation runs,
+        History and callbacks hear of it. Returns whether training should stop."""
+        app = self.app
+        app.model.set_weights(weights)
+        logs = weighted_logs([r for r in results if r.samples > 0])
+        if self.validation_data is not None:
+            logs.update(app.validate(self.validation_data))
+        self.history.record_epoch(logs, time.perf_counter() - t_epoch)
+        for cb in self.callbacks:
+            cb.on_epoch_end(epoch, logs)
+        app.epochs_done = epoch + 1
+        return bool(app.stop_training)
+
+    def save_checkpoint(
+        self, epochs_done: int, weights: list[np.ndarray], opt_state: list[np.ndarray] | None, mode: str
+    ) -> None:
+        """Write the run's checkpoint, with each live worker's own state (optimizer, random generators)."""
+        cfg = self.cfg
+        if not cfg.checkpoint_dir:
+            return
+        live = self.members.live()
+        states = self.cluster.call(remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True)
+        worker_states = {w: s for w, s in zip(live, states) if not isinstance(s, BaseException)}
+        checkpoint.save(
+            cfg.checkpoint_dir,
+            epochs_done=epochs_done,
+            mode=mode,
+            seed=cfg.seed,
+            weights=[np.asarray(w) for w in weights],
+            optimizer_state=opt_state,
+            worker_states=worker_states,
+            history=self.history,
+        )
