@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install (scripts/install.sh), then run the whole test suite: lints, Rust unit and loopback tests, and the
-# pytest end-to-end tests with real worker daemons.
+# Install (scripts/install.sh), then run the whole test suite: lints (rustfmt, clippy, ruff), type checks (the
+# extension's stub against the built module, mypy over the package), Rust unit and loopback tests, the Python unit
+# tests (no daemons, seconds), then the end-to-end tests with real worker daemons and the network-namespace tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -8,14 +9,26 @@ export PATH="$HOME/.cargo/bin:$PATH"
 scripts/install.sh
 scripts/install-system.sh
 
+PY_SOURCES=(python tests examples benchmarks scripts)
+
 echo "== lint"
 cargo fmt --all -- --check
-.venv/bin/ruff check python tests examples
-.venv/bin/ruff format --check python tests examples
+cargo clippy --workspace --all-targets -- -D warnings
+.venv/bin/ruff check "${PY_SOURCES[@]}"
+.venv/bin/ruff format --check "${PY_SOURCES[@]}"
+
+echo "== types"
+# The hand-written stub of the Rust extension must match the module that was built.
+.venv/bin/python -m mypy.stubtest ddlf._ddlf --allowlist python/stubtest-allowlist.txt
+.venv/bin/mypy python/ddlf
 
 echo "== cargo test"
-# ddlf-py is the extension module (linked against the interpreter at import time): it is exercised by pytest.
+# ddlf-py is the extension module (linked against the interpreter at import time): it is exercised by pytest. The
+# master's dispatch policy (ddlf_net::pool) has its loopback tests here.
 cargo test --workspace --exclude ddlf-py
 
-echo "== pytest"
-.venv/bin/python -m pytest tests "$@"
+echo "== pytest: unit"
+.venv/bin/python -m pytest tests/unit -q
+
+echo "== pytest: end to end and network namespaces"
+.venv/bin/python -m pytest tests/e2e tests/netns "$@"

@@ -17,6 +17,8 @@ import ddlf
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Helper processes (``python -m benchmarks.relay``, ``tests/netns/multihost_master.py``) import from the checkout.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
 MNIST_DIR = os.path.join(REPO, "examples", "data", "mnist")
 
 

@@ -1,35 +1,71 @@
 """Type stubs for ``ddlf._ddlf``, the Rust extension module (see rust/ddlf-py)."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
 
-from typing_extensions import Buffer
+from typing_extensions import Buffer, Self
 
 __version__: str
 PROTOCOL_VERSION: int
-MALLOC_TUNED: bool
-"""Whether this process runs with the allocator policy for large transfers (glibc; off with DDLF_MALLOC=system)."""
 OPS: dict[str, int]
 """Operation codes of the wire protocol, by name without the ``OP_`` prefix."""
 ERROR_KINDS: dict[str, int]
 """Error kinds of the wire protocol, by name without the ``ERROR_KIND_`` prefix."""
 
-Outcome = tuple[int, Any, Any, float, float, int]
-"""Per-worker result of a call: ``(0, pickle, buffers, worker_s, call_s, request_id)``, ``(1, error_kind, (type,
-message, traceback), worker_s, call_s, request_id)`` or ``(2, exception_instance, None, 0.0, call_s, request_id)``.
-``worker_s``: seconds the worker's interpreter spent on it; ``call_s``: seconds from sending to the whole reply."""
+@final
+class ErrorClass:
+    """The exception classes Rust errors become; ``ddlf.errors._CLASSES`` maps each to its Python class."""
 
+    WorkerUnavailable: ErrorClass
+    DeadlineExceeded: ErrorClass
+    WorkerRestarted: ErrorClass
+    AuthenticationError: ErrorClass
+    ProtocolError: ErrorClass
+    RequestRejected: ErrorClass
+    RemoteError: ErrorClass
+    NotFoundError: ErrorClass
+    SerializationError: ErrorClass
+    WorkerStartError: ErrorClass
+    InsecureConfiguration: ErrorClass
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __int__(self) -> int: ...
+
+@final
+class Reply:
+    """One worker's answer to a call: a value (``pickle`` and ``buffers``) or an ``error`` (an exception instance
+    of :mod:`ddlf.errors`, not raised)."""
+
+    @property
+    def worker(self) -> int: ...
+    @property
+    def pickle(self) -> bytes | None: ...
+    @property
+    def buffers(self) -> list[RecvBuffer]: ...
+    @property
+    def error(self) -> BaseException | None: ...
+    @property
+    def worker_seconds(self) -> float:
+        """Seconds the worker's interpreter spent on the call."""
+    @property
+    def call_seconds(self) -> float:
+        """Seconds from sending the request to having the whole reply."""
+    @property
+    def request_id(self) -> int: ...
+
+@final
 class RecvBuffer:
     """Read-only bytes received from the network, exposed through the buffer protocol without a copy."""
 
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
+@final
 class Client:
     """Connections to worker daemons. Every method releases the GIL while it waits and is interruptible."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         addresses: Sequence[str],
         token: str | None = None,
         connect_timeout: float = 10.0,
@@ -40,7 +76,7 @@ class Client:
         tls_domain: str | None = None,
         direct_lane: bool = True,
         lane_spin_us: int | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def addresses(self) -> list[str]: ...
     def __len__(self) -> int: ...
@@ -66,7 +102,7 @@ class Client:
         pickle: bytes,
         buffers: Sequence[Buffer],
         timeout: float | None = None,
-    ) -> list[Outcome]: ...
+    ) -> list[Reply]: ...
     def call_each(
         self,
         targets: Sequence[int],
@@ -75,7 +111,7 @@ class Client:
         digest: str,
         values: Sequence[tuple[bytes, Sequence[Buffer]]],
         timeout: float | None = None,
-    ) -> list[Outcome]: ...
+    ) -> list[Reply]: ...
     def status(self, targets: Sequence[int], timeout: float | None = None) -> list[dict[str, Any] | BaseException]: ...
     def logs(
         self, targets: Sequence[int], lines: int = 100, timeout: float | None = None
@@ -107,17 +143,18 @@ def init_logging(default: str = "warn") -> bool:
 def log_record(level: int, logger: str, message: str) -> None:
     """Log a Python ``logging`` record through Rust ``tracing`` (``level``: Python's numeric level)."""
 
+@final
 class BatchPipeline:
     """Batches of dataset rows gathered by a Rust prefetch thread (see ``ddlf.ops.BatchPipeline``)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         arrays: Sequence[Any],
         indices: Any,
         batch_size: int,
         prefetch: int = 2,
         drop_last: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> BatchPipeline: ...
     def __next__(self) -> Any: ...
@@ -139,3 +176,7 @@ def release_shared_memory() -> None:
 
 def shared_memory_usage() -> tuple[int, int]:
     """``(segments, bytes)`` held in this process's shared-memory pool."""
+
+def tune_allocator() -> bool:
+    """Apply the allocator policy for large transfers (once; ``DDLF_MALLOC=system`` keeps glibc's defaults).
+    Returns whether this process runs with it."""

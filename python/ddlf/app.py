@@ -288,7 +288,8 @@ class IApp:
             targets = [w for w in live if w in states]
             if targets:
                 self.cluster.run_each(remote.restore_state, [(cfg.run_id, states[w]) for w in targets], workers=targets)
-            members.note("resumed", epochs_done=initial_epoch, checkpoint=str(checkpoint.path_in(cfg.checkpoint_dir)))
+            where = str(checkpoint.path_in(cfg.checkpoint_dir or ""))
+            members.note("resumed", epochs_done=initial_epoch, checkpoint=where)
         cbs = list(callbacks)
         if cfg.verbose:
             cbs.insert(0, ProgressBar(cfg.epochs, rows))

@@ -154,7 +154,7 @@ class LambdaCallback(Callback):
             setattr(self, name, fn)
 
 
-def _comparator(monitor: str, mode: str, min_delta: float = 0.0):
+def _comparator(monitor: str, mode: str, min_delta: float = 0.0) -> Any:
     if mode == "auto":
         mode = "max" if any(k in monitor for k in ("acc", "auc", "precision", "recall")) else "min"
     if mode == "max":
@@ -239,7 +239,7 @@ def _summary_writer_class() -> Any:
         from tensorboardX import SummaryWriter
     except ImportError:
         try:
-            from torch.utils.tensorboard import SummaryWriter  # type: ignore[no-redef]
+            from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ImportError(
                 "ddlf.callbacks.TensorBoard writes event files with tensorboardX or PyTorch: "

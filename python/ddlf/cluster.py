@@ -198,7 +198,7 @@ class Cluster:
         if self._closed:
             return
         self._closed = True
-        client, self._client = self._client, ClosedClient()
+        client, self._client = self._client, ClosedClient()  # type: ignore[assignment]
         self._calls = Calls(self._client)
         try:
             if self._local is not None:

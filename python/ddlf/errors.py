@@ -18,7 +18,7 @@ from typing import Any
 from ._ddlf import ErrorClass
 
 if sys.version_info < (3, 11):  # pragma: no cover - the backport on Python 3.10
-    from exceptiongroup import ExceptionGroup
+    from exceptiongroup import ExceptionGroup  # type: ignore[import-not-found,unused-ignore]
 
 
 class DdlfError(Exception):
@@ -154,39 +154,51 @@ class WorkerErrors:
     exceptions: tuple[BaseException, ...]
 
 
-class WorkerErrorGroup(ExceptionGroup, DdlfError, WorkerErrors):  # type: ignore[misc]
+class WorkerErrorGroup(ExceptionGroup, DdlfError, WorkerErrors):
     """Several workers failed one call (see :class:`WorkerErrors`). Build one with :func:`group`."""
 
-    def __new__(cls, message: str, exceptions: Sequence[BaseException]) -> WorkerErrorGroup:
+    def __new__(cls, message: str, exceptions: Sequence[Exception]) -> WorkerErrorGroup:
         return super().__new__(cls, message, exceptions)
 
-    def __init__(self, message: str, exceptions: Sequence[BaseException]) -> None:
+    def __init__(self, message: str, exceptions: Sequence[Exception]) -> None:
         self.__dict__.update(vars(exceptions[0]))
 
-    def derive(self, excs: Sequence[BaseException]) -> Any:  # type: ignore[override]
-        return group(list(excs), self.message)
+    def derive(self, excs: Sequence[Exception]) -> Any:
+        # split() and subgroup() need a group back, even of one error: the class of what is left.
+        cls = _group_class(_common_class(excs))
+        return (
+            cls(self.message, list(excs))
+            if issubclass(cls, WorkerErrorGroup)
+            else WorkerErrorGroup(self.message, list(excs))
+        )
 
 
 _GROUP_CLASSES: dict[type, type] = {}
 
 
-def group(errors: Sequence[BaseException], message: str | None = None) -> BaseException:
+def group(errors: Sequence[Any], message: str | None = None) -> BaseException:
     """One exception for a call's per-worker errors: the error itself when there is one, else a
     :class:`WorkerErrors` exception of their most specific common ddlf class."""
     if len(errors) == 1:
         return errors[0]
     if message is None:
         message = f"{len(errors)} workers failed; the first, {errors[0]}"
-    common = [c for c in type(errors[0]).__mro__ if issubclass(c, DdlfError) and all(isinstance(e, c) for e in errors)]
-    base = common[0] if common else DdlfError
-    cls = _group_class(base)
+    cls = _group_class(_common_class(errors))
     if issubclass(cls, WorkerErrorGroup):
         return cls(message, list(errors))
-    exc = cls.__new__(cls, message)
+    exc: Any = cls.__new__(cls, message)  # type: ignore[call-arg]
     BaseException.__init__(exc, message)
     exc.__dict__.update(vars(errors[0]))
     exc.exceptions = tuple(errors)
     return exc
+
+
+def _common_class(errors: Sequence[BaseException]) -> type:
+    """The most specific ddlf class every error is an instance of."""
+    for c in type(errors[0]).__mro__:
+        if issubclass(c, DdlfError) and all(isinstance(e, c) for e in errors):
+            return c
+    return DdlfError
 
 
 def _group_class(base: type) -> type:

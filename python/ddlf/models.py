@@ -173,7 +173,7 @@ class TorchModel:
 
     def _optimizer_tensors(self) -> list[Any] | None:
         """The optimizer's per-parameter state tensors in a fixed order; None before its first step."""
-        out = []
+        out: list[Any] = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 state = self.optimizer.state.get(p)

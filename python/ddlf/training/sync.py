@@ -58,7 +58,7 @@ def train_sync(run: TrainingRun) -> History:
             run.members.live()  # copies the loss events into History now, with this round's number
             live_results = [r for r in results if r.samples > 0]
             if live_results:
-                samples = [r.samples for r in live_results]
+                samples = [float(r.samples) for r in live_results]
                 payloads = [decode_payload(r.weights, weights) for r in live_results]
                 merged = ops.weighted_average(payloads, samples)
                 if cfg.compression is not None:  # workers sent deltas
@@ -66,7 +66,7 @@ def train_sync(run: TrainingRun) -> History:
                 else:
                     weights = merged
                 if cfg.average_optimizer_state:
-                    opt_state = average_states([r.optimizer_state for r in live_results], samples)
+                    opt_state = average_states([r.optimizer_state or [] for r in live_results], samples)
             sent = nbytes(weights) + (nbytes(opt_state) if opt_state else 0)
             for r in results:
                 comm = call_s.get(r.worker, (0.0, 0.0))[1]

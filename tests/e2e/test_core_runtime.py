@@ -16,7 +16,7 @@ import pytest
 import ddlf
 from ddlf import _ddlf
 
-from .conftest import Daemon, pid_alive, wait_until
+from ..conftest import Daemon, pid_alive, wait_until
 
 # -- variables -----------------------------------------------------------------------------------------
 

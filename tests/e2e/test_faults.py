@@ -19,7 +19,7 @@ import pytest
 import ddlf
 from ddlf.callbacks import LambdaCallback
 
-from .conftest import MNIST_DIR, REPO, Daemon, pid_alive, wait_until
+from ..conftest import MNIST_DIR, REPO, Daemon, pid_alive, wait_until
 from .test_training import SmallMnist
 
 
@@ -80,7 +80,7 @@ def test_kill_9_one_of_three_workers_mid_epoch(mode: str, test_set) -> None:
         # Sync is deterministic: an undisturbed run is the exact reference. Async applies deltas in arrival
         # order, so two undisturbed runs of this small, unconverged model differ by several points by
         # themselves (measured: 81% and 89%); its 0.5-point comparison is made on full MNIST, where training
-        # converges, by `python -m ddlf.bench faults` (RELIABILITY.md).
+        # converges, by `python -m benchmarks faults` (RELIABILITY.md).
         with ddlf.Cluster.local(3, threads=1) as c:
             undisturbed = FaultApp(c)
             undisturbed.learning_rate = lr
@@ -258,7 +258,7 @@ def test_sync_resume_from_checkpoint_reaches_the_same_weights(cluster: ddlf.Clus
 MASTER_SCRIPT = """
 import sys, ddlf
 sys.path.insert(0, {repo!r})
-from tests.test_faults import FaultApp
+from tests.e2e.test_faults import FaultApp
 with ddlf.Cluster({addresses!r}, token=None) as c:
     h = FaultApp(c).train(epochs=4, batch_size=32, mode="sync", averaging_frequency=5, verbose=0,
                           checkpoint_dir={ckpt!r}, resume=True)

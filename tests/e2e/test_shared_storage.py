@@ -13,7 +13,7 @@ import pytest
 import ddlf
 from ddlf.datasets import DatasetError
 
-from .conftest import MNIST_DIR
+from ..conftest import MNIST_DIR
 
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")

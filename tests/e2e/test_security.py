@@ -13,8 +13,8 @@ import pytest
 
 import ddlf
 
-from .certs import make_certs
-from .conftest import Daemon
+from ..certs import make_certs
+from ..conftest import Daemon
 
 
 @pytest.fixture(scope="module")

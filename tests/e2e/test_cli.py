@@ -15,7 +15,7 @@ import pytest
 import ddlf
 from ddlf.config import ConfigError, load
 
-from .conftest import Daemon
+from ..conftest import Daemon
 
 
 def _free_port() -> int:

@@ -16,7 +16,7 @@ import pytest
 import ddlf
 from ddlf.config import kubernetes_addresses, load
 
-from .conftest import REPO, wait_until
+from ..conftest import REPO, wait_until
 
 K8S = Path(REPO) / "deploy" / "kubernetes"
 SBATCH = Path(REPO) / "deploy" / "slurm" / "ddlf.sbatch"

@@ -10,7 +10,7 @@ import pytest
 import ddlf
 from ddlf.models import TorchModel
 
-from .conftest import MNIST_DIR
+from ..conftest import MNIST_DIR
 from .test_training import SmallMnist
 
 torch = pytest.importorskip("torch")

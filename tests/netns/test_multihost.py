@@ -1,6 +1,6 @@
 """Multi-host runs for real on one machine: worker daemons in their own network namespaces (own IPs, joined by
 veth pairs and a bridge), the master in another, token auth and TLS on; link faults and packet loss.
-Needs root and iproute2 (``ddlf.bench.netns.available()``); CI runs as root."""
+Needs root and iproute2 (``benchmarks.netns.available()``); CI runs as root."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddlf.bench import netns
+from benchmarks import netns
 
-from .certs import make_certs
-from .conftest import pid_alive, wait_until
+from ..certs import make_certs
+from ..conftest import pid_alive, wait_until
 
 CAN, WHY = netns.available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not CAN, reason=WHY)]

@@ -13,7 +13,7 @@ import pytest
 
 import ddlf
 
-from .conftest import Daemon
+from ..conftest import Daemon
 
 
 def _ident(x):

@@ -19,7 +19,7 @@ from scripts.chromium import find_chromium, screenshot
 
 import ddlf
 
-from .conftest import Daemon
+from ..conftest import MNIST_DIR, Daemon
 from .test_training import SmallMnist
 
 PHASE_COLOURS = {"compute": (0x00, 0x9E, 0x73), "send": (0x00, 0x72, 0xB2)}
@@ -39,7 +39,7 @@ def trained(cluster: ddlf.Cluster, tmp_path_factory: pytest.TempPathFactory):
     """One short sync run with a report and a TensorBoard callback, shared by the tests below."""
     out = tmp_path_factory.mktemp("observability")
     app = SmallMnist(cluster)
-    (x, y), _ = ddlf.datasets.mnist(os.path.join(os.path.dirname(__file__), "..", "examples", "data", "mnist"))
+    (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
     history = app.train(
         epochs=2,
         batch_size=32,

@@ -13,7 +13,7 @@ import pytest
 import ddlf
 from ddlf.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
 
-from .conftest import MNIST_DIR
+from ..conftest import MNIST_DIR
 
 
 class SmallMnist(ddlf.IApp):

@@ -17,8 +17,8 @@ import threading
 
 import ddlf
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.test_training import MNIST_DIR, SmallMnist
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.e2e.test_training import MNIST_DIR, SmallMnist
 
 
 class HostsMnist(SmallMnist):

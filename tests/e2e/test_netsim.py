@@ -1,5 +1,5 @@
 """The network simulation pieces that need no namespaces: the delay relay (netem's stand-in) and the
-projection model of ``ddlf.bench.project``."""
+projection model of ``benchmarks.project``."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from ddlf.bench import project
+from benchmarks import project
 
 import ddlf
 
-from .conftest import Daemon
+from ..conftest import Daemon
 
 
 def _free_port() -> int:
@@ -24,7 +24,7 @@ def _free_port() -> int:
 def test_relay_adds_its_delay_each_way_and_keeps_the_bytes(daemon: Daemon) -> None:
     port = _free_port()
     relay = subprocess.Popen(
-        [sys.executable, "-m", "ddlf.bench.relay", "--delay-ms", "25", f"127.0.0.1:{port}={daemon.address}"],
+        [sys.executable, "-m", "benchmarks.relay", "--delay-ms", "25", f"127.0.0.1:{port}={daemon.address}"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -51,7 +51,7 @@ def test_relay_adds_its_delay_each_way_and_keeps_the_bytes(daemon: Daemon) -> No
 
 def test_relay_rejects_a_malformed_pair() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "ddlf.bench.relay", "--delay-ms", "1", "127.0.0.1:1"], capture_output=True, text=True
+        [sys.executable, "-m", "benchmarks.relay", "--delay-ms", "1", "127.0.0.1:1"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "LISTEN=TARGET" in out.stderr
 

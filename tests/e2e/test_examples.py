@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from .conftest import REPO
+from ..conftest import REPO
 
 
 def _run(args: list[str], timeout: float = 600) -> str:

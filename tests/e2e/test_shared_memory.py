@@ -14,7 +14,7 @@ import pytest
 
 import ddlf
 
-from .conftest import wait_until
+from ..conftest import wait_until
 
 BIG = 40_000_000  # floats: 160 MB
 MB8 = 2_000_000  # floats: 8 MB, above the 1 MiB pool threshold

@@ -14,7 +14,7 @@ import ddlf
 from ddlf import datasets
 from ddlf.datasets import DatasetError
 
-from .conftest import MNIST_DIR
+from ..conftest import MNIST_DIR
 
 
 def test_mnist_loads_the_real_files() -> None:

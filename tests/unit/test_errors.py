@@ -1,0 +1,63 @@
+"""The error model without daemons: the extension's error classes map to ddlf.errors, several workers' errors
+become one exception that is still catchable as their class."""
+
+from __future__ import annotations
+
+import pytest
+
+import ddlf
+from ddlf import _ddlf
+from ddlf.errors import _CLASSES, WorkerErrorGroup, WorkerErrors, group, raise_for
+
+
+def test_every_error_class_of_the_extension_has_its_python_class() -> None:
+    members = [getattr(_ddlf.ErrorClass, n) for n in dir(_ddlf.ErrorClass) if not n.startswith("_")]
+    members = [m for m in members if isinstance(m, _ddlf.ErrorClass)]
+    assert len(members) == 11
+    for m in members:
+        cls = _CLASSES[m]
+        assert issubclass(cls, ddlf.DdlfError)
+        assert cls.__name__ in ddlf.errors.__all__
+
+
+def test_one_error_is_raised_as_itself() -> None:
+    e = ddlf.RemoteError("boom", worker_id=1)
+    assert group([e]) is e
+    with pytest.raises(ddlf.RemoteError) as info:
+        raise_for([1, e])
+    assert info.value is e
+    assert raise_for([1, 2]) == [1, 2]
+
+
+def test_several_remote_errors_are_an_exception_group_of_their_class() -> None:
+    errs = [ddlf.RemoteError("a", worker_id=0, remote_type="X"), ddlf.RemoteError("b", worker_id=1)]
+    g = group(errs)
+    assert isinstance(g, ExceptionGroup) and isinstance(g, WorkerErrorGroup) and isinstance(g, WorkerErrors)
+    assert isinstance(g, ddlf.RemoteError) and isinstance(g, ddlf.DdlfError)
+    assert list(g.exceptions) == errs
+    assert g.worker_id == 0 and g.remote_type == "X"  # the first worker's attributes
+    assert "2 workers failed" in str(g) and "a" in str(g)
+    try:
+        raise g
+    except* ddlf.RemoteError as caught:
+        assert list(caught.exceptions) == errs
+    # split keeps the class (a condition on attributes sees the group first: it carries the first worker's)
+    match, rest = g.split(lambda e: e is errs[0])
+    assert isinstance(match, ddlf.RemoteError) and list(match.exceptions) == errs[:1]
+    assert rest is not None and list(rest.exceptions) == errs[1:]
+
+
+def test_mixed_errors_group_under_their_common_class() -> None:
+    g = group([ddlf.RemoteError("a"), ddlf.NotFoundError("b")])
+    assert isinstance(g, WorkerErrorGroup) and not isinstance(g, ddlf.RemoteError)
+    assert isinstance(g, ddlf.DdlfError)
+
+
+def test_connection_errors_stay_catchable_as_their_class() -> None:
+    # OSError subclasses cannot also be ExceptionGroups: they raise their common class with .exceptions.
+    errs = [ddlf.DeadlineExceeded("a", worker_id=0), ddlf.DeadlineExceeded("b", worker_id=1)]
+    g = group(errs)
+    assert isinstance(g, ddlf.DeadlineExceeded) and isinstance(g, TimeoutError) and isinstance(g, WorkerErrors)
+    assert list(g.exceptions) == errs and g.worker_id == 0
+    g = group([ddlf.DeadlineExceeded("a"), ddlf.WorkerUnavailable("b")])
+    assert type(g).__mro__[1] is ddlf.WorkerUnavailable

@@ -1,0 +1,75 @@
+"""Which rows each worker trains: the plans, without daemons."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddlf.training.common import TrainConfig
+from ddlf.training.plan import SHARD_SEED_STRIDE, ShardPlan, SlicePlan, chunks, shard_layout
+
+
+def _all_rows(plan: SlicePlan, live: list[int]) -> list[np.ndarray]:
+    out = []
+    while not plan.finished():
+        for _w, part in plan.next_round(live):
+            out.append(np.asarray(part["indices"]))
+    return out
+
+
+@pytest.mark.parametrize("avg", [None, 1, 7])
+def test_a_slice_plan_trains_every_row_once_per_epoch(avg: int | None) -> None:
+    cfg = TrainConfig(epochs=1, batch_size=8, seed=3, averaging_frequency=avg)
+    rows = np.concatenate(_all_rows(SlicePlan(1001, 3, cfg, epoch=0), [0, 1, 2]))
+    assert sorted(rows.tolist()) == list(range(1001))
+    again = np.concatenate(_all_rows(SlicePlan(1001, 3, cfg, epoch=0), [0, 1, 2]))
+    assert (rows == again).all()  # seeded: the same epoch plans the same rows
+    other = np.concatenate(_all_rows(SlicePlan(1001, 3, cfg, epoch=1), [0, 1, 2]))
+    assert not (rows == other).all()
+
+
+def test_a_lost_worker_share_goes_to_the_live_ones() -> None:
+    cfg = TrainConfig(epochs=1, batch_size=10, averaging_frequency=1)
+    plan = SlicePlan(100, 3, cfg, epoch=0)
+    first = plan.next_round([0, 1, 2])
+    assert [len(p["indices"]) for _, p in first] == [10, 10, 10]
+    second = plan.next_round([0, 2])  # worker 1 lost
+    assert [w for w, _ in second] == [0, 2]
+    seen = [r for _, p in first + second for r in p["indices"].tolist()]
+    seen += [r for rows in _all_rows(plan, [0, 2]) for r in rows.tolist()]
+    assert sorted(seen) == list(range(100))
+
+
+def test_worker_shares_split_rows_unevenly() -> None:
+    cfg = TrainConfig(epochs=1, batch_size=10, shares=[3.0, 1.0])
+    [(w0, a), (w1, b)] = SlicePlan(400, 2, cfg, epoch=0).next_round([0, 1])
+    assert (w0, w1) == (0, 1) and len(a["indices"]) == 300 and len(b["indices"]) == 100
+
+
+def test_seeded_plans_send_bounds_not_indices() -> None:
+    cfg = TrainConfig(epochs=1, batch_size=10, shuffle="seeded", seed=5)
+    [(_, a), (_, b)] = SlicePlan(50, 2, cfg, epoch=2).next_round([0, 1])
+    assert a["indices"] is None and a["seeded"] == (5, 2, [1.0], 0, 0, 25) and b["seeded"][4:] == (25, 50)
+
+
+def test_shard_layout_rotates_and_seeds_per_shard() -> None:
+    assert shard_layout(3, 0, 7, None).shards == [0, 1, 2]
+    assert shard_layout(3, 5, 7, None).shards == [0, 1, 2]
+    assert shard_layout(3, 2, 7, 2).shards == [1, 2, 0]
+    assert shard_layout(3, 2, 7, 2).seeds == [7 * SHARD_SEED_STRIDE + s for s in (1, 2, 0)]
+
+
+def test_a_shard_plan_walks_each_shard_and_skips_lost_ones() -> None:
+    cfg = TrainConfig(epochs=1, batch_size=4, averaging_frequency=2)
+    plan = ShardPlan([20, 13], cfg, epoch=0)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    while not plan.finished():
+        for _w, part in plan.next_round([0, 1, 5]):  # worker 5 joined later: no shard of its own
+            seen[part["shard"]] += part["indices"].tolist()
+    assert sorted(seen[0]) == list(range(20)) and sorted(seen[1]) == list(range(13))
+    assert plan.next_round([1]) == [] or all(w == 1 for w, _ in plan.next_round([1]))
+
+
+def test_chunks_cut_an_epoch() -> None:
+    q = chunks(np.arange(10), 4, shard=2)
+    assert [c.tolist() for c, _ in q] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and {s for _, s in q} == {2}

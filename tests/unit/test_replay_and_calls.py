@@ -1,0 +1,126 @@
+"""The replay log, reply decoding, settings and training types, without daemons."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf import serialization
+from ddlf._calls import decode
+from ddlf.recovery import ReplayLog, broken
+from ddlf.settings import MAX_LANE_SPIN_US, check_lane_spin_us, check_seconds, keras_backend_default, read_pem
+from ddlf.training.run import FailurePolicy, WorkerResult, weighted_logs
+
+
+def test_the_replay_log_keeps_push_order_and_moves_repushes_last() -> None:
+    log = ReplayLog()
+    log.record("module", "m", {"m.py": b""})
+    log.record("fn", "f", ("d1", b""))
+    log.record("exec", "", "import m")
+    log.record("fn", "f", ("d2", b""))  # pushed again: now after the exec that may depend on it
+    log.record("var", "__ddlf_weights", [1])  # training's own values are not replayed
+    assert [k[0] for k in log.entries] == ["module", "exec", "fn"]
+    assert log.entries[("fn", "f")] == ("d2", b"")
+
+
+def test_variables_on_some_workers_replay_only_there() -> None:
+    log = ReplayLog()
+    log.record("var", "x", "all")
+    log.record_on("x", {"a:1": "only-a"})
+    assert log.variable_for(log.entries[("var", "x")], "a:1") == "only-a"
+    assert log.variable_for(log.entries[("var", "x")], "b:1") == "all"
+    log.forget_on("x", {"a:1"})
+    assert log.variable_for(log.entries[("var", "x")], "a:1") == "all"
+    log.forget_on("x", {None})  # type: ignore[arg-type]
+    assert ("var", "x") not in log.entries
+
+
+def test_clean_keeps_datasets() -> None:
+    log = ReplayLog()
+    log.record("dataset", "d", ("put", 1))
+    log.record("var", "v", 1)
+    log.record("exec", "", "x = 1")
+    log.clean()
+    assert list(log.entries) == [("dataset", "d")]
+
+
+@dataclass
+class FakeReply:
+    worker: int = 0
+    pickle: bytes | None = None
+    buffers: list[Any] | None = None
+    error: BaseException | None = None
+
+
+def test_decode_returns_values_and_exceptions_without_raising() -> None:
+    pickle, bufs = serialization.dumps({"a": np.arange(3)})
+    value = decode(FakeReply(pickle=pickle, buffers=[b.raw() for b in bufs]), "h:1")
+    assert (value["a"] == np.arange(3)).all()
+    err = ddlf.RemoteError("x")
+    assert decode(FakeReply(error=err), "h:1") is err
+    bad = decode(FakeReply(worker=3, pickle=b"\x80\x05garbage", buffers=[]), "h:3")
+    assert isinstance(bad, ddlf.SerializationError) and bad.worker_id == 3 and bad.address == "h:3"
+
+
+def test_only_broken_connections_count_as_lost() -> None:
+    assert broken(ddlf.WorkerUnavailable("x"))
+    assert not broken(ddlf.DeadlineExceeded("x"))
+    assert not broken(ddlf.WorkerRestarted("x"))
+    assert not broken(ddlf.RemoteError("x"))
+
+
+def test_settings_are_checked_where_they_enter() -> None:
+    assert check_lane_spin_us(0) == 0 and check_lane_spin_us(MAX_LANE_SPIN_US) == MAX_LANE_SPIN_US
+    for bad in (-1, MAX_LANE_SPIN_US + 1, 1.5, True, "10", None):
+        with pytest.raises(ValueError, match="lane_spin_us"):
+            check_lane_spin_us(bad)
+    assert check_seconds(2, "timeout") == 2.0
+    for bad in (0, -1, float("inf"), float("nan"), "1", True):
+        with pytest.raises(ValueError, match="timeout"):
+            check_seconds(bad, "timeout")
+    assert read_pem(b"PEM", "ca") == b"PEM" and read_pem(None, "ca") is None
+    with pytest.raises(ValueError, match="cannot read tls_ca"):
+        read_pem("/nonexistent/ca.pem", "tls_ca")
+
+
+def test_a_users_keras_backend_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    keras_backend_default()
+    assert os.environ["KERAS_BACKEND"] == "torch"
+    monkeypatch.delenv("KERAS_BACKEND")
+    keras_backend_default()
+    assert os.environ["KERAS_BACKEND"] == "jax"
+
+
+def test_importing_ddlf_has_no_side_effects() -> None:
+    import subprocess
+    import sys
+
+    code = "import os, ddlf; print(os.environ.get('KERAS_BACKEND'), ddlf.settings._prepared)"
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["None", "False"]
+
+
+def test_the_failure_policy_decides_by_kind() -> None:
+    default = FailurePolicy()
+    assert default.decide(ddlf.WorkerUnavailable("x")) == "continue"
+    assert default.decide(ddlf.RemoteError("x")) == "raise"
+    strict = FailurePolicy(lost_worker="raise", remote_error="continue")
+    assert strict.decide(ddlf.DeadlineExceeded("x")) == "raise" and strict.decide(ValueError()) == "continue"
+    with pytest.raises(ValueError, match="lost_worker"):
+        FailurePolicy(lost_worker="retry")  # type: ignore[arg-type]
+
+
+def test_worker_results_and_their_logs() -> None:
+    reply = {"samples": 30, "weights": [], "compute_seconds": 1, "data_wait_seconds": 0.5, "logs": {"loss": 1.0}}
+    a = WorkerResult.from_reply(0, reply)
+    b = WorkerResult.from_reply(1, {**reply, "samples": 10, "logs": {"loss": 3.0, "acc": 0.5}})
+    assert a.optimizer_state is None and a.compute_seconds == 1.0
+    logs = weighted_logs([a, b])
+    assert logs["loss"] == pytest.approx(1.5) and logs["acc"] == pytest.approx(0.125)
