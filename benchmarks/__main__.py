@@ -14,6 +14,7 @@ BENCHMARKS = {
     "network": "benchmarks.network",
     "project": "benchmarks.project",
     "elephas": "benchmarks.vs_elephas",
+    "ab": "benchmarks.ab",
 }
 
 

@@ -35,7 +35,13 @@ class DatasetError(ValueError):
 
 # -- MNIST ------------------------------------------------------------------------------------------------
 
-_IDX_TYPES: dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4")}
+_IDX_TYPES: dict[int, Any] = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+}
 
 
 def is_url(path: Any) -> bool:

@@ -547,7 +547,7 @@ def test_local_workers_started_from_a_thread_outlive_that_thread() -> None:
 
 
 def test_a_worker_leaves_no_temporary_files_behind(tmp_path) -> None:
-    from .conftest import Daemon
+    from ..conftest import Daemon
 
     d = Daemon(env={"TMPDIR": str(tmp_path)})
     (tmp_path / "src").mkdir()

@@ -8,6 +8,7 @@
 //! * [`shm`]: shared-memory files for large buffers between processes on one machine.
 //! * [`shm_pool`]: shared-memory segments reused from transfer to transfer, released by their readers.
 //! * [`kernels`]: weighted averages, in-place updates, deltas and half-precision conversion of weight lists.
+//! * [`prefetch`]: batches of rows gathered ahead by a background thread.
 //! * [`parallel`]: the merge kernels split across threads for large arrays.
 //! * [`memory`]: the allocator policy that keeps large transfer buffers' pages mapped between transfers.
 
@@ -17,6 +18,7 @@ pub mod gather;
 pub mod kernels;
 pub mod memory;
 pub mod parallel;
+pub mod prefetch;
 pub mod shm;
 pub mod shm_pool;
 pub mod shuffle;

@@ -1,47 +1,29 @@
 //! `BatchPipeline`: batches gathered in Rust by a background thread while Python trains on the previous ones.
 //!
 //! Given the dataset arrays (rows along the first axis), an index partition and a batch size, a prefetch thread
-//! gathers the rows of each batch into fresh contiguous buffers (never holding the GIL), up to `prefetch` batches
+//! (`ddlf_core::prefetch`) gathers the rows of each batch into fresh contiguous buffers, up to `prefetch` batches
 //! ahead. Python iterates the pipeline and receives numpy arrays built on those buffers without a copy.
 
-use std::sync::mpsc::{sync_channel, Receiver};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ddlf_core::gather::gather_rows_to_vec;
+use ddlf_core::prefetch::{Batch, Prefetcher, Rows};
 use pyo3::exceptions::{PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::ops::{indices_u32, value_error, RowSource};
 
-/// Rows of one array, as raw memory. Holds no Python reference: the pipeline object keeps the arrays alive and
-/// joins the thread before letting them go.
-struct RawRows {
-    ptr: *const u8,
-    bytes: usize,
-    row_bytes: usize,
-}
-unsafe impl Send for RawRows {}
-unsafe impl Sync for RawRows {}
-
-type Batch = Result<(Vec<Vec<u8>>, usize, f64), String>;
-
 /// An iterator over batches of a dataset partition, prefetched by a Rust thread.
 #[pyclass(module = "ddlf._ddlf")]
 pub struct BatchPipeline {
+    // Declared before `sources`: dropped first, so its thread is joined before the exports are released.
+    prefetcher: Option<Prefetcher>,
     sources: Vec<RowSource>,
-    // A mutex only to make the receiver `Sync` for the GIL-free wait; there is one consumer.
-    rx: Option<Mutex<Receiver<Batch>>>,
-    thread: Option<JoinHandle<()>>,
-    n_batches: usize,
     served: usize,
     wait_seconds: f64,
     gather_seconds: f64,
     rows_served: usize,
 }
-
 #[pymethods]
 impl BatchPipeline {
     /// `arrays`: dataset arrays with the same number of rows; `indices`: the rows to visit, in order;
@@ -77,60 +59,17 @@ impl BatchPipeline {
                 "index {bad} out of range for a dataset of {rows} rows"
             )));
         }
-        let n_batches = if drop_last {
-            idx.len() / batch_size
-        } else {
-            idx.len().div_ceil(batch_size)
-        };
-        let raw: Arc<Vec<RawRows>> = Arc::new(
-            sources
-                .iter()
-                .map(|s| RawRows {
-                    ptr: s.ptr(),
-                    bytes: s.bytes(),
-                    row_bytes: s.row_bytes(),
-                })
-                .collect(),
-        );
-        let (tx, rx) = sync_channel::<Batch>(prefetch.max(1));
-        let thread = std::thread::Builder::new()
-            .name("ddlf-prefetch".into())
-            .spawn(move || {
-                for b in 0..n_batches {
-                    let chunk = &idx[b * batch_size..((b + 1) * batch_size).min(idx.len())];
-                    let t0 = Instant::now();
-                    let mut out = Vec::with_capacity(raw.len());
-                    let mut failed = None;
-                    for r in raw.iter() {
-                        let src: &[u8] = if r.bytes == 0 {
-                            &[]
-                        } else {
-                            // SAFETY: the pipeline keeps the arrays alive until this thread is joined.
-                            unsafe { std::slice::from_raw_parts(r.ptr, r.bytes) }
-                        };
-                        match gather_rows_to_vec(src, r.row_bytes, chunk, 1) {
-                            Ok(buf) => out.push(buf),
-                            Err(e) => {
-                                failed = Some(e.to_string());
-                                break;
-                            }
-                        }
-                    }
-                    let msg = match failed {
-                        Some(e) => Err(e),
-                        None => Ok((out, chunk.len(), t0.elapsed().as_secs_f64())),
-                    };
-                    if tx.send(msg).is_err() {
-                        return; // the pipeline was dropped
-                    }
-                }
-            })
-            .map_err(value_error)?;
+        let raw = sources
+            .iter()
+            // SAFETY: `sources` holds the arrays' buffer exports, which keep their memory alive and pinned; the
+            // pipeline owns both and drops the prefetcher (which joins its thread) before the exports.
+            .map(|s| unsafe { Rows::new(s.ptr(), s.bytes(), s.row_bytes()) })
+            .collect();
+        let prefetcher =
+            Prefetcher::start(raw, idx, batch_size, prefetch, drop_last).map_err(value_error)?;
         Ok(BatchPipeline {
+            prefetcher: Some(prefetcher),
             sources,
-            rx: Some(Mutex::new(rx)),
-            thread: Some(thread),
-            n_batches,
             served: 0,
             wait_seconds: 0.0,
             gather_seconds: 0.0,
@@ -139,7 +78,7 @@ impl BatchPipeline {
     }
 
     fn __len__(&self) -> usize {
-        self.n_batches
+        self.prefetcher.as_ref().map_or(0, Prefetcher::len)
     }
 
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -147,25 +86,21 @@ impl BatchPipeline {
     }
 
     fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        if self.served >= self.n_batches {
+        let Some(prefetcher) = self.prefetcher.as_ref() else {
+            return Err(PyStopIteration::new_err(()));
+        };
+        if self.served >= prefetcher.len() {
             return Err(PyStopIteration::new_err(()));
         }
-        let Some(rx) = self.rx.as_ref() else {
-            return Err(PyStopIteration::new_err(()));
-        };
         let t0 = Instant::now();
-        let msg = py.detach(|| {
-            rx.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .recv_timeout(Duration::from_secs(3600))
-        });
+        let batch = py.detach(|| prefetcher.next(Duration::from_secs(3600)));
         self.wait_seconds += t0.elapsed().as_secs_f64();
-        let (bufs, rows, gather_s) = match msg {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => return Err(PyValueError::new_err(e)),
-            Err(_) => return Err(PyValueError::new_err("the prefetch thread stopped")),
-        };
-        self.gather_seconds += gather_s;
+        let Batch {
+            buffers: bufs,
+            rows,
+            gather_seconds,
+        } = batch.map_err(value_error)?;
+        self.gather_seconds += gather_seconds;
         self.served += 1;
         self.rows_served += rows;
         let arrays = bufs
@@ -191,16 +126,5 @@ impl BatchPipeline {
         d.set_item("batches", self.served)?;
         d.set_item("rows", self.rows_served)?;
         Ok(d)
-    }
-}
-
-impl Drop for BatchPipeline {
-    fn drop(&mut self) {
-        // Unblock the thread (its send fails once the receiver is gone), then wait for it to let go of the
-        // arrays' memory before they are released. It never needs the GIL, so joining cannot deadlock.
-        self.rx.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }

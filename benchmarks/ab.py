@@ -1,0 +1,122 @@
+"""This tree against a baseline build, side by side in one run: the RPC floor and tensor round trips.
+
+``python -m benchmarks ab --baseline DIR`` where ``DIR`` is the ``python/`` folder of another checkout with its
+extension built in place (for example ``git worktree add /tmp/before <commit>``, ``cargo build --release -p
+ddlf-py``, copy ``target/release/lib_ddlf.so`` to ``/tmp/before/python/ddlf/_ddlf.<abi>.so``). Each round starts one
+measuring process per build, alternating which goes first, each with its own local daemons (they run the same
+build: ``PYTHONPATH`` reaches them); the table gives medians over rounds and the ratio of this tree to the baseline.
+Only the public API is used, so any two builds compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import report
+
+PROBE = r"""
+import json, sys, time
+import numpy as np
+import ddlf
+
+def echo(x):
+    return x
+
+def med(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+calls, repeats = int(sys.argv[1]), int(sys.argv[2])
+out = {"ddlf": ddlf.__file__}
+with ddlf.Cluster.local(1, threads=1) as tcp_c, ddlf.Cluster.local(1, threads=1, shared_memory=True) as shm_c:
+    for c in (tcp_c, shm_c):
+        c.add_function(echo, "echo")
+        for _ in range(300):
+            c.run_on(0, "echo", None)
+    t = []
+    for _ in range(calls):
+        t0 = time.perf_counter(); tcp_c.run_on(0, "echo", None); t.append(time.perf_counter() - t0)
+    out["noop_us"] = med(t) * 1e6
+    rng = np.random.default_rng(0)
+    for label, mb, n in (("100MB", 100.0, 10), ("4MB", 4.0, 20)):
+        w = [rng.standard_normal(int(mb * 1e6 / 4 / n), dtype=np.float32) for _ in range(n)]
+        for name, c in (("tcp", tcp_c), ("shm", shm_c)):
+            c.run_on(0, "echo", w)
+            t = []
+            for _ in range(repeats):
+                t0 = time.perf_counter(); c.run_on(0, "echo", w); t.append(time.perf_counter() - t0)
+            out[f"{label}_{name}_ms"] = med(t) * 1e3
+print(json.dumps(out))
+"""
+
+METRICS = [
+    ("noop_us", "no-op call, 1 worker, p50 (µs)"),
+    ("100MB_tcp_ms", "100 MB round trip over TCP (ms)"),
+    ("100MB_shm_ms", "100 MB round trip through shared memory (ms)"),
+    ("4MB_tcp_ms", "4 MB round trip over TCP (ms)"),
+    ("4MB_shm_ms", "4 MB round trip through shared memory (ms)"),
+]
+
+
+def probe(python_dir: str | None, calls: int, repeats: int) -> dict[str, float]:
+    env = dict(os.environ)
+    if python_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (python_dir, env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(calls), str(repeats)], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks ab", description=__doc__)
+    p.add_argument("--baseline", required=True, help="python/ folder of the baseline checkout (extension built)")
+    p.add_argument("--label", default="baseline", help="what the baseline is (a commit), for the table")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=9)
+    args = p.parse_args(argv)
+    baseline = str(Path(args.baseline).resolve())
+    samples: dict[str, dict[str, list[float]]] = {"baseline": {}, "this tree": {}}
+    where: dict[str, str] = {}
+    t0 = time.perf_counter()
+    for r in range(args.rounds):
+        order = [("baseline", baseline), ("this tree", None)]
+        for name, path in order if r % 2 == 0 else order[::-1]:
+            out = probe(path, args.calls, args.repeats)
+            where[name] = str(out.pop("ddlf"))
+            for k, v in out.items():
+                samples[name].setdefault(k, []).append(float(v))
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    if not where["baseline"].startswith(baseline):
+        raise SystemExit(f"the baseline run imported {where['baseline']}, not from {baseline}")
+    rows = []
+    for key, label in METRICS:
+        b, t = report.median(samples["baseline"][key]), report.median(samples["this tree"][key])
+        rows.append([label, f"{b:.1f}", f"{t:.1f}", f"{t / b:.2f}x"])
+    body = "\n".join(
+        [
+            "## This tree against a baseline build (refactors)",
+            "",
+            f"Command: `python -m benchmarks ab --baseline <{args.label} checkout>/python --label {args.label} "
+            f"--rounds {args.rounds} --calls {args.calls} --repeats {args.repeats}`  ",
+            f"Machine: {report.machine()}",
+            "",
+            f"{args.rounds} rounds; each round runs one measuring process per build (alternating which goes first), "
+            "each with its own local daemon of the same build: a no-op `run_on` "
+            f"({args.calls} calls, median), and a list of float32 arrays echoed by the worker "
+            f"({args.repeats} times, median) over TCP and through the shared-memory pool. The table gives the "
+            "median over rounds; the ratio is this tree's time over the baseline's "
+            f"(the run took {time.perf_counter() - t0:.0f} s).",
+            "",
+            report.table(["measure", f"{args.label}", "this tree", "ratio"], rows),
+        ]
+    )
+    report.write_section("ab", body)
+    print(body)
