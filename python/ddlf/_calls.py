@@ -17,14 +17,16 @@ Encoded = tuple[bytes, list[Any]]
 """A serialized value: its pickle and its out-of-band buffers."""
 
 
-def decode(reply: Any, address: str) -> Any:
-    """One worker's reply: its value, or the exception for it (returned, not raised)."""
+def decode(reply: Any, addresses: Any) -> Any:
+    """One worker's reply: its value, or the exception for it (returned, not raised). ``addresses`` (the worker
+    addresses, or a callable returning them) names a worker whose value could not be unpickled."""
     if reply.error is not None:
         return reply.error
     try:
         return serialization.loads(reply.pickle, reply.buffers)
     except SerializationError as exc:
-        exc.worker_id, exc.address = reply.worker, address
+        known = addresses() if callable(addresses) else addresses
+        exc.worker_id, exc.address = reply.worker, known[reply.worker] if reply.worker < len(known) else None
         return exc
 
 
@@ -54,9 +56,11 @@ class Calls:
         else:
             values = [(data, [b.raw() for b in bufs]) for data, bufs in encoded]
             replies = self.client.call_each(targets, op, name, digest, values, timeout)
-        addresses = self.client.addresses
         self._timings.last = {r.worker: (r.worker_seconds, r.call_seconds) for r in replies}
-        return [decode(r, addresses[r.worker] if r.worker < len(addresses) else "") for r in replies]
+        return [decode(r, self._addresses) for r in replies]
+
+    def _addresses(self) -> list[str]:
+        return list(self.client.addresses)
 
     @property
     def last_timings(self) -> dict[int, tuple[float, float]]:

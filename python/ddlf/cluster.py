@@ -8,10 +8,8 @@ can be awaited from asyncio.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
@@ -115,7 +113,7 @@ class Cluster:
         self._calls = Calls(self._client)
         self._recovery = Recovery(self, [int(i["instance"]) for i in self._client.worker_info()])
         self._replay = self._recovery.replay
-        self._pickled: weakref.WeakKeyDictionary[Any, tuple[str, str, bytes]] = weakref.WeakKeyDictionary()
+        self._pickled = serialization.PickledFunctions()
         self._set_context()
 
     # -- construction and lifetime ----------------------------------------------------------------------
@@ -503,40 +501,16 @@ class Cluster:
     def add_worker(self, address: str, *, timeout: float | None = None) -> int:
         """Connect to one more daemon and provision it with everything pushed so far. Returns its index (the
         last). Every worker's ``n_workers`` changes; training picks the worker up at its next round."""
-        r = self._recovery
-        with r.lock:
-            i = self._client.add(address, timeout or self.connect_timeout)
-            r.known.append({})
-            r.instances.append(int(self._client.worker_info()[i]["instance"]))
-            r.event("added", i, "")
-            self._set_context()
-            r.provision(i, context=False)
-            return i
+        return self._recovery.add(address, timeout or self.connect_timeout)
 
     def remove_worker(self, worker: int | str, *, shutdown: bool = False) -> str:
         """Stop using a worker (by index or address); the workers after it move down by one. Its daemon keeps
         running (and keeps its state) unless ``shutdown=True``. Returns its address."""
-        r = self._recovery
-        with r.lock:
-            if isinstance(worker, str):
-                if worker not in self.addresses:
-                    raise ValueError(f"no worker at {worker!r}: the cluster's workers are {self.addresses}")
-                i = self.addresses.index(worker)
-            else:
-                i = int(worker)
-            self._targets([i])
-            if shutdown:
-                with contextlib.suppress(DdlfError):
-                    raise_for(self._client.shutdown([i], 5.0))
-            address = self._client.remove(i)
-            del r.known[i]
-            del r.instances[i]
-            r.lost.pop(address, None)
-            r.event("removed", i, "", address=address)
-            if len(self):
-                with contextlib.suppress(DdlfError):
-                    self._set_context()
-            return address
+        if isinstance(worker, str):
+            if worker not in self.addresses:
+                raise ValueError(f"no worker at {worker!r}: the cluster's workers are {self.addresses}")
+            worker = self.addresses.index(worker)
+        return self._recovery.remove(self._targets([int(worker)])[0], shutdown=shutdown)
 
     # -- internals ----------------------------------------------------------------------------------------
 
@@ -602,22 +576,6 @@ class Cluster:
         contexts = [{"worker_id": i, "n_workers": n} for i in targets]
         self._call(OPS["CONTEXT"], "", "", contexts, targets, None, each=True)
 
-    def _pickle_function(self, fn: Callable[..., Any], name: str | None) -> tuple[str, str, bytes]:
-        if not callable(fn):
-            raise TypeError(f"expected a function, got {type(fn).__name__}")
-        cached = None
-        with contextlib.suppress(TypeError):  # not weak-referenceable: no cache
-            cached = self._pickled.get(fn)
-        if cached is None or (name is not None and cached[0] != name):
-            blob, digest = serialization.dump_function(fn)
-            fname = name or serialization.function_name(fn)
-            if fname == "<lambda>":
-                fname = f"<lambda>#{digest[:12]}"
-            cached = (fname, digest, blob)
-            with contextlib.suppress(TypeError):
-                self._pickled[fn] = cached
-        return cached
-
     def _push(self, name: str, digest: str, blob: bytes, targets: list[int], timeout: float | None) -> None:
         raise_for(self._send(OPS["ADD_FUNCTION"], name, digest, targets, [(blob, [])], timeout))
         for i in targets:
@@ -634,7 +592,7 @@ class Cluster:
         """Name and digest of ``fn``, pushed first to the targets not known to hold this version."""
         if isinstance(fn, str):
             return fn, ""
-        fname, digest, blob = self._pickle_function(fn, name)
+        fname, digest, blob = self._pickled.get(fn, name)
         pool = range(len(self)) if targets is None else targets
         known = self._recovery.known
         missing = [i for i in pool if known[i].get(fname) != digest]

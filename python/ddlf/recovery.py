@@ -236,6 +236,35 @@ class Recovery:
                 out = send(OPS["RUN"], fname, digest, [i], [serialization.dumps(((name, what), {}))], None)
             raise_for(out)
 
+    def add(self, address: str, timeout: float) -> int:
+        """Connect to one more daemon (the last worker), set every worker's context and provision it."""
+        c = self.cluster
+        with self.lock:
+            i = c._client.add(address, timeout)
+            self.known.append({})
+            self.instances.append(int(c._client.worker_info()[i]["instance"]))
+            self.event("added", i, "")
+            c._set_context()
+            self.provision(i, context=False)
+            return i
+
+    def remove(self, i: int, *, shutdown: bool) -> str:
+        """Stop using worker ``i`` (shutting its daemon down if asked); the workers after it move down."""
+        c = self.cluster
+        with self.lock:
+            if shutdown:
+                with contextlib.suppress(DdlfError):
+                    raise_for(c._client.shutdown([i], 5.0))
+            address = c._client.remove(i)
+            del self.known[i]
+            del self.instances[i]
+            self.lost.pop(address, None)
+            self.event("removed", i, "", address=address)
+            if len(c):
+                with contextlib.suppress(DdlfError):
+                    c._set_context()
+            return address
+
     def check(self, timeout: float) -> list[dict[str, Any]]:
         """Heartbeat every worker: unreachable ones are marked lost; lost ones that answer again, and daemons
         that restarted, are re-provisioned. Returns the events this check caused."""

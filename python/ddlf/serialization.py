@@ -8,8 +8,10 @@ classes defined in ``__main__``) fall back to ``cloudpickle``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,3 +57,27 @@ def function_name(fn: Callable[..., Any]) -> str:
     """The name a pushed function is registered under on the workers."""
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return name
+
+
+class PickledFunctions:
+    """Each function's ``(name, digest, pickle)``, made once and kept while the function lives (a weak cache: a
+    function that is not weak-referenceable is pickled each time)."""
+
+    def __init__(self) -> None:
+        self._cache: weakref.WeakKeyDictionary[Any, tuple[str, str, bytes]] = weakref.WeakKeyDictionary()
+
+    def get(self, fn: Callable[..., Any], name: str | None) -> tuple[str, str, bytes]:
+        if not callable(fn):
+            raise TypeError(f"expected a function, got {type(fn).__name__}")
+        cached = None
+        with contextlib.suppress(TypeError):  # not weak-referenceable: no cache
+            cached = self._cache.get(fn)
+        if cached is None or (name is not None and cached[0] != name):
+            blob, digest = dump_function(fn)
+            fname = name or function_name(fn)
+            if fname == "<lambda>":
+                fname = f"<lambda>#{digest[:12]}"
+            cached = (fname, digest, blob)
+            with contextlib.suppress(TypeError):
+                self._cache[fn] = cached
+        return cached

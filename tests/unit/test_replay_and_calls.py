@@ -59,11 +59,11 @@ class FakeReply:
 
 def test_decode_returns_values_and_exceptions_without_raising() -> None:
     pickle, bufs = serialization.dumps({"a": np.arange(3)})
-    value = decode(FakeReply(pickle=pickle, buffers=[b.raw() for b in bufs]), "h:1")
+    value = decode(FakeReply(pickle=pickle, buffers=[b.raw() for b in bufs]), ["h:0"])
     assert (value["a"] == np.arange(3)).all()
     err = ddlf.RemoteError("x")
-    assert decode(FakeReply(error=err), "h:1") is err
-    bad = decode(FakeReply(worker=3, pickle=b"\x80\x05garbage", buffers=[]), "h:3")
+    assert decode(FakeReply(error=err), ["h:0"]) is err
+    bad = decode(FakeReply(worker=3, pickle=b"\x80\x05garbage", buffers=[]), lambda: ["h:0", "h:1", "h:2", "h:3"])
     assert isinstance(bad, ddlf.SerializationError) and bad.worker_id == 3 and bad.address == "h:3"
 
 

@@ -191,11 +191,17 @@ impl Client {
         let answers = detached(py, |interrupt| {
             pool.call(&targets, &call, values, &which, timeout, interrupt)
         })?;
-        let addresses: Vec<String> = pool
-            .connections()
+        // Addresses name the workers in error messages: looked up only when a call failed somewhere.
+        let failed = answers
             .iter()
-            .map(|c| c.address().to_string())
-            .collect();
+            .any(|a| !matches!(a.outcome, Outcome::Reply(_)));
+        let addresses: Vec<String> = match failed {
+            true => {
+                let conns = pool.connections();
+                conns.iter().map(|c| c.address().to_string()).collect()
+            }
+            false => vec![],
+        };
         answers
             .into_iter()
             .map(|a| {
