@@ -4,6 +4,7 @@
 //! any memory is read, and results are returned as new numpy arrays built on Rust-allocated memory without a
 //! further copy. The loops are `ddlf_core::kernels` (split across threads by `ddlf_core::parallel`).
 
+use ddlf_core::arrays::{self, Array, ArrayError, ArrayRef, Data, Owned};
 use ddlf_core::{kernels, parallel};
 use half::{bf16, f16};
 use numpy::PyArray1;
@@ -11,8 +12,6 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
-
-use crate::ops::value_error;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum DType {
@@ -64,7 +63,10 @@ impl Elem for f16 {
     const DTYPES: &'static [DType] = &[DType::F16];
 }
 impl Elem for bf16 {
-    const DTYPES: &'static [DType] = &[DType::Bf16, DType::U16];
+    const DTYPES: &'static [DType] = &[DType::Bf16];
+}
+impl Elem for u16 {
+    const DTYPES: &'static [DType] = &[DType::U16];
 }
 
 impl View {
@@ -153,6 +155,21 @@ impl View {
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len) }
     }
 
+    /// The typed elements and shape, for the kernels of `ddlf_core::arrays`.
+    fn array(&self) -> ArrayRef<'_> {
+        let data = match self.dtype {
+            DType::F32 => Data::F32(self.slice()),
+            DType::F64 => Data::F64(self.slice()),
+            DType::F16 => Data::F16(self.slice()),
+            DType::Bf16 => Data::Bf16(self.slice()),
+            DType::U16 => Data::U16(self.slice()),
+        };
+        ArrayRef {
+            data,
+            shape: &self.shape,
+        }
+    }
+
     /// The byte range of the viewed memory.
     fn span(&self) -> std::ops::Range<usize> {
         let start = self.ptr as usize;
@@ -171,22 +188,45 @@ fn into_numpy<'py, T: numpy::Element>(
     arr.call_method1("reshape", (PyTuple::new(py, shape)?,))
 }
 
-fn numpy_half<'py>(
-    py: Python<'py>,
-    data: Vec<u16>,
-    shape: &[usize],
-    dtype: DType,
-) -> PyResult<Bound<'py, PyAny>> {
-    let raw = into_numpy(py, data, shape)?;
-    let dt = match dtype {
-        DType::F16 => py.import("numpy")?.getattr("float16")?,
-        _ => py.import("ml_dtypes")?.getattr("bfloat16")?,
+/// A kernel's result as a numpy array (half precision as numpy's float16 or ml_dtypes' bfloat16).
+fn to_numpy(py: Python<'_>, a: Array) -> PyResult<Bound<'_, PyAny>> {
+    let (bits, dtype): (Vec<u16>, _) = match a.data {
+        Owned::F32(v) => return into_numpy(py, v, &a.shape),
+        Owned::F64(v) => return into_numpy(py, v, &a.shape),
+        Owned::F16(v) => (
+            v.into_iter().map(f16::to_bits).collect(),
+            py.import("numpy")?.getattr("float16")?,
+        ),
+        Owned::Bf16(v) => (
+            v.into_iter().map(bf16::to_bits).collect(),
+            py.import("ml_dtypes")?.getattr("bfloat16")?,
+        ),
     };
-    raw.call_method1("view", (dt,))
+    into_numpy(py, bits, &a.shape)?.call_method1("view", (dtype,))
 }
 
 fn views(list: &[Bound<'_, PyAny>], what: &str) -> PyResult<Vec<View>> {
     list.iter().map(|o| View::new(o, what)).collect()
+}
+
+fn refs(views: &[View]) -> Vec<ArrayRef<'_>> {
+    views.iter().map(View::array).collect()
+}
+
+fn array_error(e: ArrayError) -> PyErr {
+    match e {
+        ArrayError::Value(m) => PyValueError::new_err(m),
+        ArrayError::Type(m) => PyTypeError::new_err(m),
+    }
+}
+
+/// Run a kernel over views with the GIL released, and hand its results to numpy.
+fn results<'py>(
+    py: Python<'py>,
+    kernel: impl FnOnce() -> Result<Vec<Array>, ArrayError> + Send,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let out = py.detach(kernel).map_err(array_error)?;
+    out.into_iter().map(|a| to_numpy(py, a)).collect()
 }
 
 /// Weighted average of N weight lists: `out[j] = sum_i w_i * lists[i][j] / sum_i w_i`.
@@ -197,83 +237,13 @@ pub fn weighted_average<'py>(
     lists: Vec<Vec<Bound<'py, PyAny>>>,
     weights: Option<Vec<f64>>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    if lists.is_empty() {
-        return Err(PyValueError::new_err("nothing to average"));
-    }
     let weights = weights.unwrap_or_else(|| vec![1.0; lists.len()]);
-    if weights.len() != lists.len() {
-        return Err(PyValueError::new_err(format!(
-            "{} weights for {} weight lists",
-            weights.len(),
-            lists.len()
-        )));
-    }
-    let w = kernels::normalize(&weights).map_err(value_error)?;
-    let n_arrays = lists[0].len();
     let all: Vec<Vec<View>> = lists
         .iter()
         .map(|l| views(l, "weighted_average"))
         .collect::<PyResult<_>>()?;
-    for (i, l) in all.iter().enumerate() {
-        if l.len() != n_arrays {
-            return Err(PyValueError::new_err(format!(
-                "list {i} has {} arrays, list 0 has {n_arrays}",
-                l.len()
-            )));
-        }
-        for (j, v) in l.iter().enumerate() {
-            let first = &all[0][j];
-            if v.shape != first.shape || v.dtype != first.dtype {
-                return Err(PyValueError::new_err(format!(
-                    "array {j} of list {i} has shape {:?} {:?}, list 0 has {:?} {:?}",
-                    v.shape, v.dtype, first.shape, first.dtype
-                )));
-            }
-        }
-    }
-    for (j, v) in all[0].iter().enumerate() {
-        if !matches!(v.dtype, DType::F32 | DType::F64) {
-            return Err(PyTypeError::new_err(format!(
-                "array {j}: weighted_average supports float32 and float64"
-            )));
-        }
-    }
-    enum Out {
-        F32(Vec<f32>),
-        F64(Vec<f64>),
-    }
-    let outs: Vec<Out> = py.detach(|| {
-        (0..n_arrays)
-            .map(|j| {
-                let first = &all[0][j];
-                match first.dtype {
-                    DType::F64 => {
-                        let mut out = vec![0f64; first.len];
-                        average_into::<f64>(&all, j, &w, &mut out);
-                        Out::F64(out)
-                    }
-                    _ => {
-                        let mut out = vec![0f32; first.len];
-                        average_into::<f32>(&all, j, &w, &mut out);
-                        Out::F32(out)
-                    }
-                }
-            })
-            .collect()
-    });
-    outs.into_iter()
-        .zip(&all[0])
-        .map(|(o, v)| match o {
-            Out::F32(d) => into_numpy(py, d, &v.shape),
-            Out::F64(d) => into_numpy(py, d, &v.shape),
-        })
-        .collect()
-}
-
-fn average_into<T: kernels::Float + Elem>(all: &[Vec<View>], j: usize, w: &[f64], out: &mut [T]) {
-    let inputs: Vec<&[T]> = all.iter().map(|l| l[j].slice::<T>()).collect();
-    // Shapes and dtypes were checked equal: the lengths match, so this cannot fail.
-    let _ = parallel::weighted_average(&inputs, w, out);
+    let lists: Vec<Vec<ArrayRef<'_>>> = all.iter().map(|l| refs(l)).collect();
+    results(py, || arrays::weighted_average(&lists, &weights))
 }
 
 /// In place: `w[i] += alpha * delta[i]` for every array of the lists.
@@ -285,30 +255,17 @@ pub fn axpy_(
     delta: Vec<Bound<'_, PyAny>>,
     alpha: f64,
 ) -> PyResult<()> {
-    if weights.len() != delta.len() {
-        return Err(PyValueError::new_err(format!(
-            "{} weight arrays, {} delta arrays",
-            weights.len(),
-            delta.len()
-        )));
-    }
     let w = views(&weights, "axpy_ weights")?;
     let d = views(&delta, "axpy_ delta")?;
-    for (i, (a, b)) in w.iter().zip(&d).enumerate() {
+    arrays::check_axpy(&refs(&w), &refs(&d)).map_err(array_error)?;
+    for (i, a) in w.iter().enumerate() {
         if a.readonly {
             return Err(PyValueError::new_err(format!("array {i} is read-only")));
         }
-        if a.len != b.len || a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::F64) {
-            return Err(PyValueError::new_err(format!(
-                "array {i}: weights {:?} {:?} and delta {:?} {:?} differ (float32/float64 only)",
-                a.shape, a.dtype, b.shape, b.dtype
-            )));
-        }
-    }
-    for (i, a) in w.iter().enumerate() {
-        if w[..i].iter().any(|x| {
+        let shares = |x: &View| {
             x.len > 0 && a.len > 0 && x.span().start < a.span().end && a.span().start < x.span().end
-        }) {
+        };
+        if w[..i].iter().any(shares) {
             return Err(PyValueError::new_err(format!(
                 "array {i} shares memory with an earlier weight array: pass distinct arrays"
             )));
@@ -346,46 +303,9 @@ pub fn delta<'py>(
     new: Vec<Bound<'py, PyAny>>,
     old: Vec<Bound<'py, PyAny>>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    if new.len() != old.len() {
-        return Err(PyValueError::new_err(format!(
-            "{} new arrays, {} old arrays",
-            new.len(),
-            old.len()
-        )));
-    }
-    let n = views(&new, "delta new")?;
-    let o = views(&old, "delta old")?;
-    for (i, (a, b)) in n.iter().zip(&o).enumerate() {
-        if a.shape != b.shape || a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::F64) {
-            return Err(PyValueError::new_err(format!(
-                "array {i}: {:?} {:?} vs {:?} {:?} (float32/float64 only)",
-                a.shape, a.dtype, b.shape, b.dtype
-            )));
-        }
-    }
-    let mut out = Vec::with_capacity(n.len());
-    for (a, b) in n.iter().zip(&o) {
-        let arr = match a.dtype {
-            DType::F64 => {
-                let v = py.detach(|| {
-                    let mut v = vec![0f64; a.len];
-                    let _ = kernels::delta(a.slice(), b.slice(), &mut v);
-                    v
-                });
-                into_numpy(py, v, &a.shape)?
-            }
-            _ => {
-                let v = py.detach(|| {
-                    let mut v = vec![0f32; a.len];
-                    let _ = kernels::delta(a.slice(), b.slice(), &mut v);
-                    v
-                });
-                into_numpy(py, v, &a.shape)?
-            }
-        };
-        out.push(arr);
-    }
-    Ok(out)
+    let (n, o) = (views(&new, "delta new")?, views(&old, "delta old")?);
+    let (n, o) = (refs(&n), refs(&o));
+    results(py, || arrays::delta(&n, &o))
 }
 
 /// float32 arrays to float16 (`"float16"`) or bfloat16 (`"bfloat16"`, needs ml_dtypes) arrays.
@@ -396,9 +316,9 @@ pub fn to_half<'py>(
     arrays: Vec<Bound<'py, PyAny>>,
     dtype: &str,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let target = match dtype {
-        "float16" => DType::F16,
-        "bfloat16" => DType::Bf16,
+    let bf16 = match dtype {
+        "float16" => false,
+        "bfloat16" => true,
         other => {
             return Err(PyValueError::new_err(format!(
                 "dtype must be 'float16' or 'bfloat16', not {other:?}"
@@ -406,31 +326,8 @@ pub fn to_half<'py>(
         }
     };
     let vs = views(&arrays, "to_half")?;
-    let mut out = Vec::with_capacity(vs.len());
-    for (i, v) in vs.iter().enumerate() {
-        if v.dtype != DType::F32 {
-            return Err(PyTypeError::new_err(format!(
-                "array {i}: to_half expects float32"
-            )));
-        }
-        let bits: Vec<u16> = py.detach(|| {
-            let src = v.slice::<f32>();
-            match target {
-                DType::F16 => {
-                    let mut h = vec![f16::ZERO; v.len];
-                    let _ = kernels::to_f16(src, &mut h);
-                    h.into_iter().map(|x| x.to_bits()).collect()
-                }
-                _ => {
-                    let mut h = vec![bf16::ZERO; v.len];
-                    let _ = kernels::to_bf16(src, &mut h);
-                    h.into_iter().map(|x| x.to_bits()).collect()
-                }
-            }
-        });
-        out.push(numpy_half(py, bits, &v.shape, target)?);
-    }
-    Ok(out)
+    let refs = refs(&vs);
+    results(py, || ddlf_core::arrays::to_half(&refs, bf16))
 }
 
 /// float16 or bfloat16 arrays back to float32. bfloat16 arrays cannot export a buffer, so they arrive viewed
@@ -443,35 +340,13 @@ pub fn from_half<'py>(
     bfloat16: Option<Vec<bool>>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let mut vs = views(&arrays, "from_half")?;
-    if let Some(flags) = bfloat16 {
-        for (v, bf) in vs.iter_mut().zip(flags) {
-            if bf && v.dtype == DType::U16 {
-                v.dtype = DType::Bf16;
-            }
+    for (v, bf) in vs.iter_mut().zip(bfloat16.unwrap_or_default()) {
+        if bf && v.dtype == DType::U16 {
+            v.dtype = DType::Bf16;
         }
     }
-    let mut out = Vec::with_capacity(vs.len());
-    for (i, v) in vs.iter().enumerate() {
-        let data = py.detach(|| -> Result<Vec<f32>, String> {
-            let mut o = vec![0f32; v.len];
-            match v.dtype {
-                DType::F16 => {
-                    let _ = kernels::from_f16(v.slice::<f16>(), &mut o);
-                }
-                DType::Bf16 => {
-                    let _ = kernels::from_bf16(v.slice::<bf16>(), &mut o);
-                }
-                _ => return Err(format!("array {i}: from_half expects float16 or bfloat16")),
-            }
-            Ok(o)
-        });
-        out.push(into_numpy(
-            py,
-            data.map_err(PyTypeError::new_err)?,
-            &v.shape,
-        )?);
-    }
-    Ok(out)
+    let refs = refs(&vs);
+    results(py, || ddlf_core::arrays::from_half(&refs))
 }
 
 /// One sparsified array: indices into the flattened array and their values.
