@@ -220,12 +220,12 @@ mod tests {
         let b = vec![7u8; 3];
         let layout = write(&[&a, &[], &b]).unwrap();
         assert!(layout.offsets.iter().all(|o| o % ALIGN == 0));
-        let mapped = map(&layout.name, &layout.offsets, &layout.lengths).unwrap();
+        let mut mapped = map(&layout.name, &layout.offsets, &layout.lengths).unwrap();
         let other = map(&layout.name, &layout.offsets, &layout.lengths).unwrap();
         unlink(&layout.name);
         // Private mappings: a write through one is invisible to the other.
         let (s0, _) = mapped.ranges[0];
-        unsafe { *(mapped.map.as_ptr() as *mut u8).add(s0) = 99 };
+        std::sync::Arc::get_mut(&mut mapped.map).expect("the only handle")[s0] = 99;
         assert_eq!(mapped.map[s0], 99);
         assert_eq!(other.map[s0], a[0]);
         let get = |i: usize| {

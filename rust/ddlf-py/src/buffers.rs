@@ -100,6 +100,10 @@ impl RecvBuffer {
             let data = slf.get().as_slice();
             (data.as_ptr(), data.len())
         };
+        // SAFETY: `view` is the valid, writable `Py_buffer` CPython passes to `__getbuffer__`; `ptr` and `len`
+        // describe memory `slf` owns (bytes, an owned buffer or a mapping held by an `Arc`), which stays put while
+        // `slf` lives, and the view holds a reference to `slf` (its `obj`), so the memory outlives every export.
+        // Writability was checked above: shared and pooled memory is only ever exported read-only.
         let rc = unsafe {
             pyo3::ffi::PyBuffer_FillInfo(
                 view,

@@ -115,7 +115,10 @@ pub(crate) struct RowSource {
     _buf: PyUntypedBuffer,
     _owner: Py<PyAny>,
 }
+// SAFETY: a `RowSource` only reads the array memory its buffer export (`_buf`) pins, from any thread, and never
+// writes it; the Python handles it holds are only used with the GIL.
 unsafe impl Send for RowSource {}
+// SAFETY: as for `Send`: shared reads only.
 unsafe impl Sync for RowSource {}
 
 impl RowSource {
@@ -165,6 +168,8 @@ impl RowSource {
         if self.bytes == 0 {
             return &[];
         }
+        // SAFETY: `ptr` and `bytes` are the buffer and length of the export in `_buf` (of a C-contiguous copy made
+        // by `ascontiguousarray`), which keeps that memory alive and unmoved while `self` lives.
         unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
     }
 
