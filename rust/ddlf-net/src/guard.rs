@@ -239,12 +239,11 @@ enum Arrival {
     Lane(LaneArrival),
 }
 
-async fn admit(
-    mut stream: TcpStream,
-    peer: SocketAddr,
+/// Read the first bytes of a connection (within the handshake deadline) and judge them.
+async fn read_first(
+    stream: &mut TcpStream,
     config: &GuardConfig,
-    slot: Slot,
-) -> Result<Arrival, Refusal> {
+) -> Result<(Admission, Vec<u8>), Refusal> {
     let want = needed(config.tls);
     let mut first = vec![0u8; want];
     let mut got = 0;
@@ -267,10 +266,26 @@ async fn admit(
         }
         judge(&first, config.tls)
     };
-    let admission = match tokio::time::timeout(config.handshake_timeout, read).await {
-        Err(_) => return Err(Refusal::Silent(config.handshake_timeout)),
-        Ok(Err(r)) => return Err(r),
-        Ok(Ok(a)) => a,
+    match tokio::time::timeout(config.handshake_timeout, read).await {
+        Err(_) => Err(Refusal::Silent(config.handshake_timeout)),
+        Ok(Err(r)) => Err(r),
+        Ok(Ok(a)) => Ok((a, first)),
+    }
+}
+
+async fn admit(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    config: &GuardConfig,
+    slot: Slot,
+) -> Result<Arrival, Refusal> {
+    let (admission, first) = match read_first(&mut stream, config).await {
+        Ok(x) => x,
+        Err(reason) => {
+            // Counted while the stream is still open: whoever sees it close sees the count.
+            slot.0.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(reason);
+        }
     };
     if admission == Admission::Lane {
         // The preface was read whole (it is exactly as long as the read), so the hello comes next.
@@ -341,7 +356,7 @@ pub fn guarded(
                         }
                     },
                     Err(reason) => {
-                        stats.refused.fetch_add(1, Ordering::Relaxed);
+                        // Counted by `admit` before the connection closed.
                         tracing::warn!(%peer, %reason, "connection refused");
                     }
                 }

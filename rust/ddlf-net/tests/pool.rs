@@ -12,10 +12,14 @@ use ddlf_net::{ClientConfig, NetError, Outgoing, Pool};
 use ddlf_proto::{CallReply, ErrorKind, Op, RemoteException, Value};
 use ddlf_worker::{Daemon, DaemonConfig, JobReceiver, Next};
 
+/// How long the `sleep` operation keeps the interpreter busy (long enough that a loaded machine still interrupts
+/// or times out well before it ends).
+const SLEEP: Duration = Duration::from_millis(1500);
+
 /// What an interpreter saw: (request id, shared-memory segment name if any) per request.
 type Seen = Arc<Mutex<Vec<(u64, Option<String>)>>>;
 
-/// Echoes the request's value; `sleep` sleeps 400 ms first; `raise` answers as user code that raised.
+/// Echoes the request's value; `sleep` sleeps [`SLEEP`] first; `raise` answers as user code that raised.
 fn interpreter(rx: JobReceiver, seen: Seen) {
     std::thread::spawn(move || loop {
         match rx.next(Duration::from_millis(20)) {
@@ -37,7 +41,7 @@ fn interpreter(rx: JobReceiver, seen: Seen) {
                     },
                     name => {
                         if name == "sleep" {
-                            std::thread::sleep(Duration::from_millis(400));
+                            std::thread::sleep(SLEEP);
                         }
                         CallReply {
                             value: req.value.clone(),
@@ -235,7 +239,19 @@ fn a_failing_worker_never_hides_the_others_answers() {
         .unwrap()
         .remove(0)
         .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Wait until the daemon is gone (its heartbeat fails), however loaded the machine.
+    let gone = Instant::now();
+    while pool
+        .heartbeat(&[2], Some(Duration::from_millis(200)), &never)
+        .unwrap()[0]
+        .is_ok()
+    {
+        assert!(
+            gone.elapsed() < Duration::from_secs(10),
+            "the daemon did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let calls = [run("f"), run("raise"), run("f")];
     let answers = pool
         .call(
@@ -303,7 +319,7 @@ fn an_interrupt_ends_the_wait_and_the_lane_comes_back() {
         )
         .unwrap_err();
     assert!(matches!(err, PoolError::Interrupted), "{err}");
-    assert!(fired.load(Ordering::Relaxed) && start.elapsed() < Duration::from_millis(390));
+    assert!(fired.load(Ordering::Relaxed) && start.elapsed() < SLEEP - Duration::from_millis(200));
     // The lane's state was unknown, so it closed; the next call goes over gRPC (and waits for the sleeper),
     // and the worker's answer there opens the lane again.
     assert!(!pool.connections()[0].has_lane());
@@ -343,7 +359,7 @@ fn a_deadline_fails_the_call_not_the_pool() {
         "{:?}",
         answers[0].outcome
     );
-    std::thread::sleep(Duration::from_millis(400));
+    std::thread::sleep(SLEEP);
     let answers = pool
         .call(
             &[0],
