@@ -8,6 +8,7 @@ exception; :class:`Calls` sends and keeps each calling thread's last timings.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from . import serialization
@@ -15,6 +16,9 @@ from .errors import SerializationError
 
 Encoded = tuple[bytes, list[Any]]
 """A serialized value: its pickle and its out-of-band buffers."""
+
+FunctionRef = Callable[..., Any] | str
+"""A function to run on workers: the function itself, or the name it was pushed under."""
 
 
 def decode(reply: Any, addresses: Any) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import _ddlf, serialization
 from ._aio import add_async_twins
-from ._calls import Calls, ClosedClient, Encoded
+from ._calls import Calls, ClosedClient, Encoded, FunctionRef
 from .errors import DdlfError, raise_for
 from .local import LocalWorkers
 from .recovery import Recovery
@@ -26,8 +26,6 @@ from .upload import module_files
 log = logging.getLogger("ddlf")
 
 OPS = _ddlf.OPS
-
-FunctionRef = Callable[..., Any] | str
 
 
 class Cluster:

@@ -15,14 +15,11 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import _ddlf, serialization
+from ._calls import Calls, Encoded, FunctionRef
 from .errors import DdlfError, DeadlineExceeded, NotFoundError, WorkerRestarted, WorkerUnavailable, raise_for
-
-if TYPE_CHECKING:
-    from ._calls import Encoded
-    from .cluster import Cluster, FunctionRef
 
 log = logging.getLogger("ddlf")
 
@@ -92,11 +89,32 @@ def broken(outcome: Any) -> bool:
     )
 
 
+class Host(Protocol):
+    """What recovery needs of the cluster it serves (``ddlf.Cluster`` is one; recovery never imports it)."""
+
+    _client: Any
+    _calls: Calls
+    connect_timeout: float
+
+    @property
+    def addresses(self) -> list[str]: ...
+    @property
+    def lost_workers(self) -> list[int]: ...
+    def __len__(self) -> int: ...
+    def _send(
+        self, op: int, name: str, digest: str, targets: list[int], encoded: list[Encoded], timeout: float | None
+    ) -> list[Any]: ...
+    def _ensure_function(
+        self, fn: FunctionRef, timeout: float | None, name: str | None = None, targets: list[int] | None = None
+    ) -> tuple[str, str]: ...
+    def _set_context(self) -> None: ...
+
+
 class Recovery:
     """One cluster's fault state: which workers are lost, which daemon instance each worker is, which functions
     each holds, and what happened (``events``)."""
 
-    def __init__(self, cluster: Cluster, instances: list[int]) -> None:
+    def __init__(self, cluster: Host, instances: list[int]) -> None:
         self.cluster = cluster
         self.lock = threading.RLock()  # membership changes and re-provisioning
         self.instances = instances

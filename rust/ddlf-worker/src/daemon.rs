@@ -183,7 +183,11 @@ impl Daemon {
                                 let (token, state, jobs) =
                                     (token.clone(), state.clone(), jobs.clone());
                                 tokio::spawn(crate::lanes::welcome(
-                                    arrival, token, timeout, state, jobs,
+                                    arrival,
+                                    token,
+                                    timeout,
+                                    state,
+                                    move |lane| jobs.add_lane(lane),
                                 ));
                             }
                         });

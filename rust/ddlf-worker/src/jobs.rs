@@ -5,8 +5,6 @@
 //! wait also watches the daemon's direct lanes ([`crate::lanes`]): a request arriving on one is read, and later
 //! answered, by the interpreter thread itself.
 
-use ddlf_net::refusal;
-use ddlf_proto::Refusal;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -16,11 +14,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ddlf_core::frame::FrameLimits;
-use ddlf_proto::{CallReply, CallRequest, Op};
+use ddlf_proto::{CallReply, CallRequest};
 use tokio::sync::oneshot;
-use tonic::Status;
 
 use crate::lanes::{LaneIn, LaneOut, LaneRead};
+use crate::requests::{label, log_reply};
 use crate::state::WorkerState;
 
 // Moved once per request; boxing would add an allocation to every call for no gain.
@@ -74,71 +72,6 @@ impl Job {
                 out.send(reply);
             }
         }
-    }
-}
-
-/// One line per answered call: a warning naming the exception when it failed, else a debug line.
-pub(crate) fn log_reply(reply: &CallReply, took: Duration) {
-    if let Some(e) = reply.exception.as_ref().filter(|_| reply.error != 0) {
-        tracing::warn!(
-            error = reply.error,
-            compute_s = reply.compute_seconds,
-            "call failed: {}: {}",
-            e.type_name,
-            first_line(&e.message)
-        );
-    } else {
-        tracing::debug!(
-            micros = took.as_micros() as u64,
-            compute_s = reply.compute_seconds,
-            "call served"
-        );
-    }
-}
-
-/// The first line of a message, at most 500 characters (a log line stays one line).
-fn first_line(message: &str) -> &str {
-    let line = message.lines().next().unwrap_or("");
-    match line.char_indices().nth(500) {
-        Some((i, _)) => &line[..i],
-        None => line,
-    }
-}
-
-/// Checks every request passes before it is queued, whichever way it came: a known operation, addressed to this
-/// instance of the daemon.
-pub(crate) fn screen(state: &WorkerState, req: &CallRequest) -> Result<(), Status> {
-    if Op::try_from(req.op).unwrap_or(Op::Unspecified) == Op::Unspecified {
-        return Err(state.reject(refusal::status(
-            Refusal::Malformed,
-            format!("unknown operation code {}", req.op),
-        )));
-    }
-    if req.instance != 0 && req.instance != state.instance {
-        tracing::info!(
-            expected = req.instance,
-            ours = state.instance,
-            "request for an earlier instance of this daemon: the master must re-provision it"
-        );
-        return Err(refusal::status(
-            Refusal::Restarted,
-            "this daemon started after the master connected, and holds nothing it pushed",
-        ));
-    }
-    Ok(())
-}
-
-/// `op:name`, for logs and status.
-pub fn label(request: &CallRequest) -> String {
-    let op = Op::try_from(request.op).unwrap_or(Op::Unspecified);
-    let op = op
-        .as_str_name()
-        .trim_start_matches("OP_")
-        .to_ascii_lowercase();
-    if request.name.is_empty() {
-        op
-    } else {
-        format!("{op}:{}", request.name)
     }
 }
 
@@ -401,6 +334,7 @@ pub fn queue(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ddlf_proto::Op;
 
     #[test]
     fn jobs_flow_in_order_and_replies_come_back() {

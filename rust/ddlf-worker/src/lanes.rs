@@ -23,7 +23,7 @@ use ddlf_proto::{CallReply, CallRequest, LaneFrame, LaneHello, LaneWelcome, PROT
 use tokio::io::AsyncWriteExt;
 use tonic::Status;
 
-use crate::jobs::{screen, JobSender};
+use crate::requests::screen;
 use crate::state::WorkerState;
 
 /// How long a lane may stall in the middle of a frame (or a reply write) before the daemon closes it. The
@@ -34,13 +34,14 @@ const STALL: Duration = Duration::from_secs(10);
 /// most `ddlf_net::lane::MAX_LANE_REQUEST` on a lane); past it the lane is closed after the refusal.
 const DRAIN_LIMIT: u64 = 16 << 20;
 
-/// Check a new lane's hello and, if it passes, give the lane to the interpreter thread.
+/// Check a new lane's hello and, if it passes, `deliver` the lane to the interpreter thread (false: it is
+/// shutting down).
 pub(crate) async fn welcome(
     arrival: LaneArrival,
     token: Option<Arc<Token>>,
     handshake_timeout: Duration,
     state: Arc<WorkerState>,
-    jobs: JobSender,
+    deliver: impl FnOnce(LaneIn) -> bool,
 ) {
     let LaneArrival {
         mut stream,
@@ -105,7 +106,7 @@ pub(crate) async fn welcome(
     };
     match LaneIn::new(stream, peer, slot) {
         Ok(lane) => {
-            if jobs.add_lane(lane) {
+            if deliver(lane) {
                 tracing::debug!(%peer, "direct lane open");
             }
         }

@@ -9,6 +9,7 @@
 //! * [`service`]: the gRPC service.
 //! * [`jobs`]: the queue between the service and the interpreter thread, which also reads direct lanes.
 //! * [`lanes`]: the daemon's end of direct lanes (handshake, reading requests, writing replies).
+//! * [`requests`]: what every request goes through, whichever way it came (screening, labels, logging).
 //! * [`state`]: what the daemon knows about itself (uptime, counters, what is running).
 //! * [`logs`]: its recent log lines, kept in memory for the `Logs` RPC.
 
@@ -16,6 +17,7 @@ pub mod daemon;
 pub mod jobs;
 pub mod lanes;
 pub mod logs;
+pub mod requests;
 pub mod service;
 pub mod state;
 

@@ -22,7 +22,8 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::jobs::{label, log_reply, screen, JobSender};
+use crate::jobs::JobSender;
+use crate::requests::{label, log_reply, screen};
 use crate::state::{rss_bytes, WorkerState};
 
 /// Bytes per streamed chunk.
