@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
 from .callbacks import Callback, ProgressBar
 from .cluster import Cluster
@@ -131,6 +132,7 @@ class IApp:
         rejoin_timeout: float = 60.0,
         report: str | os.PathLike[str] | None = None,
         failure_policy: FailurePolicy | None = None,
+        workers: Sequence[int] | None = None,
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -161,6 +163,10 @@ class IApp:
                 :mod:`ddlf.report`.
             failure_policy: what a worker's failure does (:class:`ddlf.FailurePolicy`): by default a lost worker
                 is left out and taken back when it returns, and an exception in user code stops training.
+            workers: train on these workers of the cluster only (indices). Runs are isolated on their workers
+                (each has its own model, optimizer and weights in flight there, under its run id), so one master
+                can train several apps at once on disjoint groups, from threads or asyncio, and several masters
+                can share daemons (each daemon serves up to ``ddlf-worker --max-runs`` runs at once).
 
         Lost workers never stop training (unless the failure policy says so): see :mod:`ddlf.training.sync` and
         :mod:`ddlf.training.asynchronous` for what happens to their rows, and ``history.events`` for what happened.
@@ -188,6 +194,7 @@ class IApp:
             resume=resume,
             report=os.fspath(report) if report is not None else None,
             failure_policy=failure_policy if failure_policy is not None else FailurePolicy(),
+            workers=self._subset(workers),
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):
@@ -223,6 +230,23 @@ class IApp:
 
     # -- internals --------------------------------------------------------------------------------------
 
+    def _subset(self, workers: Sequence[int] | None) -> list[int] | None:
+        if workers is None:
+            return None
+        if isinstance(workers, (str, bytes)) or not all(
+            isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in workers
+        ):
+            raise TypeError(f"workers must be a list of worker indices, not {workers!r}")
+        subset = sorted({int(w) for w in workers})
+        if not subset:
+            raise ValueError("workers is empty: name at least one worker")
+        bad = [w for w in subset if not 0 <= w < len(self.cluster)]
+        if bad:
+            raise IndexError(f"workers {bad} out of range: the cluster has {len(self.cluster)} workers")
+        if self.sharded:
+            raise ValueError("workers= needs a whole-dataset app: a sharded app trains on every worker's shard")
+        return subset
+
     def validate(self, data: tuple[Any, Any]) -> dict[str, float]:
         """Evaluate the master's model on ``(x, y)`` (after :meth:`preprocess`): Keras's ``val_*`` logs."""
         x, y = self.preprocess(*data)
@@ -256,7 +280,7 @@ class IApp:
             self.model = self.create_model()
         resumed = checkpoint.load(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
         history = History()
-        members = Members(self, cfg.run_id, cfg.seed, history)
+        members = Members(self, cfg.run_id, cfg.seed, history, workers=cfg.workers)
         live = members.live(first=True)
         if not live:
             live = members.wait_for_any(cfg.rejoin_timeout)
@@ -274,7 +298,7 @@ class IApp:
             "epochs": cfg.epochs,
             "batch_size": cfg.batch_size,
             "mode": mode,
-            "workers": len(self.cluster),
+            "workers": len(cfg.workers) if cfg.workers is not None else len(self.cluster),
             "samples": rows,
             "setup": infos,
             "compression": cfg.compression,
@@ -328,9 +352,7 @@ class IApp:
             raise
         finally:
             with contextlib.suppress(Exception):  # a lost worker must not hide the real error
-                self.cluster.call(
-                    remote.teardown, (cfg.run_id,), workers=self.cluster.live_workers, return_exceptions=True
-                )
+                self.cluster.call(remote.teardown, (cfg.run_id,), workers=members.candidates(), return_exceptions=True)
         if cfg.report:
             write_report(history, cfg.report)
         for cb in cbs:

@@ -20,6 +20,7 @@ def status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> lis
     asked on its own connection, so a dead one never hides (or delays) the others."""
     from .cluster import Cluster
     from .datasets import _remote_describe
+    from .training.worker import runs
 
     rows: list[dict[str, Any]] = []
     for i, address in enumerate(addresses):
@@ -37,7 +38,9 @@ def status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> lis
                 row["contents"] = f"busy: {st['running']}"  # its Python is taken; do not queue behind it
             else:
                 v, f, d = c.variables()[0], c.functions()[0], c.call(_remote_describe)[0]
-                row["contents"] = f"{len(v)} vars, {len(f)} fns, " + (
+                training = c.call(runs)[0]
+                serving = f"runs {', '.join(r['run_id'] for r in training)}; " if training else ""
+                row["contents"] = f"{serving}{len(v)} vars, {len(f)} fns, " + (
                     ", ".join(f"{ds['key']} ({_size(ds['nbytes'])})" for ds in d) or "no datasets"
                 )
         except DdlfError as exc:

@@ -33,6 +33,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _spin_us(text: str) -> int:
     try:
         return check_lane_spin_us(int(text))
@@ -100,6 +110,22 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between HTTP/2 keepalive pings to each master, and how long one may go unanswered before "
         "the connection is closed (default 10 20)",
     )
+    p.add_argument(
+        "--max-runs",
+        type=_at_least_one,
+        default=4,
+        help="training runs this worker serves at once (from several masters, or one master's concurrent "
+        "trainings); a run past it is refused with an error naming the runs holding the worker (default 4: "
+        "each run keeps its own model and optimizer in this process's memory)",
+    )
+    p.add_argument(
+        "--run-idle-timeout",
+        type=_positive_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="a training run without a request for this long (its master died without tearing it down) is "
+        "evicted when a new run needs its place (default 600)",
+    )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -128,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     keras_backend_default()
     prepare_process()
+    from .training import worker as training
+
+    training.LIMITS.max_runs = args.max_runs
+    training.LIMITS.idle_seconds = args.run_idle_timeout
     token = _read_token(args.token_file)
     if args.threads and not in_effect(args.threads):
         # numpy's BLAS is already loaded (this module imports ddlf): caps only work from the start, so start over

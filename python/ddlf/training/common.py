@@ -38,6 +38,7 @@ class TrainConfig:
     rejoin_timeout: float = 60.0  # every worker lost: how long to wait for one to come back
     report: str | None = None  # write an HTML training report there at the end (and its stats as JSON)
     failure_policy: Any = None  # a training.run.FailurePolicy: what a worker's failure does
+    workers: list[int] | None = None  # train on these workers of the cluster only (None: all)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
 

@@ -18,7 +18,15 @@ from . import worker as remote
 class Members:
     """The live, set-up workers of one run."""
 
-    def __init__(self, app: Any, run_id: str, seed: int, history: Any, rejoin_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        run_id: str,
+        seed: int,
+        history: Any,
+        rejoin_interval: float = 1.0,
+        workers: list[int] | None = None,
+    ) -> None:
         self.app = app
         self.cluster = app.cluster
         self.run_id = run_id
@@ -26,6 +34,7 @@ class Members:
         self.history = history
         self.rejoin_interval = rejoin_interval
         self.blob = app.shipped()
+        self.only = set(workers) if workers is not None else None  # a subset of the cluster's workers
         self.rows = 0  # rows every worker must hold (whole-dataset runs), once the first ones are set up
         self.ready: dict[str, int] = {}  # address -> daemon instance set up for this run
         self.info: dict[str, dict[str, Any]] = {}
@@ -56,7 +65,7 @@ class Members:
                 self._last_recover = time.monotonic()
                 c.recover(timeout=1.0)
             self._sync_events()
-            need = [i for i in c.live_workers if self.ready.get(c.addresses[i]) != c.instance(i)]
+            need = [i for i in self.candidates() if self.ready.get(c.addresses[i]) != c.instance(i)]
             if need:
                 outcomes = c.call(
                     remote.setup, (self.run_id, self.blob, self.seed), workers=need, return_exceptions=True
@@ -73,7 +82,12 @@ class Members:
                     if not first:
                         self.note("joined", worker=i, address=address)
             self._sync_events()
-            return [i for i in c.live_workers if self.ready.get(c.addresses[i]) == c.instance(i)]
+            return [i for i in self.candidates() if self.ready.get(c.addresses[i]) == c.instance(i)]
+
+    def candidates(self) -> list[int]:
+        """The cluster's live workers this run may use."""
+        live = self.cluster.live_workers
+        return live if self.only is None else [i for i in live if i in self.only]
 
     def _check_rows(self, i: int, info: dict[str, Any]) -> None:
         app = self.app

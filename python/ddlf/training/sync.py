@@ -112,7 +112,7 @@ def _round(
     workers that answered, when sending ended, and the send and train calls' per-worker timings."""
     cfg, cluster = run.cfg, run.cluster
     targets = [w for w, _ in assignments]
-    sent_ok = cluster.set("__ddlf_weights", weights, workers=targets, return_exceptions=True)
+    sent_ok = cluster.set(remote.weights_var(cfg.run_id), weights, workers=targets, return_exceptions=True)
     send_s = cluster.last_call_timings()
     t_sent = time.perf_counter()
     args, kwargs, running = [], [], []

@@ -1,13 +1,19 @@
 """What runs on a worker during training. These functions are importable on every worker (ddlf is installed
 there), so the master calls them by reference: only their arguments travel.
 
-A training session holds the app, its model and its dataset (from the worker's dataset store) for one run.
+A training session holds the app, its model and its dataset (from the worker's dataset store) for one run, under
+the run's id: several runs (from several masters, or one master's concurrent trainings) share a daemon without
+seeing each other's model, optimizer or weights in flight (the broadcast weights live under :func:`weights_var`).
+Their requests interleave on the daemon's interpreter thread. At most :data:`LIMITS.max_runs` runs hold a daemon at
+once; a new run past it is refused with an error naming the runs there, unless one of them has been idle for
+``LIMITS.idle_seconds`` (its master died without tearing it down): that one is evicted.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,6 +33,33 @@ class Session:
     rows: int
     n_shards: int = 0  # 0: the whole dataset on every worker
     residual: list[np.ndarray] | None = None  # top-k error feedback: what earlier rounds did not send
+    started: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Limits:
+    """How many training runs a daemon holds at once (``ddlf-worker --max-runs``), and after how long without a
+    request a run counts as abandoned (``--run-idle-timeout``)."""
+
+    max_runs: int = 4
+    idle_seconds: float = 600.0
+
+
+LIMITS = Limits()
+"""This daemon's limits, set by the ``ddlf-worker`` command line."""
+
+
+class TooManyRuns(RuntimeError):
+    """The daemon holds ``max_runs`` training runs already; none of them is idle long enough to evict."""
+
+
+log = logging.getLogger("ddlf.training")
+
+
+def weights_var(run_id: str) -> str:
+    """The worker variable a synchronous run broadcasts its weights in (one per run)."""
+    return f"__ddlf_weights/{run_id}"
 
 
 def shard_key(app: Any, shard: int, n_shards: int) -> str:
@@ -43,6 +76,17 @@ def _load(app: Any, shard: int | None, n_shards: int) -> tuple[Any, bool]:
 
 
 _SESSIONS: dict[str, Session] = {}
+
+
+def _session(run_id: str) -> Session:
+    session = _SESSIONS.get(run_id)
+    if session is None:
+        raise LookupError(
+            f"training run {run_id} is not set up on this worker (it was torn down, or evicted after "
+            f"{LIMITS.idle_seconds:.0f} s idle)"
+        )
+    session.last_used = time.monotonic()
+    return session
 
 
 def _split_xy(value: Any) -> tuple[Any, Any]:
@@ -70,8 +114,9 @@ def setup(worker: Any, run_id: str, app_blob: bytes, seed: int) -> dict[str, Any
     model = app.create_model()
     if hasattr(model, "set_rng_state"):
         set_random_seed(worker_seed)  # torch may have been imported by create_model itself
-    _SESSIONS.clear()  # one training run at a time per worker
+    _admit(worker, run_id)
     _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards)
+    log.info("training run %s (%s) set up: %d rows, %d runs here", run_id, type(app).__name__, len(x), len(_SESSIONS))
     return {
         "rows": len(x),
         "cached": cached,
@@ -81,9 +126,47 @@ def setup(worker: Any, run_id: str, app_blob: bytes, seed: int) -> dict[str, Any
     }
 
 
-def teardown(run_id: str) -> None:
-    """Forget a run's session (the dataset stays cached)."""
-    _SESSIONS.pop(run_id, None)
+def _admit(worker: Any, run_id: str) -> None:
+    """Make room for ``run_id``: evict runs idle past the limit when the daemon is full, else refuse."""
+    if run_id in _SESSIONS or len(_SESSIONS) < LIMITS.max_runs:
+        return
+    now = time.monotonic()
+    for other, s in sorted(_SESSIONS.items(), key=lambda kv: kv[1].last_used):
+        if now - s.last_used >= LIMITS.idle_seconds:
+            idle = now - s.last_used
+            log.warning("training run %s evicted: idle for %.0f s, and run %s needs its place", other, idle, run_id)
+            teardown(worker, other)
+            if len(_SESSIONS) < LIMITS.max_runs:
+                return
+    held = ", ".join(
+        f"{rid} ({type(s.app).__name__}, idle {now - s.last_used:.0f} s)" for rid, s in sorted(_SESSIONS.items())
+    )
+    raise TooManyRuns(
+        f"this worker already serves {len(_SESSIONS)} training runs (--max-runs {LIMITS.max_runs}): {held}; "
+        f"runs idle for {LIMITS.idle_seconds:.0f} s are evicted"
+    )
+
+
+def runs() -> list[dict[str, Any]]:
+    """The training runs this worker serves: id, app class, rows, seconds since start and since last use."""
+    now, wall = time.monotonic(), time.time()
+    return [
+        {
+            "run_id": rid,
+            "app": type(s.app).__name__,
+            "rows": s.rows,
+            "running_for_s": wall - s.started,
+            "idle_s": now - s.last_used,
+        }
+        for rid, s in sorted(_SESSIONS.items())
+    ]
+
+
+def teardown(worker: Any, run_id: str) -> None:
+    """Forget a run's session and its broadcast weights (the dataset stays cached)."""
+    if _SESSIONS.pop(run_id, None) is not None:
+        log.info("training run %s torn down", run_id)
+    worker.vars.pop(weights_var(run_id), None)
 
 
 def _rng_variables(model: Any) -> list[Any]:
@@ -121,7 +204,7 @@ def _set_rng_state(model: Any, state: list[np.ndarray]) -> None:
 def session_state(run_id: str) -> dict[str, Any]:
     """What this worker carries from round to round besides the weights: its optimizer state, its random
     generators' state and its top-k residual. Saved in checkpoints, so a resumed run continues identically."""
-    session = _SESSIONS[run_id]
+    session = _session(run_id)
     model = session.model
     return {
         "optimizer": _optimizer_state(model) if _optimizer_built(model) else None,
@@ -132,7 +215,7 @@ def session_state(run_id: str) -> dict[str, Any]:
 
 def restore_state(run_id: str, state: dict[str, Any]) -> None:
     """Put back what :func:`session_state` returned (after ``setup`` on a fresh or restarted worker)."""
-    session = _SESSIONS[run_id]
+    session = _session(run_id)
     model = session.model
     if state.get("optimizer") is not None:
         if not hasattr(model, "set_optimizer_state") and not model.optimizer.built:
@@ -176,13 +259,13 @@ def train_chunk(
     shard: int | None = None,
     topk_ratio: float = 0.01,
 ) -> dict[str, Any]:
-    """Train on the given rows, starting from ``weights`` (or from the broadcast variable ``__ddlf_weights``).
+    """Train on the given rows, starting from ``weights`` (or from the run's broadcast variable, :func:`weights_var`).
 
     ``seeded``, instead of ``indices``: ``(seed, epoch, shares, worker, start, stop)``; the partition is regenerated
     here and rows ``start:stop`` of it are used. ``shard``: with a sharded dataset, which shard the rows index.
     Returns the new weights (or their delta from the start weights), samples trained, the Keras logs and timings.
     """
-    session = _SESSIONS[run_id]
+    session = _session(run_id)
     model = session.model
     t0 = time.perf_counter()
     x, y, rows = session.x, session.y, session.rows
@@ -192,7 +275,7 @@ def train_chunk(
         x, y = _split_xy(item.value)
         rows = len(x)
     if weights is None:
-        weights = worker.vars["__ddlf_weights"]
+        weights = worker.vars[weights_var(run_id)]
     if seeded is not None:
         seed, epoch, shares, w, start, stop = seeded
         indices = ops.partition_for(rows, seed, epoch, shares, w)[start:stop]
@@ -231,4 +314,5 @@ def train_chunk(
     result["weights"] = payload
     if return_optimizer_state:
         result["optimizer_state"] = _optimizer_state(model)
+    session.last_used = time.monotonic()
     return result

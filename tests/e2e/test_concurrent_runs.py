@@ -1,0 +1,169 @@
+"""Several training runs on shared daemons: two masters at once, a run limit, worker subsets from threads.
+
+Before runs were isolated, two masters training at once on the same daemons broke each other: one died with a
+``KeyError`` (the other's set-up cleared its session) and the other finished at 47.5% accuracy (both wrote the
+same weights variable). Each run here must reach what it reaches alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import ddlf
+from ddlf.training import worker as remote
+
+from ..conftest import MNIST_DIR, REPO, Daemon
+from .test_training import SmallMnist
+
+MASTER = textwrap.dedent(
+    """
+    import json, sys
+    import ddlf
+    from tests.e2e.test_training import MNIST_DIR, SmallMnist
+
+    class OtherMnist(SmallMnist):  # another app with another dataset: the next 3,000 images
+        dataset_key = "mnist-small-other"
+
+        def load_dataset(self):
+            (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+            return x[3000:6000], y[3000:6000]
+
+    spec = json.loads(sys.argv[1])
+    with ddlf.Cluster(spec["addresses"], token=spec["token"]) as cluster:
+        app = (OtherMnist if spec["other"] else SmallMnist)(cluster)
+        h = app.train(epochs=3, batch_size=32, mode=spec["mode"], averaging_frequency=10, seed=spec["seed"], verbose=0)
+        _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+        _, acc = app.evaluate(xt[:2000], yt[:2000])
+        print(json.dumps({"acc": float(acc), "samples": sum(s.samples for s in h.stats)}))
+    """
+)
+
+
+class OtherMnist(SmallMnist):
+    dataset_key = "mnist-small-other"
+
+    def load_dataset(self):
+        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+        return x[3000:6000], y[3000:6000]
+
+
+@pytest.fixture
+def daemons():
+    ds = [Daemon(), Daemon()]
+    yield ds
+    for d in ds:
+        d.stop()
+
+
+def _leftovers(cluster: ddlf.Cluster) -> tuple[list[list[str]], list[list[dict]]]:
+    names = [[n for n in vs if n.startswith("__ddlf")] for vs in cluster.variables()]
+    return names, cluster.run(remote.runs)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_masters_at_once_each_learn_as_alone(daemons: list[Daemon], mode: str) -> None:
+    addresses = [d.address for d in daemons]
+    masters = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                MASTER,
+                json.dumps(
+                    {"addresses": addresses, "token": daemons[0].token, "mode": mode, "other": other, "seed": seed}
+                ),
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": REPO},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for other, seed in ((False, 1), (True, 2))
+    ]
+    results = []
+    for m in masters:
+        out, err = m.communicate(timeout=240)
+        assert m.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    # Alone, this app reaches more than 80% on these images after 3 epochs (test_training's band).
+    for r in results:
+        assert r["acc"] > 0.80, results
+        assert r["samples"] == 3 * 3000, results
+    with ddlf.Cluster(addresses, token=daemons[0].token) as c:
+        names, runs = _leftovers(c)
+        assert names == [[], []] and runs == [[], []]  # nothing of either run is left on the workers
+
+
+def test_a_run_past_max_runs_is_refused_naming_the_runs_there() -> None:
+    d = Daemon("--max-runs", "1")
+    try:
+        with ddlf.Cluster([d.address], token=d.token) as c:
+            holder = SmallMnist(c)
+            c.run(remote.setup, "holder-run", holder.shipped(), 0)  # a run in progress on the only slot
+            with pytest.raises(ddlf.RemoteError, match="--max-runs 1") as info:
+                SmallMnist(c).train(epochs=1, batch_size=64, verbose=0)
+            assert "holder-run" in str(info.value) and info.value.remote_type.endswith("TooManyRuns")
+            # The holder is untouched and the worker keeps serving; once it ends, a new run gets the slot.
+            assert [r["run_id"] for r in c.run(remote.runs)[0]] == ["holder-run"]
+            c.run(remote.teardown, "holder-run")
+            h = SmallMnist(c).train(epochs=1, batch_size=64, verbose=0)
+            assert h.history["loss"]
+            assert c.run(remote.runs) == [[]]
+    finally:
+        d.stop()
+
+
+def test_an_abandoned_run_is_evicted_after_its_idle_timeout() -> None:
+    d = Daemon("--max-runs", "1", "--run-idle-timeout", "0.5")
+    try:
+        with ddlf.Cluster([d.address], token=d.token) as c:
+            c.run(remote.setup, "abandoned", SmallMnist(c).shipped(), 0)  # its master "died": no teardown
+            time.sleep(0.8)
+            SmallMnist(c).train(epochs=1, batch_size=64, verbose=0)
+            assert c.run(remote.runs) == [[]]
+    finally:
+        d.stop()
+
+
+def test_worker_subsets_train_from_two_threads_of_one_master(cluster: ddlf.Cluster) -> None:
+    _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+    out: dict[int, object] = {}
+
+    def train(w: int, app_cls: type[SmallMnist]) -> None:
+        try:
+            app = app_cls(cluster)
+            h = app.train(epochs=3, batch_size=32, workers=[w], seed=w, verbose=0)
+            out[w] = (h, app.evaluate(xt[:2000], yt[:2000])[1])
+        except BaseException as exc:  # reported by the main thread
+            out[w] = exc
+
+    threads = [threading.Thread(target=train, args=(w, cls)) for w, cls in ((0, SmallMnist), (1, OtherMnist))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    for w in (0, 1):
+        assert not isinstance(out[w], BaseException), out[w]
+        h, acc = out[w]  # type: ignore[misc]
+        assert acc > 0.80
+        assert {s.worker for s in h.stats} == {w} and h.params["workers"] == 1
+    assert _leftovers(cluster) == ([[], []], [[], []])
+
+
+def test_bad_worker_subsets_are_refused(cluster: ddlf.Cluster) -> None:
+    app = SmallMnist(cluster)
+    with pytest.raises(IndexError, match="out of range"):
+        app.train(epochs=1, workers=[5], verbose=0)
+    with pytest.raises(ValueError, match="empty"):
+        app.train(epochs=1, workers=[], verbose=0)
+    with pytest.raises(TypeError, match="worker indices"):
+        app.train(epochs=1, workers="0", verbose=0)
