@@ -13,6 +13,7 @@ from .app import IApp
 from .cluster import Cluster
 from .errors import *  # noqa: F403 - every error class, listed in errors.__all__
 from .history import History
+from .sweep import SweepResult, Trial, sweep
 from .training.run import FailurePolicy
 
 __all__ = [
@@ -21,11 +22,14 @@ __all__ = [
     "FailurePolicy",
     "History",
     "IApp",
+    "SweepResult",
+    "Trial",
     "WorkerContext",
     "__version__",
     "callbacks",
     "datasets",
     "errors",
     "ops",
+    "sweep",
 ]
 __all__ += errors.__all__

@@ -1,0 +1,247 @@
+"""Hyperparameter sweeps: many trials at once on groups of workers, the weakest stopped early (ASHA).
+
+```python
+def make_app(cluster, config):
+    return MnistApp(cluster, lr=config["lr"], width=config["width"])
+
+result = ddlf.sweep(cluster, make_app, [{"lr": lr, "width": w} for lr in (1e-3, 3e-3) for w in (32, 128)],
+                    epochs=9, metric="val_accuracy", validation_data=(x_test, y_test))
+result.best.config, result.table()
+```
+
+The cluster's workers are cut into groups of ``workers_per_trial``; each group trains one trial at a time (a
+``workers=`` run of :meth:`IApp.train`, isolated from the others on shared daemons), taking the next config when
+its trial ends. Every worker loads the dataset once and reuses it for every trial (its store is keyed by the app's
+``dataset_key``).
+
+Early stopping is asynchronous successive halving (ASHA, Li et al. 2018; what Ray Tune's ``ASHAScheduler`` does):
+rungs at ``grace_epochs * reduction_factor**k`` epochs; a trial reaching a rung continues only if its metric is in
+the best ``1 / reduction_factor`` of the trials that reached that rung so far, and stops there otherwise. No trial
+waits for another.
+
+A lost worker fails only its trial: the trial is queued again (once) for another group, and a group whose workers
+are all lost takes no more trials.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .callbacks import Callback
+from .errors import WorkerUnavailable
+from .history import History
+
+
+@dataclass
+class Trial:
+    """One configuration of a sweep and what became of it."""
+
+    index: int
+    config: dict[str, Any]
+    status: Literal["pending", "running", "completed", "stopped", "failed"] = "pending"
+    history: History | None = None
+    metric: float | None = None
+    """The trial's best value of the sweep's metric (by the sweep's ``mode``)."""
+    epochs: int = 0
+    workers: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    error: BaseException | None = None
+    attempts: int = 0
+
+
+@dataclass
+class SweepResult:
+    """Every trial, in config order, and the best one."""
+
+    trials: list[Trial]
+    metric: str
+    mode: str
+    seconds: float
+
+    @property
+    def best(self) -> Trial:
+        """The trial with the best metric (failed trials never win)."""
+        scored = [t for t in self.trials if t.metric is not None and not math.isnan(t.metric)]
+        if not scored:
+            raise ValueError("no trial reported the metric")
+        pick = max if self.mode == "max" else min
+        return pick(scored, key=lambda t: t.metric)  # type: ignore[arg-type,return-value]
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per trial: its config, status, epochs trained, metric, seconds and workers."""
+        return [
+            {
+                **t.config,
+                "status": t.status,
+                "epochs": t.epochs,
+                self.metric: t.metric,
+                "seconds": round(t.seconds, 2),
+                "workers": t.workers,
+            }
+            for t in self.trials
+        ]
+
+
+class _Asha:
+    """Asynchronous successive halving: the stop decisions at each rung, shared by all trials (thread-safe)."""
+
+    def __init__(self, epochs: int, grace: int, rf: float, mode: str) -> None:
+        self.rungs: list[int] = []
+        r = float(grace)
+        while r < epochs:
+            self.rungs.append(round(r))
+            r *= rf
+        self.recorded: dict[int, list[float]] = {r: [] for r in self.rungs}
+        self.rf, self.sign = rf, (1.0 if mode == "max" else -1.0)
+        self.lock = threading.Lock()
+
+    def keep_going(self, epochs_done: int, value: float) -> bool:
+        """Record a trial's metric if ``epochs_done`` is a rung; whether it continues."""
+        if epochs_done not in self.recorded or math.isnan(value):
+            return not math.isnan(value)
+        with self.lock:
+            seen = self.recorded[epochs_done]
+            seen.append(self.sign * value)
+            # The trial continues if it is within the best 1/rf of what reached this rung (itself included).
+            k = max(1, math.floor(len(seen) / self.rf))
+            cutoff = sorted(seen, reverse=True)[k - 1]
+            return self.sign * value >= cutoff
+
+
+class _Report(Callback):
+    """Reports a trial's metric to ASHA after each epoch and stops the trial where ASHA says so."""
+
+    def __init__(self, trial: Trial, asha: _Asha, metric: str, mode: str) -> None:
+        self.trial, self.asha, self.metric, self.mode = trial, asha, metric, mode
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        logs = logs or {}
+        if self.metric not in logs:
+            raise KeyError(f"the sweep's metric {self.metric!r} is not in the epoch's logs {sorted(logs)}")
+        value = float(logs[self.metric])
+        best = self.trial.metric
+        if best is None or (value > best if self.mode == "max" else value < best):
+            self.trial.metric = value
+        self.trial.epochs = epoch + 1
+        if not self.asha.keep_going(epoch + 1, value):
+            self.trial.status = "stopped"
+            self.app.stop_training = True
+
+
+def sweep(
+    cluster: Any,
+    make_app: Callable[[Any, dict[str, Any]], Any],
+    configs: Sequence[dict[str, Any]],
+    *,
+    epochs: int,
+    metric: str = "val_accuracy",
+    mode: Literal["max", "min"] = "max",
+    workers_per_trial: int = 1,
+    grace_epochs: int = 1,
+    reduction_factor: float = 3.0,
+    validation_data: Any = None,
+    retries: int = 1,
+    train_mode: Literal["sync", "async"] = "sync",
+    **train_kwargs: Any,
+) -> SweepResult:
+    """Train ``make_app(cluster, config)`` for every config, several at once, stopping the weakest early.
+
+    Args:
+        make_app: builds the trial's app (an :class:`~ddlf.IApp`) for a config; its ``dataset_key`` decides the
+            cached dataset every trial reuses.
+        epochs: the most epochs a trial trains.
+        metric, mode: what ranks trials (a key of the epoch logs: ``val_*`` needs ``validation_data``), and
+            whether higher (``"max"``) or lower is better.
+        workers_per_trial: workers each trial trains on, with ``train_mode`` (``"sync"`` or ``"async"``).
+        grace_epochs, reduction_factor: ASHA's first rung and the ratio between rungs (also the share kept).
+        retries: how many times a trial that lost its workers is queued again (after ``rejoin_timeout``, 5 s
+            unless given, without any of them back).
+        train_kwargs: passed to :meth:`IApp.train` as they are (``batch_size``, ``averaging_frequency``, ...).
+    """
+    if not configs:
+        raise ValueError("configs is empty: give at least one")
+    if mode not in ("max", "min"):
+        raise ValueError(f"mode must be 'max' or 'min', not {mode!r}")
+    if epochs < 1 or grace_epochs < 1 or reduction_factor <= 1:
+        raise ValueError("epochs and grace_epochs must be at least 1 and reduction_factor above 1")
+    live = cluster.live_workers
+    if workers_per_trial < 1 or workers_per_trial > len(live):
+        raise ValueError(f"workers_per_trial must be from 1 to {len(live)} (the live workers)")
+    # A trial whose workers are all lost gives up after this long and is queued again elsewhere.
+    train_kwargs.setdefault("rejoin_timeout", 5.0)
+    groups = [live[i : i + workers_per_trial] for i in range(0, len(live) - workers_per_trial + 1, workers_per_trial)]
+    trials = [Trial(i, dict(c)) for i, c in enumerate(configs)]
+    todo: queue.Queue[Trial] = queue.Queue()
+    for t in trials:
+        todo.put(t)
+    asha = _Asha(epochs, grace_epochs, reduction_factor, mode)
+    t0 = time.perf_counter()
+    done = threading.Event()
+    remaining = [len(trials)]
+    lock = threading.Lock()
+
+    def finish(trial: Trial) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                done.set()
+
+    def run_group(group: list[int]) -> None:
+        while not done.is_set():
+            try:
+                trial = todo.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            trial.status, trial.workers, trial.attempts = "running", list(group), trial.attempts + 1
+            start = time.perf_counter()
+            try:
+                app = make_app(cluster, trial.config)
+                trial.history = app.train(
+                    epochs=epochs,
+                    mode=train_mode,
+                    workers=group,
+                    validation_data=validation_data,
+                    callbacks=[_Report(trial, asha, metric, mode)],
+                    verbose=0,
+                    **train_kwargs,
+                )
+                if trial.status == "running":
+                    trial.status = "completed"
+            except WorkerUnavailable as exc:
+                trial.seconds += time.perf_counter() - start
+                if trial.attempts <= retries:
+                    trial.status, trial.metric, trial.epochs = "pending", None, 0
+                    todo.put(trial)  # another group takes it
+                else:
+                    trial.status, trial.error = "failed", exc
+                    finish(trial)
+                if not any(w in cluster.live_workers for w in group):
+                    return  # this group's workers are gone: it takes no more trials
+                continue
+            except Exception as exc:
+                trial.status, trial.error = "failed", exc
+            trial.seconds += time.perf_counter() - start
+            finish(trial)
+
+    threads = [threading.Thread(target=run_group, args=(g,), name=f"ddlf-sweep-{g}", daemon=True) for g in groups]
+    for th in threads:
+        th.start()
+    while not done.wait(0.5):
+        if not any(th.is_alive() for th in threads):  # every group lost: fail what is left
+            for t in trials:
+                if t.status in ("pending", "running"):
+                    t.status = "failed"
+                    t.error = t.error or WorkerUnavailable("every worker group was lost before this trial ran")
+            break
+    for th in threads:
+        th.join()
+    return SweepResult(trials, metric, mode, time.perf_counter() - t0)
+
+
+__all__ = ["SweepResult", "Trial", "sweep"]

@@ -1,0 +1,100 @@
+"""Sweeps on real daemons: trials on worker groups, ASHA stopping, cached datasets, a worker killed mid-sweep."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+import ddlf
+
+from ..conftest import MNIST_DIR, Daemon
+from .test_training import SmallMnist
+
+
+class Tunable(SmallMnist):
+    def __init__(self, cluster: ddlf.Cluster, lr: float, width: int) -> None:
+        super().__init__(cluster)
+        self.lr, self.width = lr, width
+
+    def create_model(self):
+        import keras
+
+        model = keras.Sequential(
+            [
+                keras.Input(shape=(784,)),
+                keras.layers.Dense(self.width, activation="relu"),
+                keras.layers.Dense(10, "softmax"),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(self.lr), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+
+def make_app(cluster: ddlf.Cluster, config: dict) -> Tunable:
+    return Tunable(cluster, config["lr"], config["width"])
+
+
+@pytest.fixture(scope="module")
+def val_set():
+    _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+    return xt[:1000], yt[:1000]
+
+
+CONFIGS = [{"lr": lr, "width": w} for lr in (1e-5, 1e-3, 3e-3) for w in (8, 32)]
+
+
+def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, val_set) -> None:
+    result = ddlf.sweep(
+        cluster, make_app, CONFIGS, epochs=4, grace_epochs=1, reduction_factor=2, validation_data=val_set,
+        batch_size=64,
+    )  # fmt: skip
+    statuses = [t.status for t in result.trials]
+    assert set(statuses) <= {"completed", "stopped"}, [(t.status, t.error) for t in result.trials]
+    assert "stopped" in statuses and "completed" in statuses
+    best = result.best
+    assert best.config["lr"] != 1e-5 and best.metric is not None and best.metric > 0.8
+    # Stopped trials trained fewer epochs; completed ones all of them.
+    assert all(t.epochs == 4 for t in result.trials if t.status == "completed")
+    assert all(t.epochs < 4 for t in result.trials if t.status == "stopped")
+    # Each trial ran on one worker; each worker loaded the dataset at most once for the whole sweep.
+    setups = [s for t in result.trials for s in t.history.params["setup"]]
+    assert len(setups) == len(CONFIGS) and sum(not s["cached"] for s in setups) <= len(cluster)
+    assert {tuple(t.workers) for t in result.trials} <= {(0,), (1,)}
+    rows = result.table()
+    assert len(rows) == len(CONFIGS) and all("val_accuracy" in r for r in rows)
+    assert cluster.run(ddlf.training.worker.runs) == [[], []]  # no run left on the workers
+
+
+def test_a_lost_worker_requeues_only_its_trial(val_set) -> None:
+    daemons = [Daemon(), Daemon(), Daemon()]
+    try:
+        with ddlf.Cluster([d.address for d in daemons], token=daemons[0].token, heartbeat_timeout=3.0) as c:
+            # Worker 2 trains slowly (50 ms a batch), so it is mid-trial when it is killed.
+            killer = threading.Timer(4.0, lambda: daemons[2].proc.send_signal(signal.SIGKILL))
+            killer.start()
+            t0 = time.monotonic()
+            with pytest.warns(RuntimeWarning, match="lost"):
+                result = ddlf.sweep(
+                    c, make_app, CONFIGS[2:], epochs=3, grace_epochs=3, validation_data=val_set,
+                    batch_size=64, rejoin_timeout=1.0, _slow_worker=(2, 0.05),
+                )  # fmt: skip
+            killer.cancel()
+            assert time.monotonic() - t0 < 180
+            assert [t.status for t in result.trials] == ["completed"] * 4, [(t.status, t.error) for t in result.trials]
+            assert all(t.workers != [2] for t in result.trials)  # what ran on the dead worker ran again elsewhere
+            assert any(t.attempts == 2 for t in result.trials)
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def test_bad_sweeps_are_refused(cluster: ddlf.Cluster) -> None:
+    with pytest.raises(ValueError, match="configs is empty"):
+        ddlf.sweep(cluster, make_app, [], epochs=1)
+    with pytest.raises(ValueError, match="workers_per_trial"):
+        ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, workers_per_trial=3)
+    with pytest.raises(ValueError, match="mode"):
+        ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, mode="best")  # type: ignore[arg-type]

@@ -1,0 +1,43 @@
+"""ASHA's stop decisions, without daemons."""
+
+from __future__ import annotations
+
+from ddlf.sweep import SweepResult, Trial, _Asha
+
+
+def test_rungs_grow_by_the_reduction_factor() -> None:
+    assert _Asha(epochs=27, grace=1, rf=3, mode="max").rungs == [1, 3, 9]
+    assert _Asha(epochs=10, grace=2, rf=2, mode="max").rungs == [2, 4, 8]
+    assert _Asha(epochs=1, grace=1, rf=3, mode="max").rungs == []
+
+
+def test_only_the_best_third_continues_at_a_rung() -> None:
+    asha = _Asha(epochs=9, grace=1, rf=3, mode="max")
+    # The first trial to reach a rung always continues (it is the best so far).
+    assert asha.keep_going(1, 0.5)
+    assert not asha.keep_going(1, 0.4)  # 2 seen: the best 1 continues
+    assert asha.keep_going(1, 0.9)  # a new best
+    assert not asha.keep_going(1, 0.6)  # 4 seen, best 1: 0.9
+    assert asha.keep_going(2, 0.1)  # not a rung: no decision
+    assert not asha.keep_going(1, float("nan"))  # a metric that is not a number stops the trial
+
+
+def test_lower_is_better_in_min_mode() -> None:
+    asha = _Asha(epochs=9, grace=1, rf=2, mode="min")
+    assert asha.keep_going(1, 2.0)
+    assert asha.keep_going(1, 1.0)
+    assert not asha.keep_going(1, 3.0)
+
+
+def test_the_best_trial_and_the_table() -> None:
+    trials = [Trial(0, {"lr": 1}, "completed", metric=0.7), Trial(1, {"lr": 2}, "stopped", metric=0.9), Trial(2, {})]
+    result = SweepResult(trials, "val_accuracy", "max", 1.0)
+    assert result.best.index == 1
+    assert result.table()[1] == {
+        "lr": 2,
+        "status": "stopped",
+        "epochs": 0,
+        "val_accuracy": 0.9,
+        "seconds": 0.0,
+        "workers": [],
+    }
