@@ -126,50 +126,55 @@ pub fn weighted_average(
             }
         }
     }
-    for (j, f) in first.iter().enumerate() {
-        if !matches!(f.data, Data::F32(_) | Data::F64(_)) {
-            return Err(ArrayError::Type(format!(
-                "array {j}: weighted_average supports float32 and float64, not {}",
-                f.data.dtype()
-            )));
-        }
-    }
-    Ok((0..first.len())
+    (0..first.len())
         .map(|j| {
             let data = match first[j].data {
-                Data::F64(x) => {
-                    let inputs: Vec<&[f64]> = lists.iter().map(|l| as_f64(&l[j].data)).collect();
-                    let mut out = vec![0f64; x.len()];
-                    let _ = parallel::weighted_average(&inputs, &w, &mut out);
-                    Owned::F64(out)
-                }
-                _ => {
-                    let inputs: Vec<&[f32]> = lists.iter().map(|l| as_f32(&l[j].data)).collect();
-                    let mut out = vec![0f32; first[j].data.len()];
-                    let _ = parallel::weighted_average(&inputs, &w, &mut out);
-                    Owned::F32(out)
+                Data::F64(_) => Owned::F64(average::<f64>(lists, j, &w, as_f64)?),
+                Data::F32(_) => Owned::F32(average::<f32>(lists, j, &w, as_f32)?),
+                other => {
+                    return Err(ArrayError::Type(format!(
+                        "array {j}: weighted_average supports float32 and float64, not {}",
+                        other.dtype()
+                    )))
                 }
             };
-            Array {
+            Ok(Array {
                 data,
                 shape: first[j].shape.to_vec(),
-            }
+            })
         })
-        .collect())
+        .collect()
 }
 
-// Only called after the dtypes were checked equal to the first array's.
-fn as_f32<'a>(d: &Data<'a>) -> &'a [f32] {
+/// Array `j` of every list averaged; every list's array `j` must be a `T` (checked above: an error, never zeros).
+fn average<'a, T: kernels::Float>(
+    lists: &[Vec<ArrayRef<'a>>],
+    j: usize,
+    w: &[f64],
+    typed: fn(&Data<'a>) -> Option<&'a [T]>,
+) -> Result<Vec<T>, ArrayError> {
+    let inputs = lists
+        .iter()
+        .map(|l| typed(&l[j].data))
+        .collect::<Option<Vec<&[T]>>>()
+        .ok_or_else(|| value(format!("array {j}: the lists' dtypes differ")))?;
+    let mut out = vec![T::zero(); inputs.first().map_or(0, |x| x.len())];
+    parallel::weighted_average(&inputs, w, &mut out)
+        .map_err(|e| value(format!("array {j}: {e}")))?;
+    Ok(out)
+}
+
+fn as_f32<'a>(d: &Data<'a>) -> Option<&'a [f32]> {
     match d {
-        Data::F32(x) => x,
-        _ => &[],
+        Data::F32(x) => Some(x),
+        _ => None,
     }
 }
 
-fn as_f64<'a>(d: &Data<'a>) -> &'a [f64] {
+fn as_f64<'a>(d: &Data<'a>) -> Option<&'a [f64]> {
     match d {
-        Data::F64(x) => x,
-        _ => &[],
+        Data::F64(x) => Some(x),
+        _ => None,
     }
 }
 

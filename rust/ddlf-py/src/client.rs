@@ -205,11 +205,8 @@ impl Client {
         answers
             .into_iter()
             .map(|a| {
-                let address = addresses
-                    .get(a.worker)
-                    .map_or("", String::as_str)
-                    .to_string();
-                Reply::new(py, a, &address, &call.name)
+                let address = addresses.get(a.worker).map_or("", String::as_str);
+                Reply::new(py, a, address, &call.name)
             })
             .collect()
     }

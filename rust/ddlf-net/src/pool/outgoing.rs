@@ -60,11 +60,6 @@ impl Outgoing {
         }
     }
 
-    /// Bytes of its buffers.
-    pub fn buffer_bytes(&self) -> usize {
-        self.total
-    }
-
     /// Whether it goes through shared memory to a worker that can map ours.
     pub(crate) fn wants_shm(&self) -> bool {
         self.total >= POOL_THRESHOLD
@@ -98,11 +93,6 @@ impl Outgoing {
             },
             shm,
         }
-    }
-
-    /// The shared memory it was written to, if any.
-    pub fn shm(&self) -> Option<&ShmRef> {
-        self.shm.as_ref()
     }
 
     /// After the call: a one-off file is removed; a pooled segment stays in the pool unless a worker may not have
