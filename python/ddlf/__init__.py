@@ -14,7 +14,7 @@ from .cluster import Cluster
 from .errors import *  # noqa: F403 - every error class, listed in errors.__all__
 from .history import History
 from .sweep import SweepResult, Trial, sweep
-from .training.run import FailurePolicy
+from .training.policy import FailurePolicy
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -40,7 +40,8 @@ from .training import worker as remote
 from .training.asynchronous import train_async as _train_async
 from .training.common import TrainConfig, set_random_seed
 from .training.membership import Members
-from .training.run import FailurePolicy, TrainingRun
+from .training.policy import FailurePolicy
+from .training.run import TrainingRun
 from .training.sync import train_sync as _train_sync
 
 
@@ -341,7 +342,6 @@ class IApp:
             initial_epoch=initial_epoch,
             validation_data=validation_data,
             resumed=resumed,
-            policy=cfg.failure_policy,
         )
         try:
             loop(run)

@@ -271,7 +271,7 @@ class Cluster:
         ``return_exceptions=True``: returns each worker's outcome (None, or its exception) instead of raising."""
         targets = self._targets(workers)
         encoded = serialization.dumps(value)
-        outcomes = self._recovery.invoke(OPS["SET_VAR"], name, "", targets, [encoded], self._deadline(timeout))
+        outcomes = self._recovery.invoke(OPS["SET_VAR"], name, "", targets, [encoded], timeout)
         if return_exceptions:
             if workers is None:
                 self._replay.record("var", name, encoded)
@@ -289,7 +289,7 @@ class Cluster:
         self._check_per_worker(values, "values")
         encoded = [serialization.dumps(v) for v in values]
         targets = list(range(len(self)))
-        raise_for(self._recovery.invoke(OPS["SET_VAR"], name, "", targets, encoded, self._deadline(timeout)))
+        raise_for(self._recovery.invoke(OPS["SET_VAR"], name, "", targets, encoded, timeout))
         self._replay.record("var", name, {self.addresses[i]: e for i, e in zip(targets, encoded)})
 
     def get(self, name: str, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> list[Any]:
@@ -527,9 +527,6 @@ class Cluster:
         if len(values) != len(self):
             raise ValueError(f"{what} has {len(values)} entries for {len(self)} workers: give one per worker")
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
-
     def _send(
         self,
         op: int,
@@ -540,7 +537,7 @@ class Cluster:
         timeout: float | None,
     ) -> list[Any]:
         """One request per target, without recovery (see :mod:`ddlf._calls`)."""
-        return self._calls.send(op, name, digest, targets, encoded, self._deadline(timeout))
+        return self._calls.send(op, name, digest, targets, encoded, self.timeout if timeout is None else timeout)
 
     def last_call_timings(self) -> dict[int, tuple[float, float]]:
         """For the calling thread's last call: ``{worker: (worker_seconds, call_seconds)}``, the seconds the
@@ -565,7 +562,7 @@ class Cluster:
         a list holding one value per target."""
         targets = self._targets(workers)
         encoded = [serialization.dumps(v) for v in value] if each else [serialization.dumps(value)]
-        outcomes = self._recovery.invoke(op, name, digest, targets, encoded, self._deadline(timeout), fn)
+        outcomes = self._recovery.invoke(op, name, digest, targets, encoded, timeout, fn)
         return outcomes if return_exceptions else raise_for(outcomes)
 
     def _set_context(self) -> None:

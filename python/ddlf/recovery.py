@@ -136,10 +136,11 @@ class Recovery:
         fn: FunctionRef | None = None,
     ) -> list[Any]:
         """Send, then recover: a worker whose daemon restarted is re-provisioned and a function a worker lost is
-        pushed again, then those workers are asked once more; broken connections mark workers lost."""
+        pushed again, then those workers are asked once more; broken connections mark workers lost. ``timeout``
+        is the caller's: the cluster's ``_send`` applies its default deadline, in that one place."""
         c = self.cluster
         calls = c._calls
-        outcomes = calls.send(op, name, digest, targets, encoded, timeout)
+        outcomes = c._send(op, name, digest, targets, encoded, timeout)
         timings = calls.last_timings
         redo: list[int] = []
         reached: set[int] = set()
@@ -175,7 +176,7 @@ class Recovery:
             if fn is not None and not isinstance(fn, str):
                 c._ensure_function(fn, timeout, targets=again_targets)
             again_encoded = encoded if len(encoded) == 1 else [encoded[k] for k in redo]
-            for k, out in zip(redo, calls.send(op, name, digest, again_targets, again_encoded, timeout)):
+            for k, out in zip(redo, c._send(op, name, digest, again_targets, again_encoded, timeout)):
                 outcomes[k] = out
             timings = {**timings, **calls.last_timings}  # the retried workers' second try; the others' first
             calls.last_timings = timings

@@ -170,9 +170,13 @@ def sweep(
         raise ValueError(f"mode must be 'max' or 'min', not {mode!r}")
     if epochs < 1 or grace_epochs < 1 or reduction_factor <= 1:
         raise ValueError("epochs and grace_epochs must be at least 1 and reduction_factor above 1")
+    if not all(isinstance(c, dict) for c in configs):
+        raise TypeError("configs must be a list of dicts (one per trial)")
     live = cluster.live_workers
     if workers_per_trial < 1 or workers_per_trial > len(live):
         raise ValueError(f"workers_per_trial must be from 1 to {len(live)} (the live workers)")
+    if metric.startswith("val_") and validation_data is None:
+        raise ValueError(f"metric {metric!r} is a validation metric: pass validation_data=(x, y)")
     # A trial whose workers are all lost gives up after this long and is queued again elsewhere.
     train_kwargs.setdefault("rejoin_timeout", 5.0)
     groups = [live[i : i + workers_per_trial] for i in range(0, len(live) - workers_per_trial + 1, workers_per_trial)]
@@ -183,13 +187,13 @@ def sweep(
     asha = _Asha(epochs, grace_epochs, reduction_factor, mode)
     t0 = time.perf_counter()
     done = threading.Event()
-    remaining = [len(trials)]
     lock = threading.Lock()
+    ended = [0]
 
-    def finish(trial: Trial) -> None:
+    def finish() -> None:
         with lock:
-            remaining[0] -= 1
-            if remaining[0] == 0:
+            ended[0] += 1
+            if ended[0] == len(trials):
                 done.set()
 
     def run_group(group: list[int]) -> None:
@@ -220,14 +224,14 @@ def sweep(
                     todo.put(trial)  # another group takes it
                 else:
                     trial.status, trial.error = "failed", exc
-                    finish(trial)
+                    finish()
                 if not any(w in cluster.live_workers for w in group):
                     return  # this group's workers are gone: it takes no more trials
                 continue
             except Exception as exc:
                 trial.status, trial.error = "failed", exc
             trial.seconds += time.perf_counter() - start
-            finish(trial)
+            finish()
 
     threads = [threading.Thread(target=run_group, args=(g,), name=f"ddlf-sweep-{g}", daemon=True) for g in groups]
     for th in threads:

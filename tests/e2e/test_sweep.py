@@ -43,7 +43,9 @@ def val_set():
     return xt[:1000], yt[:1000]
 
 
-CONFIGS = [{"lr": lr, "width": w} for lr in (1e-5, 1e-3, 3e-3) for w in (8, 32)]
+# Strong configs first: ASHA keeps whatever is best so far at a rung, so trials that arrive in improving order all
+# continue; weak ones arriving after strong ones are the ones it must stop (which is what the test checks).
+CONFIGS = [{"lr": lr, "width": w} for lr in (3e-3, 1e-3, 1e-5) for w in (32, 8)]
 
 
 def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, val_set) -> None:
@@ -98,3 +100,9 @@ def test_bad_sweeps_are_refused(cluster: ddlf.Cluster) -> None:
         ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, workers_per_trial=3)
     with pytest.raises(ValueError, match="mode"):
         ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, mode="best")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="validation_data"):
+        ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, metric="val_accuracy")
+    with pytest.raises(TypeError, match="dicts"):
+        ddlf.sweep(cluster, make_app, [(1e-3, 8)], epochs=1)  # type: ignore[list-item]
+    # Nothing was started: the workers serve as before.
+    assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]

@@ -14,7 +14,9 @@ from ddlf import serialization
 from ddlf._calls import decode
 from ddlf.recovery import ReplayLog, broken
 from ddlf.settings import MAX_LANE_SPIN_US, check_lane_spin_us, check_seconds, keras_backend_default, read_pem
-from ddlf.training.run import FailurePolicy, WorkerResult, weighted_logs
+from ddlf.training.common import TrainConfig
+from ddlf.training.policy import FailurePolicy
+from ddlf.training.run import WorkerResult, weighted_logs
 
 
 def test_the_replay_log_keeps_push_order_and_moves_repushes_last() -> None:
@@ -115,6 +117,8 @@ def test_the_failure_policy_decides_by_kind() -> None:
     assert strict.decide(ddlf.DeadlineExceeded("x")) == "raise" and strict.decide(ValueError()) == "continue"
     with pytest.raises(ValueError, match="lost_worker"):
         FailurePolicy(lost_worker="retry")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="FailurePolicy"):
+        TrainConfig(epochs=1, batch_size=1, failure_policy="raise").check()  # type: ignore[arg-type]
 
 
 def test_worker_results_and_their_logs() -> None:

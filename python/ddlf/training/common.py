@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops
+from .policy import FailurePolicy
 
 
 @dataclass
@@ -37,7 +38,7 @@ class TrainConfig:
     resume: bool = False
     rejoin_timeout: float = 60.0  # every worker lost: how long to wait for one to come back
     report: str | None = None  # write an HTML training report there at the end (and its stats as JSON)
-    failure_policy: Any = None  # a training.run.FailurePolicy: what a worker's failure does
+    failure_policy: FailurePolicy = field(default_factory=FailurePolicy)  # what a worker's failure does
     workers: list[int] | None = None  # train on these workers of the cluster only (None: all)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
@@ -55,7 +56,7 @@ class TrainConfig:
             raise ValueError(f"staleness must be 'none' or 'dynsgd', not {self.staleness!r}")
         if self.rotate_shards_every is not None and self.rotate_shards_every < 1:
             raise ValueError("rotate_shards_every must be at least 1 epoch")
-        if self.failure_policy is not None and not hasattr(self.failure_policy, "decide"):
+        if not isinstance(self.failure_policy, FailurePolicy):
             raise TypeError(f"failure_policy must be a ddlf.FailurePolicy, not {type(self.failure_policy).__name__}")
         if self.averaging_frequency is not None and self.averaging_frequency < 1:
             raise ValueError("averaging_frequency must be at least 1 batch")

@@ -1,51 +1,25 @@
 """One training run: what the synchronous and asynchronous loops share.
 
-A :class:`TrainingRun` holds the app, its config, History, callbacks, membership (:class:`~.membership.Members`),
-the dataset's size and the :class:`FailurePolicy`; it opens and closes epochs, records rounds and lost workers, and
-writes checkpoints. A loop only decides what a round is. :class:`WorkerResult` is what a worker's training chunk
-returns, typed.
+A :class:`TrainingRun` holds the app, its config (with its :class:`~.policy.FailurePolicy`), History, callbacks,
+membership (:class:`~.membership.Members`) and the dataset's size; it opens and closes epochs, records rounds and
+lost workers, and writes checkpoints. A loop only decides what a round is. :class:`WorkerResult` is what a
+worker's training chunk returns, typed.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from ..errors import WorkerUnavailable
 from ..history import History, RoundStats
 from . import checkpoint
 from . import worker as remote
 from .common import TrainConfig
 from .membership import Members
-
-
-@dataclass(frozen=True)
-class FailurePolicy:
-    """What a worker's failure does to a training run (in the spirit of Ray Train v2's ``FailurePolicy``).
-
-    ``lost_worker``: a worker that is lost (killed, stopped, cut off; :class:`~ddlf.errors.WorkerUnavailable`):
-    ``"continue"`` leaves it out (sync: the round is re-weighted over the survivors; async: its chunk goes back
-    to the queue) and takes it back when it returns; ``"raise"`` stops training with its error.
-    ``remote_error``: user code raised on a worker (or any other error): ``"raise"`` stops training (the default:
-    a bug does not fix itself); ``"continue"`` leaves that worker's result out of the round.
-    """
-
-    lost_worker: Literal["continue", "raise"] = "continue"
-    remote_error: Literal["continue", "raise"] = "raise"
-
-    def __post_init__(self) -> None:
-        for what in ("lost_worker", "remote_error"):
-            if getattr(self, what) not in ("continue", "raise"):
-                raise ValueError(f"{what} must be 'continue' or 'raise', not {getattr(self, what)!r}")
-
-    def decide(self, exc: BaseException) -> Literal["continue", "raise"]:
-        """What to do about a worker's failure ``exc``."""
-        if isinstance(exc, WorkerUnavailable):
-            return self.lost_worker
-        return self.remote_error
+from .policy import FailurePolicy
 
 
 @dataclass
@@ -97,11 +71,15 @@ class TrainingRun:
     initial_epoch: int = 0
     validation_data: Any = None
     resumed: dict[str, Any] | None = None
-    policy: FailurePolicy = field(default_factory=FailurePolicy)
 
     @property
     def cluster(self) -> Any:
         return self.app.cluster
+
+    @property
+    def policy(self) -> FailurePolicy:
+        """What a worker's failure does to this run (``cfg.failure_policy``)."""
+        return self.cfg.failure_policy
 
     def fail(self, exc: BaseException) -> None:
         """A worker failed: raise unless the policy says to carry on without it."""
