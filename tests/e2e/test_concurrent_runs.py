@@ -94,9 +94,11 @@ def test_two_masters_at_once_each_learn_as_alone(daemons: list[Daemon], mode: st
         out, err = m.communicate(timeout=240)
         assert m.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
-    # Alone, this app reaches more than 80% on these images after 3 epochs (test_training's band).
+    # test_training's bands for this app alone after 3 epochs: above 80% in sync, above 75% in async (async runs
+    # are not bit-reproducible; one CI run ended at 78.5% with the other master's run intact at 9,000 samples).
+    band = {"sync": 0.80, "async": 0.75}[mode]
     for r in results:
-        assert r["acc"] > 0.80, results
+        assert r["acc"] > band, results
         assert r["samples"] == 3 * 3000, results
     with ddlf.Cluster(addresses, token=daemons[0].token) as c:
         names, runs = _leftovers(c)
