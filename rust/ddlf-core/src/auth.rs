@@ -41,6 +41,11 @@ impl Token {
         bool::from(self.0.as_slice().ct_eq(presented))
     }
 
+    /// The secret itself, for presenting it on a link that carries no header (a worker's peer link).
+    pub fn secret(&self) -> &[u8] {
+        &self.0
+    }
+
     /// The header value a client sends.
     pub fn header_value(&self) -> String {
         format!("{BEARER_PREFIX}{}", String::from_utf8_lossy(&self.0))

@@ -8,8 +8,9 @@
 //!
 //! The bytes read for the check are replayed to the server, so an accepted connection is untouched.
 //!
-//! A plaintext daemon also admits direct lanes (see [`crate::lane`]): a connection that opens with
-//! [`LANE_PREFACE`] is handed to the daemon's lane handler instead of the gRPC server.
+//! A plaintext daemon also admits direct lanes (see [`crate::lane`]) and peer links (see
+//! [`crate::collective::peer`]): a connection that opens with [`LANE_PREFACE`] or [`PEER_PREFACE`] is handed to
+//! the daemon's handler for it instead of the gRPC server.
 
 use std::io;
 use std::net::SocketAddr;
@@ -25,6 +26,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
+use crate::collective::peer::PEER_PREFACE;
 use crate::lane::LANE_PREFACE;
 
 /// The first bytes of every HTTP/2 connection (RFC 9113, section 3.4).
@@ -69,6 +71,7 @@ pub enum Refusal {
     PlainOnTls,
     Garbage,
     LanesOff,
+    PeersOff,
 }
 
 /// What an admitted connection speaks.
@@ -78,6 +81,8 @@ pub enum Admission {
     Grpc,
     /// A direct lane.
     Lane,
+    /// A worker's peer link (a ring all-reduce).
+    Peer,
 }
 
 impl std::fmt::Display for Refusal {
@@ -103,6 +108,10 @@ impl std::fmt::Display for Refusal {
                 f,
                 "a direct lane, and this daemon serves none (TLS daemons serve gRPC only)"
             ),
+            Refusal::PeersOff => write!(
+                f,
+                "a peer link, and this daemon admits none (TLS daemons serve gRPC only)"
+            ),
         }
     }
 }
@@ -120,12 +129,18 @@ pub fn judge(first: &[u8], tls: bool) -> Result<Admission, Refusal> {
         if first == &LANE_PREFACE[..first.len().min(LANE_PREFACE.len())] && !first.is_empty() {
             return Err(Refusal::LanesOff);
         }
+        if first == &PEER_PREFACE[..first.len().min(PEER_PREFACE.len())] && !first.is_empty() {
+            return Err(Refusal::PeersOff);
+        }
     } else {
         if first == H2_PREFACE {
             return Ok(Admission::Grpc);
         }
         if first == LANE_PREFACE {
             return Ok(Admission::Lane);
+        }
+        if first == PEER_PREFACE {
+            return Ok(Admission::Peer);
         }
         if is_tls_record {
             return Err(Refusal::TlsOnPlain);
@@ -224,9 +239,10 @@ impl AsyncWrite for Admitted {
     }
 }
 
-/// A direct lane that passed the preface check, for the daemon's lane handler (which checks its hello).
+/// A direct lane or peer link that passed the preface check, for the daemon's handler of it (which checks its
+/// hello).
 #[derive(Debug)]
-pub struct LaneArrival {
+pub struct Handover {
     pub stream: TcpStream,
     pub peer: SocketAddr,
     /// Keep it as long as the lane is open: the lane counts against the connection limit.
@@ -236,7 +252,8 @@ pub struct LaneArrival {
 /// An admitted connection of either kind.
 enum Arrival {
     Grpc(Admitted),
-    Lane(LaneArrival),
+    Lane(Handover),
+    Peer(Handover),
 }
 
 /// Read the first bytes of a connection (within the handshake deadline) and judge them.
@@ -258,7 +275,9 @@ async fn read_first(
             let plausible = if config.tls {
                 so_far[0] == 0x16
             } else {
-                H2_PREFACE.starts_with(so_far) || LANE_PREFACE.starts_with(so_far)
+                H2_PREFACE.starts_with(so_far)
+                    || LANE_PREFACE.starts_with(so_far)
+                    || PEER_PREFACE.starts_with(so_far)
             };
             if !plausible {
                 return judge(so_far, config.tls);
@@ -287,9 +306,11 @@ async fn admit(
             return Err(reason);
         }
     };
-    if admission == Admission::Lane {
-        // The preface was read whole (it is exactly as long as the read), so the hello comes next.
-        return Ok(Arrival::Lane(LaneArrival { stream, peer, slot }));
+    // A lane's or peer link's preface was read whole (it is exactly as long as the read): its hello comes next.
+    match admission {
+        Admission::Lane => return Ok(Arrival::Lane(Handover { stream, peer, slot })),
+        Admission::Peer => return Ok(Arrival::Peer(Handover { stream, peer, slot })),
+        Admission::Grpc => {}
     }
     let info = TcpConnectInfo {
         local_addr: stream.local_addr().ok(),
@@ -304,14 +325,21 @@ async fn admit(
     }))
 }
 
+/// Where a daemon's non-gRPC connections go; `None` refuses that kind.
+#[derive(Clone, Default)]
+pub struct Handlers {
+    pub lanes: Option<mpsc::UnboundedSender<Handover>>,
+    pub peers: Option<mpsc::UnboundedSender<Handover>>,
+}
+
 /// Accept connections on `listener`, check each one concurrently, and yield the admitted gRPC ones; direct lanes
-/// go to `lanes` (refused when it is `None`). Stops accepting (and closes the listening socket) when the
-/// returned stream is dropped.
+/// and peer links go to `handlers`. Stops accepting (and closes the listening socket) when the returned stream
+/// is dropped.
 pub fn guarded(
     listener: TcpListener,
     config: GuardConfig,
     stats: Arc<ConnStats>,
-    lanes: Option<mpsc::UnboundedSender<LaneArrival>>,
+    handlers: Handlers,
 ) -> ReceiverStream<io::Result<Admitted>> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
@@ -337,24 +365,28 @@ pub fn guarded(
                 tracing::warn!(%peer, reason = %Refusal::TooMany(open - 1), "connection refused");
                 continue; // dropping the stream closes it; dropping the slot frees it
             }
-            let (tx, stats, config, lanes) =
-                (tx.clone(), stats.clone(), config.clone(), lanes.clone());
+            let (tx, stats, config, handlers) =
+                (tx.clone(), stats.clone(), config.clone(), handlers.clone());
             tokio::spawn(async move {
                 match admit(stream, peer, &config, slot).await {
                     Ok(Arrival::Grpc(conn)) => {
                         tracing::debug!(%peer, "connection admitted");
                         let _ = tx.send(Ok(conn)).await;
                     }
-                    Ok(Arrival::Lane(lane)) => match lanes {
-                        Some(lanes) => {
-                            tracing::debug!(%peer, "direct lane admitted");
-                            let _ = lanes.send(lane);
-                        }
-                        None => {
-                            stats.refused.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(%peer, reason = %Refusal::LanesOff, "connection refused");
-                        }
-                    },
+                    Ok(Arrival::Lane(lane)) => hand_over(
+                        lane,
+                        handlers.lanes.as_ref(),
+                        "direct lane",
+                        &stats,
+                        Refusal::LanesOff,
+                    ),
+                    Ok(Arrival::Peer(link)) => hand_over(
+                        link,
+                        handlers.peers.as_ref(),
+                        "peer link",
+                        &stats,
+                        Refusal::PeersOff,
+                    ),
                     Err(reason) => {
                         // Counted by `admit` before the connection closed.
                         tracing::warn!(%peer, %reason, "connection refused");
@@ -367,6 +399,26 @@ pub fn guarded(
     ReceiverStream::new(rx)
 }
 
+fn hand_over(
+    arrival: Handover,
+    to: Option<&mpsc::UnboundedSender<Handover>>,
+    what: &str,
+    stats: &ConnStats,
+    off: Refusal,
+) {
+    let peer = arrival.peer;
+    match to {
+        Some(to) => {
+            tracing::debug!(%peer, "{what} admitted");
+            let _ = to.send(arrival);
+        }
+        None => {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, reason = %off, "connection refused");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -375,6 +427,8 @@ mod tests {
     fn the_preface_is_accepted_and_everything_else_named() {
         assert_eq!(judge(H2_PREFACE, false), Ok(Admission::Grpc));
         assert_eq!(judge(LANE_PREFACE, false), Ok(Admission::Lane));
+        assert_eq!(judge(PEER_PREFACE, false), Ok(Admission::Peer));
+        assert_eq!(judge(&PEER_PREFACE[..3], true), Err(Refusal::PeersOff));
         assert_eq!(judge(&LANE_PREFACE[..3], true), Err(Refusal::LanesOff));
         assert_eq!(judge(&LANE_PREFACE[..10], false), Err(Refusal::Garbage));
         assert_eq!(judge(b"GET / HTTP/1.1\r\n", false), Err(Refusal::Http1));
@@ -396,6 +450,7 @@ mod tests {
             Refusal::PlainOnTls,
             Refusal::Garbage,
             Refusal::LanesOff,
+            Refusal::PeersOff,
         ] {
             assert!(r.to_string().len() > 10, "{r:?}");
         }
@@ -415,6 +470,10 @@ mod tests {
                     Ok(Admission::Lane) => {
                         prop_assert!(!tls);
                         prop_assert_eq!(&bytes[..], &LANE_PREFACE[..]);
+                    }
+                    Ok(Admission::Peer) => {
+                        prop_assert!(!tls);
+                        prop_assert_eq!(&bytes[..], &PEER_PREFACE[..]);
                     }
                     Err(_) => {}
                 }

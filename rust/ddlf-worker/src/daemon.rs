@@ -162,6 +162,19 @@ impl Daemon {
                 jobs.clone(),
             )
         });
+        let peers = (!guard.tls).then(|| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let token = config.token.clone().map(Arc::new);
+            (
+                tx,
+                rx,
+                token,
+                guard.handshake_timeout,
+                state.rejected.clone(),
+            )
+        });
+        // The ring links this process opens present the daemon's own token (a cluster's workers share it).
+        ddlf_net::collective::set_local_token(config.token.clone());
         let (done_tx, done) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("ddlf-net".into())
@@ -177,7 +190,7 @@ impl Daemon {
                     // Every connection passes the admission guard (limit, preface check, handshake deadline)
                     // with Nagle off: HTTP/2 writes small frames (headers, trailers, window updates) after large
                     // ones, and Nagle would hold them for the peer's delayed ACK.
-                    let lane_tx = lanes.map(|(tx, mut rx, token, timeout, state, jobs)| {
+                    let lanes = lanes.map(|(tx, mut rx, token, timeout, state, jobs)| {
                         tokio::spawn(async move {
                             while let Some(arrival) = rx.recv().await {
                                 let (token, state, jobs) =
@@ -193,7 +206,23 @@ impl Daemon {
                         });
                         tx
                     });
-                    let incoming = ddlf_net::guard::guarded(listener, guard, connections, lane_tx);
+                    // Peer links (workers' ring all-reduce): token checked here, then left in this process's
+                    // mailbox for the interpreter thread's ring.
+                    let peers = peers.map(|(tx, mut rx, token, timeout, rejected)| {
+                        tokio::spawn(async move {
+                            while let Some(arrival) = rx.recv().await {
+                                tokio::spawn(ddlf_net::collective::peer::welcome(
+                                    arrival,
+                                    token.clone(),
+                                    timeout,
+                                    rejected.clone(),
+                                ));
+                            }
+                        });
+                        tx
+                    });
+                    let handlers = ddlf_net::guard::Handlers { lanes, peers };
+                    let incoming = ddlf_net::guard::guarded(listener, guard, connections, handlers);
                     let result = builder
                         .add_service(svc)
                         .serve_with_incoming_shutdown(incoming, async move {

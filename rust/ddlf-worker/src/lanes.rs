@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use ddlf_core::auth::Token;
 use ddlf_core::frame::{FrameError, FrameLimits};
-use ddlf_net::guard::{LaneArrival, Slot};
+use ddlf_net::guard::{Handover, Slot};
 use ddlf_net::lane::{
     configure, handshake_bytes, joined_value, message_value, read_handshake, write_frame,
     FrameReader, LaneError,
@@ -37,13 +37,13 @@ const DRAIN_LIMIT: u64 = 16 << 20;
 /// Check a new lane's hello and, if it passes, `deliver` the lane to the interpreter thread (false: it is
 /// shutting down).
 pub(crate) async fn welcome(
-    arrival: LaneArrival,
+    arrival: Handover,
     token: Option<Arc<Token>>,
     handshake_timeout: Duration,
     state: Arc<WorkerState>,
     deliver: impl FnOnce(LaneIn) -> bool,
 ) {
-    let LaneArrival {
+    let Handover {
         mut stream,
         peer,
         slot,

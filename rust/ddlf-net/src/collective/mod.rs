@@ -1,0 +1,297 @@
+//! Workers reducing among themselves: ring all-reduce over direct worker-to-worker links.
+//!
+//! * [`ring`]: the algorithm (reduce-scatter then all-gather, pipelined on non-blocking sockets), over any two
+//!   connected links.
+//! * [`peer`]: opening a link to another worker's daemon (token checked before anything is decoded), and the
+//!   mailbox where a daemon leaves the links it admitted for this process's ring.
+//! * [`Ring`]: one rank's membership in a ring: its spec, its links (opened on first use and kept for the
+//!   following reductions), and errors that name the neighbour at fault.
+//!
+//! A ring that fails once is spent: its links are closed (so both neighbours fail at once instead of waiting for
+//! their stall timeout, and the failure travels around the ring in a few round trips) and every later call
+//! refuses. Whoever formed it (the master) forms a new one, with a new group id, from the ranks still alive.
+
+pub mod peer;
+pub mod ring;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use ddlf_core::auth::Token;
+
+use crate::guard::Slot;
+pub use ring::{Elem, Op, RingError, Side};
+
+/// The token this process presents on the peer links it opens: the one its daemon was started with (set by
+/// the daemon at start; workers of one cluster share the master's token).
+pub fn set_local_token(token: Option<Token>) {
+    let _ = LOCAL_TOKEN.set(token);
+}
+
+/// See [`set_local_token`].
+pub fn local_token() -> Option<&'static Token> {
+    LOCAL_TOKEN.get().and_then(Option::as_ref)
+}
+
+static LOCAL_TOKEN: OnceLock<Option<Token>> = OnceLock::new();
+
+/// One rank's view of a ring.
+#[derive(Clone, Debug)]
+pub struct RingSpec {
+    /// Unique per ring: links of two rings never mix.
+    pub group: u128,
+    pub rank: usize,
+    /// Every rank's daemon address, in ring order.
+    pub addresses: Vec<String>,
+    /// Parallel links per neighbour (each carries its own contiguous slice of the data).
+    pub streams: usize,
+    /// Connecting, and the longest a neighbour may make no progress during a reduction.
+    pub timeout: Duration,
+}
+
+/// What can go wrong in a collective, naming the rank (and address) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("invalid ring: {0}")]
+    Invalid(String),
+    #[error("cannot resolve rank {rank}'s address {address:?}")]
+    Resolve { rank: usize, address: String },
+    #[error("cannot open a peer link to rank {rank} ({address}): {source}")]
+    Open {
+        rank: usize,
+        address: String,
+        source: peer::OpenError,
+    },
+    #[error("rank {rank} ({address}) opened no peer link within {timeout:?}")]
+    NoLink {
+        rank: usize,
+        address: String,
+        timeout: Duration,
+    },
+    #[error("all-reduce failed with rank {rank} ({address}): {source}")]
+    Ring {
+        rank: usize,
+        address: String,
+        source: RingError,
+    },
+    #[error("this ring failed before ({0}); form a new one from the ranks still alive")]
+    Spent(String),
+}
+
+struct Stream {
+    links: ring::Links,
+    _slot: Slot,
+}
+
+/// One rank's membership in a ring (see the module docs).
+pub struct Ring {
+    spec: RingSpec,
+    token: Option<Token>,
+    streams: Option<Vec<Stream>>,
+    spent: Option<String>,
+}
+
+impl Ring {
+    /// Check the spec; links open on the first reduction.
+    pub fn new(spec: RingSpec, token: Option<Token>) -> Result<Ring, CollectiveError> {
+        let n = spec.addresses.len();
+        if n == 0 || spec.rank >= n {
+            return Err(CollectiveError::Invalid(format!(
+                "rank {} of {n} addresses",
+                spec.rank
+            )));
+        }
+        if spec.streams == 0 || spec.streams > 16 {
+            return Err(CollectiveError::Invalid(format!(
+                "streams must be 1 to 16, not {}",
+                spec.streams
+            )));
+        }
+        if spec.timeout.is_zero() {
+            return Err(CollectiveError::Invalid("timeout must be positive".into()));
+        }
+        Ok(Ring {
+            spec,
+            token,
+            streams: None,
+            spent: None,
+        })
+    }
+
+    /// The ring's spec.
+    pub fn spec(&self) -> &RingSpec {
+        &self.spec
+    }
+
+    fn n(&self) -> usize {
+        self.spec.addresses.len()
+    }
+
+    fn neighbour(&self, side: Side) -> (usize, String) {
+        let n = self.n();
+        let rank = match side {
+            Side::Left => (self.spec.rank + n - 1) % n,
+            Side::Right => (self.spec.rank + 1) % n,
+        };
+        (rank, self.spec.addresses[rank].clone())
+    }
+
+    fn resolve(&self, rank: usize) -> Result<SocketAddr, CollectiveError> {
+        let address = &self.spec.addresses[rank];
+        address
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| CollectiveError::Resolve {
+                rank,
+                address: address.clone(),
+            })
+    }
+
+    /// Open every stream's link to the right neighbour, then take the left neighbour's from the mailbox.
+    fn connect(&mut self) -> Result<Vec<Stream>, CollectiveError> {
+        let (right, right_address) = self.neighbour(Side::Right);
+        let (left, left_address) = self.neighbour(Side::Left);
+        let to = self.resolve(right)?;
+        let mut rights = Vec::with_capacity(self.spec.streams);
+        for stream in 0..self.spec.streams {
+            let key = peer::LinkKey {
+                group: self.spec.group,
+                to_rank: right as u32,
+                stream: stream as u32,
+            };
+            let link =
+                peer::open(to, key, self.token.as_ref(), self.spec.timeout).map_err(|source| {
+                    CollectiveError::Open {
+                        rank: right,
+                        address: right_address.clone(),
+                        source,
+                    }
+                })?;
+            rights.push(link);
+        }
+        let mut streams = Vec::with_capacity(self.spec.streams);
+        for (stream, right) in rights.into_iter().enumerate() {
+            let key = peer::LinkKey {
+                group: self.spec.group,
+                to_rank: self.spec.rank as u32,
+                stream: stream as u32,
+            };
+            let (left_link, slot) =
+                peer::mailbox()
+                    .take(key, self.spec.timeout)
+                    .ok_or_else(|| CollectiveError::NoLink {
+                        rank: left,
+                        address: left_address.clone(),
+                        timeout: self.spec.timeout,
+                    })?;
+            let configure = |s: &std::net::TcpStream| {
+                s.set_nonblocking(true)?;
+                s.set_nodelay(true)
+            };
+            configure(&left_link)
+                .and_then(|_| configure(&right))
+                .map_err(|source| CollectiveError::Ring {
+                    rank: left,
+                    address: left_address.clone(),
+                    source: RingError::Io {
+                        side: Side::Left,
+                        source,
+                    },
+                })?;
+            streams.push(Stream {
+                links: ring::Links {
+                    left: left_link,
+                    right,
+                },
+                _slot: slot,
+            });
+        }
+        Ok(streams)
+    }
+
+    /// All-reduce `data` in place with the other ranks. Every rank must pass the same element type and count.
+    pub fn allreduce<T: Elem>(&mut self, data: &mut [T], op: Op) -> Result<(), CollectiveError> {
+        if let Some(why) = &self.spent {
+            return Err(CollectiveError::Spent(why.clone()));
+        }
+        if self.n() == 1 {
+            return Ok(());
+        }
+        let result = self.reduce(data, op);
+        if let Err(e) = &result {
+            // Close the links now: both neighbours fail at once instead of stalling out.
+            self.spent = Some(e.to_string());
+            self.streams = None;
+            peer::mailbox().forget(self.spec.group);
+        }
+        result
+    }
+
+    fn reduce<T: Elem>(&mut self, data: &mut [T], op: Op) -> Result<(), CollectiveError> {
+        let mut streams = match self.streams.take() {
+            Some(s) => s,
+            None => self.connect()?,
+        };
+        let (rank, n, stall) = (self.spec.rank, self.n(), self.spec.timeout);
+        // Each stream reduces its own contiguous slice (the same cut on every rank: it depends on the length only).
+        let k = streams.len();
+        let mut parts: Vec<&mut [T]> = Vec::with_capacity(k);
+        let mut rest = data;
+        for i in 0..k {
+            let len = ring::chunk(rest.len(), k - i, 0).len();
+            let (head, tail) = rest.split_at_mut(len);
+            parts.push(head);
+            rest = tail;
+        }
+        let results: Vec<Result<(), RingError>> = if k == 1 {
+            vec![ring::allreduce(
+                parts.pop().unwrap_or_default(),
+                rank,
+                n,
+                &mut streams[0].links,
+                op,
+                stall,
+            )]
+        } else {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = parts
+                    .into_iter()
+                    .zip(streams.iter_mut())
+                    .map(|(part, st)| {
+                        s.spawn(move || ring::allreduce(part, rank, n, &mut st.links, op, stall))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or(Err(RingError::BadHeader)))
+                    .collect()
+            })
+        };
+        for r in results {
+            if let Err(source) = r {
+                let side = match &source {
+                    RingError::Io { side, .. }
+                    | RingError::Closed { side }
+                    | RingError::Stalled { side, .. } => *side,
+                    RingError::Mismatch { .. } | RingError::BadHeader => Side::Left,
+                };
+                let (rank, address) = self.neighbour(side);
+                return Err(CollectiveError::Ring {
+                    rank,
+                    address,
+                    source,
+                });
+            }
+        }
+        self.streams = Some(streams);
+        Ok(())
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        peer::mailbox().forget(self.spec.group);
+    }
+}

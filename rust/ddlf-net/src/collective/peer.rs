@@ -1,0 +1,225 @@
+//! Peer links: how one worker opens a ring link to another worker's daemon, and how a daemon admits it.
+//!
+//! A peer link is a plain TCP connection to the other daemon's own port. It opens with [`PEER_PREFACE`] (which
+//! the admission guard recognises beside HTTP/2 and lanes), then the cluster token, length-prefixed. The daemon
+//! compares the token in constant time **before reading anything else**: a connection without it is answered
+//! [`ANSWER_UNAUTHENTICATED`] and closed, its remaining bytes never decoded. Only then come the fixed-size ring
+//! fields (group, the receiving rank, stream index) and the daemon answers [`ANSWER_OK`].
+//!
+//! Admitted links wait in this process's [`mailbox`] until the receiving rank's [`super::Ring`] takes them (the
+//! ring runs on the interpreter thread, the daemon accepts on its network runtime, and both are in one process).
+//! Links nobody takes are dropped after [`MAILBOX_TTL`].
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use ddlf_core::auth::Token;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::guard::{Handover, Slot};
+
+/// The first bytes of a peer link, as long as the HTTP/2 preface (the admission check reads 24 bytes for all).
+pub const PEER_PREFACE: &[u8; 24] = b"DDLF peer link 1\r\n\r\n\r\n\r\n";
+
+/// The daemon's answer: admitted.
+pub const ANSWER_OK: u8 = 0;
+/// The daemon's answer: no token, or the wrong one.
+pub const ANSWER_UNAUTHENTICATED: u8 = 1;
+
+/// The longest token a peer may present (the daemon refuses longer ones unread).
+const MAX_TOKEN: usize = 4096;
+
+/// How long an admitted link waits to be taken.
+pub const MAILBOX_TTL: Duration = Duration::from_secs(300);
+
+/// Which link: the ring (group), the rank it goes to, and which of that rank's parallel streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LinkKey {
+    pub group: u128,
+    pub to_rank: u32,
+    pub stream: u32,
+}
+
+impl LinkKey {
+    const BYTES: usize = 24;
+
+    fn encode(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[..16].copy_from_slice(&self.group.to_le_bytes());
+        b[16..20].copy_from_slice(&self.to_rank.to_le_bytes());
+        b[20..].copy_from_slice(&self.stream.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; Self::BYTES]) -> Self {
+        let mut group = [0u8; 16];
+        group.copy_from_slice(&b[..16]);
+        let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        LinkKey {
+            group: u128::from_le_bytes(group),
+            to_rank: word(16),
+            stream: word(20),
+        }
+    }
+}
+
+/// What opening a link to the right neighbour can end in (besides I/O errors).
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("refused the link: {0}")]
+    Refused(&'static str),
+}
+
+/// Open a link to the daemon at `address` for `key`, presenting `token`. Blocking, bounded by `timeout`.
+pub fn open(
+    address: SocketAddr,
+    key: LinkKey,
+    token: Option<&Token>,
+    timeout: Duration,
+) -> Result<TcpStream, OpenError> {
+    let mut stream = TcpStream::connect_timeout(&address, timeout)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let secret = token.map(Token::secret).unwrap_or_default();
+    let mut hello = Vec::with_capacity(PEER_PREFACE.len() + 4 + secret.len() + LinkKey::BYTES);
+    hello.extend_from_slice(PEER_PREFACE);
+    hello.extend_from_slice(&(secret.len() as u32).to_le_bytes());
+    hello.extend_from_slice(secret);
+    hello.extend_from_slice(&key.encode());
+    stream.write_all(&hello)?;
+    let mut answer = [0u8; 1];
+    match stream.read(&mut answer) {
+        Ok(1) if answer[0] == ANSWER_OK => Ok(stream),
+        Ok(1) if answer[0] == ANSWER_UNAUTHENTICATED => Err(OpenError::Refused(
+            "wrong or missing cluster token (every worker of a ring must share the master's token)",
+        )),
+        Ok(1) => Err(OpenError::Refused("unknown answer")),
+        Ok(_) => Err(OpenError::Refused(
+            "closed without an answer (an older ddlf, or a TLS daemon: peer links are plaintext only)",
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Links admitted by this process's daemon(s), waiting for their ring.
+pub struct Mailbox {
+    links: Mutex<HashMap<LinkKey, (Instant, TcpStream, Slot)>>,
+    arrived: Condvar,
+}
+
+/// This process's mailbox.
+pub fn mailbox() -> &'static Mailbox {
+    static MAILBOX: LazyLock<Mailbox> = LazyLock::new(|| Mailbox {
+        links: Mutex::new(HashMap::new()),
+        arrived: Condvar::new(),
+    });
+    &MAILBOX
+}
+
+impl Mailbox {
+    fn put(&self, key: LinkKey, stream: TcpStream, slot: Slot) {
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        links.retain(|_, (at, _, _)| at.elapsed() < MAILBOX_TTL);
+        // A second link for the same key replaces the first (a rank that reconnected); the first closes.
+        links.insert(key, (Instant::now(), stream, slot));
+        self.arrived.notify_all();
+    }
+
+    /// Take the link for `key`, waiting up to `timeout` for it to arrive.
+    pub fn take(&self, key: LinkKey, timeout: Duration) -> Option<(TcpStream, Slot)> {
+        let deadline = Instant::now() + timeout;
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some((_, stream, slot)) = links.remove(&key) {
+                return Some((stream, slot));
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            links = self
+                .arrived
+                .wait_timeout(links, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Drop every waiting link of `group` (a ring that failed or closed).
+    pub fn forget(&self, group: u128) {
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        links.retain(|k, _| k.group != group);
+    }
+}
+
+/// The daemon's end: check a peer link's token, then its fields, and put it in the mailbox. `rejected` counts
+/// refused tokens (the daemon's status shows it).
+pub async fn welcome(
+    arrival: Handover,
+    token: Option<Arc<Token>>,
+    handshake_timeout: Duration,
+    rejected: Arc<AtomicU64>,
+) {
+    let Handover {
+        mut stream,
+        peer,
+        slot,
+    } = arrival;
+    let checked = tokio::time::timeout(handshake_timeout, async {
+        let mut len = [0u8; 4];
+        stream.read_exact(&mut len).await?;
+        let len = u32::from_le_bytes(len) as usize;
+        let mut secret = vec![0u8; len.min(MAX_TOKEN)];
+        if len <= MAX_TOKEN {
+            stream.read_exact(&mut secret).await?;
+        }
+        let ok = len <= MAX_TOKEN && token.as_ref().is_none_or(|t| t.verify(&secret));
+        if !ok {
+            return Ok::<_, std::io::Error>(None);
+        }
+        let mut key = [0u8; LinkKey::BYTES];
+        stream.read_exact(&mut key).await?;
+        Ok(Some(LinkKey::decode(&key)))
+    })
+    .await;
+    match checked {
+        Ok(Ok(Some(key))) => {
+            if stream.write_all(&[ANSWER_OK]).await.is_err() {
+                return;
+            }
+            match stream.into_std() {
+                Ok(std) => {
+                    tracing::debug!(%peer, rank = key.to_rank, stream = key.stream, "peer link admitted");
+                    mailbox().put(key, std, slot);
+                }
+                Err(e) => tracing::warn!(%peer, error = %e, "cannot hand a peer link over"),
+            }
+        }
+        Ok(Ok(None)) => {
+            rejected.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, "peer link refused: wrong or missing token");
+            let _ = stream.write_all(&[ANSWER_UNAUTHENTICATED]).await;
+        }
+        Ok(Err(e)) => tracing::warn!(%peer, error = %e, "peer link closed during its hello"),
+        Err(_) => tracing::warn!(%peer, "peer link sent no hello within the handshake deadline"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_keys_round_trip() {
+        let k = LinkKey {
+            group: u128::MAX - 7,
+            to_rank: 3,
+            stream: 1,
+        };
+        assert_eq!(LinkKey::decode(&k.encode()), k);
+    }
+}

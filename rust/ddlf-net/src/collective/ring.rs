@@ -1,0 +1,596 @@
+//! The ring all-reduce itself: reduce-scatter then all-gather over one left and one right TCP link, pipelined.
+//!
+//! `data` is cut into `n` chunks (sizes differ by at most one element). In step `t` of `2(n-1)`, rank `r` sends
+//! chunk `(r - t) mod n` to its right neighbour and receives chunk `(r - t - 1) mod n` from its left one: during the
+//! first `n - 1` steps (reduce-scatter) the received elements are added to its own, during the last `n - 1`
+//! (all-gather) they replace them. Each rank thus sends and receives `2(n-1)/n` times the data, whatever `n`.
+//!
+//! Everything runs on the calling thread over non-blocking sockets and `poll(2)`: bytes of step `t + 1` go out as
+//! soon as the same elements of step `t` have been received and reduced, so sending, receiving and adding overlap
+//! within a step (the kernel's socket buffers carry the transfer while this thread adds). One thread owns `data`
+//! throughout, so there is no shared mutable memory and no `unsafe`.
+//!
+//! Why the all-gather never overwrites an element before this rank has sent its reduce-scatter value: the value
+//! that arrives for element `i` of chunk `c` in the all-gather is the finished sum, which includes what this rank
+//! sent for `i` during the reduce-scatter, so that send happened first.
+//!
+//! Every call starts by exchanging a 16-byte header with both neighbours (element type and count), so ranks that
+//! disagree about what they reduce fail with [`RingError::Mismatch`] instead of adding unrelated bytes.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+/// What one reduction does with the summed values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// The element-wise sum over ranks.
+    Sum,
+    /// The element-wise mean over ranks (the sum divided by `n`).
+    Mean,
+}
+
+/// An element type the ring reduces: plain bytes on the wire (little-endian hosts; see `peer.rs`).
+pub trait Elem: bytemuck::Pod + Send + Sync {
+    /// Code in the call header, so ranks reducing different types refuse instead of mixing bytes.
+    const CODE: u32;
+    /// Name in error messages.
+    const NAME: &'static str;
+    fn add(self, other: Self) -> Self;
+    fn scale(self, by: f64) -> Self;
+}
+
+impl Elem for f32 {
+    const CODE: u32 = 1;
+    const NAME: &'static str = "float32";
+    fn add(self, other: Self) -> Self {
+        self + other
+    }
+    fn scale(self, by: f64) -> Self {
+        (self as f64 * by) as f32
+    }
+}
+
+impl Elem for f64 {
+    const CODE: u32 = 2;
+    const NAME: &'static str = "float64";
+    fn add(self, other: Self) -> Self {
+        self + other
+    }
+    fn scale(self, by: f64) -> Self {
+        self * by
+    }
+}
+
+/// Why one ring pass failed. The caller knows the neighbours' ranks and addresses and names them.
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    #[error("the link to the {side} neighbour failed: {source}")]
+    Io { side: Side, source: io::Error },
+    #[error("the {side} neighbour closed the link")]
+    Closed { side: Side },
+    #[error("the {side} neighbour made no progress for {after:?} (stopped, or its link is down)")]
+    Stalled { side: Side, after: Duration },
+    #[error(
+        "the left neighbour reduces {their_len} {their_type} elements and this rank {our_len} {our_type}: \
+         every rank must pass arrays of the same dtypes and sizes"
+    )]
+    Mismatch {
+        their_len: u64,
+        their_type: &'static str,
+        our_len: u64,
+        our_type: &'static str,
+    },
+    #[error("the left neighbour sent an unreadable header (not a ddlf ring)")]
+    BadHeader,
+}
+
+/// Which neighbour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Left,
+    Right,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Side::Left => "left",
+            Side::Right => "right",
+        })
+    }
+}
+
+/// One rank's two links in one ring: data comes in from the left, goes out to the right. Both non-blocking.
+#[derive(Debug)]
+pub struct Links {
+    pub left: TcpStream,
+    pub right: TcpStream,
+}
+
+const MAGIC: u32 = 0x444c_5246; // "DLRF"
+
+/// Bytes read from the left per `read` call at most (the scratch buffer; a few socket buffers' worth).
+const SCRATCH_BYTES: usize = 1 << 20;
+
+/// How long one `poll` waits before the stall clock is checked again.
+const POLL_SLICE: Duration = Duration::from_millis(200);
+
+/// The element range of chunk `c` of `n` over `len` elements.
+pub fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
+    let at = |i: usize| ((i as u128 * len as u128) / n as u128) as usize;
+    at(c)..at(c + 1)
+}
+
+/// All-reduce `data` in place with the ranks of this ring. `n == 1` leaves `data` as it is (a mean of one).
+/// `stall`: the longest either neighbour may go without progress before the pass fails.
+pub fn allreduce<T: Elem>(
+    data: &mut [T],
+    rank: usize,
+    n: usize,
+    links: &mut Links,
+    op: Op,
+    stall: Duration,
+) -> Result<(), RingError> {
+    if n <= 1 {
+        return Ok(());
+    }
+    exchange_header::<T>(data.len() as u64, links, stall)?;
+    Pass::new(data.len(), rank, n).run(data, links, stall)?;
+    if op == Op::Mean {
+        let by = 1.0 / n as f64;
+        for x in data.iter_mut() {
+            *x = x.scale(by);
+        }
+    }
+    Ok(())
+}
+
+fn exchange_header<T: Elem>(len: u64, links: &mut Links, stall: Duration) -> Result<(), RingError> {
+    let mut ours = [0u8; 16];
+    ours[..4].copy_from_slice(&MAGIC.to_le_bytes());
+    ours[4..8].copy_from_slice(&T::CODE.to_le_bytes());
+    ours[8..].copy_from_slice(&len.to_le_bytes());
+    let mut theirs = [0u8; 16];
+    let (mut sent, mut got) = (0usize, 0usize);
+    let mut last = Instant::now();
+    while sent < 16 || got < 16 {
+        let mut progressed = false;
+        if sent < 16 {
+            match links.right.write(&ours[sent..]) {
+                Ok(k) => (sent, progressed) = (sent + k, true),
+                Err(e) if retry(&e) => {}
+                Err(e) => return Err(io_error(Side::Right, e)),
+            }
+        }
+        if got < 16 {
+            match links.left.read(&mut theirs[got..]) {
+                Ok(0) => return Err(RingError::Closed { side: Side::Left }),
+                Ok(k) => (got, progressed) = (got + k, true),
+                Err(e) if retry(&e) => {}
+                Err(e) => return Err(io_error(Side::Left, e)),
+            }
+        }
+        if progressed {
+            last = Instant::now();
+        } else {
+            wait(links, got < 16, sent < 16, last, stall)?;
+        }
+    }
+    let word = |r: Range<usize>| u32::from_le_bytes(theirs[r].try_into().unwrap_or_default());
+    if word(0..4) != MAGIC {
+        return Err(RingError::BadHeader);
+    }
+    let their_len = u64::from_le_bytes(theirs[8..].try_into().unwrap_or_default());
+    let their_code = word(4..8);
+    if their_code != T::CODE || their_len != len {
+        return Err(RingError::Mismatch {
+            their_len,
+            their_type: match their_code {
+                1 => "float32",
+                2 => "float64",
+                _ => "unknown",
+            },
+            our_len: len,
+            our_type: T::NAME,
+        });
+    }
+    Ok(())
+}
+
+/// The progress of one pass.
+struct Pass {
+    len: usize,
+    rank: usize,
+    n: usize,
+    steps: usize,
+    /// Send side: step, and bytes of that step's chunk written.
+    send_step: usize,
+    sent: usize,
+    /// Receive side: step, and elements of that step's chunk reduced (or copied).
+    recv_step: usize,
+    done: usize,
+}
+
+impl Pass {
+    fn new(len: usize, rank: usize, n: usize) -> Self {
+        Pass {
+            len,
+            rank,
+            n,
+            steps: 2 * (n - 1),
+            send_step: 0,
+            sent: 0,
+            recv_step: 0,
+            done: 0,
+        }
+    }
+
+    fn send_chunk(&self, t: usize) -> Range<usize> {
+        chunk(self.len, self.n, (self.rank + 2 * self.n - t) % self.n)
+    }
+
+    fn recv_chunk(&self, t: usize) -> Range<usize> {
+        chunk(self.len, self.n, (self.rank + 2 * self.n - t - 1) % self.n)
+    }
+
+    /// Elements of the current send step's chunk that are ready: all of them in step 0 (this rank's own data) and
+    /// once the previous step's receive is complete; otherwise those the previous step has received so far.
+    fn ready(&self) -> usize {
+        let whole = self.send_chunk(self.send_step).len();
+        if self.send_step == 0 || self.recv_step >= self.send_step {
+            whole
+        } else {
+            self.done
+        }
+    }
+
+    fn run<T: Elem>(
+        mut self,
+        data: &mut [T],
+        links: &mut Links,
+        stall: Duration,
+    ) -> Result<(), RingError> {
+        let size = std::mem::size_of::<T>();
+        let mut scratch = vec![T::zeroed(); SCRATCH_BYTES / size];
+        let mut filled = 0usize; // bytes of `scratch` holding received data not yet applied
+                                 // Bytes this pass still receives: reads never go past them (into the next call's header, which a fast
+                                 // left neighbour may already have sent).
+        let mut expected: usize = (0..self.steps)
+            .map(|t| self.recv_chunk(t).len() * size)
+            .sum();
+        let mut last = Instant::now();
+        while self.send_step < self.steps || self.recv_step < self.steps {
+            let mut progressed = false;
+            // Send what is ready of the current step; a finished step moves on at once.
+            while self.send_step < self.steps {
+                let range = self.send_chunk(self.send_step);
+                let ready = self.ready() * size;
+                if self.sent < ready {
+                    let bytes: &[u8] = bytemuck::cast_slice(&data[range.clone()]);
+                    match links.right.write(&bytes[self.sent..ready]) {
+                        Ok(k) => (self.sent, progressed) = (self.sent + k, true),
+                        Err(e) if retry(&e) => break,
+                        Err(e) => return Err(io_error(Side::Right, e)),
+                    }
+                }
+                if self.sent == range.len() * size {
+                    (self.send_step, self.sent) = (self.send_step + 1, 0);
+                    progressed = true;
+                } else {
+                    break;
+                }
+            }
+            // Receive whatever has arrived and apply every whole element of it (empty chunks complete first: a
+            // neighbour that finished may already have closed, and nothing is read for them).
+            if filled == 0 {
+                self.apply(data, &[]);
+            }
+            if self.recv_step < self.steps {
+                let room: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
+                let end = room.len().min(filled + expected);
+                match links.left.read(&mut room[filled..end]) {
+                    Ok(0) => return Err(RingError::Closed { side: Side::Left }),
+                    Ok(k) => (filled, expected, progressed) = (filled + k, expected - k, true),
+                    Err(e) if retry(&e) => {}
+                    Err(e) => return Err(io_error(Side::Left, e)),
+                }
+                let applied = self.apply(data, &scratch[..filled / size]);
+                let used = applied * size;
+                if used > 0 {
+                    let room: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
+                    room.copy_within(used..filled, 0);
+                    filled -= used;
+                    progressed = true;
+                }
+            }
+            if progressed {
+                last = Instant::now();
+            } else {
+                let want_out = self.send_step < self.steps && self.sent < self.ready() * size;
+                wait(links, self.recv_step < self.steps, want_out, last, stall)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce (reduce-scatter steps) or copy (all-gather steps) received elements into `data`, moving through the
+    /// steps as chunks complete (empty chunks, when there are fewer elements than ranks, complete at once).
+    /// Returns how many elements of `got` were used.
+    fn apply<T: Elem>(&mut self, data: &mut [T], got: &[T]) -> usize {
+        let mut used = 0;
+        while self.recv_step < self.steps {
+            let range = self.recv_chunk(self.recv_step);
+            let take = (range.len() - self.done).min(got.len() - used);
+            let dst = &mut data[range.start + self.done..range.start + self.done + take];
+            let src = &got[used..used + take];
+            if self.recv_step < self.n - 1 {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = d.add(*s);
+                }
+            } else {
+                dst.copy_from_slice(src);
+            }
+            used += take;
+            self.done += take;
+            if self.done == range.len() {
+                (self.recv_step, self.done) = (self.recv_step + 1, 0);
+            } else {
+                break;
+            }
+        }
+        used
+    }
+}
+
+fn retry(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+    )
+}
+
+fn io_error(side: Side, source: io::Error) -> RingError {
+    match source.kind() {
+        io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionAborted
+        | io::ErrorKind::UnexpectedEof => RingError::Closed { side },
+        _ => RingError::Io { side, source },
+    }
+}
+
+/// Wait until the left link is readable (`want_in`) or the right writable (`want_out`), failing once nothing has
+/// moved for `stall` since `last`.
+fn wait(
+    links: &Links,
+    want_in: bool,
+    want_out: bool,
+    last: Instant,
+    stall: Duration,
+) -> Result<(), RingError> {
+    let waited = last.elapsed();
+    if waited >= stall {
+        // Blame the side we were waiting for; waiting to send means the right neighbour stopped reading.
+        let side = if want_in { Side::Left } else { Side::Right };
+        return Err(RingError::Stalled { side, after: stall });
+    }
+    let mut fds = [
+        libc::pollfd {
+            fd: links.left.as_raw_fd(),
+            events: if want_in { libc::POLLIN } else { 0 },
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: links.right.as_raw_fd(),
+            events: if want_out { libc::POLLOUT } else { 0 },
+            revents: 0,
+        },
+    ];
+    let ms = (stall - waited).min(POLL_SLICE).as_millis().max(1) as libc::c_int;
+    // SAFETY: `fds` is a valid array of two initialised `pollfd`s that outlives the call, and its length is
+    // passed exactly; both descriptors belong to sockets `links` keeps open for the whole call.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(RingError::Io {
+                side: Side::Left,
+                source: e,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// `n` ranks' links over loopback sockets: rank r's right is rank r+1's left.
+    fn ring(n: usize) -> Vec<Links> {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut rights = Vec::new();
+        let mut lefts = Vec::new();
+        for _ in 0..n {
+            rights.push(TcpStream::connect(addr).unwrap());
+            lefts.push(listener.accept().unwrap().0);
+        }
+        // rights[r] is accepted as lefts[r]; rank (r+1)'s left must be rank r's right.
+        lefts.rotate_right(1);
+        rights
+            .into_iter()
+            .zip(lefts)
+            .map(|(right, left)| {
+                right.set_nonblocking(true).unwrap();
+                left.set_nonblocking(true).unwrap();
+                Links { left, right }
+            })
+            .collect()
+    }
+
+    fn run<T: Elem + Copy>(inputs: Vec<Vec<T>>, op: Op) -> Vec<Result<Vec<T>, String>> {
+        let n = inputs.len();
+        let links = ring(n);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = inputs
+                .into_iter()
+                .zip(links)
+                .enumerate()
+                .map(|(rank, (mut data, mut links))| {
+                    s.spawn(move || {
+                        allreduce(&mut data, rank, n, &mut links, op, Duration::from_secs(10))
+                            .map(|_| data)
+                            .map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn inputs(n: usize, len: usize) -> Vec<Vec<f64>> {
+        (0..n)
+            .map(|r| (0..len).map(|i| (r * 1000 + i) as f64 * 0.5).collect())
+            .collect()
+    }
+
+    #[test]
+    fn chunks_cover_every_element_once() {
+        for (len, n) in [(0, 3), (1, 4), (7, 3), (10, 10), (1000, 7)] {
+            let mut next = 0;
+            for c in 0..n {
+                let r = chunk(len, n, c);
+                assert_eq!(r.start, next);
+                next = r.end;
+            }
+            assert_eq!(next, len);
+        }
+    }
+
+    #[test]
+    fn sums_match_for_odd_sizes_and_rank_counts() {
+        for n in 2..=6 {
+            for len in [0, 1, 2, 5, 1023, 300_001] {
+                let ins = inputs(n, len);
+                let want: Vec<f64> = (0..len).map(|i| ins.iter().map(|v| v[i]).sum()).collect();
+                for out in run(ins, Op::Sum) {
+                    let out = out.unwrap_or_else(|e| panic!("n={n} len={len}: {e}"));
+                    assert_eq!(out, want, "n={n} len={len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn back_to_back_passes_on_the_same_links_stay_apart() {
+        // A fast rank starts the next pass (its header) while a slow one still reads the last: never mixed.
+        let n = 4;
+        let links = ring(n);
+        std::thread::scope(|s| {
+            for (rank, mut l) in links.into_iter().enumerate() {
+                s.spawn(move || {
+                    for pass in 0..30usize {
+                        let len = 1 + (pass * 7919) % 5000;
+                        let mut data: Vec<f64> =
+                            (0..len).map(|i| (rank + i + pass) as f64).collect();
+                        allreduce(&mut data, rank, n, &mut l, Op::Sum, Duration::from_secs(10))
+                            .unwrap();
+                        let want: Vec<f64> = (0..len)
+                            .map(|i| (0..n).map(|r| (r + i + pass) as f64).sum())
+                            .collect();
+                        assert_eq!(data, want, "rank {rank} pass {pass}");
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn mean_divides_by_the_rank_count() {
+        let ins: Vec<Vec<f32>> = (0..3).map(|r| vec![r as f32 * 3.0; 10]).collect();
+        for out in run(ins, Op::Mean) {
+            assert_eq!(out.unwrap(), vec![3.0f32; 10]);
+        }
+    }
+
+    #[test]
+    fn every_rank_ends_with_identical_bits() {
+        // Float addition is not associative: the ring must still give every rank the same bits.
+        let ins: Vec<Vec<f32>> = (0..5)
+            .map(|r| {
+                (0..10_007)
+                    .map(|i| ((i * 7919 + r * 104_729) % 1000) as f32 * 1e-3 + 1e-7)
+                    .collect()
+            })
+            .collect();
+        let outs: Vec<_> = run(ins, Op::Sum).into_iter().map(Result::unwrap).collect();
+        for o in &outs[1..] {
+            assert!(o
+                .iter()
+                .zip(&outs[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
+    #[test]
+    fn ranks_that_disagree_on_sizes_refuse() {
+        let mut ins = inputs(3, 100);
+        ins[1].push(1.0);
+        let outs = run(ins, Op::Sum);
+        assert!(
+            outs.iter()
+                .any(|o| o.as_ref().is_err_and(|e| e.contains("101"))),
+            "{outs:?}"
+        );
+    }
+
+    #[test]
+    fn a_neighbour_that_leaves_fails_the_pass_instead_of_hanging() {
+        let mut links = ring(3);
+        let gone = links.pop().unwrap(); // rank 2 never runs
+        drop(gone);
+        let t0 = Instant::now();
+        let outs: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = links
+                .into_iter()
+                .enumerate()
+                .map(|(rank, mut l)| {
+                    s.spawn(move || {
+                        let mut data = vec![1.0f32; 1 << 20];
+                        allreduce(&mut data, rank, 3, &mut l, Op::Sum, Duration::from_secs(5))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(outs.iter().all(Result::is_err), "{outs:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(4),
+            "took {:?}",
+            t0.elapsed()
+        );
+    }
+
+    #[test]
+    fn a_silent_neighbour_stalls_out() {
+        let mut links = ring(2);
+        let _silent = links.pop().unwrap(); // open but never runs
+        let mut mine = links.pop().unwrap();
+        let mut data = vec![1.0f32; 10];
+        let err = allreduce(
+            &mut data,
+            0,
+            2,
+            &mut mine,
+            Op::Sum,
+            Duration::from_millis(300),
+        )
+        .unwrap_err();
+        assert!(matches!(err, RingError::Stalled { .. }), "{err}");
+    }
+}

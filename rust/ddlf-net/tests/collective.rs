@@ -1,0 +1,124 @@
+//! Ring all-reduce between real daemons on loopback: peer links admitted by each daemon's guard, token checked.
+
+use std::time::Duration;
+
+use ddlf_core::auth::Token;
+use ddlf_net::collective::{CollectiveError, Op, Ring, RingSpec};
+use ddlf_worker::{Daemon, DaemonConfig};
+
+fn daemons(n: usize, token: &str) -> Vec<Daemon> {
+    (0..n)
+        .map(|_| {
+            Daemon::start(DaemonConfig {
+                listen: "127.0.0.1:0".into(),
+                token: Token::new(token),
+                ..Default::default()
+            })
+            .unwrap()
+            .0
+        })
+        .collect()
+}
+
+fn spec(daemons: &[Daemon], group: u128, rank: usize, streams: usize) -> RingSpec {
+    RingSpec {
+        group,
+        rank,
+        addresses: daemons.iter().map(|d| d.local_addr().to_string()).collect(),
+        streams,
+        timeout: Duration::from_secs(5),
+    }
+}
+
+/// Every rank reduces `rounds` times on one ring; returns each rank's results.
+fn reduce_all(
+    daemons: &[Daemon],
+    group: u128,
+    streams: usize,
+    token: &str,
+    len: usize,
+) -> Vec<Result<Vec<f32>, String>> {
+    let n = daemons.len();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let spec = spec(daemons, group, rank, streams);
+                let token = Token::new(token);
+                s.spawn(move || {
+                    let mut ring = Ring::new(spec, token).map_err(|e| e.to_string())?;
+                    let mut data = vec![0f32; len];
+                    for round in 0..3 {
+                        data = (0..len)
+                            .map(|i| (rank * 10 + i % 7 + round) as f32)
+                            .collect();
+                        ring.allreduce(&mut data, Op::Sum)
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(data)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn ranks_on_three_daemons_sum_with_one_and_several_streams() {
+    let ds = daemons(3, "s3cret");
+    for (group, streams) in [(1u128, 1usize), (2, 3)] {
+        let len = 100_003;
+        let want: Vec<f32> = (0..len)
+            .map(|i| (0..3).map(|r| (r * 10 + i % 7 + 2) as f32).sum())
+            .collect();
+        for out in reduce_all(&ds, group, streams, "s3cret", len) {
+            assert_eq!(out.unwrap(), want, "streams={streams}");
+        }
+    }
+}
+
+#[test]
+fn a_peer_link_with_the_wrong_token_is_refused_before_it_is_read() {
+    let ds = daemons(2, "right-token");
+    let outs = reduce_all(&ds, 7, 1, "wrong-token", 10);
+    for out in &outs {
+        let err = out.as_ref().unwrap_err();
+        assert!(err.contains("token"), "{err}");
+    }
+    // The daemons counted the refusals and still serve a ring with the right token.
+    assert!(ds.iter().all(|d| d
+        .state()
+        .rejected
+        .load(std::sync::atomic::Ordering::Relaxed)
+        >= 1));
+    assert!(reduce_all(&ds, 8, 1, "right-token", 10)
+        .iter()
+        .all(Result::is_ok));
+}
+
+#[test]
+fn a_rank_that_never_comes_fails_its_neighbours_within_the_timeout() {
+    let ds = daemons(3, "t");
+    let t0 = std::time::Instant::now();
+    let outs: Vec<Result<(), CollectiveError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2) // rank 2 never joins
+            .map(|rank| {
+                let mut sp = spec(&ds, 9, rank, 1);
+                sp.timeout = Duration::from_secs(1);
+                s.spawn(move || {
+                    let mut ring = Ring::new(sp, Token::new("t"))?;
+                    ring.allreduce(&mut [1f32; 16], Op::Sum)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(outs.iter().all(Result::is_err), "{outs:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    // A failed ring is spent: later calls refuse instead of touching half-closed links.
+    let mut sp = spec(&ds, 9, 0, 1);
+    sp.timeout = Duration::from_millis(200);
+    let mut ring = Ring::new(sp, Token::new("t")).unwrap();
+    assert!(ring.allreduce(&mut [1f32; 4], Op::Sum).is_err());
+    let again = ring.allreduce(&mut [1f32; 4], Op::Sum).unwrap_err();
+    assert!(matches!(again, CollectiveError::Spent(_)), "{again}");
+}
