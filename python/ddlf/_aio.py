@@ -20,6 +20,7 @@ ASYNC_METHODS = (
     "run",
     "run_on",
     "run_each",
+    "allreduce",
     "call",
     "exec",
     "upload_module",

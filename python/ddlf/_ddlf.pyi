@@ -27,6 +27,7 @@ class ErrorClass:
     SerializationError: ErrorClass
     WorkerStartError: ErrorClass
     InsecureConfiguration: ErrorClass
+    CollectiveError: ErrorClass
     def __eq__(self, value: object, /) -> bool: ...
     def __hash__(self) -> int: ...
     def __int__(self) -> int: ...
@@ -180,3 +181,25 @@ def shared_memory_usage() -> tuple[int, int]:
 def tune_allocator() -> bool:
     """Apply the allocator policy for large transfers (once; ``DDLF_MALLOC=system`` keeps glibc's defaults).
     Returns whether this process runs with it."""
+
+@final
+class Ring:
+    """One worker's rank in a ring all-reduce among workers (``ddlf.collective``). Links open on the first
+    reduction and stay open for the next; a ring that fails once is spent."""
+
+    def __new__(
+        cls,
+        group: str,
+        rank: int,
+        addresses: list[str],
+        streams: int = 1,
+        timeout: float = 300.0,
+        liveness: float = 10.0,
+    ) -> Ring: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    def allreduce_(self, arrays: list[Any], op: str = "mean") -> None:
+        """Reduce ``arrays`` (C-contiguous, writable, all float32 or all float64) with the other ranks, in place;
+        raises ``ddlf.errors.CollectiveError`` (the arrays then unchanged)."""

@@ -134,6 +134,7 @@ class IApp:
         report: str | os.PathLike[str] | None = None,
         failure_policy: FailurePolicy | None = None,
         workers: Sequence[int] | None = None,
+        exchange: str = "master",
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -168,6 +169,11 @@ class IApp:
                 (each has its own model, optimizer and weights in flight there, under its run id), so one master
                 can train several apps at once on disjoint groups, from threads or asyncio, and several masters
                 can share daemons (each daemon serves up to ``ddlf-worker --max-runs`` runs at once).
+            exchange: sync only: how a round's workers agree on the averaged weights. ``"master"`` (the master
+                broadcasts and averages), ``"allreduce"`` (the workers average among themselves over a ring, worker
+                to worker: each sends ``2(n-1)/n`` times the weights per round whatever the cluster size, and the
+                master carries no weights per round), or ``"auto"`` (all-reduce when the workers span several
+                hosts). See :mod:`ddlf.training.exchange`.
 
         Lost workers never stop training (unless the failure policy says so): see :mod:`ddlf.training.sync` and
         :mod:`ddlf.training.asynchronous` for what happens to their rows, and ``history.events`` for what happened.
@@ -196,6 +202,7 @@ class IApp:
             report=os.fspath(report) if report is not None else None,
             failure_policy=failure_policy if failure_policy is not None else FailurePolicy(),
             workers=self._subset(workers),
+            exchange=exchange,
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):

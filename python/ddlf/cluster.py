@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
-from . import _ddlf, serialization
+from . import _ddlf, collective, serialization
 from ._aio import add_async_twins
 from ._calls import Calls, ClosedClient, Encoded, FunctionRef
+from .collective import RingPlan
 from .errors import DdlfError, raise_for
 from .local import LocalWorkers
 from .recovery import Recovery
@@ -107,6 +108,9 @@ class Cluster:
         )
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.uses_tls = tls_ca is not None
+        self._rings: dict[tuple[Any, ...], RingPlan] = {}
         self._closed = False
         self._calls = Calls(self._client)
         self._recovery = Recovery(self, [int(i["instance"]) for i in self._client.worker_info()])
@@ -387,6 +391,50 @@ class Cluster:
         name, digest = self._ensure_function(fn, timeout, targets=targets)
         value = (tuple(args), dict(kwargs or {}))
         return self._call(OPS["RUN"], name, digest, value, targets, timeout, fn=fn, return_exceptions=return_exceptions)
+
+    def allreduce(
+        self,
+        name: str,
+        op: str = "mean",
+        *,
+        workers: Iterable[int] | None = None,
+        streams: int = 1,
+        timeout: float | None = None,
+    ) -> None:
+        """Reduce the worker variable ``name`` (a numpy array, or a list or tuple of them: float32 or float64,
+        the same shapes on every worker) across the workers, in place: afterwards every worker holds the
+        element-wise ``"mean"`` (or ``"sum"``). The workers exchange the data among themselves over a ring
+        (each sends and receives ``2(n-1)/n`` times the variable, whatever ``n``); nothing of it passes through
+        the master.
+
+        ``streams``: parallel links per neighbour (for links one TCP stream cannot fill). ``timeout``: how long
+        a worker waits for the others to join, default the cluster's ``timeout`` or 300 s. A worker that dies
+        or is cut off fails the call on every worker (its neighbours notice within ``heartbeat_timeout``),
+        raising :class:`~ddlf.errors.WorkerUnavailable` for it and the survivors' ``CollectiveError``\\ s; the
+        variable is then unchanged on the survivors. Rings are kept between calls on the same workers (their
+        links stay open) and formed anew after a failure.
+        """
+        collective.check_op(op)
+        if self.uses_tls:
+            raise DdlfError("allreduce needs plaintext peer links between workers; this cluster uses TLS")
+        targets = self._targets(workers)
+        key = (tuple(targets), tuple(self.instance(w) for w in targets), streams)
+        plan = self._rings.get(key)
+        if plan is None:
+            plan = RingPlan(
+                tuple(targets),
+                tuple(self.addresses[w] for w in targets),
+                streams=streams,
+                timeout=timeout or self.timeout or 300.0,
+                liveness=max(1.0, self.heartbeat_timeout),
+            )
+            self._rings[key] = plan
+        args = [(name, plan.spec(w), op) for w in targets]
+        try:
+            self.run_each(collective.allreduce_variable, args, workers=targets, timeout=timeout)
+        except BaseException:
+            self._rings.pop(key, None)  # spent on the workers: the next call forms a new ring
+            raise
 
     def exec(self, code: str, *, timeout: float | None = None) -> None:
         """Run a code segment on every worker; the names it defines persist in the worker's globals

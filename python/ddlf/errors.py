@@ -139,6 +139,25 @@ class InsecureConfiguration(WorkerStartError):
     """A daemon was asked to listen on a non-loopback address without a token."""
 
 
+class CollectiveError(DdlfError):
+    """A collective among workers (an all-reduce) failed on this worker: a neighbour died, was cut off, refused
+    the link, or passed arrays of other sizes. ``peer_rank`` and ``peer_address`` name the neighbour at fault
+    (``None`` when the fault is this worker's own). The arrays being reduced are left as they were."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        address: str | None = None,
+        worker_id: int | None = None,
+        peer_rank: int | None = None,
+        peer_address: str | None = None,
+    ) -> None:
+        super().__init__(message, address=address, worker_id=worker_id)
+        self.peer_rank = peer_rank
+        self.peer_address = peer_address
+
+
 class WorkerErrors:
     """Marks the error of a call that failed on several workers: :attr:`exceptions` holds each worker's error, in
     worker order, and the error itself carries the first one's attributes (``worker_id``, ``address``, ...).
@@ -233,12 +252,14 @@ _CLASSES: dict[ErrorClass, type[DdlfError]] = {
     ErrorClass.SerializationError: SerializationError,
     ErrorClass.WorkerStartError: WorkerStartError,
     ErrorClass.InsecureConfiguration: InsecureConfiguration,
+    ErrorClass.CollectiveError: CollectiveError,
 }
 """What the Rust extension raises for each of its error classes (complete: checked by the unit tests)."""
 
 
 __all__ = [
     "AuthenticationError",
+    "CollectiveError",
     "DdlfError",
     "DeadlineExceeded",
     "InsecureConfiguration",

@@ -31,6 +31,7 @@ from .. import ops
 from ..history import History, RoundStats
 from . import worker as remote
 from .common import average_states, decode_payload, nbytes
+from .exchange import RingExchange, choose
 from .plan import ShardPlan, SlicePlan
 from .run import TrainingRun, WorkerResult, weighted_logs
 
@@ -41,6 +42,11 @@ def train_sync(run: TrainingRun) -> History:
     weights = [np.ascontiguousarray(w) for w in app.model.get_weights()]
     opt_state: list[np.ndarray] | None = run.resumed.get("optimizer_state") if run.resumed else None
     round_no = len({(s.epoch, s.round) for s in history.stats})
+    targets = cfg.workers if cfg.workers is not None else list(range(len(cluster)))
+    exchange = choose(cfg.exchange, cluster, targets, cfg.compression)
+    ring = RingExchange(run, weights) if exchange == "allreduce" else None
+    if ring is not None:
+        run.members.note("exchange", exchange="allreduce")
     for epoch in range(run.initial_epoch, cfg.epochs):
         t_epoch = run.begin_epoch(epoch)
         plan = ShardPlan(run.shard_rows, cfg, epoch) if app.sharded else SlicePlan(run.rows, len(cluster), cfg, epoch)
@@ -53,11 +59,16 @@ def train_sync(run: TrainingRun) -> History:
             if not assignments:
                 continue
             t0 = time.perf_counter()
-            results, t_sent, send_s, call_s = _round(run, weights, opt_state, assignments, epoch, round_no, t0)
+            if ring is not None:
+                results, t_sent, send_s, call_s = ring.run_round(assignments, epoch, round_no, t0)
+            else:
+                results, t_sent, send_s, call_s = _round(run, weights, opt_state, assignments, epoch, round_no, t0)
             wall = time.perf_counter() - t0
             run.members.live()  # copies the loss events into History now, with this round's number
             live_results = [r for r in results if r.samples > 0]
-            if live_results:
+            if ring is not None:
+                pass  # the workers averaged among themselves; the master fetches the weights at epoch end
+            elif live_results:
                 samples = [float(r.samples) for r in live_results]
                 payloads = [decode_payload(r.weights, weights) for r in live_results]
                 merged = ops.weighted_average(payloads, samples)
@@ -67,7 +78,7 @@ def train_sync(run: TrainingRun) -> History:
                     weights = merged
                 if cfg.average_optimizer_state:
                     opt_state = average_states([r.optimizer_state or [] for r in live_results], samples)
-            sent = nbytes(weights) + (nbytes(opt_state) if opt_state else 0)
+            sent = 0 if ring is not None else nbytes(weights) + (nbytes(opt_state) if opt_state else 0)
             for r in results:
                 comm = call_s.get(r.worker, (0.0, 0.0))[1]
                 history.stats.append(
@@ -92,6 +103,8 @@ def train_sync(run: TrainingRun) -> History:
             round_logs["samples_done"] = done
             run.round_end(round_no, round_logs)
             round_no += 1
+        if ring is not None:
+            weights = ring.weights()
         stop = run.end_epoch(weights, epoch_results, epoch, t_epoch)
         run.save_checkpoint(epoch + 1, weights, opt_state, "sync")
         if stop:

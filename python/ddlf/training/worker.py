@@ -33,6 +33,8 @@ class Session:
     rows: int
     n_shards: int = 0  # 0: the whole dataset on every worker
     residual: list[np.ndarray] | None = None  # top-k error feedback: what earlier rounds did not send
+    # exchange="allreduce": (round, weights before it, weights after it) of the last round reduced here
+    reduced: tuple[int, list[np.ndarray], list[np.ndarray]] | None = None
     started: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -316,3 +318,95 @@ def train_chunk(
         result["optimizer_state"] = _optimizer_state(model)
     session.last_used = time.monotonic()
     return result
+
+
+def _start_weights(worker: Any, session: Session, run_id: str, round_no: int, fresh: bool) -> list[np.ndarray]:
+    """Where an all-reduce round starts: the master's broadcast (``fresh``: a new member), the weights before
+    this round (a redo after a failed all-reduce), or the result of the last round reduced here."""
+    if fresh:
+        return list(worker.vars[weights_var(run_id)])
+    reduced = session.reduced
+    if reduced is None or reduced[0] not in (round_no, round_no - 1):
+        have = "none" if reduced is None else f"round {reduced[0]}"
+        raise LookupError(f"run {run_id}: no reduced weights for round {round_no} here (have {have})")
+    return reduced[1] if reduced[0] == round_no else reduced[2]
+
+
+def _reduce_floats(arrays: list[np.ndarray], samples: int, spec: dict[str, Any]) -> list[np.ndarray]:
+    """The samples-weighted average over the ring's ranks of every float array (one ring pass per float dtype:
+    ``sum(samples_i * a_i) / sum(samples_i)``, the sample counts riding in the same pass); other arrays (integer
+    step counters) stay as they are here."""
+    from ..collective import reduce_arrays
+
+    out = list(arrays)
+    for kind in (np.float32, np.float64):
+        idx = [i for i, a in enumerate(arrays) if a.dtype == kind]
+        if not idx:
+            continue
+        scaled = [np.multiply(arrays[i], kind(samples), dtype=kind) for i in idx]
+        scaled.append(np.array([samples], dtype=kind))
+        reduce_arrays(scaled, spec, "sum")
+        total = float(scaled.pop()[0])
+        if total <= 0:
+            continue  # no rank trained a row: nothing to average
+        for i, a in zip(idx, scaled):
+            a *= kind(1.0 / total)
+            out[i] = a
+    return out
+
+
+def train_reduce(
+    worker: Any,
+    run_id: str,
+    indices: np.ndarray | None,
+    batch_size: int,
+    *,
+    round_no: int,
+    ring: dict[str, Any],
+    fresh: bool = False,
+    average_optimizer_state: bool = False,
+    prefetch: int = 2,
+    seeded: tuple[int, int, list[float], int, int, int] | None = None,
+    shard: int | None = None,
+    slow_seconds_per_batch: float = 0.0,
+) -> dict[str, Any]:
+    """One synchronous round with ``exchange="allreduce"``: train the rows, then average the weights (weighted by
+    the samples each trained) with the round's other workers over the ring, worker to worker. Returns samples,
+    logs and timings, never the weights. A failed all-reduce raises ``CollectiveError`` and leaves this worker
+    able to redo the round from the weights it started it with."""
+    session = _session(run_id)
+    start = _start_weights(worker, session, run_id, round_no, fresh)
+    result = train_chunk(
+        worker,
+        run_id,
+        indices,
+        batch_size,
+        weights=start,
+        seeded=seeded,
+        prefetch=prefetch,
+        slow_seconds_per_batch=slow_seconds_per_batch,
+        shard=shard,
+    )
+    new = [np.asarray(w) for w in result.pop("weights")]
+    t0 = time.perf_counter()
+    samples = int(result["samples"])
+    averaged = _reduce_floats(new, samples, ring)
+    model = session.model
+    if average_optimizer_state and _optimizer_built(model):
+        _set_optimizer_state(model, _reduce_floats(_optimizer_state(model), samples, ring))
+    model.set_weights(averaged)
+    session.reduced = (round_no, start, averaged)
+    result["reduce_seconds"] = time.perf_counter() - t0
+    n = len(ring["addresses"])
+    result["ring_bytes"] = int(sum(a.nbytes for a in averaged) * 2 * (n - 1) / n)
+    result["weights"] = []
+    session.last_used = time.monotonic()
+    return result
+
+
+def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray]:
+    """The weights of the last round reduced here (what every member of the ring holds after it)."""
+    reduced = _session(run_id).reduced
+    if reduced is None or (round_no is not None and reduced[0] != round_no):
+        raise LookupError(f"run {run_id}: no reduced weights for round {round_no} here")
+    return reduced[2]

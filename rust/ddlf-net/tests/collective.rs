@@ -27,6 +27,7 @@ fn spec(daemons: &[Daemon], group: u128, rank: usize, streams: usize) -> RingSpe
         addresses: daemons.iter().map(|d| d.local_addr().to_string()).collect(),
         streams,
         timeout: Duration::from_secs(5),
+        liveness: Duration::from_secs(4),
     }
 }
 

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum DType {
+pub(crate) enum DType {
     F32,
     F64,
     F16,
@@ -34,15 +34,15 @@ impl DType {
 }
 
 /// A borrowed view of one array's memory, usable without the GIL while `_buf` lives.
-struct View {
+pub(crate) struct View {
     ptr: *mut u8,
-    len: usize,
-    dtype: DType,
+    pub(crate) len: usize,
+    pub(crate) dtype: DType,
     shape: Vec<usize>,
-    readonly: bool,
+    pub(crate) readonly: bool,
     _buf: PyUntypedBuffer,
 }
-// SAFETY: `View` only reads (or, for `axpy_`, writes) the exporter's memory, which `_buf` keeps alive and pinned
+// SAFETY: `View` only reads (or, for `axpy_` and `Ring.allreduce_`, writes) the exporter's memory, which `_buf` keeps alive and pinned
 // whichever thread holds the view; the GIL is not needed for that. Callers that write check the view is writable
 // and not aliased (see `axpy_`).
 unsafe impl Send for View {}
@@ -50,7 +50,7 @@ unsafe impl Send for View {}
 unsafe impl Sync for View {}
 
 /// The element types a `View` hands out as slices, each with the dtype that guarantees its layout.
-trait Elem: Sized {
+pub(crate) trait Elem: Sized {
     const DTYPES: &'static [DType];
 }
 impl Elem for f32 {
@@ -70,7 +70,7 @@ impl Elem for u16 {
 }
 
 impl View {
-    fn new(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
+    pub(crate) fn new(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
         let buf = PyUntypedBuffer::get(obj)?;
         if !buf.is_c_contiguous() {
             return Err(PyValueError::new_err(format!(
@@ -127,7 +127,7 @@ impl View {
 
     /// The elements as `T`. Panics (a Python exception, never undefined behaviour) if the view's dtype is not
     /// `T`'s: every caller checks the dtype first and reports a `TypeError`.
-    fn slice<T: Elem>(&self) -> &[T] {
+    pub(crate) fn slice<T: Elem>(&self) -> &[T] {
         assert!(
             T::DTYPES.contains(&self.dtype),
             "{:?} viewed as {}",
@@ -144,14 +144,14 @@ impl View {
 
     /// The elements as `T`, writable. Same checks as [`View::slice`], plus: the export is writable.
     #[allow(clippy::mut_from_ref)]
-    fn slice_mut<T: Elem>(&self) -> &mut [T] {
+    pub(crate) fn slice_mut<T: Elem>(&self) -> &mut [T] {
         assert!(T::DTYPES.contains(&self.dtype) && !self.readonly);
         if self.len == 0 {
             return &mut [];
         }
-        // SAFETY: as in `slice`, and the buffer was exported writable. Exclusive access: the one caller
-        // (`axpy_`) takes one mutable slice per array, checks no other input overlaps it, and holds no other
-        // reference to this memory while it writes.
+        // SAFETY: as in `slice`, and the buffer was exported writable. Exclusive access: the callers (`axpy_`,
+        // `Ring.allreduce_`) take one mutable slice per array at a time, check no other input overlaps it, and
+        // hold no other reference to this memory while they write.
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len) }
     }
 
@@ -174,6 +174,12 @@ impl View {
     fn span(&self) -> std::ops::Range<usize> {
         let start = self.ptr as usize;
         start..start + self.len * self.dtype.size()
+    }
+
+    /// Whether two non-empty views share memory.
+    pub(crate) fn overlaps(&self, other: &View) -> bool {
+        let (a, b) = (self.span(), other.span());
+        self.len > 0 && other.len > 0 && a.start < b.end && b.start < a.end
     }
 }
 
@@ -262,10 +268,7 @@ pub fn axpy_(
         if a.readonly {
             return Err(PyValueError::new_err(format!("array {i} is read-only")));
         }
-        let shares = |x: &View| {
-            x.len > 0 && a.len > 0 && x.span().start < a.span().end && a.span().start < x.span().end
-        };
-        if w[..i].iter().any(shares) {
+        if w[..i].iter().any(|x| x.overlaps(a)) {
             return Err(PyValueError::new_err(format!(
                 "array {i} shares memory with an earlier weight array: pass distinct arrays"
             )));

@@ -29,12 +29,13 @@ pub enum ErrorClass {
     SerializationError,
     WorkerStartError,
     InsecureConfiguration,
+    CollectiveError,
 }
 
 static CLASSES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
 
 /// Build (not raise) an exception of `class` with `message` and keyword attributes.
-fn build<'py>(
+pub(crate) fn build<'py>(
     py: Python<'py>,
     class: ErrorClass,
     message: String,

@@ -2,6 +2,7 @@
 //! in the crates below (`ddlf-net`, `ddlf-worker`, `ddlf-core`).
 //!
 //! * [`client`]: `Client` over `ddlf_net::Pool`, and `Reply`, one worker's answer.
+//! * [`collective`]: `Ring`, a worker's rank in a ring all-reduce among workers.
 //! * [`wait`]: the one GIL-releasing, Ctrl-C-aware wait every blocking call goes through.
 //! * [`worker`]: `serve_worker`, the daemon's interpreter loop.
 //! * [`buffers`]: `RecvBuffer`, received bytes exposed to Python without a copy; reading Python buffers.
@@ -17,6 +18,7 @@ use pyo3::types::PyDict;
 mod arrays;
 mod buffers;
 mod client;
+mod collective;
 mod errors;
 mod logging;
 mod ops;
@@ -42,6 +44,7 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PROTOCOL_VERSION", ddlf_proto::PROTOCOL_VERSION)?;
     m.add_class::<client::Client>()?;
     m.add_class::<client::Reply>()?;
+    m.add_class::<collective::Ring>()?;
     m.add_class::<errors::ErrorClass>()?;
     m.add_class::<buffers::RecvBuffer>()?;
     m.add_class::<pipeline::BatchPipeline>()?;

@@ -46,8 +46,13 @@ pub struct RingSpec {
     pub addresses: Vec<String>,
     /// Parallel links per neighbour (each carries its own contiguous slice of the data).
     pub streams: usize,
-    /// Connecting, and the longest a neighbour may make no progress during a reduction.
+    /// How long a rank waits for its neighbours to join (a slow one may still be computing), and the longest a
+    /// neighbour may make no progress during a reduction.
     pub timeout: Duration,
+    /// A neighbour whose host stops answering (link cut, host frozen) is detected within about this long even
+    /// while its process computes: TCP keepalive probes answered by its kernel, and unacknowledged data bounded
+    /// by `TCP_USER_TIMEOUT`. A neighbour whose process dies is detected at once (its links close).
+    pub liveness: Duration,
 }
 
 /// What can go wrong in a collective, naming the rank (and address) at fault.
@@ -108,8 +113,10 @@ impl Ring {
                 spec.streams
             )));
         }
-        if spec.timeout.is_zero() {
-            return Err(CollectiveError::Invalid("timeout must be positive".into()));
+        if spec.timeout.is_zero() || spec.liveness < Duration::from_secs(1) {
+            return Err(CollectiveError::Invalid(
+                "timeout must be positive and liveness at least 1 s".into(),
+            ));
         }
         Ok(Ring {
             spec,
@@ -186,9 +193,19 @@ impl Ring {
                         address: left_address.clone(),
                         timeout: self.spec.timeout,
                     })?;
+            let liveness = self.spec.liveness;
             let configure = |s: &std::net::TcpStream| {
                 s.set_nonblocking(true)?;
-                s.set_nodelay(true)
+                s.set_nodelay(true)?;
+                let sock = socket2::SockRef::from(s);
+                let probe = liveness / 4;
+                sock.set_tcp_keepalive(
+                    &socket2::TcpKeepalive::new()
+                        .with_time(probe)
+                        .with_interval(probe)
+                        .with_retries(3),
+                )?;
+                sock.set_tcp_user_timeout(Some(liveness))
             };
             configure(&left_link)
                 .and_then(|_| configure(&right))

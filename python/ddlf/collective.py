@@ -1,0 +1,154 @@
+"""Collectives among workers: ring all-reduce, worker to worker, without the master carrying the data.
+
+The master forms a :class:`RingPlan` (a group id and the workers' addresses in ring order) and asks every member
+to reduce; each worker's part runs here, on its interpreter thread, and hands the arrays to the Rust ring
+(``ddlf._ddlf.Ring``: reduce-scatter then all-gather over direct peer links, the GIL released). A worker keeps
+its ring's links between reductions (:data:`MAX_RINGS` rings at most, the oldest closed first), so a training run
+pays for connecting once. A ring that fails once is spent; the master forms a new one from the workers still
+alive (:meth:`RingPlan.without`).
+
+Users call :meth:`ddlf.Cluster.allreduce`; training uses the same path with ``exchange="allreduce"``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _ddlf
+
+MAX_RINGS = 16
+"""Rings a worker keeps open at once (each holds two links per stream)."""
+
+OPS = ("mean", "sum")
+
+_RINGS: OrderedDict[str, _ddlf.Ring] = OrderedDict()
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """A ring the master formed: its members (worker indices, in ring order) and their addresses.
+
+    ``timeout``: how long a member waits for the others to join (one may still be computing) and the longest a
+    neighbour may stall mid-reduction; ``liveness``: a neighbour whose host stops answering is detected within
+    about this long (TCP keepalive), one whose process dies at once.
+    """
+
+    workers: tuple[int, ...]
+    addresses: tuple[str, ...]
+    streams: int = 1
+    timeout: float = 300.0
+    liveness: float = 10.0
+    group: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def spec(self, worker: int) -> dict[str, Any]:
+        """What member ``worker`` needs to join (its rank and everyone's address)."""
+        return {
+            "group": self.group,
+            "rank": self.workers.index(worker),
+            "addresses": list(self.addresses),
+            "streams": self.streams,
+            "timeout": self.timeout,
+            "liveness": self.liveness,
+        }
+
+    def without(self, lost: Sequence[int]) -> RingPlan:
+        """A new ring (new group id) of the members not in ``lost``."""
+        keep = [(w, a) for w, a in zip(self.workers, self.addresses) if w not in set(lost)]
+        return RingPlan(
+            tuple(w for w, _ in keep),
+            tuple(a for _, a in keep),
+            streams=self.streams,
+            timeout=self.timeout,
+            liveness=self.liveness,
+        )
+
+
+def check_op(op: str) -> str:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, not {op!r}")
+    return op
+
+
+# -- the worker's side -------------------------------------------------------------------------------------
+
+
+def ring(spec: dict[str, Any]) -> _ddlf.Ring:
+    """This worker's ring for ``spec``: the open one, or a new one (closing the oldest past :data:`MAX_RINGS`)."""
+    group = spec["group"]
+    r = _RINGS.get(group)
+    if r is None:
+        r = _ddlf.Ring(
+            group,
+            spec["rank"],
+            list(spec["addresses"]),
+            streams=spec.get("streams", 1),
+            timeout=spec.get("timeout", 300.0),
+            liveness=spec.get("liveness", 10.0),
+        )
+        _RINGS[group] = r
+        while len(_RINGS) > MAX_RINGS:
+            _RINGS.popitem(last=False)
+    else:
+        _RINGS.move_to_end(group)
+    return r
+
+
+def forget(group: str) -> None:
+    """Close this worker's links of ``group`` (the master retired the ring)."""
+    _RINGS.pop(group, None)
+
+
+def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mean") -> None:
+    """All-reduce ``arrays`` in place with the ring's other members: float32 and float64 arrays (one ring pass
+    per dtype, each at its own precision). Arrays that are not C-contiguous and writable are replaced in the list
+    by reduced copies. On failure (``ddlf.errors.CollectiveError``) the ring is closed and the arrays are
+    unchanged."""
+    check_op(op)
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"allreduce: item {i} is {type(a).__name__}, not a numpy array")
+        if a.dtype not in (np.float32, np.float64):
+            raise TypeError(f"allreduce: array {i} is {a.dtype}; only float32 and float64 arrays are reduced")
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            arrays[i] = np.array(a, order="C", copy=True)
+    groups = [[i for i, a in enumerate(arrays) if a.dtype == kind] for kind in (np.float32, np.float64)]
+    groups = [g for g in groups if g]
+    # Several passes: reduce copies and write them back only once every pass succeeded (all or nothing).
+    work = arrays if len(groups) <= 1 else [a.copy() for a in arrays]
+    r = ring(spec)
+    try:
+        for g in groups or [[]]:
+            r.allreduce_([work[i] for i in g], op)
+    except BaseException:
+        forget(spec["group"])
+        raise
+    if work is not arrays:
+        for a, w in zip(arrays, work):
+            a[...] = w
+
+
+def allreduce_variable(worker: Any, name: str, spec: dict[str, Any], op: str) -> None:
+    """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
+    tuple of arrays) in place with the ring's other members."""
+    if name not in worker.vars:
+        raise KeyError(f"no variable named {name!r} on this worker")
+    value = worker.vars[name]
+    single = isinstance(value, np.ndarray)
+    if not single and not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"allreduce: variable {name!r} holds {type(value).__name__}; expected a numpy array or a list of them"
+        )
+    arrays = [value] if single else list(value)
+    reduce_arrays(arrays, spec, op)
+    worker.vars[name] = arrays[0] if single else (tuple(arrays) if isinstance(value, tuple) else arrays)
+
+
+def close_ring(group: str) -> None:
+    """Run on a worker when the master retires a ring."""
+    forget(group)

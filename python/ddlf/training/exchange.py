@@ -1,0 +1,192 @@
+"""How a synchronous round's workers agree on the averaged weights: ``exchange="master"`` or ``"allreduce"``.
+
+``"master"`` (:mod:`.sync`'s own round): the master broadcasts the weights, every worker returns its own, the
+master averages them. Every byte of every round crosses the master's link: ``2 n W`` per round for ``n`` workers
+and ``W`` bytes of weights, so rounds slow down as workers are added.
+
+``"allreduce"`` (:class:`RingExchange`): the workers average among themselves over a ring
+(:mod:`ddlf.collective`); each sends and receives ``2 (n-1)/n W`` per round whatever ``n``, and the master only
+plans rows and gathers metrics. It sends weights only to a worker that has none for the run yet (the first round,
+or a worker that joined or came back), taken from a member that holds the current ones, and fetches them when it
+needs them (epoch end, validation, checkpoints).
+
+Faults: a worker killed or cut off during a round fails the ring's all-reduce everywhere (its neighbours see the
+link close at once, or stop answering within the cluster's ``heartbeat_timeout``); the master leaves out the lost
+worker, forms a new ring from the survivors and **redoes the round** from the weights they all held before it
+(each worker keeps them until the next round), over the survivors' rows of the round. The lost worker rejoins at a
+later round with the current weights.
+
+``"auto"``: all-reduce when the run's workers are on more than one host (so the master's link is the bottleneck
+it removes), and the master exchange when they share one host (where the master exchange writes the weights once
+to shared memory for all of them) or when the run needs what the ring does not do yet (TLS, compression).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..collective import RingPlan
+from ..errors import RemoteError, WorkerUnavailable
+from . import worker as remote
+from .run import TrainingRun, WorkerResult
+
+EXCHANGES = ("master", "allreduce", "auto")
+
+MAX_REDOS = 8
+"""Rounds redone in a row (each after a failed all-reduce) before training gives up."""
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def choose(exchange: str, cluster: Any, workers: list[int], compression: str | None) -> str:
+    """The exchange a run uses (``"auto"`` decided by the rule in the module docs); raises for a combination
+    the all-reduce does not support yet."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, not {exchange!r}")
+    unsupported = None
+    if cluster.uses_tls:
+        unsupported = "the cluster uses TLS (peer links are plaintext only, so far)"
+    elif compression is not None:
+        unsupported = f"compression={compression!r} (the ring reduces float32/float64 only, so far)"
+    if exchange == "allreduce":
+        if unsupported:
+            raise ValueError(f'exchange="allreduce" is not available: {unsupported}; use exchange="master"')
+        return "allreduce"
+    if exchange == "auto":
+        hosts = {_host(cluster.addresses[w]) for w in workers}
+        return "allreduce" if unsupported is None and len(hosts) > 1 else "master"
+    return "master"
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A worker's all-reduce failed (a neighbour was lost): the worker itself is fine."""
+    return isinstance(exc, RemoteError) and exc.remote_type == "CollectiveError"
+
+
+class RingExchange:
+    """The master's side of ``exchange="allreduce"`` for one run."""
+
+    def __init__(self, run: TrainingRun, weights: list[np.ndarray], streams: int = 1) -> None:
+        self.run = run
+        self.streams = streams
+        self.ring: RingPlan | None = None
+        self.synced: dict[int, int] = {}
+        """Workers holding the current weights: worker -> daemon instance."""
+        self.round: int | None = None
+        """The last round reduced."""
+        self.fallback = weights
+        """The newest weights the master holds (the start, or the last fetched)."""
+
+    # -- what the loop asks ---------------------------------------------------------------------------------
+
+    def weights(self) -> list[np.ndarray]:
+        """The current weights: fetched from a worker that holds them (the master's own newest copy when none
+        does any more)."""
+        cluster, run_id = self.run.cluster, self.run.cfg.run_id
+        for w in list(self.synced):
+            if self.round is None:
+                break
+            try:
+                got = cluster.run_on(w, remote.reduced_weights, run_id, self.round)
+            except WorkerUnavailable:
+                self.synced.pop(w, None)
+                continue
+            self.fallback = [np.asarray(a) for a in got]
+            break
+        return self.fallback
+
+    def forget(self, worker: int) -> None:
+        """``worker`` was lost: it no longer holds the current weights."""
+        self.synced.pop(worker, None)
+
+    def _ring(self, targets: list[int]) -> RingPlan:
+        cluster = self.run.cluster
+        addresses = tuple(cluster.addresses[w] for w in targets)
+        if self.ring is None or self.ring.workers != tuple(targets) or self.ring.addresses != addresses:
+            self.ring = RingPlan(
+                tuple(targets),
+                addresses,
+                streams=self.streams,
+                timeout=cluster.timeout or 300.0,
+                liveness=max(1.0, cluster.heartbeat_timeout),
+            )
+        return self.ring
+
+    def run_round(
+        self, assignments: list[tuple[int, dict[str, Any]]], epoch: int, round_no: int, t0: float
+    ) -> tuple[list[WorkerResult], float, dict[int, tuple[float, float]], dict[int, tuple[float, float]]]:
+        """Train and all-reduce one round (redone without lost workers until it succeeds). Returns the results,
+        when sending ended, and the send and train calls' per-worker timings (as the master round does)."""
+        run, cfg, cluster = self.run, self.run.cfg, self.run.cluster
+        start: list[np.ndarray] | None = None
+        pending = list(assignments)
+        send_s: dict[int, tuple[float, float]] = {}
+        t_sent = time.perf_counter()
+        for _ in range(MAX_REDOS):
+            if not pending:
+                return [], t_sent, send_s, {}
+            targets = [w for w, _ in pending]
+            ring = self._ring(targets)
+            fresh = [w for w in targets if self.synced.get(w) != cluster.instance(w)]
+            lost: list[int] = []
+            if fresh:
+                if start is None:
+                    start = self.weights()
+                sent = cluster.set(remote.weights_var(cfg.run_id), start, workers=fresh, return_exceptions=True)
+                send_s = cluster.last_call_timings()
+                for w, ok in zip(fresh, sent):
+                    if isinstance(ok, BaseException):
+                        run.fail(ok)
+                        lost.append(w)
+            t_sent = time.perf_counter()
+            if lost:
+                pending = self._drop(pending, lost, epoch, round_no, t0)
+                continue
+            args, kwargs = [], []
+            for w, extra in pending:
+                kw = dict(extra)
+                indices = kw.pop("indices", None)
+                kw.update(
+                    round_no=round_no,
+                    ring=ring.spec(w),
+                    fresh=w in fresh,
+                    average_optimizer_state=cfg.average_optimizer_state,
+                    prefetch=cfg.prefetch,
+                )
+                if cfg.slow_worker and cfg.slow_worker[0] == w:
+                    kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
+                args.append((cfg.run_id, indices, cfg.batch_size))
+                kwargs.append(kw)
+            outcomes = cluster.run_each(remote.train_reduce, args, kwargs, workers=targets, return_exceptions=True)
+            call_s = cluster.last_call_timings()
+            failed_ring = False
+            for w, out in zip(targets, outcomes):
+                if not isinstance(out, BaseException):
+                    continue
+                if is_collective_failure(out):
+                    failed_ring = True
+                else:
+                    run.fail(out)  # raises unless the policy carries on without this worker
+                    lost.append(w)
+            if not lost and not failed_ring:
+                self.synced = {w: cluster.instance(w) for w in targets}
+                self.round = round_no
+                return [WorkerResult.from_reply(w, o) for w, o in zip(targets, outcomes)], t_sent, send_s, call_s
+            run.members.note("allreduce_redo", lost=lost, survivors=[w for w in targets if w not in lost])
+            self.ring = None  # spent: the next attempt forms a new one
+            pending = self._drop(pending, lost, epoch, round_no, t0)
+        raise RuntimeError(f"round {round_no}: the all-reduce failed {MAX_REDOS} times in a row")
+
+    def _drop(
+        self, pending: list[tuple[int, dict[str, Any]]], lost: list[int], epoch: int, round_no: int, t0: float
+    ) -> list[tuple[int, dict[str, Any]]]:
+        wall = time.perf_counter() - t0
+        for w in lost:
+            self.forget(w)
+            self.run.lost(epoch, round_no, w, wall, t0)
+        return [(w, e) for w, e in pending if w not in lost]

@@ -1,0 +1,167 @@
+//! `Ring`: one worker's membership in a ring all-reduce (`ddlf_net::collective`), reducing numpy arrays with
+//! the GIL released.
+//!
+//! The arrays are copied into one contiguous buffer, reduced, and copied back only when the reduction succeeded:
+//! a failed all-reduce leaves every array as it was (training redoes the round from them).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use ddlf_net::collective::{self, CollectiveError, Elem, Op, RingSpec};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::arrays::{DType, View};
+use crate::errors::{build, ErrorClass};
+
+/// One rank of a ring all-reduce among workers. Links open on the first reduction and stay open for the next.
+#[pyclass(module = "ddlf._ddlf", frozen)]
+pub struct Ring {
+    inner: Mutex<collective::Ring>,
+    rank: usize,
+    size: usize,
+}
+
+#[pymethods]
+impl Ring {
+    #[new]
+    #[pyo3(signature = (group, rank, addresses, streams = 1, timeout = 300.0, liveness = 10.0))]
+    fn new(
+        group: &str,
+        rank: usize,
+        addresses: Vec<String>,
+        streams: usize,
+        timeout: f64,
+        liveness: f64,
+    ) -> PyResult<Self> {
+        let group = u128::from_str_radix(group, 16).map_err(|_| {
+            PyValueError::new_err(format!("group must be 32 hex digits (a uuid4 hex), not {group:?}"))
+        })?;
+        for (what, v) in [("timeout", timeout), ("liveness", liveness)] {
+            if !(v.is_finite() && v >= 1.0) {
+                return Err(PyValueError::new_err(format!(
+                    "{what} must be at least 1 second, not {v}"
+                )));
+            }
+        }
+        let size = addresses.len();
+        let spec = RingSpec {
+            group,
+            rank,
+            addresses,
+            streams,
+            timeout: Duration::from_secs_f64(timeout.min(1e9)),
+            liveness: Duration::from_secs_f64(liveness.min(1e6)),
+        };
+        let ring = collective::Ring::new(spec, collective::local_token().cloned())
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Ring {
+            inner: Mutex::new(ring),
+            rank,
+            size,
+        })
+    }
+
+    /// This worker's rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How many ranks the ring has.
+    #[getter]
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Reduce `arrays` (C-contiguous, writable, all float32 or all float64) with the other ranks, in place.
+    /// `op`: "sum" or "mean". Raises `ddlf.errors.CollectiveError` naming the neighbour at fault; the arrays are
+    /// then unchanged.
+    #[pyo3(signature = (arrays, op = "mean"))]
+    fn allreduce_(&self, py: Python<'_>, arrays: Vec<Bound<'_, PyAny>>, op: &str) -> PyResult<()> {
+        let op = match op {
+            "sum" => Op::Sum,
+            "mean" => Op::Mean,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "op must be 'sum' or 'mean', not {other:?}"
+                )))
+            }
+        };
+        let views = arrays
+            .iter()
+            .map(|a| View::new(a, "allreduce"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let dtype = views.first().map_or(DType::F32, |v| v.dtype);
+        for (i, v) in views.iter().enumerate() {
+            if !matches!(v.dtype, DType::F32 | DType::F64) {
+                return Err(PyTypeError::new_err(format!(
+                    "allreduce: array {i} is not float32 or float64"
+                )));
+            }
+            if v.dtype != dtype {
+                return Err(PyTypeError::new_err(format!(
+                    "allreduce: array {i} is {:?} and array 0 {dtype:?}: pass one dtype (cast first), so every \
+                     element is reduced at the same precision",
+                    v.dtype
+                )));
+            }
+            if v.readonly {
+                return Err(PyValueError::new_err(format!("allreduce: array {i} is read-only")));
+            }
+            if views[..i].iter().any(|w| v.overlaps(w)) {
+                return Err(PyValueError::new_err(format!(
+                    "allreduce: array {i} shares memory with an earlier array: pass distinct arrays"
+                )));
+            }
+        }
+        let result = py.detach(|| {
+            let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            match dtype {
+                DType::F64 => reduce::<f64>(&mut ring, &views, op),
+                _ => reduce::<f32>(&mut ring, &views, op),
+            }
+        });
+        result.map_err(|e| collective_error(py, &e))
+    }
+}
+
+/// Gather, reduce, scatter back (only on success).
+fn reduce<T: Elem + crate::arrays::Elem>(
+    ring: &mut collective::Ring,
+    views: &[View],
+    op: Op,
+) -> Result<(), CollectiveError> {
+    let total = views.iter().map(|v| v.len).sum();
+    let mut flat: Vec<T> = Vec::with_capacity(total);
+    for v in views {
+        flat.extend_from_slice(v.slice::<T>());
+    }
+    ring.allreduce(&mut flat, op)?;
+    let mut at = 0;
+    for v in views {
+        v.slice_mut::<T>().copy_from_slice(&flat[at..at + v.len]);
+        at += v.len;
+    }
+    Ok(())
+}
+
+fn collective_error(py: Python<'_>, err: &CollectiveError) -> PyErr {
+    let kwargs = PyDict::new(py);
+    let peer = match err {
+        CollectiveError::Resolve { rank, address }
+        | CollectiveError::Open { rank, address, .. }
+        | CollectiveError::NoLink { rank, address, .. }
+        | CollectiveError::Ring { rank, address, .. } => Some((*rank, address.clone())),
+        CollectiveError::Invalid(_) | CollectiveError::Spent(_) => None,
+    };
+    let built = kwargs
+        .set_item("peer_rank", peer.as_ref().map(|p| p.0))
+        .and_then(|_| kwargs.set_item("peer_address", peer.map(|p| p.1)))
+        .and_then(|_| build(py, ErrorClass::CollectiveError, err.to_string(), &kwargs));
+    match built {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(e) => e,
+    }
+}
