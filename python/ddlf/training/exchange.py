@@ -65,7 +65,7 @@ def choose(exchange: str, cluster: Any, workers: list[int], compression: str | N
 
 def is_collective_failure(exc: BaseException) -> bool:
     """A worker's all-reduce failed (a neighbour was lost): the worker itself is fine."""
-    return isinstance(exc, RemoteError) and exc.remote_type == "CollectiveError"
+    return isinstance(exc, RemoteError) and (exc.remote_type or "").rsplit(".", 1)[-1] == "CollectiveError"
 
 
 class RingExchange:

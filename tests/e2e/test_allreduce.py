@@ -1,0 +1,155 @@
+"""Workers all-reducing among themselves: ``cluster.allreduce`` against numpy, bad inputs, a forged peer link,
+and synchronous training with ``exchange="allreduce"`` (equal to the master exchange within float32 rounding,
+deterministic, and finishing when a worker is killed mid-round)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf.errors import CollectiveError, RemoteError
+
+from ..conftest import MNIST_DIR
+from .test_faults import FaultApp, _kill_at_round
+
+
+@pytest.fixture(scope="module")
+def four():
+    with ddlf.Cluster.local(4, threads=1) as c:
+        yield c
+
+
+def _values(n: int, sizes: list[int], dtype: type) -> list[list[np.ndarray]]:
+    rng = np.random.default_rng(sum(sizes) + n)
+    return [[rng.standard_normal(s).astype(dtype) for s in sizes] for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_allreduce_matches_numpy_for_odd_sizes(four: ddlf.Cluster, n: int, op: str) -> None:
+    workers = list(range(n))
+    sizes = [1, 0, 7, 100_003, 3]
+    values = _values(n, sizes, np.float32)
+    four.scatter("v", values + [[]] * (4 - n))
+    four.allreduce("v", op, workers=workers)
+    got = four.get("v", workers=workers)
+    for j in range(len(sizes)):
+        want = np.sum([np.float64(v[j]) for v in values], axis=0) / (n if op == "mean" else 1)
+        for w in workers:
+            np.testing.assert_allclose(got[w][j], want, rtol=2e-6, atol=2e-6)
+            assert got[w][j].dtype == np.float32
+            # Every worker ends with the very same bits.
+            assert got[w][j].tobytes() == got[0][j].tobytes()
+
+
+def test_mixed_dtypes_and_single_arrays_and_empty_lists(four: ddlf.Cluster) -> None:
+    four.scatter("m", [[np.full(5, i, np.float32), np.arange(3.0) * i] for i in range(4)])
+    four.allreduce("m", "mean")
+    for w in four.get("m"):
+        assert w[0].dtype == np.float32 and w[1].dtype == np.float64
+        np.testing.assert_array_equal(w[0], np.full(5, 1.5, np.float32))
+        np.testing.assert_array_equal(w[1], np.arange(3.0) * 1.5)
+    four.scatter("a", [np.full((2, 3), i, np.float64) for i in range(4)])
+    four.allreduce("a", "sum")
+    assert all(np.array_equal(a, np.full((2, 3), 6.0)) for a in four.get("a"))
+    four.scatter("e", [[] for _ in range(4)])
+    four.allreduce("e")
+    assert four.get("e") == [[], [], [], []]
+
+
+def test_bad_inputs_are_refused_clearly_and_the_workers_keep_serving(four: ddlf.Cluster) -> None:
+    four.scatter("i", [np.arange(4) for _ in range(4)])  # int64
+    with pytest.raises(RemoteError, match="only float32 and float64"):
+        four.allreduce("i")
+    with pytest.raises(RemoteError, match="no variable named 'nope'"):
+        four.allreduce("nope")
+    four.scatter("s", ["text"] * 4)
+    with pytest.raises(RemoteError, match="expected a numpy array"):
+        four.allreduce("s")
+    with pytest.raises(ValueError, match="op must be"):
+        four.allreduce("i", "max")
+    # Workers that pass different sizes: every one fails (none adds unrelated bytes), naming the mismatch.
+    four.scatter("d", [np.ones(4 + (w == 2), np.float32) for w in range(4)])
+    with pytest.raises(RemoteError) as info:
+        four.allreduce("d")
+    assert any("elements" in str(e) for e in info.value.exceptions)
+    assert [len(v) for v in four.get("d")] == [4, 4, 5, 4]  # unchanged
+    four.scatter("ok", [np.full(3, w, np.float32) for w in range(4)])
+    four.allreduce("ok", "sum")
+    assert all(np.array_equal(v, np.full(3, 6.0, np.float32)) for v in four.get("ok"))
+
+
+def test_a_peer_link_with_a_wrong_token_is_refused_and_the_worker_keeps_serving(four: ddlf.Cluster) -> None:
+    host, port = four.addresses[0].rsplit(":", 1)
+    before = four.status()[0]
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        wrong = b"not-the-token"
+        s.sendall(b"DDLF peer link 1\r\n\r\n\r\n\r\n" + struct.pack("<I", len(wrong)) + wrong + b"\x00" * 24)
+        assert s.recv(1) == b"\x01"  # ANSWER_UNAUTHENTICATED
+        # Then closed, the bytes after the token unread (a close with unread bytes is a reset).
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    after = four.status()[0]
+    assert after["requests_rejected"] == before["requests_rejected"] + 1, (before, after)
+    four.scatter("t", [np.ones(2, np.float32)] * 4)
+    four.allreduce("t", "sum")
+    assert np.array_equal(four.get("t")[3], np.full(2, 4.0, np.float32))
+
+
+def test_tls_clusters_refuse_allreduce_clearly() -> None:
+    from ddlf.training.exchange import choose
+
+    class Fake:
+        uses_tls = True
+        addresses = ["10.0.0.1:1", "10.0.0.2:1"]
+
+    with pytest.raises(ValueError, match="TLS"):
+        choose("allreduce", Fake(), [0, 1], None)
+    assert choose("auto", Fake(), [0, 1], None) == "master"
+
+
+def _train(c: ddlf.Cluster, exchange: str, **kw):
+    app = FaultApp(c)
+    h = app.train(epochs=2, batch_size=32, averaging_frequency=10, seed=5, exchange=exchange, verbose=0, **kw)
+    return app, h
+
+
+def test_sync_allreduce_equals_the_master_exchange_within_rounding_and_is_deterministic() -> None:
+    with ddlf.Cluster.local(3, threads=1) as c:
+        master, hm = _train(c, "master")
+        ring1, h1 = _train(c, "allreduce")
+        ring2, _ = _train(c, "allreduce")
+        a, b, b2 = (m.model.get_weights() for m in (master, ring1, ring2))
+        diff = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+        assert diff < 1e-5, diff  # measured 1.8e-7: float32 rounding of a differently ordered sum
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(b, b2))  # run to run: identical bits
+        assert sum(s.samples for s in h1.stats) == sum(s.samples for s in hm.stats) == 2 * FaultApp.rows
+        # The master carried no weights per round: only the first round's broadcast.
+        assert sum(s.bytes_sent for s in h1.stats) == 0
+        assert h1.history["loss"][-1] == pytest.approx(hm.history["loss"][-1], rel=1e-4)
+
+
+def test_a_worker_killed_mid_round_fails_the_ring_and_training_finishes_without_it() -> None:
+    _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+    with ddlf.Cluster.local(3, threads=1) as c:
+        victim = c._local.pids()[2]
+        cb, when = _kill_at_round(victim, 3)
+        with pytest.warns(RuntimeWarning, match="worker 2 .* lost"):
+            app, h = _train(c, "allreduce", callbacks=[cb])
+        assert len(h.history["loss"]) == 2
+        lost = [e for e in h.events if e["event"] == "lost"]
+        assert [e["worker"] for e in lost] == [2]
+        assert 0 <= lost[0]["time"] - when["t"] < 5.0  # its links closed: the ring failed at once, no hang
+        redo = [e for e in h.events if e["event"] == "allreduce_redo"]
+        assert redo and redo[0]["survivors"] == [0, 1], h.events
+        # After the loss the survivors cover the whole dataset: every row of the last epoch is trained.
+        assert sum(s.samples for s in h.stats if s.epoch == 1) == FaultApp.rows
+        _, acc = app.evaluate(xt[:2000], yt[:2000])
+        assert acc > 0.8
+        assert c.lost_workers == [2]
