@@ -15,6 +15,7 @@ BENCHMARKS = {
     "project": "benchmarks.project",
     "elephas": "benchmarks.vs_elephas",
     "ab": "benchmarks.ab",
+    "collective": "benchmarks.collective",
 }
 
 
