@@ -36,7 +36,9 @@ impl Ring {
         liveness: f64,
     ) -> PyResult<Self> {
         let group = u128::from_str_radix(group, 16).map_err(|_| {
-            PyValueError::new_err(format!("group must be 32 hex digits (a uuid4 hex), not {group:?}"))
+            PyValueError::new_err(format!(
+                "group must be 32 hex digits (a uuid4 hex), not {group:?}"
+            ))
         })?;
         for (what, v) in [("timeout", timeout), ("liveness", liveness)] {
             if !(v.is_finite() && v >= 1.0) {
@@ -102,13 +104,16 @@ impl Ring {
             }
             if v.dtype != dtype {
                 return Err(PyTypeError::new_err(format!(
-                    "allreduce: array {i} is {:?} and array 0 {dtype:?}: pass one dtype (cast first), so every \
-                     element is reduced at the same precision",
-                    v.dtype
+                    "allreduce: array {i} is {} and array 0 {}: pass one dtype (cast first), so every element \
+                     is reduced at the same precision",
+                    name(v.dtype),
+                    name(dtype)
                 )));
             }
             if v.readonly {
-                return Err(PyValueError::new_err(format!("allreduce: array {i} is read-only")));
+                return Err(PyValueError::new_err(format!(
+                    "allreduce: array {i} is read-only"
+                )));
             }
             if views[..i].iter().any(|w| v.overlaps(w)) {
                 return Err(PyValueError::new_err(format!(
@@ -124,6 +129,16 @@ impl Ring {
             }
         });
         result.map_err(|e| collective_error(py, &e))
+    }
+}
+
+fn name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        DType::F16 => "float16",
+        DType::Bf16 => "bfloat16",
+        DType::U16 => "uint16",
     }
 }
 
