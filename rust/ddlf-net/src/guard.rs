@@ -106,7 +106,8 @@ impl std::fmt::Display for Refusal {
             Refusal::Garbage => write!(f, "not a gRPC connection (unrecognised bytes)"),
             Refusal::LanesOff => write!(
                 f,
-                "a direct lane, and this daemon serves none (TLS daemons serve gRPC only)"
+                "a direct lane or a peer link (ddlf's plaintext connections; a TLS daemon reads too few \
+                 bytes to tell them apart), and this daemon serves neither (TLS daemons serve gRPC only)"
             ),
             Refusal::PeersOff => write!(
                 f,
@@ -428,7 +429,9 @@ mod tests {
         assert_eq!(judge(H2_PREFACE, false), Ok(Admission::Grpc));
         assert_eq!(judge(LANE_PREFACE, false), Ok(Admission::Lane));
         assert_eq!(judge(PEER_PREFACE, false), Ok(Admission::Peer));
-        assert_eq!(judge(&PEER_PREFACE[..3], true), Err(Refusal::PeersOff));
+        // A TLS daemon reads 3 bytes: "DDL" opens both plaintext prefaces, refused as lanes; more tells them apart.
+        assert_eq!(judge(&PEER_PREFACE[..3], true), Err(Refusal::LanesOff));
+        assert_eq!(judge(&PEER_PREFACE[..8], true), Err(Refusal::PeersOff));
         assert_eq!(judge(&LANE_PREFACE[..3], true), Err(Refusal::LanesOff));
         assert_eq!(judge(&LANE_PREFACE[..10], false), Err(Refusal::Garbage));
         assert_eq!(judge(b"GET / HTTP/1.1\r\n", false), Err(Refusal::Http1));
