@@ -200,6 +200,7 @@ class Ring:
     def rank(self) -> int: ...
     @property
     def size(self) -> int: ...
-    def allreduce_(self, arrays: list[Any], op: str = "mean") -> None:
+    def allreduce_(self, arrays: list[Any], op: str = "mean", atomic: bool = True) -> None:
         """Reduce ``arrays`` (C-contiguous, writable, all float32 or all float64) with the other ranks, in place;
-        raises ``ddlf.errors.CollectiveError`` (the arrays then unchanged)."""
+        raises ``ddlf.errors.CollectiveError`` (the arrays then unchanged, unless ``atomic=False``: one array
+        reduced where it lies, no copy, undefined after a failure)."""

@@ -151,7 +151,7 @@ impl View {
         }
         // SAFETY: as in `slice`, and the buffer was exported writable. Exclusive access: the callers (`axpy_`,
         // `Ring.allreduce_`) take one mutable slice per array at a time, check no other input overlaps it, and
-        // hold no other reference to this memory while they write.
+        // hold no other reference to this memory while they write (`Ring.allreduce_` in place: its one array).
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len) }
     }
 

@@ -78,10 +78,17 @@ impl Ring {
     }
 
     /// Reduce `arrays` (C-contiguous, writable, all float32 or all float64) with the other ranks, in place.
-    /// `op`: "sum" or "mean". Raises `ddlf.errors.CollectiveError` naming the neighbour at fault; the arrays are
-    /// then unchanged.
-    #[pyo3(signature = (arrays, op = "mean"))]
-    fn allreduce_(&self, py: Python<'_>, arrays: Vec<Bound<'_, PyAny>>, op: &str) -> PyResult<()> {
+    /// `op`: "sum" or "mean". Raises `ddlf.errors.CollectiveError` naming the neighbour at fault; with `atomic`
+    /// (the default) the arrays are then unchanged. `atomic=False` with one array reduces it where it lies, with
+    /// no copy, and leaves its contents undefined after a failure (for scratch buffers).
+    #[pyo3(signature = (arrays, op = "mean", atomic = true))]
+    fn allreduce_(
+        &self,
+        py: Python<'_>,
+        arrays: Vec<Bound<'_, PyAny>>,
+        op: &str,
+        atomic: bool,
+    ) -> PyResult<()> {
         let op = match op {
             "sum" => Op::Sum,
             "mean" => Op::Mean,
@@ -123,8 +130,10 @@ impl Ring {
         }
         let result = py.detach(|| {
             let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            match dtype {
-                DType::F64 => reduce::<f64>(&mut ring, &views, op),
+            match (dtype, &views[..]) {
+                (DType::F64, [one]) if !atomic => ring.allreduce(one.slice_mut::<f64>(), op),
+                (_, [one]) if !atomic => ring.allreduce(one.slice_mut::<f32>(), op),
+                (DType::F64, _) => reduce::<f64>(&mut ring, &views, op),
                 _ => reduce::<f32>(&mut ring, &views, op),
             }
         });

@@ -148,30 +148,19 @@ impl Daemon {
         let mut guard = config.server.guard.clone();
         guard.tls = config.server.tls.is_some();
         let connections = state.connections.clone();
-        // Direct lanes on a plaintext daemon: their hellos are checked on this runtime, then the interpreter
-        // thread serves them (TLS daemons speak gRPC only).
-        let lanes = (!guard.tls).then(|| {
+        // Direct lanes and peer links on a plaintext daemon (TLS daemons speak gRPC only): their hellos are
+        // checked on this runtime; then the interpreter thread serves a lane, and a peer link waits in the
+        // mailbox for this process's ring.
+        let plaintext = !guard.tls;
+        let token = config.token.clone().map(Arc::new);
+        let handshake = guard.handshake_timeout;
+        let lanes = plaintext.then(|| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let token = config.token.clone().map(Arc::new);
-            (
-                tx,
-                rx,
-                token,
-                guard.handshake_timeout,
-                state.clone(),
-                jobs.clone(),
-            )
+            (tx, rx, token.clone(), state.clone(), jobs.clone())
         });
-        let peers = (!guard.tls).then(|| {
+        let peers = plaintext.then(|| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let token = config.token.clone().map(Arc::new);
-            (
-                tx,
-                rx,
-                token,
-                guard.handshake_timeout,
-                state.rejected.clone(),
-            )
+            (tx, rx, token.clone(), state.rejected.clone())
         });
         // The ring links this process opens present the daemon's own token (a cluster's workers share it).
         ddlf_net::collective::set_local_token(config.token.clone());
@@ -190,7 +179,7 @@ impl Daemon {
                     // Every connection passes the admission guard (limit, preface check, handshake deadline)
                     // with Nagle off: HTTP/2 writes small frames (headers, trailers, window updates) after large
                     // ones, and Nagle would hold them for the peer's delayed ACK.
-                    let lanes = lanes.map(|(tx, mut rx, token, timeout, state, jobs)| {
+                    let lanes = lanes.map(|(tx, mut rx, token, state, jobs)| {
                         tokio::spawn(async move {
                             while let Some(arrival) = rx.recv().await {
                                 let (token, state, jobs) =
@@ -198,7 +187,7 @@ impl Daemon {
                                 tokio::spawn(crate::lanes::welcome(
                                     arrival,
                                     token,
-                                    timeout,
+                                    handshake,
                                     state,
                                     move |lane| jobs.add_lane(lane),
                                 ));
@@ -206,15 +195,13 @@ impl Daemon {
                         });
                         tx
                     });
-                    // Peer links (workers' ring all-reduce): token checked here, then left in this process's
-                    // mailbox for the interpreter thread's ring.
-                    let peers = peers.map(|(tx, mut rx, token, timeout, rejected)| {
+                    let peers = peers.map(|(tx, mut rx, token, rejected)| {
                         tokio::spawn(async move {
                             while let Some(arrival) = rx.recv().await {
                                 tokio::spawn(ddlf_net::collective::peer::welcome(
                                     arrival,
                                     token.clone(),
-                                    timeout,
+                                    handshake,
                                     rejected.clone(),
                                 ));
                             }
