@@ -39,6 +39,7 @@ from .training import checkpoint
 from .training import worker as remote
 from .training.asynchronous import train_async as _train_async
 from .training.common import TrainConfig, set_random_seed
+from .training.exchange import choose as choose_exchange
 from .training.membership import Members
 from .training.policy import FailurePolicy
 from .training.run import TrainingRun
@@ -213,7 +214,14 @@ class IApp:
             check_report_path(cfg.report)
         if rotate_shards_every is not None and not self.sharded:
             raise ValueError("rotate_shards_every needs a sharded app (sharded = True)")
+        if mode == "async" and exchange != "master":
+            raise ValueError(
+                f"exchange={exchange!r} is for mode='sync': asynchronous workers send their deltas to the master"
+            )
         if mode == "sync":
+            # Decided (and refused) here, before any worker sets the run up.
+            targets = cfg.workers if cfg.workers is not None else list(range(len(self.cluster)))
+            cfg.exchange = choose_exchange(cfg.exchange, self.cluster, targets, cfg.compression)
             return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
         if mode == "async":
             return self.train_async(cfg, validation_data, callbacks, initial_epoch)

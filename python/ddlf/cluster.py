@@ -110,7 +110,7 @@ class Cluster:
         self.connect_timeout = connect_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.uses_tls = tls_ca is not None
-        self._rings: dict[tuple[Any, ...], RingPlan] = {}
+        self._rings = collective.Rings()
         self._closed = False
         self._calls = Calls(self._client)
         self._recovery = Recovery(self, [int(i["instance"]) for i in self._client.worker_info()])
@@ -415,26 +415,36 @@ class Cluster:
         links stay open) and formed anew after a failure.
         """
         collective.check_op(op)
-        if self.uses_tls:
-            raise DdlfError("allreduce needs plaintext peer links between workers; this cluster uses TLS")
-        targets = self._targets(workers)
-        key = (tuple(targets), tuple(self.instance(w) for w in targets), streams)
-        plan = self._rings.get(key)
-        if plan is None:
-            plan = RingPlan(
-                tuple(targets),
-                tuple(self.addresses[w] for w in targets),
-                streams=streams,
-                timeout=timeout or self.timeout or 300.0,
-                liveness=max(1.0, self.heartbeat_timeout),
-            )
-            self._rings[key] = plan
-        args = [(name, plan.spec(w), op) for w in targets]
+        plan = self.ring(workers, streams=streams, timeout=timeout)
+        args = [(name, plan.spec(w), op) for w in plan.workers]
         try:
-            self.run_each(collective.allreduce_variable, args, workers=targets, timeout=timeout)
+            self.run_each(collective.allreduce_variable, args, workers=list(plan.workers), timeout=timeout)
         except BaseException:
-            self._rings.pop(key, None)  # spent on the workers: the next call forms a new ring
+            self.retire_ring(plan)  # spent on the workers: the next call forms a new ring
             raise
+
+    def ring(self, workers: Iterable[int] | None = None, *, streams: int = 1, timeout: float | None = None) -> RingPlan:
+        """The ring of ``workers`` (default all), in that order: kept between calls while it works. Pass
+        ``ring.spec(w)`` to worker ``w``'s own function, which reduces with ``ddlf.collective.reduce_arrays``;
+        after a failed reduction, :meth:`retire_ring` it. ``timeout``: how long a worker waits for the others to
+        join, default the cluster's ``timeout`` or 300 s; a neighbour that stops answering is noticed within
+        ``heartbeat_timeout``."""
+        if self.uses_tls:
+            raise DdlfError("rings need plaintext peer links between workers; this cluster uses TLS")
+        targets = self._targets(workers)
+        return self._rings.plan(
+            targets,
+            [self.addresses[w] for w in targets],
+            [self.instance(w) for w in targets],
+            streams=streams,
+            timeout=timeout or self.timeout or 300.0,
+            liveness=max(1.0, self.heartbeat_timeout),
+        )
+
+    def retire_ring(self, ring: RingPlan) -> None:
+        """Forget a ring that failed (its workers closed its links): the next :meth:`ring` of those workers is a
+        new one."""
+        self._rings.retire(ring)
 
     def exec(self, code: str, *, timeout: float | None = None) -> None:
         """Run a code segment on every worker; the names it defines persist in the worker's globals

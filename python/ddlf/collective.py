@@ -1,13 +1,15 @@
 """Collectives among workers: ring all-reduce, worker to worker, without the master carrying the data.
 
-The master forms a :class:`RingPlan` (a group id and the workers' addresses in ring order) and asks every member
-to reduce; each worker's part runs here, on its interpreter thread, and hands the arrays to the Rust ring
+The master forms a :class:`RingPlan` (a group id and the workers' addresses in ring order; :class:`Rings` keeps
+one per set of workers, ``Cluster.ring`` hands it out) and asks every member to reduce; each worker's part runs
+here, on its interpreter thread, and hands the arrays to the Rust ring
 (``ddlf._ddlf.Ring``: reduce-scatter then all-gather over direct peer links, the GIL released). A worker keeps
 its ring's links between reductions (:data:`MAX_RINGS` rings at most, the oldest closed first), so a training run
-pays for connecting once. A ring that fails once is spent; the master forms a new one from the workers still
-alive (:meth:`RingPlan.without`).
+pays for connecting once. A ring that fails once is spent; the master retires it (``Cluster.retire_ring``) and the
+next request for those workers forms a new one.
 
-Users call :meth:`ddlf.Cluster.allreduce`; training uses the same path with ``exchange="allreduce"``.
+Users call :meth:`ddlf.Cluster.allreduce`; training uses the same rings with ``exchange="allreduce"``. In their
+own worker functions, users reduce with :func:`reduce_arrays` and the spec of ``cluster.ring(...)``.
 """
 
 from __future__ import annotations
@@ -57,16 +59,44 @@ class RingPlan:
             "liveness": self.liveness,
         }
 
-    def without(self, lost: Sequence[int]) -> RingPlan:
-        """A new ring (new group id) of the members not in ``lost``."""
-        keep = [(w, a) for w, a in zip(self.workers, self.addresses) if w not in set(lost)]
-        return RingPlan(
-            tuple(w for w, _ in keep),
-            tuple(a for _, a in keep),
-            streams=self.streams,
-            timeout=self.timeout,
-            liveness=self.liveness,
-        )
+    def __post_init__(self) -> None:
+        if not self.workers or len(self.workers) != len(self.addresses):
+            raise ValueError("a ring needs at least one worker and one address per worker")
+        if not 1 <= self.streams <= 16:
+            raise ValueError(f"streams must be 1 to 16, not {self.streams}")
+        for what in ("timeout", "liveness"):
+            if not getattr(self, what) >= 1.0:
+                raise ValueError(f"{what} must be at least 1 second, not {getattr(self, what)}")
+
+
+class Rings:
+    """The master's rings, one per (workers, their daemon instances, streams): kept while it works (the workers
+    keep its links open), retired after a failure so that the next request forms a new one (a new group). A
+    restarted daemon has another instance, so it never gets a ring whose links died with its old process."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[Any, ...], RingPlan] = {}
+
+    def plan(
+        self,
+        workers: Sequence[int],
+        addresses: Sequence[str],
+        instances: Sequence[int],
+        *,
+        streams: int = 1,
+        timeout: float = 300.0,
+        liveness: float = 10.0,
+    ) -> RingPlan:
+        key = (tuple(workers), tuple(instances), streams)
+        plan = self._plans.get(key)
+        if plan is None or plan.addresses != tuple(addresses):
+            plan = RingPlan(tuple(workers), tuple(addresses), streams=streams, timeout=timeout, liveness=liveness)
+            self._plans[key] = plan
+        return plan
+
+    def retire(self, plan: RingPlan) -> None:
+        """Forget ``plan`` (it failed): the next request for its workers forms a new ring."""
+        self._plans = {k: p for k, p in self._plans.items() if p.group != plan.group}
 
 
 def check_op(op: str) -> str:
@@ -133,6 +163,17 @@ def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mea
             a[...] = w
 
 
+def reduce_scratch(flat: np.ndarray, spec: dict[str, Any], op: str = "sum") -> None:
+    """All-reduce one contiguous float32 or float64 buffer where it lies, with no copy; its contents are
+    undefined after a failure (for buffers made for the reduction, as training's)."""
+    r = ring(spec)
+    try:
+        r.allreduce_([flat], check_op(op), atomic=False)
+    except BaseException:
+        forget(spec["group"])
+        raise
+
+
 def allreduce_variable(worker: Any, name: str, spec: dict[str, Any], op: str) -> None:
     """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
     tuple of arrays) in place with the ring's other members."""
@@ -147,8 +188,3 @@ def allreduce_variable(worker: Any, name: str, spec: dict[str, Any], op: str) ->
     arrays = [value] if single else list(value)
     reduce_arrays(arrays, spec, op)
     worker.vars[name] = arrays[0] if single else (tuple(arrays) if isinstance(value, tuple) else arrays)
-
-
-def close_ring(group: str) -> None:
-    """Run on a worker when the master retires a ring."""
-    forget(group)

@@ -73,6 +73,8 @@ def test_bad_inputs_are_refused_clearly_and_the_workers_keep_serving(four: ddlf.
         four.allreduce("s")
     with pytest.raises(ValueError, match="op must be"):
         four.allreduce("i", "max")
+    with pytest.raises(ValueError, match="streams must be 1 to 16"):
+        four.allreduce("i", streams=0)
     # Workers that pass different sizes: every one fails (none adds unrelated bytes), naming the mismatch.
     four.scatter("d", [np.ones(4 + (w == 2), np.float32) for w in range(4)])
     with pytest.raises(RemoteError) as info:
@@ -132,6 +134,17 @@ def test_sync_allreduce_equals_the_master_exchange_within_rounding_and_is_determ
         # The master carried no weights per round: only the first round's broadcast.
         assert sum(s.bytes_sent for s in h1.stats) == 0
         assert h1.history["loss"][-1] == pytest.approx(hm.history["loss"][-1], rel=1e-4)
+
+
+def test_exchange_is_checked_before_training_starts(four: ddlf.Cluster) -> None:
+    app = FaultApp(four)
+    with pytest.raises(ValueError, match="is for mode='sync'"):
+        app.train(epochs=1, mode="async", exchange="allreduce", verbose=0)
+    with pytest.raises(ValueError, match="exchange must be"):
+        app.train(epochs=1, exchange="ring", verbose=0)
+    with pytest.raises(ValueError, match="compression"):
+        app.train(epochs=1, exchange="allreduce", compression="float16", verbose=0)
+    assert four.ping()  # nothing started, every worker serves
 
 
 def test_a_worker_killed_mid_round_fails_the_ring_and_training_finishes_without_it() -> None:

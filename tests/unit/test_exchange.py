@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddlf.collective import RingPlan, check_op
+from ddlf.collective import RingPlan, Rings, check_op
 from ddlf.training.common import TrainConfig
 from ddlf.training.exchange import choose
 
@@ -39,11 +39,25 @@ def test_explicit_choices_and_refusals() -> None:
 
 
 def test_ring_plans_name_ranks_and_a_new_group_after_a_loss() -> None:
-    plan = RingPlan((0, 2, 3), ("a:1", "b:1", "c:1"))
+    rings = Rings()
+    plan = rings.plan((0, 2, 3), ("a:1", "b:1", "c:1"), (7, 8, 9))
     assert plan.spec(2)["rank"] == 1 and plan.spec(3)["addresses"] == ["a:1", "b:1", "c:1"]
-    smaller = plan.without([2])
+    assert rings.plan((0, 2, 3), ("a:1", "b:1", "c:1"), (7, 8, 9)) is plan  # kept while it works
+    smaller = rings.plan((0, 3), ("a:1", "c:1"), (7, 9))  # worker 2 lost
     assert smaller.workers == (0, 3) and smaller.addresses == ("a:1", "c:1")
     assert smaller.group != plan.group and len(plan.group) == 32
+    rings.retire(plan)  # it failed: the same workers get a new ring
+    assert rings.plan((0, 2, 3), ("a:1", "b:1", "c:1"), (7, 8, 9)).group != plan.group
+    assert rings.plan((0, 3), ("a:1", "c:1"), (7, 10)).group != smaller.group  # worker 3's daemon restarted
     assert check_op("sum") == "sum"
     with pytest.raises(ValueError, match="op must be"):
         check_op("max")
+
+
+def test_ring_plans_refuse_bad_settings() -> None:
+    with pytest.raises(ValueError, match="streams"):
+        RingPlan((0, 1), ("a:1", "b:1"), streams=0)
+    with pytest.raises(ValueError, match="timeout"):
+        RingPlan((0, 1), ("a:1", "b:1"), timeout=0)
+    with pytest.raises(ValueError, match="one address per worker"):
+        RingPlan((0, 1), ("a:1",))

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from ..collective import RingPlan
 from ..errors import RemoteError, WorkerUnavailable
 from . import worker as remote
 from .run import TrainingRun, WorkerResult
@@ -71,10 +70,8 @@ def is_collective_failure(exc: BaseException) -> bool:
 class RingExchange:
     """The master's side of ``exchange="allreduce"`` for one run."""
 
-    def __init__(self, run: TrainingRun, weights: list[np.ndarray], streams: int = 1) -> None:
+    def __init__(self, run: TrainingRun, weights: list[np.ndarray]) -> None:
         self.run = run
-        self.streams = streams
-        self.ring: RingPlan | None = None
         self.synced: dict[int, int] = {}
         """Workers holding the current weights: worker -> daemon instance."""
         self.round: int | None = None
@@ -88,9 +85,7 @@ class RingExchange:
         """The current weights: fetched from a worker that holds them (the master's own newest copy when none
         does any more)."""
         cluster, run_id = self.run.cluster, self.run.cfg.run_id
-        for w in list(self.synced):
-            if self.round is None:
-                break
+        for w in list(self.synced) if self.round is not None else []:
             try:
                 got = cluster.run_on(w, remote.reduced_weights, run_id, self.round)
             except WorkerUnavailable:
@@ -103,19 +98,6 @@ class RingExchange:
     def forget(self, worker: int) -> None:
         """``worker`` was lost: it no longer holds the current weights."""
         self.synced.pop(worker, None)
-
-    def _ring(self, targets: list[int]) -> RingPlan:
-        cluster = self.run.cluster
-        addresses = tuple(cluster.addresses[w] for w in targets)
-        if self.ring is None or self.ring.workers != tuple(targets) or self.ring.addresses != addresses:
-            self.ring = RingPlan(
-                tuple(targets),
-                addresses,
-                streams=self.streams,
-                timeout=cluster.timeout or 300.0,
-                liveness=max(1.0, cluster.heartbeat_timeout),
-            )
-        return self.ring
 
     def run_round(
         self, assignments: list[tuple[int, dict[str, Any]]], epoch: int, round_no: int, t0: float
@@ -131,7 +113,7 @@ class RingExchange:
             if not pending:
                 return [], t_sent, send_s, {}
             targets = [w for w, _ in pending]
-            ring = self._ring(targets)
+            ring = cluster.ring(targets)
             fresh = [w for w in targets if self.synced.get(w) != cluster.instance(w)]
             lost: list[int] = []
             if fresh:
@@ -178,7 +160,7 @@ class RingExchange:
                 self.round = round_no
                 return [WorkerResult.from_reply(w, o) for w, o in zip(targets, outcomes)], t_sent, send_s, call_s
             run.members.note("allreduce_redo", lost=lost, survivors=[w for w in targets if w not in lost])
-            self.ring = None  # spent: the next attempt forms a new one
+            cluster.retire_ring(ring)  # spent: the next attempt forms a new one
             pending = self._drop(pending, lost, epoch, round_no, t0)
         raise RuntimeError(f"round {round_no}: the all-reduce failed {MAX_REDOS} times in a row")
 

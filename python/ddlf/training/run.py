@@ -29,7 +29,8 @@ class WorkerResult:
     worker: int
     samples: int
     weights: list[Any]
-    """Its weights, or its delta (compressed: half precision, or top-k ``(indices, values)`` pairs)."""
+    """Its weights, or its delta (compressed: half precision, or top-k ``(indices, values)`` pairs); empty when
+    the workers averaged among themselves (``exchange="allreduce"``)."""
     compute_seconds: float
     data_wait_seconds: float
     logs: dict[str, float] = field(default_factory=dict)
@@ -40,7 +41,7 @@ class WorkerResult:
         return cls(
             worker=worker,
             samples=int(reply["samples"]),
-            weights=reply["weights"],
+            weights=reply.get("weights", []),
             compute_seconds=float(reply["compute_seconds"]),
             data_wait_seconds=float(reply["data_wait_seconds"]),
             logs=dict(reply.get("logs", {})),

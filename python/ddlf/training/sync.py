@@ -66,9 +66,8 @@ def train_sync(run: TrainingRun) -> History:
             wall = time.perf_counter() - t0
             run.members.live()  # copies the loss events into History now, with this round's number
             live_results = [r for r in results if r.samples > 0]
-            if ring is not None:
-                pass  # the workers averaged among themselves; the master fetches the weights at epoch end
-            elif live_results:
+            # With the ring the workers averaged among themselves; the master fetches the weights at epoch end.
+            if ring is None and live_results:
                 samples = [float(r.samples) for r in live_results]
                 payloads = [decode_payload(r.weights, weights) for r in live_results]
                 merged = ops.weighted_average(payloads, samples)

@@ -333,25 +333,33 @@ def _start_weights(worker: Any, session: Session, run_id: str, round_no: int, fr
 
 
 def _reduce_floats(arrays: list[np.ndarray], samples: int, spec: dict[str, Any]) -> list[np.ndarray]:
-    """The samples-weighted average over the ring's ranks of every float array (one ring pass per float dtype:
-    ``sum(samples_i * a_i) / sum(samples_i)``, the sample counts riding in the same pass); other arrays (integer
-    step counters) stay as they are here."""
-    from ..collective import reduce_arrays
+    """The samples-weighted average over the ring's ranks of every float array: ``sum(samples_i * a_i) /
+    sum(samples_i)``. Per float dtype, the arrays are scaled straight into one buffer (the only copy), with the
+    sample count as its last element, reduced where it lies, and divided in place; the results are views of it.
+    Other arrays (integer step counters) stay as they are here."""
+    from ..collective import reduce_scratch
 
     out = list(arrays)
     for kind in (np.float32, np.float64):
         idx = [i for i, a in enumerate(arrays) if a.dtype == kind]
         if not idx:
             continue
-        scaled = [np.multiply(arrays[i], kind(samples), dtype=kind) for i in idx]
-        scaled.append(np.array([samples], dtype=kind))
-        reduce_arrays(scaled, spec, "sum")
-        total = float(scaled.pop()[0])
+        sizes = [arrays[i].size for i in idx]
+        flat = np.empty(sum(sizes) + 1, dtype=kind)
+        views, at = [], 0
+        for i, n in zip(idx, sizes):
+            view = flat[at : at + n].reshape(arrays[i].shape)
+            np.multiply(arrays[i], kind(samples), out=view)
+            views.append(view)
+            at += n
+        flat[-1] = samples
+        reduce_scratch(flat, spec, "sum")
+        total = float(flat[-1])
         if total <= 0:
             continue  # no rank trained a row: nothing to average
-        for i, a in zip(idx, scaled):
-            a *= kind(1.0 / total)
-            out[i] = a
+        flat[:-1] *= kind(1.0 / total)
+        for i, view in zip(idx, views):
+            out[i] = view
     return out
 
 
@@ -388,18 +396,13 @@ def train_reduce(
         shard=shard,
     )
     new = [np.asarray(w) for w in result.pop("weights")]
-    t0 = time.perf_counter()
     samples = int(result["samples"])
     averaged = _reduce_floats(new, samples, ring)
     model = session.model
     if average_optimizer_state and _optimizer_built(model):
         _set_optimizer_state(model, _reduce_floats(_optimizer_state(model), samples, ring))
-    model.set_weights(averaged)
+    # The model takes the averaged weights when the next round starts from them (train_chunk sets them).
     session.reduced = (round_no, start, averaged)
-    result["reduce_seconds"] = time.perf_counter() - t0
-    n = len(ring["addresses"])
-    result["ring_bytes"] = int(sum(a.nbytes for a in averaged) * 2 * (n - 1) / n)
-    result["weights"] = []
     session.last_used = time.monotonic()
     return result
 
