@@ -16,6 +16,7 @@ BENCHMARKS = {
     "elephas": "benchmarks.vs_elephas",
     "ab": "benchmarks.ab",
     "collective": "benchmarks.collective",
+    "serialization": "benchmarks.serialization",
 }
 
 

@@ -8,6 +8,7 @@ script that connects later finds everything the first one left.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import inspect
 import os
 import shutil
@@ -21,6 +22,7 @@ from typing import Any
 import cloudpickle
 
 from . import _ddlf, serialization
+from .upload import files_digest, module_files
 
 OPS = _ddlf.OPS
 KINDS = _ddlf.ERROR_KINDS
@@ -96,6 +98,8 @@ class Executor:
         self._ready_file = ready_file
         self._module_dir: Path | None = Path(module_dir) if module_dir else None
         self._own_module_dir = False
+        # (uploaded module, shipped automatically?) -> the digest of the version in use
+        self._module_digests: dict[tuple[str, bool], str] = {}
         self._handlers: dict[int, Callable[[str, str, Any], Any]] = {
             OPS["SET_VAR"]: self._set_var,
             OPS["GET_VAR"]: self._get_var,
@@ -244,12 +248,24 @@ class Executor:
         self.context.n_workers = int(value["n_workers"])
 
     def _upload_module(self, name: str, digest: str, value: Any) -> list[str]:
-        files: dict[str, bytes] = value
+        # ``{path: source}`` from Cluster.upload_module, or ``(files, {"prefer_native": True})`` when shipped
+        # automatically with code that refers to it (see ddlf.upload).
+        files, options = value if isinstance(value, tuple) else (value, {})
+        if not isinstance(files, dict) or not isinstance(options, dict):
+            raise _Failure("BAD_REQUEST", "TypeError", "a module upload is a {path: bytes} dict")
+        key = (name, bool(options.get("prefer_native")))
+        if digest and self._module_digests.get(key) == digest:
+            return []  # this version is here already (shipped by another master, or replayed)
+        if key[1] and digest and self._native_digest(name) == digest:
+            # The very same code is importable here already (the same file on this host, or installed): use it,
+            # so that its __file__ (and the data files beside it) stay where they are.
+            self._module_digests[key] = digest
+            return []
         written = []
         root = self.module_dir().resolve()
         for rel, content in files.items():
             path = PurePosixPath(rel)
-            if path.is_absolute() or ".." in path.parts or not path.parts:
+            if not isinstance(content, bytes) or path.is_absolute() or ".." in path.parts or not path.parts:
                 raise _Failure("BAD_REQUEST", "ValueError", f"refusing module path {rel!r}")
             target = root.joinpath(*path.parts)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -261,7 +277,24 @@ class Executor:
         for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[mod]
         importlib.invalidate_caches()
+        self._module_digests = {k: v for k, v in self._module_digests.items() if k[0] != name}
+        if digest:
+            self._module_digests[key] = digest
         return written
+
+    def _native_digest(self, name: str) -> str | None:
+        """The digest of the files module ``name`` would be imported from on this worker without uploads."""
+        shipped = str(self._module_dir) if self._module_dir is not None else None
+        path_list = [p for p in sys.path if p != shipped]
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name, path_list)
+            if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+                return None
+            origin = Path(spec.origin)
+            _, files = module_files(origin.parent if origin.name == "__init__.py" else origin)
+        except (ImportError, OSError, ValueError):
+            return None
+        return files_digest(files)
 
 
 _MISSING = object()

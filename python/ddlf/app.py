@@ -20,16 +20,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import site
-import sys
-import sysconfig
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 
+from . import serialization
 from .callbacks import Callback, ProgressBar
 from .cluster import Cluster
 from .history import History
@@ -44,20 +41,6 @@ from .training.membership import Members
 from .training.policy import FailurePolicy
 from .training.run import TrainingRun
 from .training.sync import train_sync as _train_sync
-
-
-def _is_local_module(module: Any) -> bool:
-    """A module that is not part of an installed package (not under site-packages or the standard library)."""
-    if module.__name__ == "__main__":
-        return False  # cloudpickle already pickles __main__ by value
-    path = getattr(module, "__file__", None)
-    if not path:
-        return False
-    path = os.path.abspath(path)
-    installed = [
-        os.path.abspath(p) for p in (*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_path("stdlib"))
-    ]
-    return not any(path.startswith(p) for p in installed) and not module.__name__.startswith("ddlf")
 
 
 class IApp:
@@ -269,17 +252,14 @@ class IApp:
         out = self.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
         return {f"val_{k}": float(v) for k, v in out.items()}
 
-    def shipped(self) -> bytes:
-        """What travels to workers: the app without its cluster connection or model, pickled by value when its
-        class lives in a local module (a script's neighbour file) that workers could not import."""
+    def shipped(self, modules: set[str] | None = None) -> bytes:
+        """What travels to workers: the app without its cluster connection or model, its class by value when it
+        is defined in the script. ``modules`` receives the local modules (beside the script) it refers to, which
+        the workers need before they can load it (the training run ships them)."""
         clone = copy.copy(self)
         clone.cluster = None  # type: ignore[assignment]
         clone.model = None
-        for cls in type(self).__mro__:  # the app's class and its bases (an app subclassing a neighbour file's app)
-            module = sys.modules.get(cls.__module__)
-            if module is not None and _is_local_module(module):
-                cloudpickle.register_pickle_by_value(module)
-        return cloudpickle.dumps(clone)
+        return serialization.dumps_inline(clone, modules)
 
     def _run(
         self,

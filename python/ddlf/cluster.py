@@ -18,11 +18,11 @@ from . import _ddlf, collective, serialization
 from ._aio import add_async_twins
 from ._calls import Calls, ClosedClient, Encoded, FunctionRef
 from .collective import RingPlan
-from .errors import DdlfError, raise_for
+from .errors import DdlfError, SerializationError, raise_for
 from .local import LocalWorkers
 from .recovery import Recovery
 from .settings import check_lane_spin_us, prepare_process, read_pem
-from .upload import module_files
+from .upload import Shipment, files_digest, local_closure, module_files
 
 log = logging.getLogger("ddlf")
 
@@ -116,6 +116,7 @@ class Cluster:
         self._recovery = Recovery(self, [int(i["instance"]) for i in self._client.worker_info()])
         self._replay = self._recovery.replay
         self._pickled = serialization.PickledFunctions()
+        self._shipped: dict[str, str] = {}  # local module -> digest shipped to the workers (see _ship)
         self._set_context()
 
     # -- construction and lifetime ----------------------------------------------------------------------
@@ -274,7 +275,7 @@ class Cluster:
         """Store ``value`` under ``name`` on every worker (serialized once, sent to all concurrently).
         ``return_exceptions=True``: returns each worker's outcome (None, or its exception) instead of raising."""
         targets = self._targets(workers)
-        encoded = serialization.dumps(value)
+        encoded = self._encode(value)
         outcomes = self._recovery.invoke(OPS["SET_VAR"], name, "", targets, [encoded], timeout)
         if return_exceptions:
             if workers is None:
@@ -291,7 +292,7 @@ class Cluster:
     def scatter(self, name: str, values: Sequence[Any], *, timeout: float | None = None) -> None:
         """Store ``values[i]`` under ``name`` on worker ``i``."""
         self._check_per_worker(values, "values")
-        encoded = [serialization.dumps(v) for v in values]
+        encoded = [self._encode(v) for v in values]
         targets = list(range(len(self)))
         raise_for(self._recovery.invoke(OPS["SET_VAR"], name, "", targets, encoded, timeout))
         self._replay.record("var", name, {self.addresses[i]: e for i, e in zip(targets, encoded)})
@@ -456,8 +457,9 @@ class Cluster:
         """Ship a local module or package (a module object, or a path to a ``.py`` file or a package directory)
         to every worker, where it becomes importable. Returns the module name."""
         name, files = module_files(module)
-        self._call(OPS["UPLOAD_MODULE"], name, "", files, None, timeout)
+        self._upload(name, files_digest(files), files, self._targets(None), timeout)
         self._replay.record("module", name, files)
+        self._shipped[name] = "uploaded"  # the user's choice wins over automatic shipping
         return name
 
     def clean(self, *, timeout: float | None = None) -> None:
@@ -619,9 +621,41 @@ class Cluster:
         """One request per target: ``value`` goes to every target (serialized once), or with ``each=True`` it is
         a list holding one value per target."""
         targets = self._targets(workers)
-        encoded = [serialization.dumps(v) for v in value] if each else [serialization.dumps(value)]
+        encoded = [self._encode(v) for v in value] if each else [self._encode(value)]
         outcomes = self._recovery.invoke(op, name, digest, targets, encoded, timeout, fn)
         return outcomes if return_exceptions else raise_for(outcomes)
+
+    def _encode(self, value: Any) -> Encoded:
+        """Pickle a value for the workers, first shipping the local modules it refers to."""
+        modules: set[str] = set()
+        encoded = serialization.dumps(value, modules=modules)
+        if modules:
+            self._ship(modules, None)
+        return encoded
+
+    def _ship(self, modules: Iterable[str], timeout: float | None) -> None:
+        """Make the local modules (beside the script) that code or values sent to workers refer to importable on
+        every worker, with the local modules they import in turn: each version once (the workers skip a version
+        they hold), replayed to a daemon that restarts. See :mod:`ddlf.upload`."""
+        for name in local_closure(modules):
+            if name in self._shipped and self._shipped[name] == "uploaded":
+                continue
+            try:
+                digest, files = Shipment.files(name)
+            except ValueError as exc:
+                raise SerializationError(str(exc)) from None
+            if self._shipped.get(name) == digest:
+                continue
+            log.info("ddlf: shipping local module %r (%d files) to the workers", name, len(files))
+            shipment = (files, {"prefer_native": True})
+            self._upload(name, digest, shipment, self.live_workers, timeout)
+            self._replay.record("module", name, shipment)
+            self._shipped[name] = digest
+
+    def _upload(self, name: str, digest: str, payload: Any, targets: list[int], timeout: float | None) -> None:
+        # Module sources are plain bytes: encoded directly, never looked into for modules to ship.
+        encoded = serialization.dumps(payload)
+        raise_for(self._recovery.invoke(OPS["UPLOAD_MODULE"], name, digest, targets, [encoded], timeout))
 
     def _set_context(self) -> None:
         n = len(self)
@@ -645,7 +679,9 @@ class Cluster:
         """Name and digest of ``fn``, pushed first to the targets not known to hold this version."""
         if isinstance(fn, str):
             return fn, ""
-        fname, digest, blob = self._pickled.get(fn, name)
+        fname, digest, blob, modules = self._pickled.get(fn, name)
+        if modules:
+            self._ship(modules, timeout)
         pool = range(len(self)) if targets is None else targets
         known = self._recovery.known
         missing = [i for i in pool if known[i].get(fname) != digest]

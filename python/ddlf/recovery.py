@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from . import _ddlf, serialization
 from ._calls import Calls, Encoded, FunctionRef
 from .errors import DdlfError, DeadlineExceeded, NotFoundError, WorkerRestarted, WorkerUnavailable, raise_for
+from .upload import files_digest
 
 log = logging.getLogger("ddlf")
 
@@ -247,7 +248,8 @@ class Recovery:
             elif kind == "exec":
                 out = send(OPS["EXEC"], "", "", [i], [serialization.dumps(payload)], None)
             elif kind == "module":
-                out = send(OPS["UPLOAD_MODULE"], name, "", [i], [serialization.dumps(payload)], None)
+                digest = files_digest(payload[0] if isinstance(payload, tuple) else payload)
+                out = send(OPS["UPLOAD_MODULE"], name, digest, [i], [serialization.dumps(payload)], None)
             else:  # dataset
                 how, what = payload
                 fn = _remote_load if how == "load" else _remote_put

@@ -1,10 +1,26 @@
-"""Local modules and packages as files to ship to workers (``Cluster.upload_module``)."""
+"""Local modules and packages as files to ship to workers.
+
+Two ways in: :meth:`Cluster.upload_module` ships what the user names, and every value, function or app a master
+sends ships the *local* modules it refers to (:func:`local_modules_for`): a module beside the script or in the
+working directory, which workers elsewhere could not import. Installed packages, the standard library and ddlf
+itself are never shipped; ``__main__`` travels by value inside the pickle instead (:mod:`ddlf.serialization`).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import site
+import sys
+import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
-from types import ModuleType
+from types import FunctionType, ModuleType
+
+SHIP_LIMIT = 16 * 1024 * 1024
+"""The most source bytes one local module (or top-level package) may have to be shipped automatically; a larger
+one must be installed on the workers or shipped once with ``Cluster.upload_module``."""
 
 
 def module_files(module: ModuleType | str | os.PathLike[str]) -> tuple[str, dict[str, bytes]]:
@@ -34,3 +50,153 @@ def module_files(module: ModuleType | str | os.PathLike[str]) -> tuple[str, dict
     if path.suffix == ".py" and path.is_file():
         return path.stem, {path.name: path.read_bytes()}
     raise ValueError(f"cannot upload {module!r}: expected a module, a .py file or a package directory")
+
+
+def files_digest(files: dict[str, bytes]) -> str:
+    """A digest of a module's files (names and contents): equal digests, equal code."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        content = files[rel]
+        h.update(f"{rel}\0{len(content)}\0".encode())
+        h.update(content)
+    return h.hexdigest()
+
+
+# -- which modules are local ------------------------------------------------------------------------------
+
+_verdicts: dict[str, bool] = {}  # top-level module name -> local?
+
+
+def _installed_roots() -> list[str]:
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sysconfig.get_path("stdlib") or ""}
+    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else ""
+    roots.add(user if isinstance(user, str) else "")
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ddlf's own tree
+    return [os.path.realpath(r) + os.sep for r in roots if r]
+
+
+def _local_roots() -> list[str]:
+    """Where a user's own modules live: the script's directory (``sys.path[0]``) and the working directory."""
+    cwd = os.getcwd()
+    first = sys.path[0] if sys.path else ""
+    roots = {os.path.realpath(first or cwd), os.path.realpath(cwd)}
+    return [r.rstrip(os.sep) + os.sep for r in roots]
+
+
+def is_local(name: str) -> bool:
+    """Whether module ``name`` (or the top-level package it belongs to) is the user's own code beside the script
+    or in the working directory, as opposed to an installed package, the standard library or ddlf itself."""
+    top = name.partition(".")[0]
+    verdict = _verdicts.get(top)
+    if verdict is None:
+        verdict = _judge(top)
+        if top in sys.modules:  # not yet imported: judge again later
+            _verdicts[top] = verdict
+    return verdict
+
+
+def _judge(top: str) -> bool:
+    if top in ("__main__", "ddlf", "__mp_main__") or top in sys.builtin_module_names:
+        return False
+    module = sys.modules.get(top)
+    path = getattr(module, "__file__", None) if module is not None else None
+    if not path:
+        return False
+    path = os.path.realpath(path)
+    if any(path.startswith(r) for r in _installed_roots()):
+        return False
+    return any(path.startswith(r) for r in _local_roots())
+
+
+_patterns: tuple[int, list[tuple[str, re.Pattern[bytes]]]] = (-1, [])
+
+
+def local_module_patterns() -> list[tuple[str, re.Pattern[bytes]]]:
+    """``(top-level name, pattern)`` for each imported local module: the pattern finds the module's name as a
+    pickle names a global's module (a short string that is the name or starts with ``name.``)."""
+    global _patterns
+    if _patterns[0] != len(sys.modules):
+        n = len(sys.modules)
+        tops = sorted({name.partition(".")[0] for name in list(sys.modules)})
+        _patterns = (n, [(top, _module_string(top)) for top in tops if is_local(top)])
+    return _patterns[1]
+
+
+def _module_string(top: str) -> re.Pattern[bytes]:
+    # How protocol 4+ names a global: the module as SHORT_BINUNICODE (0x8c, a length byte, "top" or "top.sub"),
+    # MEMOIZE (0x94), the qualified name (a new short string, memoized, or a BINGET/LONG_BINGET of one), then
+    # STACK_GLOBAL (0x93). The length byte is checked by names_module.
+    return re.compile(
+        rb"\x8c([\x01-\xff])("
+        + re.escape(top.encode())
+        + rb"(?:\.[A-Za-z0-9_.]+)?)\x94(?:\x8c[\x01-\xff][A-Za-z0-9_.<>]+\x94|h.|j....)\x93",
+        re.S,
+    )
+
+
+def names_module(pattern: re.Pattern[bytes], data: bytes) -> bool:
+    """Whether a pickle stream names a global of a module matched by ``pattern`` (of
+    :func:`local_module_patterns`)."""
+    return any(m.group(1)[0] == len(m.group(2)) for m in pattern.finditer(data))
+
+
+def _refers_to(module: ModuleType) -> set[str]:
+    """Local top-level modules that ``module``'s globals refer to (modules, classes, functions)."""
+    out = set()
+    for value in list(vars(module).values()):
+        if isinstance(value, ModuleType):
+            name = value.__name__
+        elif isinstance(value, (type, FunctionType)):
+            name = getattr(value, "__module__", None) or ""
+        else:
+            continue
+        if name and is_local(name):
+            out.add(name.partition(".")[0])
+    return out
+
+
+def local_closure(names: Iterable[str]) -> list[str]:
+    """The top-level local modules among ``names`` and every local module they import, in a stable order."""
+    todo = sorted({n.partition(".")[0] for n in names if is_local(n)})
+    seen: list[str] = []
+    while todo:
+        top = todo.pop()
+        if top in seen:
+            continue
+        seen.append(top)
+        for name, module in list(sys.modules.items()):
+            if module is not None and (name == top or name.startswith(top + ".")):
+                todo.extend(t for t in _refers_to(module) if t not in seen)
+    return sorted(seen)
+
+
+class Shipment:
+    """A local module's files, read once per process and capped at :data:`SHIP_LIMIT`."""
+
+    _cache: dict[str, tuple[str, dict[str, bytes]]] = {}
+
+    @classmethod
+    def files(cls, name: str) -> tuple[str, dict[str, bytes]]:
+        """``(digest, files)`` of local top-level module ``name``; ``ValueError`` (naming it and the fix) when it
+        cannot be shipped."""
+        cached = cls._cache.get(name)
+        if cached is not None:
+            return cached
+        module = sys.modules[name]
+        _, files = module_files(module)
+        size = sum(len(c) for c in files.values())
+        if size > SHIP_LIMIT:
+            raise ValueError(
+                f"local module {name!r} ({_size(size)} in {len(files)} files) is referenced by code sent "
+                f"to the workers but is over the {_size(SHIP_LIMIT)} limit for shipping it "
+                f"automatically: install it on every worker (pip install), or ship it once with "
+                f"cluster.upload_module({name!r})"
+            )
+        cached = (files_digest(files), files)
+        cls._cache[name] = cached
+        return cached
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"

@@ -207,9 +207,10 @@ def test_unpicklable_argument_is_a_clear_error(cluster: ddlf.Cluster) -> None:
 
 
 def test_function_that_cannot_load_on_workers(cluster: ddlf.Cluster, tmp_path) -> None:
-    # A function pickled by reference to a module that only exists on the master.
+    # A function pickled by reference to a module that only exists on the master, found on a directory that is
+    # neither the script's nor the working one (so not shipped automatically, see test_script_code.py).
     (tmp_path / "masteronly_mod.py").write_text("def f():\n    return 1\n")
-    sys.path.insert(0, str(tmp_path))
+    sys.path.append(str(tmp_path))
     try:
         import masteronly_mod
 

@@ -33,7 +33,8 @@ class Members:
         self.seed = seed
         self.history = history
         self.rejoin_interval = rejoin_interval
-        self.blob = app.shipped()
+        self.modules: set[str] = set()  # local modules the app refers to: shipped before each setup
+        self.blob = app.shipped(self.modules)
         self.only = set(workers) if workers is not None else None  # a subset of the cluster's workers
         self.rows = 0  # rows every worker must hold (whole-dataset runs), once the first ones are set up
         self.ready: dict[str, int] = {}  # address -> daemon instance set up for this run
@@ -67,6 +68,8 @@ class Members:
             self._sync_events()
             need = [i for i in self.candidates() if self.ready.get(c.addresses[i]) != c.instance(i)]
             if need:
+                if self.modules:
+                    c._ship(self.modules, None)
                 outcomes = c.call(
                     remote.setup, (self.run_id, self.blob, self.seed), workers=need, return_exceptions=True
                 )

@@ -1,0 +1,112 @@
+"""How values travel, without daemons: the fast path for plain data, ``__main__`` by value, local modules noted
+and capped."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf import serialization, upload
+
+
+def test_plain_data_and_installed_classes_take_the_c_pickler_unchanged() -> None:
+    value = {"a": [1, 2.5, "s", b"b", None], "t": (1, 2), "d": np.float64(3), "arr": np.arange(4.0)}
+    modules: set[str] = set()
+    data, buffers = serialization.dumps(value, modules=modules)
+    ref_buffers: list[pickle.PickleBuffer] = []
+    assert data == pickle.dumps(value, protocol=5, buffer_callback=ref_buffers.append)
+    assert len(buffers) == len(ref_buffers) == 1  # the array's memory travels out of band
+    assert modules == set()
+    back = serialization.loads(data, [b.raw() for b in buffers])
+    assert back["a"] == value["a"] and np.array_equal(back["arr"], value["arr"])
+
+
+def test_classes_and_functions_of_main_travel_by_value() -> None:
+    # A fresh interpreter: the class and the function are defined in __main__, then loaded where __main__ lacks them.
+    code = textwrap.dedent(
+        """
+        import dataclasses, sys
+        from ddlf import serialization
+
+        @dataclasses.dataclass
+        class Config:
+            lr: float
+
+        def loader():
+            return 41 + 1
+
+        data, bufs = serialization.dumps({"cfg": Config(0.1), "f": loader})
+        sys.stdout.buffer.write(data)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, timeout=60)
+    value = serialization.loads(out.stdout)
+    assert type(value["cfg"]).__name__ == "Config" and value["cfg"].lr == 0.1
+    assert value["f"]() == 42
+
+
+def test_unpicklable_values_are_refused_with_what_to_send_instead() -> None:
+    import threading
+
+    with pytest.raises(ddlf.SerializationError, match="must be picklable"):
+        serialization.dumps({"lock": threading.Lock()})
+
+
+def test_local_modules_are_noted_and_their_imports_followed(tmp_path, monkeypatch) -> None:
+    (tmp_path / "loc_a.py").write_text("import loc_b\ndef f():\n    return loc_b.g()\n")
+    (tmp_path / "loc_b.py").write_text("def g():\n    return 7\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    upload._verdicts.clear()
+    import loc_a
+
+    try:
+        modules: set[str] = set()
+        serialization.dumps([loc_a.f], modules=modules)
+        assert modules == {"loc_a"}
+        assert upload.local_closure(modules) == ["loc_a", "loc_b"]
+        # A string that merely equals a module's name (a key, a file name) is not a reference to it.
+        modules = set()
+        serialization.dumps({"loc_a": "loc_b", "loc_a.py": b"loc_b"}, modules=modules)
+        assert modules == set()
+        # A reference met again later in the stream (memoized) still counts once.
+        modules = set()
+        serialization.dumps([loc_a.f, loc_a.f, {"k": loc_a.f}], modules=modules)
+        assert modules == {"loc_a"}
+        # Installed packages, the standard library and ddlf itself are never local.
+        assert not any(upload.is_local(m) for m in ("numpy", "json", "ddlf", "ddlf.cluster", "__main__"))
+        digest, files = upload.Shipment.files("loc_b")
+        assert files == {"loc_b.py": b"def g():\n    return 7\n"} and len(digest) == 64
+    finally:
+        for name in ("loc_a", "loc_b"):
+            sys.modules.pop(name, None)
+            upload.Shipment._cache.pop(name, None)
+        upload._verdicts.clear()
+
+
+def test_a_local_module_over_the_limit_is_refused_by_name(tmp_path, monkeypatch) -> None:
+    (tmp_path / "loc_big.py").write_text("X = " + repr("x" * 2000) + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(upload, "SHIP_LIMIT", 1000)
+    import loc_big  # noqa: F401
+
+    try:
+        with pytest.raises(ValueError, match=r"'loc_big' .* over the 1.0 KiB limit.*upload_module\('loc_big'\)"):
+            upload.Shipment.files("loc_big")
+    finally:
+        sys.modules.pop("loc_big", None)
+        upload._verdicts.clear()
+
+
+def test_files_digest_tells_versions_apart() -> None:
+    a = upload.files_digest({"m.py": b"x = 1\n"})
+    assert a == upload.files_digest({"m.py": b"x = 1\n"})
+    assert a != upload.files_digest({"m.py": b"x = 2\n"})
+    assert a != upload.files_digest({"n.py": b"x = 1\n"})
