@@ -17,6 +17,7 @@ BENCHMARKS = {
     "ab": "benchmarks.ab",
     "collective": "benchmarks.collective",
     "serialization": "benchmarks.serialization",
+    "backends": "benchmarks.backends",
 }
 
 

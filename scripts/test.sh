@@ -8,6 +8,12 @@ export PATH="$HOME/.cargo/bin:$PATH"
 
 scripts/install.sh
 scripts/install-system.sh
+# PyTorch for the TorchModel tests. PyPI's only Linux wheel links CUDA's libraries (they must be present even to
+# train on CPU): about 1 minute and 5 GB here, so it is installed for the tests only, not by install.sh.
+# DDLF_TEST_TORCH=0 skips it (the torch tests then skip, visibly).
+if [ "${DDLF_TEST_TORCH:-1}" != 0 ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install --quiet "torch>=2.1"
+fi
 
 PY_SOURCES=(python tests examples benchmarks scripts)
 

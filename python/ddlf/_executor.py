@@ -14,8 +14,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -89,7 +90,10 @@ def _first_parameter(fn: Callable[..., Any]) -> str | None:
 class Executor:
     """Runs the operations of one worker daemon. Called only from the daemon's interpreter thread."""
 
-    def __init__(self, ready_file: str | None = None, module_dir: str | None = None) -> None:
+    def __init__(
+        self, ready_file: str | None = None, module_dir: str | None = None, preload: Sequence[str] = ()
+    ) -> None:
+        self.preload = list(preload)
         self.variables: dict[str, Any] = {}
         self.functions: dict[str, _Function] = {}
         self.namespace: dict[str, Any] = {"__name__": "__ddlf_worker__"}
@@ -134,8 +138,11 @@ class Executor:
             self._own_module_dir = False
 
     def on_listening(self, address: str) -> None:
-        """The daemon is bound to ``address``; tell whoever waits for it (``Cluster.local``)."""
+        """The daemon is bound to ``address``; tell whoever waits for it (``Cluster.local``), then start loading
+        the modules to preload in the background."""
         self.address = address
+        if self.preload:
+            threading.Thread(target=_preload, args=(self.preload,), name="ddlf-preload", daemon=True).start()
         if self._ready_file:
             tmp = self._ready_file + ".tmp"
             with open(tmp, "w") as f:
@@ -295,6 +302,25 @@ class Executor:
         except (ImportError, OSError, ValueError):
             return None
         return files_digest(files)
+
+
+def _preload(modules: list[str]) -> None:
+    """Import ``modules`` (a worker's ``--preload``) so that the first training run finds them loaded; a request
+    that needs one meanwhile waits on Python's import lock, never on a half-loaded module."""
+    import logging
+    import time
+
+    log = logging.getLogger("ddlf.worker")
+    for name in modules:
+        t0 = time.perf_counter()
+        try:
+            module = importlib.import_module(name)
+            if name == "keras":
+                module.backend.backend()  # loads the backend's own framework too
+        except BaseException as exc:  # a worker must serve whatever its preload does
+            log.warning("preloading %s failed: %s: %s", name, type(exc).__name__, exc)
+            continue
+        log.info("preloaded %s in %.2f s", name, time.perf_counter() - t0)
 
 
 _MISSING = object()

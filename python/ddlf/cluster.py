@@ -21,7 +21,7 @@ from .collective import RingPlan
 from .errors import DdlfError, SerializationError, raise_for
 from .local import LocalWorkers
 from .recovery import Recovery
-from .settings import check_lane_spin_us, prepare_process, read_pem
+from .settings import check_lane_spin_us, keras_backend_in_use, prepare_process, read_pem
 from .upload import Shipment, files_digest, local_closure, module_files
 
 log = logging.getLogger("ddlf")
@@ -133,21 +133,38 @@ class Cluster:
         shared_memory: bool = False,
         direct_lane: bool = True,
         lane_spin_us: int | None = None,
+        preload: str | Sequence[str] | None = "keras",
     ) -> Cluster:
         """Start ``n_workers`` daemons on free loopback ports and connect to them.
 
         The daemons get a fresh random token and stop when the cluster is closed, when the ``with`` block is
         left, at interpreter exit, or when this process dies. ``threads`` caps each worker's math-library
         thread pools (default: the machine's cores divided among the workers).
+
+        ``preload``: modules each daemon imports in the background as soon as it listens, while this script goes
+        on (``ddlf-worker --preload``). The default, ``"keras"``, loads Keras on this process's backend
+        (``KERAS_BACKEND``, else ddlf's default, which this sets for the workers) when Keras is installed, so a
+        first ``train()`` does not wait for the framework to import. ``None``: nothing.
         """
         if threads is None:
             from .threads import cpu_count
 
             threads = max(1, cpu_count() // n_workers)
         args = list(worker_args)
+        env = {}
+        modules = [preload] if isinstance(preload, str) else list(preload or [])
+        if "keras" in modules:
+            import importlib.util
+
+            if importlib.util.find_spec("keras") is None:
+                modules.remove("keras")
+            else:
+                env["KERAS_BACKEND"] = keras_backend_in_use()  # the workers load what this process runs
+        if modules and not any(a == "--preload" or a.startswith("--preload=") for a in args):
+            args += ["--preload", ",".join(modules)]
         if lane_spin_us is not None:
             args += ["--lane-spin-us", str(check_lane_spin_us(lane_spin_us))]
-        local = LocalWorkers(n_workers, threads=threads, start_timeout=start_timeout, extra_args=args)
+        local = LocalWorkers(n_workers, threads=threads, start_timeout=start_timeout, extra_args=args, env=env)
         try:
             return cls(
                 local.addresses,

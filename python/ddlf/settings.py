@@ -41,10 +41,83 @@ def read_pem(value: str | os.PathLike[str] | bytes | None, what: str) -> bytes |
         raise ValueError(f"cannot read {what} {os.fspath(value)!r}: {exc.strerror}") from exc
 
 
-def keras_backend_default() -> None:
-    """Choose Keras's backend for this process unless the user did (``KERAS_BACKEND`` always wins): called when
-    a training run or a worker starts, never at import."""
-    os.environ.setdefault("KERAS_BACKEND", "jax")
+KERAS_BACKENDS = ("tensorflow", "jax", "torch")
+"""Keras backends in ddlf's order of preference when the user has not chosen: the fastest on CPU first, as
+measured by ``python -m benchmarks backends`` (BENCHMARKS.md): TensorFlow trains the paper's CNN and the
+convolutional and recurrent models fastest here; JAX is next."""
+
+_MODULES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+
+
+def users_keras_backend() -> str | None:
+    """The Keras backend the user chose: ``KERAS_BACKEND``, else the ``backend`` of ``$KERAS_HOME/keras.json``
+    (default ``~/.keras/keras.json``), else None. A file saying ``"tensorflow"`` does not count: Keras writes
+    that file itself, with that default, the first time it is imported (and TensorFlow is ddlf's first choice
+    anyway when it is installed)."""
+    chosen = os.environ.get("KERAS_BACKEND")
+    if chosen:
+        return chosen
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        import json
+
+        with open(os.path.join(home, "keras.json")) as f:
+            backend = json.load(f).get("backend")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return backend if isinstance(backend, str) and backend and backend != "tensorflow" else None
+
+
+def installed_keras_backend() -> str:
+    """The first of :data:`KERAS_BACKENDS` whose framework is installed (``jax`` when none is)."""
+    import importlib.util
+
+    for name in KERAS_BACKENDS:
+        if importlib.util.find_spec(_MODULES[name]) is not None:
+            return name
+    return "jax"
+
+
+def keras_backend_default() -> str:
+    """Choose Keras's backend for this process unless the user did (``KERAS_BACKEND`` or ``keras.json`` always
+    win): the fastest installed one (:data:`KERAS_BACKENDS`). Called when a training run or a worker starts,
+    never at import. Returns the backend in effect."""
+    chosen = users_keras_backend()
+    if chosen is None:
+        chosen = installed_keras_backend()
+        os.environ["KERAS_BACKEND"] = chosen
+    return chosen
+
+
+def keras_backend_in_use() -> str:
+    """This process's Keras backend: Keras's own answer once it is imported, else what it will pick."""
+    import importlib
+    import sys
+
+    if "keras" in sys.modules:
+        return str(importlib.import_module("keras").backend.backend())
+    return keras_backend_default()
+
+
+def follow_keras_backend(master: str | None) -> None:
+    """On a worker, before a training run builds its model: run the master's Keras backend. Keras cannot change
+    backend once imported, so a worker that already runs another one refuses with what to do."""
+    if not master:
+        return
+    import importlib
+    import sys
+
+    if "keras" not in sys.modules:
+        os.environ["KERAS_BACKEND"] = master
+        return
+    # Loaded, or being loaded by the daemon's preload thread: importing waits until it is complete.
+    mine = importlib.import_module("keras").backend.backend()
+    if mine != master:
+        raise RuntimeError(
+            f"this worker runs Keras on {mine!r} (loaded already) but the master runs {master!r}: a process keeps "
+            f"its first backend, so start this worker with KERAS_BACKEND={master} (or the master with "
+            f"KERAS_BACKEND={mine})"
+        )
 
 
 _prepared = False

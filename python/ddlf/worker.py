@@ -126,6 +126,14 @@ def _parser() -> argparse.ArgumentParser:
         help="a training run without a request for this long (its master died without tearing it down) is "
         "evicted when a new run needs its place (default 600)",
     )
+    p.add_argument(
+        "--preload",
+        default=os.environ.get("DDLF_PRELOAD", ""),
+        metavar="MODULES",
+        help="comma-separated modules to import in the background once the daemon listens, so a training run "
+        "finds them loaded (e.g. 'keras': Keras and its backend, KERAS_BACKEND or ddlf's default; default: "
+        "DDLF_PRELOAD, else none)",
+    )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -178,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _ddlf.init_logging("info")
     _log_python_through_tracing()
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    executor = Executor(ready_file=args.ready_file)
+    preload = [m.strip() for m in args.preload.split(",") if m.strip()]
+    executor = Executor(ready_file=args.ready_file, preload=preload)
     try:
         _ddlf.serve_worker(
             executor,

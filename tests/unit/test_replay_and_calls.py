@@ -13,7 +13,15 @@ import ddlf
 from ddlf import serialization
 from ddlf._calls import decode
 from ddlf.recovery import ReplayLog, broken
-from ddlf.settings import MAX_LANE_SPIN_US, check_lane_spin_us, check_seconds, keras_backend_default, read_pem
+from ddlf.settings import (
+    MAX_LANE_SPIN_US,
+    check_lane_spin_us,
+    check_seconds,
+    follow_keras_backend,
+    installed_keras_backend,
+    keras_backend_default,
+    read_pem,
+)
 from ddlf.training.common import TrainConfig
 from ddlf.training.policy import FailurePolicy
 from ddlf.training.run import WorkerResult, weighted_logs
@@ -90,13 +98,49 @@ def test_settings_are_checked_where_they_enter() -> None:
         read_pem("/nonexistent/ca.pem", "tls_ca")
 
 
-def test_a_users_keras_backend_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_users_keras_backend_wins(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))  # no keras.json there yet
     monkeypatch.setenv("KERAS_BACKEND", "torch")
-    keras_backend_default()
+    assert keras_backend_default() == "torch"
     assert os.environ["KERAS_BACKEND"] == "torch"
     monkeypatch.delenv("KERAS_BACKEND")
-    keras_backend_default()
-    assert os.environ["KERAS_BACKEND"] == "jax"
+    # Nothing chosen: the fastest installed backend, in the benchmark's order.
+    assert keras_backend_default() == installed_keras_backend() == os.environ["KERAS_BACKEND"]
+    monkeypatch.delenv("KERAS_BACKEND")
+    (tmp_path / "keras.json").write_text('{"backend": "jax", "floatx": "float32"}')
+    assert keras_backend_default() == "jax"  # keras.json is the user's choice too
+    assert "KERAS_BACKEND" not in os.environ  # Keras reads the file itself
+    # The file Keras writes by itself on first import names its own default: not a choice.
+    (tmp_path / "keras.json").write_text('{"backend": "tensorflow", "floatx": "float32"}')
+    assert keras_backend_default() == installed_keras_backend()
+
+
+def test_installed_backend_follows_the_preference_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    present = {"jax", "torch"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in present else None)
+    assert installed_keras_backend() == "jax"
+    present.add("tensorflow")
+    assert installed_keras_backend() == "tensorflow"
+    present.clear()
+    assert installed_keras_backend() == "jax"
+
+
+def test_a_worker_follows_the_masters_backend_or_refuses_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    monkeypatch.delitem(sys.modules, "keras", raising=False)
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    follow_keras_backend("tensorflow")  # Keras not loaded here yet: follow
+    assert os.environ["KERAS_BACKEND"] == "tensorflow"
+    fake = types.ModuleType("keras")
+    fake.backend = types.SimpleNamespace(backend=lambda: "jax")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "keras", fake)
+    follow_keras_backend("jax")  # the same: nothing to do
+    with pytest.raises(RuntimeError, match=r"runs Keras on 'jax'.*master runs 'tensorflow'.*KERAS_BACKEND=tensorflow"):
+        follow_keras_backend("tensorflow")
 
 
 def test_importing_ddlf_has_no_side_effects() -> None:

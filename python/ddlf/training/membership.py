@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from ..errors import WorkerUnavailable
+from ..settings import keras_backend_in_use
 from . import worker as remote
 
 
@@ -35,6 +36,7 @@ class Members:
         self.rejoin_interval = rejoin_interval
         self.modules: set[str] = set()  # local modules the app refers to: shipped before each setup
         self.blob = app.shipped(self.modules)
+        self.backend = keras_backend_in_use()  # workers run the master's Keras backend
         self.only = set(workers) if workers is not None else None  # a subset of the cluster's workers
         self.rows = 0  # rows every worker must hold (whole-dataset runs), once the first ones are set up
         self.ready: dict[str, int] = {}  # address -> daemon instance set up for this run
@@ -71,7 +73,10 @@ class Members:
                 if self.modules:
                     c._ship(self.modules, None)
                 outcomes = c.call(
-                    remote.setup, (self.run_id, self.blob, self.seed), workers=need, return_exceptions=True
+                    remote.setup,
+                    (self.run_id, self.blob, self.seed, self.backend),
+                    workers=need,
+                    return_exceptions=True,
                 )
                 for i, out in zip(need, outcomes):
                     if isinstance(out, WorkerUnavailable):

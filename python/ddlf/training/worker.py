@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import ops
 from ..datasets import STORE
-from ..settings import keras_backend_default
+from ..settings import follow_keras_backend, keras_backend_default
 from .common import set_random_seed
 
 
@@ -101,11 +101,14 @@ def _split_xy(value: Any) -> tuple[Any, Any]:
     raise TypeError("load_dataset must return (x, y) or {'x': ..., 'y': ...}")
 
 
-def setup(worker: Any, run_id: str, app_blob: bytes, seed: int) -> dict[str, Any]:
-    """Load (or reuse) the app's dataset and build its model on this worker."""
+def setup(worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | None = None) -> dict[str, Any]:
+    """Load (or reuse) the app's dataset and build its model on this worker, on the master's Keras ``backend``."""
     import cloudpickle
 
-    keras_backend_default()
+    if backend:
+        follow_keras_backend(backend)
+    else:
+        keras_backend_default()
     app = cloudpickle.loads(app_blob)
     t0 = time.perf_counter()
     worker_seed = seed + 1000 * (worker.id + 1)

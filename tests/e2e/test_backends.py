@@ -1,0 +1,115 @@
+"""Which Keras backend runs: ddlf's default when the user chose none, the user's choice otherwise, and workers on
+the master's backend (following it, or refusing clearly when they already run another)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ddlf
+from ddlf.settings import installed_keras_backend
+
+from ..conftest import MNIST_DIR
+from .test_training import SmallMnist
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import numpy as np
+    import ddlf
+
+    class Tiny(ddlf.IApp):
+        dataset_key = "backends-600"
+        def load_dataset(self):
+            (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+            return x[:600], y[:600]
+        def preprocess(self, x, y):
+            return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
+        def create_model(self):
+            import keras
+            model = keras.Sequential([keras.Input(shape=(784,)), keras.layers.Dense(10, activation="softmax")])
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+            return model
+
+    def worker_backend():
+        import keras
+        return keras.backend.backend()
+
+    with ddlf.Cluster.local(2) as cluster:
+        h = Tiny(cluster).train(epochs=1, batch_size=64, verbose=0)
+        import keras
+        print(json.dumps({"master": keras.backend.backend(), "workers": cluster.run(worker_backend),
+                          "samples": sum(s.samples for s in h.stats)}))
+    """
+)
+
+
+def _train_in_fresh_process(tmp_path, backend: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env["KERAS_HOME"] = str(tmp_path)  # no keras.json of the user's
+    if backend:
+        env["KERAS_BACKEND"] = backend
+    code = f"MNIST_DIR = {MNIST_DIR!r}\n{_SCRIPT}"  # no test module imported: tests/conftest.py picks JAX
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_nothing_chosen_trains_on_the_fastest_installed_backend_everywhere(tmp_path) -> None:
+    out = _train_in_fresh_process(tmp_path, None)
+    expected = installed_keras_backend()
+    assert out == {"master": expected, "workers": [expected, expected], "samples": 600}
+
+
+def test_the_users_backend_wins_on_master_and_workers(tmp_path) -> None:
+    out = _train_in_fresh_process(tmp_path, "jax")
+    assert out == {"master": "jax", "workers": ["jax", "jax"], "samples": 600}
+
+
+@pytest.mark.skipif(installed_keras_backend() != "tensorflow", reason="needs a second backend (TensorFlow)")
+def test_a_worker_already_on_another_backend_refuses_with_the_fix() -> None:
+    # This test's master runs Keras on JAX (tests/conftest.py); its worker loads Keras on TensorFlow first.
+    def load_keras_on_tensorflow():
+        os.environ["KERAS_BACKEND"] = "tensorflow"
+        import keras
+
+        return keras.backend.backend()
+
+    with ddlf.Cluster.local(1, preload=None) as cluster:  # (a preload would load the master's backend)
+        assert cluster.run(load_keras_on_tensorflow) == ["tensorflow"]
+        app = SmallMnist(cluster)
+        with pytest.raises(ddlf.RemoteError, match=r"runs Keras on 'tensorflow'.*KERAS_BACKEND=jax"):
+            app.train(epochs=1, verbose=0)
+        assert cluster.run(lambda: "still serving") == ["still serving"]
+
+
+def test_local_daemons_preload_keras_on_the_masters_backend() -> None:
+    def loaded():
+        import sys
+
+        if "keras" not in sys.modules:
+            return None
+        import keras  # waits for the preload thread's import to complete
+
+        return keras.backend.backend()
+
+    with ddlf.Cluster.local(2) as cluster:  # this process runs JAX (tests/conftest.py)
+        assert wait_for(lambda: cluster.run(loaded) == ["jax", "jax"], timeout=60)
+    with ddlf.Cluster.local(1, preload=None) as cluster:
+        assert cluster.run(loaded) == [None]
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
