@@ -255,8 +255,8 @@ class Executor:
         self.context.n_workers = int(value["n_workers"])
 
     def _upload_module(self, name: str, digest: str, value: Any) -> list[str]:
-        # ``{path: source}`` from Cluster.upload_module, or ``(files, {"prefer_native": True})`` when shipped
-        # automatically with code that refers to it (see ddlf.upload).
+        # ``{path: source}`` from Cluster.upload_module, or ``(files, {"prefer_native": True, "origin": path})``
+        # when shipped automatically with code that refers to it (see ddlf.upload).
         files, options = value if isinstance(value, tuple) else (value, {})
         if not isinstance(files, dict) or not isinstance(options, dict):
             raise _Failure("BAD_REQUEST", "TypeError", "a module upload is a {path: bytes} dict")
@@ -266,6 +266,18 @@ class Executor:
         if key[1] and digest and self._native_digest(name) == digest:
             # The very same code is importable here already (the same file on this host, or installed): use it,
             # so that its __file__ (and the data files beside it) stay where they are.
+            self._module_digests[key] = digest
+            return []
+        origin = options.get("origin")
+        if key[1] and digest and isinstance(origin, str) and _digest_at(origin) == digest:
+            # The master's own file is here too (this host, or a shared file system): import it from where the
+            # master does, so that paths computed from its __file__ mean the same on both sides.
+            parent = str(Path(origin).parent)
+            if parent not in sys.path:
+                sys.path.insert(0, parent)
+            for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[mod]
+            importlib.invalidate_caches()
             self._module_digests[key] = digest
             return []
         written = []
@@ -297,11 +309,19 @@ class Executor:
             spec = importlib.machinery.PathFinder.find_spec(name, path_list)
             if spec is None or not spec.origin or not spec.origin.endswith(".py"):
                 return None
-            origin = Path(spec.origin)
-            _, files = module_files(origin.parent if origin.name == "__init__.py" else origin)
-        except (ImportError, OSError, ValueError):
+        except (ImportError, ValueError):
             return None
-        return files_digest(files)
+        origin = Path(spec.origin)
+        return _digest_at(str(origin.parent if origin.name == "__init__.py" else origin))
+
+
+def _digest_at(path: str) -> str | None:
+    """The digest of the module file or package directory at ``path`` on this host, if there is one."""
+    try:
+        _, files = module_files(path)
+    except (OSError, ValueError):
+        return None
+    return files_digest(files)
 
 
 def _preload(modules: list[str]) -> None:

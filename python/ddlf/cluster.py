@@ -664,7 +664,7 @@ class Cluster:
             if self._shipped.get(name) == digest:
                 continue
             log.info("ddlf: shipping local module %r (%d files) to the workers", name, len(files))
-            shipment = (files, {"prefer_native": True})
+            shipment = (files, {"prefer_native": True, "origin": Shipment.origin(name)})
             self._upload(name, digest, shipment, self.live_workers, timeout)
             self._replay.record("module", name, shipment)
             self._shipped[name] = digest

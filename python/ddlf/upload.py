@@ -176,6 +176,12 @@ class Shipment:
 
     _cache: dict[str, tuple[str, dict[str, bytes]]] = {}
 
+    @staticmethod
+    def origin(name: str) -> str:
+        """Where local top-level module ``name`` lives on this host: its ``.py`` file or package directory."""
+        path = Path(sys.modules[name].__file__ or "")
+        return str((path.parent if path.name == "__init__.py" else path).resolve())
+
     @classmethod
     def files(cls, name: str) -> tuple[str, dict[str, bytes]]:
         """``(digest, files)`` of local top-level module ``name``; ``ValueError`` (naming it and the fix) when it

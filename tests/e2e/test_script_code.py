@@ -76,6 +76,16 @@ def test_script_values_functions_and_neighbour_modules_reach_the_workers(tmp_pat
             def square(x):
                 return x * x
 
+            # As on a remote host, where the script's directory does not exist: the master reads its modules
+            # (what it ships), then they disappear from this host, so the workers can only use the shipped copies.
+            import os, shutil, ddlf.upload
+            for name in ("util", "helper", "pkgmod"):
+                ddlf.upload.Shipment.files(name)
+            here = os.path.dirname(os.path.abspath(__file__))
+            shutil.rmtree(os.path.join(here, "pkgmod"))
+            os.remove(os.path.join(here, "helper.py"))
+            os.remove(os.path.join(here, "util.py"))
+
             out = {}
             with ddlf.Cluster.local(2) as cluster:
                 # A dataclass defined in the script: set, used on the workers, and back as the script's own class.
@@ -93,6 +103,7 @@ def test_script_values_functions_and_neighbour_modules_reach_the_workers(tmp_pat
                 # ...and a neighbour module's own function and class, pickled by reference.
                 out["neighbour_function"] = cluster.run(helper.triple, 1)
                 out["neighbour_class"] = [p.x for p in cluster.run(lambda p: p, helper.Point(9))]
+                out["imported_from"] = cluster.run(lambda: helper.__file__)
             print(json.dumps(out))
             """,
     }
@@ -104,6 +115,34 @@ def test_script_values_functions_and_neighbour_modules_reach_the_workers(tmp_pat
     assert out["neighbour_modules"] == [[1006, "inner"]] * 2
     assert out["neighbour_function"] == [1003, 1003]
     assert out["neighbour_class"] == [9, 9]
+    assert all("ddlf-modules-" in path for path in out["imported_from"])  # the shipped copies
+
+
+def test_a_neighbour_module_finds_the_data_beside_it_on_the_same_host(tmp_path) -> None:
+    # The master's file exists on this host with the same content: workers import it from there, so a path
+    # computed from its __file__ (the data directory beside it) means the same on both sides.
+    files = {
+        "settings.txt": "lr=0.5\n",
+        "paths.py": """
+            import os
+            HERE = os.path.dirname(os.path.abspath(__file__))
+            def read_settings():
+                with open(os.path.join(HERE, "settings.txt")) as f:
+                    return f.read().strip()
+            """,
+        "main.py": """
+            import json
+            import ddlf
+            import paths
+
+            with ddlf.Cluster.local(2, preload=None) as cluster:
+                print(json.dumps({"settings": cluster.run(lambda: paths.read_settings()),
+                                  "here": cluster.run(lambda: paths.HERE), "master": paths.HERE}))
+            """,
+    }
+    out = _run(tmp_path, files)
+    assert out["settings"] == ["lr=0.5", "lr=0.5"]
+    assert out["here"] == [out["master"]] * 2
 
 
 def test_an_app_importing_a_helper_module_trains(tmp_path) -> None:
