@@ -124,7 +124,7 @@ class Cluster:
     @classmethod
     def local(
         cls,
-        n_workers: int = 2,
+        n_workers: int | None = None,
         *,
         threads: int | None = None,
         timeout: float | None = None,
@@ -134,6 +134,7 @@ class Cluster:
         direct_lane: bool = True,
         lane_spin_us: int | None = None,
         preload: str | Sequence[str] | None = "keras",
+        gpus: str | Sequence[int | str] | None = None,
     ) -> Cluster:
         """Start ``n_workers`` daemons on free loopback ports and connect to them.
 
@@ -145,7 +146,25 @@ class Cluster:
         on (``ddlf-worker --preload``). The default, ``"keras"``, loads Keras on this process's backend
         (``KERAS_BACKEND``, else ddlf's default, which this sets for the workers) when Keras is installed, so a
         first ``train()`` does not wait for the framework to import. ``None``: nothing.
+
+        ``gpus``: one worker per GPU, each seeing only its own (``ddlf-worker --gpu``): ``"auto"`` for every GPU
+        this process may use (``CUDA_VISIBLE_DEVICES``, else all that ``nvidia-smi`` lists), or a list of ids.
+        ``n_workers`` then defaults to the number of GPUs (and must equal it if given). Default: 2 workers, no
+        GPU assignment.
         """
+        per_worker: list[list[str]] | None = None
+        if gpus is not None:
+            from .devices import choose_gpus
+
+            ids = choose_gpus(gpus)
+            if n_workers is not None and n_workers != len(ids):
+                raise ValueError(f"n_workers={n_workers} but gpus gives {len(ids)} GPUs {ids}: one worker per GPU")
+            n_workers = len(ids)
+            per_worker = [["--gpu", gpu] for gpu in ids]
+        if n_workers is None:
+            n_workers = 2
+        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+            raise ValueError(f"n_workers must be a whole number of at least 1, got {n_workers!r}")
         if threads is None:
             from .threads import cpu_count
 
@@ -164,7 +183,9 @@ class Cluster:
             args += ["--preload", ",".join(modules)]
         if lane_spin_us is not None:
             args += ["--lane-spin-us", str(check_lane_spin_us(lane_spin_us))]
-        local = LocalWorkers(n_workers, threads=threads, start_timeout=start_timeout, extra_args=args, env=env)
+        local = LocalWorkers(
+            n_workers, threads=threads, start_timeout=start_timeout, extra_args=args, worker_args=per_worker, env=env
+        )
         try:
             return cls(
                 local.addresses,

@@ -62,6 +62,7 @@ class LocalWorkers:
         threads: int | None = None,
         start_timeout: float = 60.0,
         extra_args: list[str] | None = None,
+        worker_args: list[list[str]] | None = None,
         env: dict[str, str] | None = None,
         listen: list[str] | None = None,
         token: str | None = None,
@@ -99,6 +100,7 @@ class LocalWorkers:
                     "--ready-file",
                     ready,
                     *(extra_args or []),
+                    *(worker_args[i] if worker_args else []),
                 ]
                 if threads is not None:
                     cmd += ["--threads", str(threads)]

@@ -20,6 +20,7 @@ def status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> lis
     asked on its own connection, so a dead one never hides (or delays) the others."""
     from .cluster import Cluster
     from .datasets import _remote_describe
+    from .devices import describe
     from .training.worker import runs
 
     rows: list[dict[str, Any]] = []
@@ -39,6 +40,7 @@ def status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> lis
             else:
                 v, f, d = c.variables()[0], c.functions()[0], c.call(_remote_describe)[0]
                 training = c.call(runs)[0]
+                row["device"] = c.call(describe)[0]
                 serving = f"runs {', '.join(r['run_id'] for r in training)}; " if training else ""
                 row["contents"] = f"{serving}{len(v)} vars, {len(f)} fns, " + (
                     ", ".join(f"{ds['key']} ({_size(ds['nbytes'])})" for ds in d) or "no datasets"
@@ -52,11 +54,11 @@ def status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> lis
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["id", "address", "version", "uptime", "memory", "running", "contents"]
+    head = ["id", "address", "version", "uptime", "memory", "device", "running", "contents"]
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([str(r["id"]), r["address"], "-", "-", "-", "DOWN", r["error"][:70]])
+            lines.append([str(r["id"]), r["address"], "-", "-", "-", "-", "DOWN", r["error"][:70]])
             continue
         up = r["uptime_s"]
         lines.append(
@@ -66,6 +68,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 r["version"],
                 f"{up / 3600:.1f} h" if up >= 3600 else f"{up:.0f} s",
                 _size(r["rss_bytes"]),
+                r.get("device", "?"),  # "?": busy, its Python was not asked
                 f"{r['running']} ({r['running_for_s']:.0f} s)" if r["running"] else "idle",
                 r.get("contents", ""),
             ]

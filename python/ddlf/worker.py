@@ -134,6 +134,13 @@ def _parser() -> argparse.ArgumentParser:
         "finds them loaded (e.g. 'keras': Keras and its backend, KERAS_BACKEND or ddlf's default; default: "
         "DDLF_PRELOAD, else none)",
     )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        metavar="IDS",
+        help="the GPU(s) this daemon may use, e.g. 0 or 0,1 (sets CUDA_VISIBLE_DEVICES before any framework "
+        "loads); 'none': no GPU. Default: whatever the environment allows",
+    )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -160,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ddlf-worker``."""
     die_with_parent()  # local workers (Cluster.local) never outlive their master
     args = _parser().parse_args(argv)
+    if args.gpu is not None:
+        # Before any framework loads (the preload included): they read it once, when they initialise CUDA.
+        os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.gpu.strip().lower() == "none" else args.gpu.strip()
     keras_backend_default()
     prepare_process()
     from .training import worker as training
