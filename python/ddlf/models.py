@@ -51,6 +51,9 @@ class TorchModel:
     ) -> None:
         import torch
 
+        from .frameworks import check_torch_compiler_can_load
+
+        check_torch_compiler_can_load()  # an abort (TensorFlow loaded first) becomes an error
         unknown = [m for m in metrics if m not in _METRICS]
         if unknown:
             raise ValueError(f"unknown metrics {unknown}: TorchModel computes {list(_METRICS)}")

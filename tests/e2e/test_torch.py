@@ -126,3 +126,41 @@ def test_torch_model_trains_async(cluster: ddlf.Cluster, test_set) -> None:
     assert acc > 0.75  # async runs are not bit-reproducible: the same margin as the Keras async test
     assert max(s.staleness for s in h.stats) >= 1
     assert sum(s.samples for s in h.stats) == 3 * 3000
+
+
+@pytest.mark.skipif(not __import__("ddlf.frameworks").frameworks.clash_possible(), reason="needs TF, torch, triton")
+def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Self-contained on purpose: a reference to this module would import tests/conftest.py on the worker, which
+    # loads PyTorch's compiler first itself.
+    def torch_model():
+        import torch
+
+        from ddlf.models import TorchModel
+
+        net = torch.nn.Linear(2, 2)
+        return type(TorchModel(net, lambda p: torch.optim.Adam(p), torch.nn.MSELoss(), metrics=())).__name__
+
+    def torch_after_tensorflow():
+        import tensorflow  # noqa: F401
+
+        return torch_model()
+
+    def tensorflow_preloaded_then_torch():
+        import sys
+
+        assert "tensorflow" in sys.modules
+        return torch_model()
+
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")  # for the daemons (this process may run Keras on JAX)
+    # A daemon preloading Keras on TensorFlow loads PyTorch's compiler first: TorchModel apps still work there.
+    with ddlf.Cluster.local(1, preload=None, worker_args=["--preload", "keras"]) as cluster:
+        deadline = __import__("time").monotonic() + 60
+        while cluster.run(lambda: "tensorflow" in __import__("sys").modules) != [True]:
+            assert __import__("time").monotonic() < deadline, "the preload never loaded TensorFlow"
+            __import__("time").sleep(0.2)
+        assert cluster.run(tensorflow_preloaded_then_torch) == ["TorchModel"]
+    # Without the preload, TensorFlow loaded by user code first: a clear error, and the worker keeps serving.
+    with ddlf.Cluster.local(1, preload=None) as cluster:
+        with pytest.raises(ddlf.RemoteError, match="Load PyTorch first"):
+            cluster.run(torch_after_tensorflow)
+        assert cluster.run(lambda: "alive") == ["alive"]

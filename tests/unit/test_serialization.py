@@ -110,3 +110,17 @@ def test_files_digest_tells_versions_apart() -> None:
     assert a == upload.files_digest({"m.py": b"x = 1\n"})
     assert a != upload.files_digest({"m.py": b"x = 2\n"})
     assert a != upload.files_digest({"n.py": b"x = 1\n"})
+
+
+def test_torch_compiler_after_tensorflow_is_refused_with_the_fix(monkeypatch) -> None:
+    import types
+
+    from ddlf import frameworks
+
+    monkeypatch.setattr(frameworks, "_installed", lambda name: True)
+    monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tensorflow"))
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    with pytest.raises(RuntimeError, match=r"Load PyTorch first.*--preload torch,keras"):
+        frameworks.check_torch_compiler_can_load()
+    monkeypatch.delitem(sys.modules, "tensorflow")
+    frameworks.check_torch_compiler_can_load()  # TensorFlow not loaded: nothing to refuse
