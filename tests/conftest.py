@@ -15,11 +15,16 @@ import ddlf
 
 # The suite trains with Keras on JAX, which runs its small models fastest (ddlf itself sets nothing at import).
 os.environ.setdefault("KERAS_BACKEND", "jax")
-# This process imports TensorFlow (Keras's data utilities do, when it is installed) and later PyTorch's compiler
-# (test_torch.py): that order aborts where triton is installed, so load the compiler first (ddlf.frameworks).
-from ddlf.frameworks import load_torch_compiler_first
 
-load_torch_compiler_first()
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The pytest process imports TensorFlow (Keras's data utilities do, when it is installed) and later PyTorch's
+    compiler (test_torch.py): that order aborts where triton is installed, so load the compiler first
+    (ddlf.frameworks). Here, not at import: workers that unpickle a test's function import this module too."""
+    from ddlf.frameworks import load_torch_compiler_first
+
+    load_torch_compiler_first()
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Helper processes (``python -m benchmarks.relay``, ``tests/netns/multihost_master.py``) import from the checkout.

@@ -254,20 +254,22 @@ class Executor:
         self.context.id = int(value["worker_id"])
         self.context.n_workers = int(value["n_workers"])
 
-    def _upload_module(self, name: str, digest: str, value: Any) -> list[str]:
-        # ``{path: source}`` from Cluster.upload_module, or ``(files, {"prefer_native": True, "origin": path})``
-        # when shipped automatically with code that refers to it (see ddlf.upload).
+    def _upload_module(self, name: str, digest: str, value: Any) -> bool:
+        """Make module ``name`` importable. ``value``: ``{path: source}`` from Cluster.upload_module, or
+        ``(files, {"prefer_native": True, "origin": path, "probe": bool})`` when shipped automatically with code
+        that refers to it (see ddlf.upload): a probe carries no files and asks whether this worker has that
+        version already. Returns whether it is in place (a probe: False when the files must come)."""
         files, options = value if isinstance(value, tuple) else (value, {})
         if not isinstance(files, dict) or not isinstance(options, dict):
             raise _Failure("BAD_REQUEST", "TypeError", "a module upload is a {path: bytes} dict")
         key = (name, bool(options.get("prefer_native")))
         if digest and self._module_digests.get(key) == digest:
-            return []  # this version is here already (shipped by another master, or replayed)
+            return True  # this version is here already (shipped by another master, or replayed)
         if key[1] and digest and self._native_digest(name) == digest:
             # The very same code is importable here already (the same file on this host, or installed): use it,
             # so that its __file__ (and the data files beside it) stay where they are.
             self._module_digests[key] = digest
-            return []
+            return True
         origin = options.get("origin")
         if key[1] and digest and isinstance(origin, str) and _digest_at(origin) == digest:
             # The master's own file is here too (this host, or a shared file system): import it from where the
@@ -279,7 +281,9 @@ class Executor:
                 del sys.modules[mod]
             importlib.invalidate_caches()
             self._module_digests[key] = digest
-            return []
+            return True
+        if options.get("probe"):
+            return False
         written = []
         root = self.module_dir().resolve()
         for rel, content in files.items():
@@ -299,7 +303,7 @@ class Executor:
         self._module_digests = {k: v for k, v in self._module_digests.items() if k[0] != name}
         if digest:
             self._module_digests[key] = digest
-        return written
+        return bool(written) or not files
 
     def _native_digest(self, name: str) -> str | None:
         """The digest of the files module ``name`` would be imported from on this worker without uploads."""

@@ -117,6 +117,7 @@ class Cluster:
         self._replay = self._recovery.replay
         self._pickled = serialization.PickledFunctions()
         self._shipped: dict[str, str] = {}  # local module -> digest shipped to the workers (see _ship)
+        self._ship_done: set[frozenset[str]] = set()  # module sets already shipped with their imports
         self._set_context()
 
     # -- construction and lifetime ----------------------------------------------------------------------
@@ -498,6 +499,7 @@ class Cluster:
         self._upload(name, files_digest(files), files, self._targets(None), timeout)
         self._replay.record("module", name, files)
         self._shipped[name] = "uploaded"  # the user's choice wins over automatic shipping
+        self._ship_done.clear()
         return name
 
     def clean(self, *, timeout: float | None = None) -> None:
@@ -675,7 +677,10 @@ class Cluster:
         """Make the local modules (beside the script) that code or values sent to workers refer to importable on
         every worker, with the local modules they import in turn: each version once (the workers skip a version
         they hold), replayed to a daemon that restarts. See :mod:`ddlf.upload`."""
-        for name in local_closure(modules):
+        asked = frozenset(modules)
+        if asked in self._ship_done:
+            return  # the common case: every call of a pushed function refers to the same modules
+        for name in local_closure(asked):
             if name in self._shipped and self._shipped[name] == "uploaded":
                 continue
             try:
@@ -684,16 +689,23 @@ class Cluster:
                 raise SerializationError(str(exc)) from None
             if self._shipped.get(name) == digest:
                 continue
-            log.info("ddlf: shipping local module %r (%d files) to the workers", name, len(files))
-            shipment = (files, {"prefer_native": True, "origin": Shipment.origin(name)})
-            self._upload(name, digest, shipment, self.live_workers, timeout)
+            options = {"prefer_native": True, "origin": Shipment.origin(name)}
+            # First ask, without the files: a worker on this host (or with the module installed) has them.
+            targets = self.live_workers
+            held = self._upload(name, digest, ({}, {**options, "probe": True}), targets, timeout)
+            need = [t for t, ok in zip(targets, held) if not ok]
+            shipment = (files, options)
+            if need:
+                log.info("ddlf: shipping local module %r (%d files) to workers %s", name, len(files), need)
+                self._upload(name, digest, shipment, need, timeout)
             self._replay.record("module", name, shipment)
             self._shipped[name] = digest
+        self._ship_done.add(asked)
 
-    def _upload(self, name: str, digest: str, payload: Any, targets: list[int], timeout: float | None) -> None:
+    def _upload(self, name: str, digest: str, payload: Any, targets: list[int], timeout: float | None) -> list[Any]:
         # Module sources are plain bytes: encoded directly, never looked into for modules to ship.
         encoded = serialization.dumps(payload)
-        raise_for(self._recovery.invoke(OPS["UPLOAD_MODULE"], name, digest, targets, [encoded], timeout))
+        return raise_for(self._recovery.invoke(OPS["UPLOAD_MODULE"], name, digest, targets, [encoded], timeout))
 
     def _set_context(self) -> None:
         n = len(self)
