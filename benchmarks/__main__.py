@@ -18,6 +18,7 @@ BENCHMARKS = {
     "collective": "benchmarks.collective",
     "serialization": "benchmarks.serialization",
     "backends": "benchmarks.backends",
+    "warmstart": "benchmarks.warmstart",
 }
 
 
