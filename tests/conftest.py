@@ -15,6 +15,9 @@ import ddlf
 
 # The suite trains with Keras on JAX, which runs its small models fastest (ddlf itself sets nothing at import).
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# Local daemons start bare (no Keras preloaded): most tests never train, and two cores are few. The preload has
+# its own tests (test_backends.py, test_torch.py), which ask for it.
+os.environ.setdefault("DDLF_PRELOAD", "")
 
 
 def pytest_configure(config: pytest.Config) -> None:

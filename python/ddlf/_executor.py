@@ -334,11 +334,7 @@ def _preload(modules: list[str]) -> None:
     import logging
     import time
 
-    from .frameworks import load_torch_compiler_first
-
     log = logging.getLogger("ddlf.worker")
-    if "keras" in modules or "tensorflow" in modules:
-        load_torch_compiler_first()  # so a TorchModel run on this daemon can still load it (see ddlf.frameworks)
     for name in modules:
         t0 = time.perf_counter()
         try:

@@ -134,7 +134,7 @@ class Cluster:
         shared_memory: bool = False,
         direct_lane: bool = True,
         lane_spin_us: int | None = None,
-        preload: str | Sequence[str] | None = "keras",
+        preload: str | Sequence[str] | None = "default",
         gpus: str | Sequence[int | str] | None = None,
     ) -> Cluster:
         """Start ``n_workers`` daemons on free loopback ports and connect to them.
@@ -146,7 +146,8 @@ class Cluster:
         ``preload``: modules each daemon imports in the background as soon as it listens, while this script goes
         on (``ddlf-worker --preload``). The default, ``"keras"``, loads Keras on this process's backend
         (``KERAS_BACKEND``, else ddlf's default, which this sets for the workers) when Keras is installed, so a
-        first ``train()`` does not wait for the framework to import. ``None``: nothing.
+        first ``train()`` does not wait for the framework to import. ``None``: nothing. ``"default"``:
+        ``DDLF_PRELOAD`` if set (comma-separated modules; empty: nothing), else ``"keras"``.
 
         ``gpus``: one worker per GPU, each seeing only its own (``ddlf-worker --gpu``): ``"auto"`` for every GPU
         this process may use (``CUDA_VISIBLE_DEVICES``, else all that ``nvidia-smi`` lists), or a list of ids.
@@ -172,7 +173,9 @@ class Cluster:
             threads = max(1, cpu_count() // n_workers)
         args = list(worker_args)
         env = {}
-        modules = [preload] if isinstance(preload, str) else list(preload or [])
+        if preload == "default":
+            preload = os.environ.get("DDLF_PRELOAD", "keras")
+        modules = [m for m in preload.split(",") if m] if isinstance(preload, str) else list(preload or [])
         if "keras" in modules:
             import importlib.util
 

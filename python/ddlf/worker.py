@@ -197,6 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_python_through_tracing()
     signal.signal(signal.SIGTERM, _raise_system_exit)
     preload = [m.strip() for m in args.preload.split(",") if m.strip()]
+    if "keras" in preload or "tensorflow" in preload:
+        from .frameworks import load_torch_compiler_first
+
+        # Before serving, on this thread: a TorchModel run on this daemon must still be able to load torch's
+        # compiler once TensorFlow is in (see ddlf.frameworks); in a background thread it would race the requests.
+        load_torch_compiler_first()
     executor = Executor(ready_file=args.ready_file, preload=preload)
     try:
         _ddlf.serve_worker(

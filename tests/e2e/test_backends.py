@@ -98,7 +98,7 @@ def test_local_daemons_preload_keras_on_the_masters_backend() -> None:
 
         return keras.backend.backend()
 
-    with ddlf.Cluster.local(2) as cluster:  # this process runs JAX (tests/conftest.py)
+    with ddlf.Cluster.local(2, preload="keras") as cluster:  # this process runs JAX (tests/conftest.py)
         assert wait_for(lambda: cluster.run(loaded) == ["jax", "jax"], timeout=60)
     with ddlf.Cluster.local(1, preload=None) as cluster:
         assert cluster.run(loaded) == [None]

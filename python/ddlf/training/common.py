@@ -69,6 +69,11 @@ def set_random_seed(seed: int) -> None:
     """Seed Python's, numpy's and Keras's generators, and torch's when torch is loaded (a TorchModel's dropout)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
+    from ..frameworks import load_torch_compiler_first
+
+    # keras.utils.set_random_seed imports TensorFlow whenever it is installed (to seed tf.data), whatever the
+    # backend: where torch and triton are installed too, torch's compiler must be in first (ddlf.frameworks).
+    load_torch_compiler_first()
     try:
         import keras
     except ImportError:  # a torch-only installation
