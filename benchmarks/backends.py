@@ -7,7 +7,7 @@ backends are measured side by side."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from ddlf.settings import KERAS_BACKENDS, installed_keras_backends
+
 from . import report
 
-BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}  # Keras name -> module that must import
 MODELS = ("cnn", "mlp", "lstm", "transformer")
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data", "mnist")
 
@@ -134,10 +135,6 @@ def run_case(model: str, mode: str, rows: int, epochs: int, batch: int) -> dict[
     return {"seconds": seconds, "accuracy": float(acc)}
 
 
-def _installed() -> list[str]:
-    return [name for name, module in BACKENDS.items() if importlib.util.find_spec(module) is not None]
-
-
 def _subprocess_case(backend: str, model: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
     cmd = [sys.executable, "-m", "benchmarks.backends", "--case", model, mode]
@@ -160,7 +157,7 @@ def main(argv: list[str]) -> None:
     if args.case:
         print(json.dumps(run_case(args.case[0], args.case[1], args.rows, args.epochs, args.batch)))
         return
-    backends = args.backends.split(",") if args.backends else _installed()
+    backends = args.backends.split(",") if args.backends else installed_keras_backends()
     rows = []
     best: dict[str, float] = {}
     results: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -209,10 +206,10 @@ def main(argv: list[str]) -> None:
         rows,
     )
     versions = []
-    for name, module in BACKENDS.items():
-        if name in backends:
+    for name in backends:
+        if name in KERAS_BACKENDS:
             try:
-                versions.append(f"{name} {importlib.import_module(module).__version__}")
+                versions.append(f"{name} {importlib.import_module(name).__version__}")
             except Exception as exc:  # a backend that does not import is reported, not fatal
                 versions.append(f"{name} (import failed: {type(exc).__name__})")
     body = f"""## Keras backends on CPU (`python -m benchmarks backends`)

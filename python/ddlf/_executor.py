@@ -23,7 +23,7 @@ from typing import Any
 import cloudpickle
 
 from . import _ddlf, serialization
-from .upload import files_digest, module_files
+from .upload import files_digest, in_package, module_files, source_path
 
 OPS = _ddlf.OPS
 KINDS = _ddlf.ERROR_KINDS
@@ -277,9 +277,7 @@ class Executor:
             parent = str(Path(origin).parent)
             if parent not in sys.path:
                 sys.path.insert(0, parent)
-            for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-                del sys.modules[mod]
-            importlib.invalidate_caches()
+            _forget_module(name)
             self._module_digests[key] = digest
             return True
         if options.get("probe"):
@@ -296,10 +294,7 @@ class Executor:
             tmp.write_bytes(content)
             os.replace(tmp, target)
             written.append(str(target))
-        # Forget any previously imported version, so the next import sees the new code.
-        for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-            del sys.modules[mod]
-        importlib.invalidate_caches()
+        _forget_module(name)  # any previously imported version: the next import sees the new code
         self._module_digests = {k: v for k, v in self._module_digests.items() if k[0] != name}
         if digest:
             self._module_digests[key] = digest
@@ -315,8 +310,14 @@ class Executor:
                 return None
         except (ImportError, ValueError):
             return None
-        origin = Path(spec.origin)
-        return _digest_at(str(origin.parent if origin.name == "__init__.py" else origin))
+        return _digest_at(str(source_path(spec.origin)))
+
+
+def _forget_module(name: str) -> None:
+    """Drop module ``name`` and its submodules from this interpreter, so that the next import reads them anew."""
+    for mod in [m for m in sys.modules if in_package(m, name)]:
+        del sys.modules[mod]
+    importlib.invalidate_caches()
 
 
 def _digest_at(path: str) -> str | None:

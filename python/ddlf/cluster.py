@@ -21,7 +21,7 @@ from .collective import RingPlan
 from .errors import DdlfError, SerializationError, raise_for
 from .local import LocalWorkers
 from .recovery import Recovery
-from .settings import check_lane_spin_us, keras_backend_in_use, prepare_process, read_pem
+from .settings import check_lane_spin_us, keras_backend_in_use, module_list, prepare_process, read_pem
 from .upload import Shipment, files_digest, local_closure, module_files
 
 log = logging.getLogger("ddlf")
@@ -166,6 +166,7 @@ class Cluster:
         if n_workers is None:
             n_workers = 2
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+            # (checked here, not only by LocalWorkers: the thread split below divides by it)
             raise ValueError(f"n_workers must be a whole number of at least 1, got {n_workers!r}")
         if threads is None:
             from .threads import cpu_count
@@ -175,11 +176,11 @@ class Cluster:
         env = {}
         if preload == "default":
             preload = os.environ.get("DDLF_PRELOAD", "keras")
-        modules = [m for m in preload.split(",") if m] if isinstance(preload, str) else list(preload or [])
+        modules = module_list(preload) if isinstance(preload, str) else list(preload or [])
         if "keras" in modules:
-            import importlib.util
+            from .frameworks import installed
 
-            if importlib.util.find_spec("keras") is None:
+            if not installed("keras"):
                 modules.remove("keras")
             else:
                 env["KERAS_BACKEND"] = keras_backend_in_use()  # the workers load what this process runs

@@ -30,6 +30,18 @@ def visible_gpus() -> list[str]:
     return [row[0] for row in _query(["index"])]
 
 
+def check_gpu_ids(text: str) -> str:
+    """``ddlf-worker --gpu``: ``none``, or comma-separated GPU indices or UUIDs (``GPU-...``, ``MIG-...``), as
+    ``CUDA_VISIBLE_DEVICES`` takes them. Returns the value for ``CUDA_VISIBLE_DEVICES``."""
+    if text.strip().lower() == "none":
+        return ""
+    ids = [part.strip() for part in text.split(",")]
+    bad = [i for i in ids if not (i.isdigit() or i.startswith(("GPU-", "MIG-")))]
+    if not ids or bad:
+        raise ValueError(f"--gpu takes GPU indices (0 or 0,1), GPU-/MIG- UUIDs or 'none', got {text!r}")
+    return ",".join(ids)
+
+
 def choose_gpus(gpus: str | Sequence[int | str]) -> list[str]:
     """``Cluster.local``'s ``gpus``: ``"auto"`` (every visible GPU) or explicit ids; refuses an empty choice."""
     if isinstance(gpus, str):

@@ -8,20 +8,24 @@ TensorFlow itself (a daemon's preload), and turns the abort into an error everyw
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 
 
-def _installed(name: str) -> bool:
+def installed(name: str) -> bool:
+    """Whether top-level module ``name`` can be imported here (without importing it)."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
 
 
+@functools.cache
 def clash_possible() -> bool:
-    """Whether loading TensorFlow and PyTorch's compiler in one process depends on their order here."""
-    return _installed("triton") and _installed("torch") and _installed("tensorflow")
+    """Whether loading TensorFlow and PyTorch's compiler in one process depends on their order here (asked once:
+    ddlf asks before every seeding)."""
+    return installed("triton") and installed("torch") and installed("tensorflow")
 
 
 def load_torch_compiler_first() -> None:
@@ -32,7 +36,7 @@ def load_torch_compiler_first() -> None:
 
 def check_torch_compiler_can_load() -> None:
     """Before PyTorch's compiler loads: refuse, with the fix, where it would abort the process."""
-    if "tensorflow" in sys.modules and "torch._dynamo" not in sys.modules and _installed("triton"):
+    if "tensorflow" in sys.modules and "torch._dynamo" not in sys.modules and installed("triton"):
         raise RuntimeError(
             "TensorFlow is loaded in this process and PyTorch's compiler (torch._dynamo, loaded by every torch "
             "optimizer) is not: with triton installed, loading it now would abort the process (two copies of "

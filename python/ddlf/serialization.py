@@ -81,9 +81,7 @@ def dumps(obj: Any, *, modules: set[str] | None = None) -> tuple[bytes, list[pic
     else:
         if _MAIN_MARKER not in data:
             if modules is not None:
-                local = local_module_patterns()
-                if local:
-                    modules.update(referenced_local_modules(data, local))
+                modules.update(referenced_local_modules(data))
             return data, buffers
     buffers = []
     try:
@@ -93,13 +91,9 @@ def dumps(obj: Any, *, modules: set[str] | None = None) -> tuple[bytes, list[pic
     return data, buffers
 
 
-def referenced_local_modules(data: bytes, local: list[tuple[str, Any]] | None = None) -> set[str]:
+def referenced_local_modules(data: bytes) -> set[str]:
     """The imported local modules (top-level names) that a pickle stream refers to by name."""
-    found = set()
-    for top, pattern in local_module_patterns() if local is None else local:
-        if top.encode() in data and names_module(pattern, data):
-            found.add(top)
-    return found
+    return {top for top, pattern in local_module_patterns() if top.encode() in data and names_module(pattern, data)}
 
 
 def _cannot(obj: Any, exc: BaseException) -> str:

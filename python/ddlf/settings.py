@@ -24,6 +24,11 @@ def check_lane_spin_us(value: Any) -> int:
     return value
 
 
+def module_list(text: str) -> list[str]:
+    """A comma-separated list of module names (``--preload``, ``DDLF_PRELOAD``), blanks dropped."""
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
 def check_seconds(value: Any, what: str) -> float:
     """Check a duration setting: a positive, finite number of seconds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -46,8 +51,6 @@ KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 backends`` (BENCHMARKS.md): in ddlf training TensorFlow is 2x faster than JAX on the paper's CNN, even on a
 transformer encoder and compiles fastest; JAX is next (faster on small dense and recurrent models)."""
 
-_MODULES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
-
 
 def users_keras_backend() -> str | None:
     """The Keras backend the user chose: ``KERAS_BACKEND``, else the ``backend`` of ``$KERAS_HOME/keras.json``
@@ -68,14 +71,27 @@ def users_keras_backend() -> str | None:
     return backend if isinstance(backend, str) and backend and backend != "tensorflow" else None
 
 
+def installed_keras_backends() -> list[str]:
+    """The :data:`KERAS_BACKENDS` whose framework (a module of the same name) is installed, in that order."""
+    from .frameworks import installed
+
+    return [name for name in KERAS_BACKENDS if installed(name)]
+
+
 def installed_keras_backend() -> str:
     """The first of :data:`KERAS_BACKENDS` whose framework is installed (``jax`` when none is)."""
-    import importlib.util
+    return (installed_keras_backends() or ["jax"])[0]
 
-    for name in KERAS_BACKENDS:
-        if importlib.util.find_spec(_MODULES[name]) is not None:
-            return name
-    return "jax"
+
+def _loaded_keras_backend() -> str | None:
+    """The backend of this process's Keras if Keras is loaded (or being loaded by another thread: importing waits
+    until it is complete), else None."""
+    import importlib
+    import sys
+
+    if "keras" not in sys.modules:
+        return None
+    return str(importlib.import_module("keras").backend.backend())
 
 
 def keras_backend_default() -> str:
@@ -91,12 +107,7 @@ def keras_backend_default() -> str:
 
 def keras_backend_in_use() -> str:
     """This process's Keras backend: Keras's own answer once it is imported, else what it will pick."""
-    import importlib
-    import sys
-
-    if "keras" in sys.modules:
-        return str(importlib.import_module("keras").backend.backend())
-    return keras_backend_default()
+    return _loaded_keras_backend() or keras_backend_default()
 
 
 def follow_keras_backend(master: str | None) -> None:
@@ -104,15 +115,10 @@ def follow_keras_backend(master: str | None) -> None:
     backend once imported, so a worker that already runs another one refuses with what to do."""
     if not master:
         return
-    import importlib
-    import sys
-
-    if "keras" not in sys.modules:
+    mine = _loaded_keras_backend()
+    if mine is None:
         os.environ["KERAS_BACKEND"] = master
-        return
-    # Loaded, or being loaded by the daemon's preload thread: importing waits until it is complete.
-    mine = importlib.import_module("keras").backend.backend()
-    if mine != master:
+    elif mine != master:
         raise RuntimeError(
             f"this worker runs Keras on {mine!r} (loaded already) but the master runs {master!r}: a process keeps "
             f"its first backend, so start this worker with KERAS_BACKEND={master} (or the master with "

@@ -23,15 +23,24 @@ SHIP_LIMIT = 16 * 1024 * 1024
 one must be installed on the workers or shipped once with ``Cluster.upload_module``."""
 
 
+def source_path(file: str | os.PathLike[str]) -> Path:
+    """What to ship for a module whose ``__file__`` is ``file``: the file, or its package directory."""
+    path = Path(file)
+    return path.parent if path.name == "__init__.py" else path
+
+
+def in_package(name: str, top: str) -> bool:
+    """Whether module ``name`` is ``top`` or one of its submodules."""
+    return name == top or name.startswith(top + ".")
+
+
 def module_files(module: ModuleType | str | os.PathLike[str]) -> tuple[str, dict[str, bytes]]:
     """``(module name, {relative path: source bytes})`` for a module object, a ``.py`` file or a package."""
     if isinstance(module, ModuleType):
         file = getattr(module, "__file__", None)
         if file is None:
             raise ValueError(f"module {module.__name__!r} has no source file to upload")
-        path = Path(file)
-        if path.name == "__init__.py":
-            path = path.parent
+        path = source_path(file)
         top = module.__name__.split(".")[0]
         if top != module.__name__:
             raise ValueError(f"upload the top-level package {top!r} rather than {module.__name__!r}")
@@ -166,7 +175,7 @@ def local_closure(names: Iterable[str]) -> list[str]:
             continue
         seen.append(top)
         for name, module in list(sys.modules.items()):
-            if module is not None and (name == top or name.startswith(top + ".")):
+            if module is not None and in_package(name, top):
                 todo.extend(t for t in _refers_to(module) if t not in seen)
     return sorted(seen)
 
@@ -179,8 +188,7 @@ class Shipment:
     @staticmethod
     def origin(name: str) -> str:
         """Where local top-level module ``name`` lives on this host: its ``.py`` file or package directory."""
-        path = Path(sys.modules[name].__file__ or "")
-        return str((path.parent if path.name == "__init__.py" else path).resolve())
+        return str(source_path(sys.modules[name].__file__ or "").resolve())
 
     @classmethod
     def files(cls, name: str) -> tuple[str, dict[str, bytes]]:

@@ -17,7 +17,7 @@ from . import _ddlf
 from ._executor import Executor
 from .errors import WorkerStartError
 from .local import die_with_parent
-from .settings import MAX_LANE_SPIN_US, check_lane_spin_us, keras_backend_default, prepare_process
+from .settings import MAX_LANE_SPIN_US, check_lane_spin_us, keras_backend_default, module_list, prepare_process
 from .threads import in_effect, thread_env
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
@@ -168,8 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent()  # local workers (Cluster.local) never outlive their master
     args = _parser().parse_args(argv)
     if args.gpu is not None:
+        from .devices import check_gpu_ids
+
+        try:
+            visible = check_gpu_ids(args.gpu)
+        except ValueError as exc:
+            print(f"ddlf-worker: {exc}", file=sys.stderr)
+            return 2
         # Before any framework loads (the preload included): they read it once, when they initialise CUDA.
-        os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.gpu.strip().lower() == "none" else args.gpu.strip()
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
     keras_backend_default()
     prepare_process()
     from .training import worker as training
@@ -196,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _ddlf.init_logging("info")
     _log_python_through_tracing()
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    preload = [m.strip() for m in args.preload.split(",") if m.strip()]
+    preload = module_list(args.preload)
     if "keras" in preload or "tensorflow" in preload:
         from .frameworks import load_torch_compiler_first
 

@@ -54,6 +54,25 @@ def test_worker_gpu_flag_and_status_show_the_device() -> None:
         assert "device" in table(rows).splitlines()[0]
 
 
+def test_a_bad_gpu_flag_is_refused_before_the_daemon_starts() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ddlf.worker", "--gpu", "first", "--listen", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--gpu takes GPU indices" in out.stderr
+
+
+def test_a_preload_that_fails_is_logged_and_the_daemon_serves() -> None:
+    with ddlf.Cluster.local(1, preload="no_such_module_for_ddlf") as cluster:
+        assert cluster.run(lambda: "serving") == ["serving"]
+        deadline = __import__("time").monotonic() + 30
+        while not any("preloading no_such_module_for_ddlf failed" in line for line in cluster.logs(0, 0)):
+            assert __import__("time").monotonic() < deadline, cluster.logs(0, 0)
+            __import__("time").sleep(0.1)
+
+
 def test_ddlf_worker_help_documents_gpu() -> None:
     out = subprocess.run([sys.executable, "-m", "ddlf.worker", "--help"], capture_output=True, text=True, timeout=60)
     assert "--gpu" in out.stdout and "CUDA_VISIBLE_DEVICES" in out.stdout

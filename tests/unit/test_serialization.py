@@ -117,7 +117,7 @@ def test_torch_compiler_after_tensorflow_is_refused_with_the_fix(monkeypatch) ->
 
     from ddlf import frameworks
 
-    monkeypatch.setattr(frameworks, "_installed", lambda name: True)
+    monkeypatch.setattr(frameworks, "installed", lambda name: True)
     monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tensorflow"))
     monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
     with pytest.raises(RuntimeError, match=r"Load PyTorch first.*--preload torch,keras"):
