@@ -19,6 +19,7 @@ BENCHMARKS = {
     "serialization": "benchmarks.serialization",
     "backends": "benchmarks.backends",
     "warmstart": "benchmarks.warmstart",
+    "sweep": "benchmarks.sweep",
 }
 
 

@@ -145,6 +145,16 @@ def log_record(level: int, logger: str, message: str) -> None:
     """Log a Python ``logging`` record through Rust ``tracing`` (``level``: Python's numeric level)."""
 
 @final
+class ServingDaemon:
+    """The daemon serving this worker process, handed to its executor's ``on_listening``."""
+
+    def set_runs(self, runs: list[str]) -> None:
+        """Replace the training runs the daemon reports in its status."""
+
+    def runs(self) -> list[str]:
+        """The training runs the daemon reports."""
+
+@final
 class BatchPipeline:
     """Batches of dataset rows gathered by a Rust prefetch thread (see ``ddlf.ops.BatchPipeline``)."""
 

@@ -298,6 +298,7 @@ class IApp:
             "samples": rows,
             "setup": infos,
             "compression": cfg.compression,
+            "run_id": cfg.run_id,  # what the workers' status and logs call this run
         }
         if resumed is not None:
             initial_epoch = max(initial_epoch, int(resumed["epochs_done"]))

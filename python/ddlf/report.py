@@ -198,8 +198,16 @@ def _fmt_tick(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 or v == int(v) else f"{v:.3g}"
 
 
-def _line_chart(chart_id: str, title: str, series: dict[str, list[float]], width: int = 540, height: int = 280) -> str:
-    """An SVG line chart of per-epoch series (x: epoch 1..n)."""
+def _line_chart(
+    chart_id: str,
+    title: str,
+    series: dict[str, list[float]],
+    width: int = 540,
+    height: int = 280,
+    colours: Sequence[str] | None = None,
+) -> str:
+    """An SVG line chart of per-epoch series (x: epoch 1..n). With ``colours`` (one per series) the caller draws
+    the legend; without, the series take the palette in turn and a legend is drawn on the chart."""
     pad_l, pad_r, pad_t, pad_b = 56, 16, 30, 44
     values = [v for vs in series.values() for v in vs if math.isfinite(v)]
     n = max((len(vs) for vs in series.values()), default=0)
@@ -243,7 +251,7 @@ def _line_chart(chart_id: str, title: str, series: dict[str, list[float]], width
         f"<line x1='{x0}' x2='{x0}' y1='{y0}' y2='{y1}' stroke='#999'/>"
     )
     for k, (name, vs) in enumerate(series.items()):
-        color = SERIES[k % len(SERIES)]
+        color = colours[k] if colours is not None else SERIES[k % len(SERIES)]
         pts = [(sx(i), sy(v)) for i, v in enumerate(vs) if math.isfinite(v)]
         if not pts:
             continue
@@ -253,6 +261,8 @@ def _line_chart(chart_id: str, title: str, series: dict[str, list[float]], width
             f"<path class='series' data-name='{_e(name)}' d='{d}' fill='none' stroke='{color}' stroke-width='2'{dash}/>"
         )
         out.extend(f"<circle cx='{x:.1f}' cy='{y:.1f}' r='3' fill='{color}'/>" for x, y in pts)
+        if colours is not None:
+            continue
         lx = x0 + 10 + 130 * k
         out.append(
             f"<line x1='{lx}' x2='{lx + 18}' y1='{y1 + 6}' y2='{y1 + 6}' stroke='{color}' stroke-width='2'{dash}/>"

@@ -21,7 +21,6 @@ def status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> lis
     from .cluster import Cluster
     from .datasets import _remote_describe
     from .devices import describe
-    from .training.worker import runs
 
     rows: list[dict[str, Any]] = []
     for i, address in enumerate(addresses):
@@ -35,13 +34,13 @@ def status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> lis
         try:
             st = c.status(timeout=timeout)[0]
             row.update(st)
+            # the runs come with the status (the daemon answers it without its Python), busy or not
+            serving = f"runs {', '.join(st['runs'])}; " if st.get("runs") else ""
             if st["running"]:
-                row["contents"] = f"busy: {st['running']}"  # its Python is taken; do not queue behind it
+                row["contents"] = f"{serving}busy: {st['running']}"  # its Python is taken; do not queue behind it
             else:
                 v, f, d = c.variables()[0], c.functions()[0], c.call(_remote_describe)[0]
-                training = c.call(runs)[0]
                 row["device"] = c.call(describe)[0]
-                serving = f"runs {', '.join(r['run_id'] for r in training)}; " if training else ""
                 row["contents"] = f"{serving}{len(v)} vars, {len(f)} fns, " + (
                     ", ".join(f"{ds['key']} ({_size(ds['nbytes'])})" for ds in d) or "no datasets"
                 )

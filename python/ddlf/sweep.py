@@ -14,10 +14,13 @@ The cluster's workers are cut into groups of ``workers_per_trial``; each group t
 its trial ends. Every worker loads the dataset once and reuses it for every trial (its store is keyed by the app's
 ``dataset_key``).
 
-Early stopping is asynchronous successive halving (ASHA, Li et al. 2018; what Ray Tune's ``ASHAScheduler`` does):
-rungs at ``grace_epochs * reduction_factor**k`` epochs; a trial reaching a rung continues only if its metric is in
-the best ``1 / reduction_factor`` of the trials that reached that rung so far, and stops there otherwise. No trial
-waits for another.
+Early stopping is asynchronous successive halving (ASHA, Li et al. 2018) with Ray Tune's ``ASHAScheduler`` cut:
+rungs at ``grace_epochs * reduction_factor**k`` epochs; a trial reaching a rung stops there when its metric is
+below the ``1 - 1/reduction_factor`` percentile of the metrics that reached that rung before it (so roughly the
+best ``1 / reduction_factor`` continue). No trial waits for another.
+
+``report="sweep.html"`` writes the sweep's page: the best trial, every trial's metric per epoch, the worker groups
+over time, and the table of trials.
 
 A lost worker fails only its trial: the trial is queued again (once) for another group, and a group whose workers
 are all lost takes no more trials.
@@ -26,12 +29,16 @@ are all lost takes no more trials.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 from .callbacks import Callback
 from .errors import WorkerUnavailable
@@ -53,6 +60,8 @@ class Trial:
     seconds: float = 0.0
     error: BaseException | None = None
     attempts: int = 0
+    spans: list[tuple[float, float, list[int]]] = field(default_factory=list)
+    """``(start, end, workers)`` of each attempt, in seconds since the sweep started."""
 
 
 @dataclass
@@ -72,6 +81,13 @@ class SweepResult:
             raise ValueError("no trial reported the metric")
         pick = max if self.mode == "max" else min
         return pick(scored, key=lambda t: t.metric)  # type: ignore[arg-type,return-value]
+
+    def write_report(self, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
+        """Write the sweep's HTML page (best trial, curves, worker-group timeline, trial table) at ``path`` and
+        its numbers as JSON beside it; returns the HTML file's path."""
+        from .sweep_report import write_sweep_report
+
+        return write_sweep_report(self, path, title=title)
 
     def table(self) -> list[dict[str, Any]]:
         """One row per trial: its config, status, epochs trained, metric, seconds and workers."""
@@ -102,16 +118,19 @@ class _Asha:
         self.lock = threading.Lock()
 
     def keep_going(self, epochs_done: int, value: float) -> bool:
-        """Record a trial's metric if ``epochs_done`` is a rung; whether it continues."""
-        if epochs_done not in self.recorded or math.isnan(value):
-            return not math.isnan(value)
+        """Record a trial's metric if ``epochs_done`` is a rung; whether it continues. Ray Tune's cut: the trial
+        stops when its metric is below the ``1 - 1/rf`` percentile (linear interpolation) of the metrics that
+        reached this rung before it; the first to reach a rung continues. Unlike Ray, a metric that is not a
+        number stops the trial at once."""
+        if math.isnan(value):
+            return False
+        if epochs_done not in self.recorded:
+            return True
         with self.lock:
             seen = self.recorded[epochs_done]
+            cut = float(np.percentile(seen, (1 - 1 / self.rf) * 100)) if seen else None
             seen.append(self.sign * value)
-            # The trial continues if it is within the best 1/rf of what reached this rung (itself included).
-            k = max(1, math.floor(len(seen) / self.rf))
-            cutoff = sorted(seen, reverse=True)[k - 1]
-            return self.sign * value >= cutoff
+            return cut is None or self.sign * value >= cut
 
 
 class _Report(Callback):
@@ -148,6 +167,7 @@ def sweep(
     validation_data: Any = None,
     retries: int = 1,
     train_mode: Literal["sync", "async"] = "sync",
+    report: str | os.PathLike[str] | None = None,
     **train_kwargs: Any,
 ) -> SweepResult:
     """Train ``make_app(cluster, config)`` for every config, several at once, stopping the weakest early.
@@ -162,6 +182,7 @@ def sweep(
         grace_epochs, reduction_factor: ASHA's first rung and the ratio between rungs (also the share kept).
         retries: how many times a trial that lost its workers is queued again (after ``rejoin_timeout``, 5 s
             unless given, without any of them back).
+        report: an ``.html`` path: the sweep's page (:meth:`SweepResult.write_report`) is written there at the end.
         train_kwargs: passed to :meth:`IApp.train` as they are (``batch_size``, ``averaging_frequency``, ...).
     """
     if not configs:
@@ -177,6 +198,10 @@ def sweep(
         raise ValueError(f"workers_per_trial must be from 1 to {len(live)} (the live workers)")
     if metric.startswith("val_") and validation_data is None:
         raise ValueError(f"metric {metric!r} is a validation metric: pass validation_data=(x, y)")
+    if report is not None:
+        from .report import check_report_path
+
+        check_report_path(report)
     # A trial whose workers are all lost gives up after this long and is queued again elsewhere.
     train_kwargs.setdefault("rejoin_timeout", 5.0)
     groups = [live[i : i + workers_per_trial] for i in range(0, len(live) - workers_per_trial + 1, workers_per_trial)]
@@ -195,6 +220,11 @@ def sweep(
             ended[0] += 1
             if ended[0] == len(trials):
                 done.set()
+
+    def span(trial: Trial, start: float, group: list[int]) -> None:
+        end = time.perf_counter()
+        trial.seconds += end - start
+        trial.spans.append((start - t0, end - t0, list(group)))
 
     def run_group(group: list[int]) -> None:
         while not done.is_set():
@@ -218,7 +248,7 @@ def sweep(
                 if trial.status == "running":
                     trial.status = "completed"
             except WorkerUnavailable as exc:
-                trial.seconds += time.perf_counter() - start
+                span(trial, start, group)
                 if trial.attempts <= retries:
                     trial.status, trial.metric, trial.epochs = "pending", None, 0
                     todo.put(trial)  # another group takes it
@@ -230,7 +260,7 @@ def sweep(
                 continue
             except Exception as exc:
                 trial.status, trial.error = "failed", exc
-            trial.seconds += time.perf_counter() - start
+            span(trial, start, group)
             finish()
 
     threads = [threading.Thread(target=run_group, args=(g,), name=f"ddlf-sweep-{g}", daemon=True) for g in groups]
@@ -245,7 +275,10 @@ def sweep(
             break
     for th in threads:
         th.join()
-    return SweepResult(trials, metric, mode, time.perf_counter() - t0)
+    result = SweepResult(trials, metric, mode, time.perf_counter() - t0)
+    if report is not None:
+        result.write_report(report)
+    return result
 
 
 __all__ = ["SweepResult", "Trial", "sweep"]

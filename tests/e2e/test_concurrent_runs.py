@@ -139,11 +139,22 @@ def test_an_abandoned_run_is_evicted_after_its_idle_timeout() -> None:
 def test_worker_subsets_train_from_two_threads_of_one_master(cluster: ddlf.Cluster) -> None:
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
     out: dict[int, object] = {}
+    seen: dict[int, list[list[str]]] = {0: [], 1: []}
+
+    class StatusProbe(ddlf.callbacks.Callback):
+        """What the daemons' status says about the runs they serve, at each epoch's end (asked of the Rust side,
+        which answers while the worker's Python is busy)."""
+
+        def __init__(self, w: int) -> None:
+            self.w = w
+
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            seen[self.w].append(cluster.status()[self.w]["runs"])
 
     def train(w: int, app_cls: type[SmallMnist]) -> None:
         try:
             app = app_cls(cluster)
-            h = app.train(epochs=3, batch_size=32, workers=[w], seed=w, verbose=0)
+            h = app.train(epochs=3, batch_size=32, workers=[w], seed=w, verbose=0, callbacks=[StatusProbe(w)])
             out[w] = (h, app.evaluate(xt[:2000], yt[:2000])[1])
         except BaseException as exc:  # reported by the main thread
             out[w] = exc
@@ -158,7 +169,12 @@ def test_worker_subsets_train_from_two_threads_of_one_master(cluster: ddlf.Clust
         h, acc = out[w]  # type: ignore[misc]
         assert acc > 0.80
         assert {s.worker for s in h.stats} == {w} and h.params["workers"] == 1
+        # each worker's status named exactly its own run (id and app class) while it trained
+        run_id = h.params["run_id"]
+        app_name = ("SmallMnist", "OtherMnist")[w]
+        assert seen[w] and all(runs == [f"{run_id} {app_name}"] for runs in seen[w]), seen
     assert _leftovers(cluster) == ([[], []], [[], []])
+    assert [st["runs"] for st in cluster.status()] == [[], []]  # and none once they ended
 
 
 def test_bad_worker_subsets_are_refused(cluster: ddlf.Cluster) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -48,10 +51,10 @@ def val_set():
 CONFIGS = [{"lr": lr, "width": w} for lr in (3e-3, 1e-3, 1e-5) for w in (32, 8)]
 
 
-def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, val_set) -> None:
+def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, val_set, tmp_path: Path) -> None:
     result = ddlf.sweep(
         cluster, make_app, CONFIGS, epochs=4, grace_epochs=1, reduction_factor=2, validation_data=val_set,
-        batch_size=64,
+        batch_size=64, report=tmp_path / "sweep.html",
     )  # fmt: skip
     statuses = [t.status for t in result.trials]
     assert set(statuses) <= {"completed", "stopped"}, [(t.status, t.error) for t in result.trials]
@@ -68,6 +71,14 @@ def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, v
     rows = result.table()
     assert len(rows) == len(CONFIGS) and all("val_accuracy" in r for r in rows)
     assert cluster.run(ddlf.training.worker.runs) == [[], []]  # no run left on the workers
+    # The sweep's page: a row and a bar per trial, the best trial's metric on a card, the numbers beside it.
+    page = (tmp_path / "sweep.html").read_text()
+    assert re.findall(r"<tr class='(\w+)'>", page) == statuses
+    assert len(re.findall(r"<rect class='trial (?:completed|stopped)'", page)) == len(CONFIGS)
+    assert f"{best.metric:.4g}" in page
+    numbers = json.loads((tmp_path / "sweep.json").read_text())
+    assert [t["epochs"] for t in numbers["trials"]] == [t.epochs for t in result.trials]
+    assert all(len(t["curve"]) == t["epochs"] for t in numbers["trials"])
 
 
 def test_a_lost_worker_requeues_only_its_trial(val_set) -> None:

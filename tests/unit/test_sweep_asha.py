@@ -22,6 +22,22 @@ def test_only_the_best_third_continues_at_a_rung() -> None:
     assert not asha.keep_going(1, float("nan"))  # a metric that is not a number stops the trial
 
 
+def test_the_cut_is_ray_tunes_percentile_of_earlier_trials() -> None:
+    # Ray Tune's ASHAScheduler: stop when below the (1 - 1/rf) percentile (linear interpolation) of the metrics
+    # that reached the rung before this trial. rf 2: the median of what came before.
+    asha = _Asha(epochs=8, grace=1, rf=2, mode="max")
+    assert asha.keep_going(1, 0.5)
+    assert asha.keep_going(1, 0.6)  # the median of [0.5] is 0.5
+    assert asha.keep_going(1, 0.55)  # the median of [0.5, 0.6] is 0.55: not below it (a best-half rank would stop)
+    assert not asha.keep_going(1, 0.54)  # the median of [0.5, 0.6, 0.55] is 0.55
+    # rf 3: the 66.7th percentile of [0.4, 0.5, 0.9] is 0.5 + (0.9 - 0.5) / 3 = 0.633
+    three = _Asha(epochs=9, grace=1, rf=3, mode="max")
+    for v in (0.5, 0.4, 0.9):
+        three.keep_going(1, v)
+    assert not three.keep_going(1, 0.63) and three.keep_going(1, 0.64)
+    assert three.keep_going(3, 0.1)  # the first to reach rung 3 continues
+
+
 def test_lower_is_better_in_min_mode() -> None:
     asha = _Asha(epochs=9, grace=1, rf=2, mode="min")
     assert asha.keep_going(1, 2.0)

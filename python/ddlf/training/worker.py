@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,19 @@ def _load(app: Any, shard: int | None, n_shards: int) -> tuple[Any, bool]:
 _SESSIONS: dict[str, Session] = {}
 
 
+def _no_report(runs: list[str]) -> None:
+    pass
+
+
+report_runs: Callable[[list[str]], None] = _no_report
+"""Where the list of runs goes whenever it changes: the daemon's status (``ddlf status``, ``Cluster.status()``),
+answered without this interpreter. Set by the executor once the daemon listens."""
+
+
+def _publish() -> None:
+    report_runs([f"{rid} {type(s.app).__name__}" for rid, s in sorted(_SESSIONS.items())])
+
+
 def _session(run_id: str) -> Session:
     session = _SESSIONS.get(run_id)
     if session is None:
@@ -121,6 +135,7 @@ def setup(worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | N
         set_random_seed(worker_seed)  # torch may have been imported by create_model itself
     _admit(worker, run_id)
     _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards)
+    _publish()
     log.info("training run %s (%s) set up: %d rows, %d runs here", run_id, type(app).__name__, len(x), len(_SESSIONS))
     return {
         "rows": len(x),
@@ -171,6 +186,7 @@ def teardown(worker: Any, run_id: str) -> None:
     """Forget a run's session and its broadcast weights (the dataset stays cached)."""
     if _SESSIONS.pop(run_id, None) is not None:
         log.info("training run %s torn down", run_id)
+        _publish()
     worker.vars.pop(weights_var(run_id), None)
 
 

@@ -136,6 +136,7 @@ fn status_dict<'py>(py: Python<'py>, address: &str, s: StatusReply) -> PyResult<
     let running = (!s.running.is_empty()).then_some(s.running);
     d.set_item("running", running)?;
     d.set_item("running_for_s", s.running_for_ms as f64 / 1000.0)?;
+    d.set_item("runs", s.runs)?;
     d.set_item("requests_served", s.requests_served)?;
     d.set_item("requests_rejected", s.requests_rejected)?;
     d.set_item("queue_depth", s.queue_depth)?;

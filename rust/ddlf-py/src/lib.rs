@@ -48,6 +48,7 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<errors::ErrorClass>()?;
     m.add_class::<buffers::RecvBuffer>()?;
     m.add_class::<pipeline::BatchPipeline>()?;
+    m.add_class::<worker::ServingDaemon>()?;
     m.add_function(wrap_pyfunction!(arrays::weighted_average, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::axpy_, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::delta, m)?)?;

@@ -2,12 +2,14 @@
 //! (the calling, main) thread becomes the interpreter thread that runs every job in request order, and releases
 //! the GIL whenever it waits for the next one.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ddlf_core::auth::Token;
 use ddlf_net::{ServerConfig, ServerTls};
 use ddlf_proto::{CallReply, CallRequest, ErrorKind, RemoteException, Value};
+use ddlf_worker::state::WorkerState;
 use ddlf_worker::{Daemon, DaemonConfig, Job, Next};
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::intern;
@@ -18,13 +20,33 @@ use crate::buffers::{borrow_buffers, copy_buffers, export, total_bytes, value_bu
 use crate::errors::daemon_error;
 use ddlf_net::pool::POOL_THRESHOLD;
 
+/// The serving daemon, as its executor sees it: passed to `executor.on_listening(address, daemon)`, so the Python
+/// side can report what the daemon's status requests answer without the interpreter (the runs it serves).
+#[pyclass(module = "ddlf._ddlf", frozen)]
+pub struct ServingDaemon {
+    state: Arc<WorkerState>,
+}
+
+#[pymethods]
+impl ServingDaemon {
+    /// Replace the training runs this daemon reports in its status (`ddlf status`, `Cluster.status()`).
+    fn set_runs(&self, runs: Vec<String>) {
+        self.state.set_runs(runs);
+    }
+
+    /// The training runs this daemon reports.
+    fn runs(&self) -> Vec<String> {
+        self.state.runs()
+    }
+}
+
 /// How long the interpreter thread waits for a job before checking for signals (SIGINT/SIGTERM).
 const IDLE_POLL: Duration = Duration::from_millis(100);
 
 /// Serve worker requests until a shutdown request or a signal. `executor` is the Python object that runs the
 /// operations (`ddlf._executor.Executor`): `executor.handle(op, name, digest, pickle, buffers)` returns
-/// `(0, pickle, buffers)` or `(error_kind, (type_name, message, traceback))`. `executor.on_listening(address)`
-/// is called once the port is bound.
+/// `(0, pickle, buffers)` or `(error_kind, (type_name, message, traceback))`.
+/// `executor.on_listening(address, daemon)` is called once the port is bound, with a [`ServingDaemon`].
 #[pyfunction]
 #[pyo3(signature = (executor, listen, token = None, insecure = false, max_message_size = None, name = None, network_threads = 1, tls_cert = None, tls_key = None, max_connections = None, handshake_timeout = None, lane_spin_us = None, keepalive = None))]
 #[allow(clippy::too_many_arguments)]
@@ -104,9 +126,21 @@ pub fn serve_worker(
         .detach(|| Daemon::start(config))
         .map_err(|e| daemon_error(py, &e))?;
     let stop = |daemon: Daemon| py.detach(|| daemon.stop(Duration::from_secs(2)));
+    let serving = match Py::new(
+        py,
+        ServingDaemon {
+            state: daemon.state().clone(),
+        },
+    ) {
+        Ok(serving) => serving,
+        Err(e) => {
+            stop(daemon);
+            return Err(e);
+        }
+    };
     if let Err(e) = executor.call_method1(
         intern!(py, "on_listening"),
-        (daemon.local_addr().to_string(),),
+        (daemon.local_addr().to_string(), serving),
     ) {
         stop(daemon);
         return Err(e);

@@ -152,6 +152,7 @@ impl Worker for WorkerService {
             instance: self.state.instance,
             connections_open: self.state.connections.open.load(Ordering::Relaxed),
             connections_refused: self.state.connections.refused.load(Ordering::Relaxed),
+            runs: self.state.runs(),
         }))
     }
 

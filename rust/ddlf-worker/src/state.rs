@@ -20,6 +20,8 @@ pub struct WorkerState {
     /// Open and refused connections (shared with the admission guard).
     pub connections: Arc<ddlf_net::ConnStats>,
     running: Mutex<Option<(String, Instant)>>,
+    /// The training runs served now, as the interpreter side last reported them (`set_runs`).
+    runs: Mutex<Vec<String>>,
 }
 
 impl WorkerState {
@@ -34,6 +36,7 @@ impl WorkerState {
             instance: new_instance(),
             connections: Arc::default(),
             running: Mutex::new(None),
+            runs: Mutex::new(Vec::new()),
         }
     }
 
@@ -54,6 +57,16 @@ impl WorkerState {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(code = ?status.code(), message = status.message(), "request rejected");
         status
+    }
+
+    /// Replace the list of training runs this daemon serves (reported by the interpreter side).
+    pub fn set_runs(&self, runs: Vec<String>) {
+        *self.runs.lock().unwrap_or_else(|e| e.into_inner()) = runs;
+    }
+
+    /// The training runs this daemon serves, as last reported.
+    pub fn runs(&self) -> Vec<String> {
+        self.runs.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The running operation and for how long it has run.
