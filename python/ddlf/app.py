@@ -119,6 +119,7 @@ class IApp:
         failure_policy: FailurePolicy | None = None,
         workers: Sequence[int] | None = None,
         exchange: str = "master",
+        nonfinite: str = "skip",
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -158,6 +159,10 @@ class IApp:
                 to worker: each sends ``2(n-1)/n`` times the weights per round whatever the cluster size, and the
                 master carries no weights per round), or ``"auto"`` (all-reduce when the workers span several
                 hosts). See :mod:`ddlf.training.exchange`.
+            nonfinite: what a worker's reply holding NaN or infinity does: ``"skip"`` leaves it out of its round
+                (a warning and a ``reply_refused`` event; the other workers' replies are merged) or ``"raise"``
+                stops training with :class:`~ddlf.errors.NonFiniteUpdate`. Malformed replies (wrong count,
+                shapes or dtypes of weights, ...) are always left out: see :mod:`ddlf.training.replies`.
 
         Lost workers never stop training (unless the failure policy says so): see :mod:`ddlf.training.sync` and
         :mod:`ddlf.training.asynchronous` for what happens to their rows, and ``history.events`` for what happened.
@@ -187,6 +192,7 @@ class IApp:
             failure_policy=failure_policy if failure_policy is not None else FailurePolicy(),
             workers=self._subset(workers),
             exchange=exchange,
+            nonfinite=nonfinite,
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):

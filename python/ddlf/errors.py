@@ -139,6 +139,18 @@ class InsecureConfiguration(WorkerStartError):
     """A daemon was asked to listen on a non-loopback address without a token."""
 
 
+class BadWorkerReply(DdlfError):
+    """A worker's training reply was refused before the master merged it: weights of the wrong count, shapes or
+    dtypes, top-k indices outside the tensor, an impossible sample count, ... (buggy user code, or a compromised
+    host). ``worker_id`` names the worker. Training leaves the reply out of its round (a warning and a
+    ``reply_refused`` event in ``History.events``) and goes on with the other workers."""
+
+
+class NonFiniteUpdate(BadWorkerReply):
+    """A worker sent weights (or optimizer state) holding NaN or infinity. ``train(nonfinite="skip")``, the
+    default, leaves the reply out like any refused reply; ``nonfinite="raise"`` stops the run with this error."""
+
+
 class CollectiveError(DdlfError):
     """A collective among workers (an all-reduce) failed on this worker: a neighbour died, was cut off, refused
     the link, or passed arrays of other sizes. ``peer_rank`` and ``peer_address`` name the neighbour at fault
@@ -259,10 +271,12 @@ _CLASSES: dict[ErrorClass, type[DdlfError]] = {
 
 __all__ = [
     "AuthenticationError",
+    "BadWorkerReply",
     "CollectiveError",
     "DdlfError",
     "DeadlineExceeded",
     "InsecureConfiguration",
+    "NonFiniteUpdate",
     "NotFoundError",
     "ProtocolError",
     "RemoteError",

@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import WorkerUnavailable
+from ..errors import BadWorkerReply, WorkerUnavailable
 from ..history import History, RoundStats
 from . import worker as remote
 from .common import TrainConfig, decode_payload, nbytes
 from .membership import Members
 from .plan import Chunk, chunks, shard_layout
+from .replies import check_reply
 from .run import TrainingRun, WorkerResult
 
 DEFAULT_CHUNK_BATCHES = 10
@@ -134,8 +135,18 @@ def train_async(run: TrainingRun) -> History:
                             ep.lost.add(w)
                             run.lost(ep.epoch, state["round"], w, wall, t0)
                     return
-                res = WorkerResult.from_reply(w, res)
-                delta = decode_payload(res.weights, start_weights)
+                try:
+                    res = check_reply(w, res, start_weights, rows=len(chunk), compression=cfg.compression)
+                except BadWorkerReply as exc:
+                    with lock:
+                        ep.in_flight -= 1  # its rows are not trained again this epoch, as in a sync round
+                        try:
+                            run.refuse(exc)
+                        except BadWorkerReply as fatal:  # nonfinite="raise"
+                            state["error"] = fatal
+                            return
+                    continue
+                delta = res.payload if res.payload is not None else decode_payload(res.weights, start_weights)
                 with lock:
                     ep.in_flight -= 1
                     staleness = state["version"] - version

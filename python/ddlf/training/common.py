@@ -41,6 +41,7 @@ class TrainConfig:
     failure_policy: FailurePolicy = field(default_factory=FailurePolicy)  # what a worker's failure does
     workers: list[int] | None = None  # train on these workers of the cluster only (None: all)
     exchange: str = "master"  # sync: "master", "allreduce" or "auto" (see training.exchange)
+    nonfinite: str = "skip"  # a reply with NaN/inf: "skip" (leave it out of its round) or "raise"
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
 
@@ -59,6 +60,8 @@ class TrainConfig:
             raise ValueError("rotate_shards_every must be at least 1 epoch")
         if not isinstance(self.failure_policy, FailurePolicy):
             raise TypeError(f"failure_policy must be a ddlf.FailurePolicy, not {type(self.failure_policy).__name__}")
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', not {self.nonfinite!r}")
         if self.exchange not in ("master", "allreduce", "auto"):
             raise ValueError(f"exchange must be 'master', 'allreduce' or 'auto', not {self.exchange!r}")
         if self.averaging_frequency is not None and self.averaging_frequency < 1:

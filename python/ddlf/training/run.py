@@ -9,11 +9,13 @@ worker's training chunk returns, typed.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..errors import BadWorkerReply, NonFiniteUpdate
 from ..history import History, RoundStats
 from . import checkpoint
 from . import worker as remote
@@ -35,6 +37,9 @@ class WorkerResult:
     data_wait_seconds: float
     logs: dict[str, float] = field(default_factory=dict)
     optimizer_state: list[np.ndarray] | None = None
+    payload: list[np.ndarray] | None = None
+    """``weights`` decoded (float32, shaped like the model's), set once the reply passed the checks of
+    :func:`~.replies.check_reply`."""
 
     @classmethod
     def from_reply(cls, worker: int, reply: dict[str, Any]) -> WorkerResult:
@@ -81,6 +86,14 @@ class TrainingRun:
     def policy(self) -> FailurePolicy:
         """What a worker's failure does to this run (``cfg.failure_policy``)."""
         return self.cfg.failure_policy
+
+    def refuse(self, exc: BadWorkerReply) -> None:
+        """A worker's reply was refused (:mod:`.replies`): leave it out, warn and record it, or stop the run when
+        it held non-finite values and the run says ``nonfinite="raise"``."""
+        if isinstance(exc, NonFiniteUpdate) and self.cfg.nonfinite == "raise":
+            raise exc
+        warnings.warn(f"{exc}; its reply is left out of this round", RuntimeWarning, stacklevel=2)
+        self.members.note("reply_refused", worker=exc.worker_id, reason=str(exc), error=type(exc).__name__)
 
     def fail(self, exc: BaseException) -> None:
         """A worker failed: raise unless the policy says to carry on without it."""

@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 
 from .. import ops
+from ..errors import BadWorkerReply
 from ..history import History, RoundStats
 from . import worker as remote
 from .common import average_states, decode_payload, nbytes
 from .exchange import RingExchange, choose
 from .plan import ShardPlan, SlicePlan
+from .replies import check_reply, check_states
 from .run import TrainingRun, WorkerResult, weighted_logs
 
 
@@ -69,7 +71,9 @@ def train_sync(run: TrainingRun) -> History:
             # With the ring the workers averaged among themselves; the master fetches the weights at epoch end.
             if ring is None and live_results:
                 samples = [float(r.samples) for r in live_results]
-                payloads = [decode_payload(r.weights, weights) for r in live_results]
+                payloads = [
+                    r.payload if r.payload is not None else decode_payload(r.weights, weights) for r in live_results
+                ]
                 merged = ops.weighted_average(payloads, samples)
                 if cfg.compression is not None:  # workers sent deltas
                     ops.axpy_(weights, merged)
@@ -128,6 +132,7 @@ def _round(
     send_s = cluster.last_call_timings()
     t_sent = time.perf_counter()
     args, kwargs, running = [], [], []
+    rows: dict[int, int] = {}
     for (w, extra), ok in zip(assignments, sent_ok):
         if isinstance(ok, BaseException):
             run.fail(ok)
@@ -146,6 +151,7 @@ def _round(
         if cfg.slow_worker and cfg.slow_worker[0] == w:
             kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
         indices = kw.pop("indices")
+        rows[w] = len(indices) if indices is not None else kw["seeded"][5] - kw["seeded"][4]
         args.append((cfg.run_id, indices))
         kwargs.append(kw)
         running.append(w)
@@ -160,5 +166,14 @@ def _round(
             run.fail(out)
             run.lost(epoch, round_no, w, wall, t0)
             continue
-        results.append(WorkerResult.from_reply(w, out))
+        try:
+            result = check_reply(w, out, weights, rows=rows[w], compression=cfg.compression)
+        except BadWorkerReply as exc:
+            run.refuse(exc)
+            continue
+        results.append(result)
+    if cfg.average_optimizer_state:
+        for r, reason in check_states(results):
+            run.refuse(BadWorkerReply(reason, worker_id=r.worker))
+            results.remove(r)
     return results, t_sent, send_s, call_s
