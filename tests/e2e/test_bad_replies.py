@@ -50,8 +50,8 @@ def _misbehave(mode: str | None) -> None:
     if not hasattr(remote, "_honest_train_chunk"):
         honest = remote.train_chunk
 
-        def train_chunk(*args: Any, **kwargs: Any) -> Any:
-            out = honest(*args, **kwargs)
+        def train_chunk(worker: Any, *args: Any, **kwargs: Any) -> Any:  # "worker" first: the daemon passes it
+            out = honest(worker, *args, **kwargs)
             mode = getattr(remote, "_misbehaving", None)
             return _corrupt(mode, out) if mode else out
 
