@@ -15,37 +15,47 @@ from . import _ddlf
 BatchPipeline = _ddlf.BatchPipeline
 
 
+def _vectors(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The arrays as the kernels take them: a 0-d array (an optimizer's step counter, a learning rate) exports no
+    buffer shape, so it goes as a 1-element view of the same memory (written through by the in-place kernels)."""
+    return [np.reshape(a, -1) if np.ndim(a) == 0 else a for a in arrays]
+
+
+def _shaped(out: list[np.ndarray], like: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Kernel results with the 0-d arrays of ``like`` made 0-d again."""
+    return [o.reshape(()) if np.ndim(a) == 0 else o for o, a in zip(out, like)]
+
+
 def weighted_average(lists: Sequence[Sequence[np.ndarray]], weights: Sequence[float] | None = None) -> list[np.ndarray]:
     """``sum_i weights[i] * lists[i] / sum(weights)``, array by array (equal weights by default)."""
     if not lists:
         return _ddlf.weighted_average([], None)
-    # 0-d arrays (optimizer step counters, learning rates) export no buffer shape: average them as 1-element arrays.
-    shapes = [np.shape(a) for a in lists[0]]
-    flat = [[np.reshape(a, -1) if np.ndim(a) == 0 else a for a in lst] for lst in lists]
-    out = _ddlf.weighted_average(flat, None if weights is None else [float(w) for w in weights])
-    return [o.reshape(s) if len(s) == 0 else o for o, s in zip(out, shapes)]
+    out = _ddlf.weighted_average(
+        [_vectors(lst) for lst in lists], None if weights is None else [float(w) for w in weights]
+    )
+    return _shaped(out, lists[0])
 
 
 def axpy_(weights: Sequence[np.ndarray], delta: Sequence[np.ndarray], alpha: float = 1.0) -> None:
     """In place: ``weights[i] += alpha * delta[i]``."""
-    _ddlf.axpy_(list(weights), list(delta), float(alpha))
+    _ddlf.axpy_(_vectors(weights), _vectors(delta), float(alpha))
 
 
 def delta(new: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> list[np.ndarray]:
     """``new[i] - old[i]`` for every array."""
-    return _ddlf.delta(list(new), list(old))
+    return _shaped(_ddlf.delta(_vectors(new), _vectors(old)), new)
 
 
 def to_half(arrays: Sequence[np.ndarray], dtype: str = "float16") -> list[np.ndarray]:
     """float32 arrays to ``"float16"`` or ``"bfloat16"`` (halves the bytes on the wire)."""
-    return _ddlf.to_half(list(arrays), dtype)
+    return _shaped(_ddlf.to_half(_vectors(arrays), dtype), arrays)
 
 
 def from_half(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     """float16/bfloat16 arrays back to float32."""
     flags = [str(a.dtype) == "bfloat16" for a in arrays]
     views = [a.view(np.uint16) if bf else a for a, bf in zip(arrays, flags)]
-    return _ddlf.from_half(views, flags)
+    return _shaped(_ddlf.from_half(_vectors(views), flags), arrays)
 
 
 def topk(arrays: Sequence[np.ndarray], ratio: float) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -87,6 +97,8 @@ def partition_for(n: int, seed: int, epoch: int, shares: Sequence[float], worker
 
 def gather(array: np.ndarray, indices: np.ndarray | Sequence[int]) -> np.ndarray:
     """``array[indices]`` along the first axis, gathered in Rust into a new contiguous array."""
+    if np.ndim(array) == 0:
+        raise ValueError("gather needs an array with at least one axis (rows to gather), got a 0-d array")
     return _ddlf.gather(array, indices)
 
 
