@@ -47,18 +47,31 @@ def module_files(module: ModuleType | str | os.PathLike[str]) -> tuple[str, dict
     else:
         path = Path(module)
     path = path.resolve()
+    return (path.name if path.is_dir() else path.stem), {rel: p.read_bytes() for rel, p in _sources(path, module)}
+
+
+def _sources(path: Path, what: object) -> list[tuple[str, Path]]:
+    """``(relative path, file)`` of every source of the module file or package directory at ``path``."""
     if path.is_dir():
         if not (path / "__init__.py").exists():
             raise ValueError(f"{path} is not a package (no __init__.py)")
-        files = {
-            str(p.relative_to(path.parent).as_posix()): p.read_bytes()
+        return [
+            (p.relative_to(path.parent).as_posix(), p)
             for p in sorted(path.rglob("*.py"))
             if "__pycache__" not in p.parts
-        }
-        return path.name, files
+        ]
     if path.suffix == ".py" and path.is_file():
-        return path.stem, {path.name: path.read_bytes()}
-    raise ValueError(f"cannot upload {module!r}: expected a module, a .py file or a package directory")
+        return [(path.name, path)]
+    raise ValueError(f"cannot upload {what!r}: expected a module, a .py file or a package directory")
+
+
+def _stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """Names, modification times and sizes of a module's sources: changes when a file is edited, added or removed."""
+    stamp = []
+    for rel, p in _sources(path, path):
+        st = p.stat()
+        stamp.append((rel, st.st_mtime_ns, st.st_size))
+    return tuple(stamp)
 
 
 def files_digest(files: dict[str, bytes]) -> str:
@@ -181,9 +194,13 @@ def local_closure(names: Iterable[str]) -> list[str]:
 
 
 class Shipment:
-    """A local module's files, read once per process and capped at :data:`SHIP_LIMIT`."""
+    """A local module's files as they are on disk now, capped at :data:`SHIP_LIMIT`: read again only when a
+    source was edited, added or removed since (a ``stat`` of each), so the digest always matches what a worker on
+    this host would import itself (sources gone from disk since they were read: what was read). A snapshot kept
+    from the first read would differ from the disk after an edit under a running script, and the worker would then
+    get a copy in a temporary directory, where paths computed from ``__file__`` (data beside the code) break."""
 
-    _cache: dict[str, tuple[str, dict[str, bytes]]] = {}
+    _cache: dict[str, tuple[tuple[tuple[str, int, int], ...], str, dict[str, bytes]]] = {}
 
     @staticmethod
     def origin(name: str) -> str:
@@ -194,10 +211,16 @@ class Shipment:
     def files(cls, name: str) -> tuple[str, dict[str, bytes]]:
         """``(digest, files)`` of local top-level module ``name``; ``ValueError`` (naming it and the fix) when it
         cannot be shipped."""
-        cached = cls._cache.get(name)
-        if cached is not None:
-            return cached
         module = sys.modules[name]
+        cached = cls._cache.get(name)
+        try:
+            stamp = _stamp(source_path(module.__file__ or "").resolve())
+        except (OSError, ValueError) as exc:
+            if cached is not None:  # its sources left this host since they were read: ship what was read
+                return cached[1], cached[2]
+            raise ValueError(f"local module {name!r} cannot be shipped: {exc}") from None
+        if cached is not None and cached[0] == stamp:
+            return cached[1], cached[2]
         _, files = module_files(module)
         size = sum(len(c) for c in files.values())
         if size > SHIP_LIMIT:
@@ -207,9 +230,9 @@ class Shipment:
                 f"automatically: install it on every worker (pip install), or ship it once with "
                 f"cluster.upload_module({name!r})"
             )
-        cached = (files_digest(files), files)
-        cls._cache[name] = cached
-        return cached
+        digest = files_digest(files)
+        cls._cache[name] = (stamp, digest, files)
+        return digest, files
 
 
 def _size(n: int) -> str:

@@ -105,6 +105,31 @@ def test_a_local_module_over_the_limit_is_refused_by_name(tmp_path, monkeypatch)
         upload._verdicts.clear()
 
 
+def test_a_shipment_follows_edits_made_while_the_script_runs(tmp_path, monkeypatch) -> None:
+    # The digest must match what a worker on this host would import from disk now; a snapshot from the first read
+    # made the worker take a copy after any edit (and __file__-relative data paths broke there).
+    pkg = tmp_path / "loc_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("A = 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import loc_pkg  # noqa: F401
+
+    try:
+        first, files = upload.Shipment.files("loc_pkg")
+        assert upload.Shipment.files("loc_pkg")[1] is files  # unchanged: not read again
+        (pkg / "helper.py").write_text("B = 2\n")  # a file added under the running script
+        second, files2 = upload.Shipment.files("loc_pkg")
+        assert second != first and set(files2) == {"loc_pkg/__init__.py", "loc_pkg/helper.py"}
+        (pkg / "helper.py").write_text("B = 30\n")  # and edited
+        third, _ = upload.Shipment.files("loc_pkg")
+        assert third not in (first, second) and third == upload.files_digest(upload.module_files(pkg)[1])
+    finally:
+        sys.modules.pop("loc_pkg", None)
+        upload.Shipment._cache.pop("loc_pkg", None)
+        upload._verdicts.clear()
+
+
 def test_files_digest_tells_versions_apart() -> None:
     a = upload.files_digest({"m.py": b"x = 1\n"})
     assert a == upload.files_digest({"m.py": b"x = 1\n"})
