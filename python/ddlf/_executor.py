@@ -137,15 +137,14 @@ class Executor:
             shutil.rmtree(self._module_dir, ignore_errors=True)
             self._own_module_dir = False
 
-    def on_listening(self, address: str, daemon: Any = None) -> None:
+    def on_listening(self, address: str, daemon: Any) -> None:
         """The daemon is bound to ``address``; tell whoever waits for it (``Cluster.local``), then start loading
         the modules to preload in the background. ``daemon`` (a ``ServingDaemon``) takes the training runs this
         worker serves, which its status requests report."""
         self.address = address
-        if daemon is not None:
-            from .training import worker as training_worker
+        from .training import worker as training_worker
 
-            training_worker.report_runs = daemon.set_runs
+        training_worker.report_runs = daemon.set_runs
         if self.preload:
             threading.Thread(target=_preload, args=(self.preload,), name="ddlf-preload", daemon=True).start()
         if self._ready_file:

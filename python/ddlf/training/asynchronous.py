@@ -27,7 +27,7 @@ from .. import ops
 from ..errors import BadWorkerReply, WorkerUnavailable
 from ..history import History, RoundStats
 from . import worker as remote
-from .common import TrainConfig, decode_payload, nbytes
+from .common import TrainConfig, nbytes
 from .membership import Members
 from .plan import Chunk, chunks, shard_layout
 from .replies import check_reply
@@ -146,7 +146,7 @@ def train_async(run: TrainingRun) -> History:
                             state["error"] = fatal
                             return
                     continue
-                delta = res.payload if res.payload is not None else decode_payload(res.weights, start_weights)
+                delta = res.payload
                 with lock:
                     ep.in_flight -= 1
                     staleness = state["version"] - version

@@ -28,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import RemoteError, WorkerUnavailable
+from ..errors import BadWorkerReply, RemoteError, WorkerUnavailable
 from . import worker as remote
+from .plan import assigned_rows
+from .replies import check_reply
 from .run import TrainingRun, WorkerResult
 
 EXCHANGES = ("master", "allreduce", "auto")
@@ -158,7 +160,14 @@ class RingExchange:
             if not lost and not failed_ring:
                 self.synced = {w: cluster.instance(w) for w in targets}
                 self.round = round_no
-                return [WorkerResult.from_reply(w, o) for w, o in zip(targets, outcomes)], t_sent, send_s, call_s
+                rows = {w: assigned_rows(part) for w, part in pending}
+                results = []
+                for w, out in zip(targets, outcomes):
+                    try:  # its weights are in the ring's average already; its samples and logs are checked here
+                        results.append(check_reply(w, out, [], rows=rows[w], compression=None, weights_expected=False))
+                    except BadWorkerReply as exc:
+                        run.refuse(exc)
+                return results, t_sent, send_s, call_s
             run.members.note("allreduce_redo", lost=lost, survivors=[w for w in targets if w not in lost])
             cluster.retire_ring(ring)  # spent: the next attempt forms a new one
             pending = self._drop(pending, lost, epoch, round_no, t0)

@@ -46,6 +46,14 @@ Assignment = tuple[int, dict[str, Any]]
 """One worker's part of a round: ``(worker, {"indices": ..., "shard"?: ..., "seeded"?: ...})``."""
 
 
+def assigned_rows(part: dict[str, Any]) -> int:
+    """The most rows an assignment's worker can train: its indices, or its slice's bounds (``seeded``)."""
+    if part.get("indices") is not None:
+        return len(part["indices"])
+    _seed, _epoch, _shares, _w, start, stop = part["seeded"]
+    return int(stop - start)
+
+
 class SlicePlan:
     """The whole dataset on every worker: one seeded permutation per epoch, consumed round by round by the
     workers live at that round (``indices``: the master sends each its slice; ``seeded``: only the slice's

@@ -63,23 +63,15 @@ def check_reply(
             raise bad(f"{len(raw)} weight arrays, where the all-reduce leaves none to send")
         decoded: list[np.ndarray] = []
     else:
-        decoded = _check_weights(raw, like, compression, bad) if samples else []
+        decoded = _check_weights(raw, like, compression, bad)
     state = reply.get("optimizer_state")
     if state is not None:
         if not isinstance(state, (list, tuple)) or not all(isinstance(a, np.ndarray) for a in state):
             raise bad("optimizer_state must be a list of arrays")
         if any(a.dtype.kind == "O" for a in state):
             raise bad("optimizer_state holds object arrays")
-    result = WorkerResult(
-        worker=worker,
-        samples=int(samples),
-        weights=list(raw),
-        compute_seconds=float(reply["compute_seconds"]),
-        data_wait_seconds=float(reply["data_wait_seconds"]),
-        logs={k: float(v) for k, v in logs.items()},
-        optimizer_state=list(state) if state is not None else None,
-        payload=decoded,
-    )
+    result = WorkerResult.from_reply(worker, reply)
+    result.payload = decoded
     if not all(_finite(a) for a in decoded) or (state is not None and not all(_finite(a) for a in state)):
         raise NonFiniteUpdate(
             f"worker {worker} sent non-finite weights (NaN or infinity): its model diverged, or its reply is corrupt",

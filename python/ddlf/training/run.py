@@ -37,16 +37,16 @@ class WorkerResult:
     data_wait_seconds: float
     logs: dict[str, float] = field(default_factory=dict)
     optimizer_state: list[np.ndarray] | None = None
-    payload: list[np.ndarray] | None = None
-    """``weights`` decoded (float32, shaped like the model's), set once the reply passed the checks of
-    :func:`~.replies.check_reply`."""
+    payload: list[np.ndarray] = field(default_factory=list)
+    """``weights`` decoded (float32, shaped like the model's), set by :func:`~.replies.check_reply` once the
+    reply passed its checks (empty for an all-reduce round: the workers averaged among themselves)."""
 
     @classmethod
     def from_reply(cls, worker: int, reply: dict[str, Any]) -> WorkerResult:
         return cls(
             worker=worker,
             samples=int(reply["samples"]),
-            weights=reply.get("weights", []),
+            weights=list(reply.get("weights", [])),
             compute_seconds=float(reply["compute_seconds"]),
             data_wait_seconds=float(reply["data_wait_seconds"]),
             logs=dict(reply.get("logs", {})),

@@ -31,9 +31,9 @@ from .. import ops
 from ..errors import BadWorkerReply
 from ..history import History, RoundStats
 from . import worker as remote
-from .common import average_states, decode_payload, nbytes
+from .common import average_states, nbytes
 from .exchange import RingExchange, choose
-from .plan import ShardPlan, SlicePlan
+from .plan import ShardPlan, SlicePlan, assigned_rows
 from .replies import check_reply, check_states
 from .run import TrainingRun, WorkerResult, weighted_logs
 
@@ -71,9 +71,7 @@ def train_sync(run: TrainingRun) -> History:
             # With the ring the workers averaged among themselves; the master fetches the weights at epoch end.
             if ring is None and live_results:
                 samples = [float(r.samples) for r in live_results]
-                payloads = [
-                    r.payload if r.payload is not None else decode_payload(r.weights, weights) for r in live_results
-                ]
+                payloads = [r.payload for r in live_results]
                 merged = ops.weighted_average(payloads, samples)
                 if cfg.compression is not None:  # workers sent deltas
                     ops.axpy_(weights, merged)
@@ -132,7 +130,6 @@ def _round(
     send_s = cluster.last_call_timings()
     t_sent = time.perf_counter()
     args, kwargs, running = [], [], []
-    rows: dict[int, int] = {}
     for (w, extra), ok in zip(assignments, sent_ok):
         if isinstance(ok, BaseException):
             run.fail(ok)
@@ -151,7 +148,6 @@ def _round(
         if cfg.slow_worker and cfg.slow_worker[0] == w:
             kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
         indices = kw.pop("indices")
-        rows[w] = len(indices) if indices is not None else kw["seeded"][5] - kw["seeded"][4]
         args.append((cfg.run_id, indices))
         kwargs.append(kw)
         running.append(w)
@@ -160,6 +156,7 @@ def _round(
     )
     call_s = cluster.last_call_timings()
     wall = time.perf_counter() - t0
+    rows = {w: assigned_rows(part) for w, part in assignments}
     results: list[WorkerResult] = []
     for w, out in zip(running, outcomes):
         if isinstance(out, BaseException):
