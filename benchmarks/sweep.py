@@ -11,11 +11,14 @@ trial are capped at the same number of threads in ddlf and in Ray (cores / concu
 oversubscribes the machine; the sequential process uses every core.
 
     python -m benchmarks sweep --repeats 3
+
+Ray Tune is installed into this virtualenv (``pip install "ray[tune]"``) when it is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 
 import ddlf
+from ddlf.sweep import _Asha
 
 from . import report
 
@@ -64,24 +68,6 @@ def data(rows: int, val_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     """Raw uint8 training and validation images (ddlf's app scales each batch: ``SweepApp.preprocess``)."""
     (x, y), (xt, yt) = ddlf.datasets.mnist(DATA)
     return x[:rows], y[:rows], xt[:val_rows], yt[:val_rows]
-
-
-class RayCut:
-    """Ray Tune's ASHA decision for one bracket, for the sequential contender (``max`` mode)."""
-
-    def __init__(self, epochs: int, grace: int, rf: float) -> None:
-        rungs = int(np.log(epochs / grace) / np.log(rf) + 1)
-        self.rf = rf
-        self.rungs: list[tuple[float, dict[int, float]]] = [(grace * rf**k, {}) for k in reversed(range(rungs))]
-
-    def keep_going(self, trial: int, epochs_done: int, value: float) -> bool:
-        for milestone, recorded in self.rungs:
-            if epochs_done < milestone or trial in recorded:
-                continue
-            cut = np.nanpercentile(list(recorded.values()), (1 - 1 / self.rf) * 100) if recorded else None
-            recorded[trial] = value
-            return cut is None or value >= cut
-        return True
 
 
 class SweepApp(ddlf.IApp):
@@ -196,18 +182,18 @@ def run_ray(args: argparse.Namespace, threads: int) -> dict[str, Any]:
 def run_sequential(args: argparse.Namespace) -> dict[str, Any]:
     x, y, xv, yv = data(args.rows, args.val_rows)
     x, xv = flat(x), flat(xv)
-    cut = RayCut(args.epochs, 1, args.rf)
+    cut = _Asha(args.epochs, 1, args.rf, "max")  # the cut ddlf.sweep and Ray Tune make
     t0 = time.perf_counter()
     best: tuple[float, dict[str, Any]] = (-1.0, {})
     trained = stopped = 0
-    for i, config in enumerate(configs()):
+    for config in configs():
         net = build(config)
         for epoch in range(args.epochs):
             net.fit(x, y, batch_size=args.batch, epochs=1, verbose=0)
             _, acc = net.evaluate(xv, yv, verbose=0)
             trained += 1
             best = max(best, (float(acc), config), key=lambda b: b[0])
-            if not cut.keep_going(i, epoch + 1, float(acc)):
+            if not cut.keep_going(epoch + 1, float(acc)):
                 stopped += 1
                 break
     return {
@@ -254,6 +240,9 @@ def main(argv: list[str]) -> None:
         print(json.dumps(run[args.contender]()))
         return
     names = args.contenders.split(",")
+    if "ray" in names and importlib.util.find_spec("ray") is None:
+        print("installing ray[tune] for the Ray Tune contender", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "ray[tune]>=2.9"], check=True)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.repeats):
         for name in names:

@@ -57,11 +57,15 @@ class Trial:
     """The trial's best value of the sweep's metric (by the sweep's ``mode``)."""
     epochs: int = 0
     workers: list[int] = field(default_factory=list)
-    seconds: float = 0.0
     error: BaseException | None = None
     attempts: int = 0
     spans: list[tuple[float, float, list[int]]] = field(default_factory=list)
     """``(start, end, workers)`` of each attempt, in seconds since the sweep started."""
+
+    @property
+    def seconds(self) -> float:
+        """Time spent training this trial, all attempts together."""
+        return sum(end - start for start, end, _ in self.spans)
 
 
 @dataclass
@@ -222,9 +226,7 @@ def sweep(
                 done.set()
 
     def span(trial: Trial, start: float, group: list[int]) -> None:
-        end = time.perf_counter()
-        trial.seconds += end - start
-        trial.spans.append((start - t0, end - t0, list(group)))
+        trial.spans.append((start - t0, time.perf_counter() - t0, list(group)))
 
     def run_group(group: list[int]) -> None:
         while not done.is_set():

@@ -142,13 +142,14 @@ def _legend() -> str:
 
 
 def _timeline(result: SweepResult, width: int = 1080) -> str:
-    spans = [(s, e, w, t) for t in result.trials for s, e, w in t.spans]
+    # (start, end, workers, trial, whether it is the trial's last attempt: earlier ones lost their workers)
+    spans = [(s, e, w, t, k == len(t.spans) - 1) for t in result.trials for k, (s, e, w) in enumerate(t.spans)]
     if not spans:
         return "<p class='note'>No trial ran.</p>"
-    groups = sorted({tuple(w) for _, _, w, _ in spans})
+    groups = sorted({tuple(w) for _, _, w, _, _ in spans})
     row_h, pad_l, pad_r, pad_t, pad_b = 26, 110, 16, 10, 40
     height = pad_t + row_h * len(groups) + pad_b
-    end = max(e for _, e, _, _ in spans) or 1.0
+    end = max(e for _, e, _, _, _ in spans) or 1.0
     x0, x1 = pad_l, width - pad_r
 
     def sx(t: float) -> float:
@@ -171,9 +172,8 @@ def _timeline(result: SweepResult, width: int = 1080) -> str:
         y = pad_t + row_h * row[g] + row_h / 2 + 4
         name = f"worker{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}"
         out.append(f"<text x='{x0 - 8}' y='{y}' text-anchor='end' font-size='12'>{_e(name)}</text>")
-    for k, (start, stop, workers, t) in enumerate(spans):
-        last = k == max(i for i, sp in enumerate(spans) if sp[3] is t)
-        colour = STATUS_COLOURS.get(t.status, "#888") if last else LOST  # an earlier attempt lost its workers
+    for start, stop, workers, t, last in spans:
+        colour = STATUS_COLOURS.get(t.status, "#888") if last else LOST
         y = pad_t + row_h * row[tuple(workers)] + 3
         w_px = max(2.0, sx(stop) - sx(start))
         out.append(

@@ -22,13 +22,13 @@ def _history(values: list[float]) -> History:
 
 def _result() -> SweepResult:
     trials = [
-        Trial(0, {"lr": 3e-3, "width": 64}, "completed", _history([0.8, 0.9, 0.93]), 0.93, 3, [0], 6.0, None, 1,
+        Trial(0, {"lr": 3e-3, "width": 64}, "completed", _history([0.8, 0.9, 0.93]), 0.93, 3, [0], None, 1,
               [(0.0, 6.0, [0])]),
-        Trial(1, {"lr": 1e-5, "width": 8}, "stopped", _history([0.2]), 0.2, 1, [1], 2.0, None, 1, [(0.0, 2.0, [1])]),
+        Trial(1, {"lr": 1e-5, "width": 8}, "stopped", _history([0.2]), 0.2, 1, [1], None, 1, [(0.0, 2.0, [1])]),
         # lost its first worker, then finished on worker 1
-        Trial(2, {"lr": 1e-3, "width": 32}, "completed", _history([0.7, 0.85, 0.9]), 0.9, 3, [1], 8.0, None, 2,
+        Trial(2, {"lr": 1e-3, "width": 32}, "completed", _history([0.7, 0.85, 0.9]), 0.9, 3, [1], None, 2,
               [(2.0, 3.0, [1]), (6.0, 13.0, [0])]),
-        Trial(3, {"lr": "<script>", "width": 1}, "failed", None, None, 0, [1], 0.5, RuntimeError("boom <b>"), 1,
+        Trial(3, {"lr": "<script>", "width": 1}, "failed", None, None, 0, [1], RuntimeError("boom <b>"), 1,
               [(3.0, 3.5, [1])]),
     ]  # fmt: skip
     return SweepResult(trials, "val_accuracy", "max", 13.5)
