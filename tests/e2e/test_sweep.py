@@ -115,5 +115,7 @@ def test_bad_sweeps_are_refused(cluster: ddlf.Cluster) -> None:
         ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, metric="val_accuracy")
     with pytest.raises(TypeError, match="dicts"):
         ddlf.sweep(cluster, make_app, [(1e-3, 8)], epochs=1)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"\.html"):
+        ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, metric="loss", mode="min", report="sweep.txt")
     # Nothing was started: the workers serve as before.
     assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]
