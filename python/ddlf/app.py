@@ -118,8 +118,11 @@ class IApp:
         report: str | os.PathLike[str] | None = None,
         failure_policy: FailurePolicy | None = None,
         workers: Sequence[int] | None = None,
-        exchange: str = "master",
+        exchange: str | None = None,
         nonfinite: str = "skip",
+        averaging: str = "weights",
+        scale_learning_rate: bool = False,
+        warmup_epochs: float = 0.0,
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -155,10 +158,22 @@ class IApp:
                 can train several apps at once on disjoint groups, from threads or asyncio, and several masters
                 can share daemons (each daemon serves up to ``ddlf-worker --max-runs`` runs at once).
             exchange: sync only: how a round's workers agree on the averaged weights. ``"master"`` (the master
-                broadcasts and averages), ``"allreduce"`` (the workers average among themselves over a ring, worker
-                to worker: each sends ``2(n-1)/n`` times the weights per round whatever the cluster size, and the
-                master carries no weights per round), or ``"auto"`` (all-reduce when the workers span several
-                hosts). See :mod:`ddlf.training.exchange`.
+                broadcasts and averages; the default for ``averaging="weights"``), ``"allreduce"`` (the workers
+                average among themselves over a ring, worker to worker: each sends ``2(n-1)/n`` times the weights
+                per round whatever the cluster size, and the master carries no weights per round; the default and
+                the only choice for ``averaging="gradients"``), or ``"auto"`` (all-reduce when the workers span
+                several hosts). See :mod:`ddlf.training.exchange`.
+            averaging: sync only. ``"weights"`` (the paper's model averaging: each worker takes its own optimizer
+                steps for ``averaging_frequency`` batches, then the weights are averaged) or ``"gradients"``
+                (Horovod's and PyTorch DDP's: every step the workers average their batches' gradients over the
+                ring and apply the same step, so ``n`` workers learn exactly like one process at ``n`` times the
+                batch; see :mod:`ddlf.training.gradients`). ``averaging_frequency`` then only sets how often the
+                master checks in (progress, faults).
+            scale_learning_rate: with ``averaging="gradients"``: multiply the compiled learning rate by the number
+                of workers (the linear scaling rule of Goyal et al. 2017), since each step sees ``n`` times the
+                batch. Use it when the per-worker ``batch_size`` is the one the learning rate was tuned for.
+            warmup_epochs: reach the scaled learning rate linearly from the compiled one over this many epochs
+                (step by step); large scale factors need a few epochs of warm-up to stay stable.
             nonfinite: what a worker's reply holding NaN or infinity does: ``"skip"`` leaves it out of its round
                 (a warning and a ``reply_refused`` event; the other workers' replies are merged) or ``"raise"``
                 stops training with :class:`~ddlf.errors.NonFiniteUpdate`. Malformed replies (wrong count,
@@ -193,6 +208,9 @@ class IApp:
             workers=self._subset(workers),
             exchange=exchange,
             nonfinite=nonfinite,
+            averaging=averaging,
+            scale_learning_rate=scale_learning_rate,
+            warmup_epochs=warmup_epochs,
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):
@@ -203,14 +221,18 @@ class IApp:
             check_report_path(cfg.report)
         if rotate_shards_every is not None and not self.sharded:
             raise ValueError("rotate_shards_every needs a sharded app (sharded = True)")
-        if mode == "async" and exchange != "master":
+        if mode == "async" and exchange not in (None, "master"):
             raise ValueError(
                 f"exchange={exchange!r} is for mode='sync': asynchronous workers send their deltas to the master"
+            )
+        if mode == "async" and averaging != "weights":
+            raise ValueError(
+                f"averaging={averaging!r} is for mode='sync': asynchronous workers each step at their own pace"
             )
         if mode == "sync":
             # Decided (and refused) here, before any worker sets the run up.
             targets = cfg.workers if cfg.workers is not None else list(range(len(self.cluster)))
-            cfg.exchange = choose_exchange(cfg.exchange, self.cluster, targets, cfg.compression)
+            cfg.exchange = choose_exchange(cfg.exchange, self.cluster, targets, cfg.compression, cfg.averaging)
             return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
         if mode == "async":
             return self.train_async(cfg, validation_data, callbacks, initial_epoch)
@@ -304,6 +326,8 @@ class IApp:
             "samples": rows,
             "setup": infos,
             "compression": cfg.compression,
+            "exchange": cfg.exchange if mode == "sync" else "master",
+            "averaging": cfg.averaging,
             "run_id": cfg.run_id,  # what the workers' status and logs call this run
         }
         if resumed is not None:

@@ -172,6 +172,18 @@ class TorchModel:
             parts = [self.module(self._tensor(x[s : s + batch_size])).numpy() for s in range(0, len(x), batch_size)]
         return np.concatenate(parts) if parts else np.empty((0,))
 
+    # -- averaging="gradients" ----------------------------------------------------------------------------------
+
+    def gradient_stepper(self) -> Any:
+        """The split training step ``averaging="gradients"`` uses (:mod:`ddlf.training.gradients`)."""
+        return _TorchStepper(self)
+
+    def untrained_mask(self) -> list[bool]:
+        """For each array of :meth:`get_weights`: True for buffers the optimizer does not train (BatchNorm's
+        running statistics)."""
+        trained = {id(p) for p in self.module.parameters() if p.requires_grad}
+        return [id(t) not in trained for t in self._tensors()]
+
     # -- state beyond the weights -----------------------------------------------------------------------------
 
     def _optimizer_tensors(self) -> list[Any] | None:
@@ -232,3 +244,68 @@ class TorchModel:
         return (
             f"TorchModel({type(self.module).__name__}, {type(self.optimizer).__name__}, {self.count_params():,} params)"
         )
+
+
+class _TorchStepper:
+    """:class:`TorchModel`'s training step split around the gradient exchange (see
+    :class:`ddlf.training.gradients.Stepper`)."""
+
+    def __init__(self, model: TorchModel) -> None:
+        self.model = model
+        self.params = [p for p in model.module.parameters() if p.requires_grad]
+        self.base_lr: list[float] | None = None
+
+    def begin(self) -> None:
+        pass
+
+    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        m = self.model
+        m.module.train()
+        inputs, target = m._tensor(x), m._targets(y)
+        m.optimizer.zero_grad(set_to_none=True)
+        out = m.module(inputs)
+        loss = m.loss_fn(out, target)
+        loss.backward()
+        n = len(target)
+        m._seen += n
+        m._loss_sum += float(loss.detach()) * n
+        m._correct += m._count_correct(out.detach(), target)
+        return [
+            np.zeros(tuple(p.shape), np.float32) if p.grad is None else p.grad.detach().cpu().numpy()
+            for p in self.params
+        ]
+
+    def apply(self, gradients: list[np.ndarray]) -> None:
+        m = self.model
+        for p, g in zip(self.params, gradients):
+            p.grad = m._tensor(g).to(device=p.device, dtype=p.dtype)
+        m.optimizer.step()
+
+    def end(self) -> dict[str, float]:
+        m = self.model
+        return {k: float(v) for k, v in m._logs(m._loss_sum, m._correct, m._seen, True).items()}
+
+    def zeros(self) -> list[np.ndarray]:
+        return [np.zeros(tuple(p.shape), np.float32) for p in self.params]
+
+    def build_optimizer(self) -> None:
+        """torch creates an optimizer's state on its first step: take one with zero gradients and put the
+        weights back (weight decay would have moved them)."""
+        m = self.model
+        if m.optimizer_built:
+            return
+        saved = m.get_weights()
+        m.optimizer.zero_grad(set_to_none=False)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = m._torch.zeros_like(p)
+        m.optimizer.step()
+        m.optimizer.zero_grad(set_to_none=True)
+        m.set_weights(saved)
+
+    def set_learning_rate_factor(self, factor: float) -> None:
+        groups = self.model.optimizer.param_groups
+        if self.base_lr is None:
+            self.base_lr = [float(g["lr"]) for g in groups]
+        for g, lr in zip(groups, self.base_lr):
+            g["lr"] = lr * factor

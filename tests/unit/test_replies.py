@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddlf.errors import BadWorkerReply, NonFiniteUpdate
-from ddlf.training.replies import _finite, check_reply, check_states
+from ddlf.training.replies import check_reply, check_states, finite
 from ddlf.training.run import WorkerResult
 
 LIKE = [np.zeros((4, 3), np.float32), np.zeros(3, np.float32)]
@@ -75,10 +75,10 @@ def test_non_finite_weights_and_states_are_their_own_error(bad: float) -> None:
 def test_finite_check_has_no_false_alarm_on_huge_float64_values() -> None:
     # The fast path sums in float64: a float64 tensor of huge finite values overflows that sum, so it is
     # checked exactly instead.
-    assert _finite(np.full(4, 1e308))
-    assert not _finite(np.array([1e308, np.nan]))
-    assert _finite(np.full(1000, np.finfo(np.float32).max, np.float32))
-    assert _finite(np.zeros(0, np.float32)) and _finite(np.arange(3))
+    assert finite(np.full(4, 1e308))
+    assert not finite(np.array([1e308, np.nan]))
+    assert finite(np.full(1000, np.finfo(np.float32).max, np.float32))
+    assert finite(np.zeros(0, np.float32)) and finite(np.arange(3))
 
 
 def test_half_precision_deltas() -> None:

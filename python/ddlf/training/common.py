@@ -40,8 +40,11 @@ class TrainConfig:
     report: str | None = None  # write an HTML training report there at the end (and its stats as JSON)
     failure_policy: FailurePolicy = field(default_factory=FailurePolicy)  # what a worker's failure does
     workers: list[int] | None = None  # train on these workers of the cluster only (None: all)
-    exchange: str = "master"  # sync: "master", "allreduce" or "auto" (see training.exchange)
+    exchange: str | None = "master"  # sync: "master", "allreduce" or "auto" (see training.exchange); None: by averaging
     nonfinite: str = "skip"  # a reply with NaN/inf: "skip" (leave it out of its round) or "raise"
+    averaging: str = "weights"  # sync: "weights" (model averaging) or "gradients" (every step, see training.gradients)
+    scale_learning_rate: bool = False  # gradients: learning rate x workers (Goyal et al. 2017)...
+    warmup_epochs: float = 0.0  # ...reached linearly over this many epochs
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
 
@@ -62,10 +65,41 @@ class TrainConfig:
             raise TypeError(f"failure_policy must be a ddlf.FailurePolicy, not {type(self.failure_policy).__name__}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise', not {self.nonfinite!r}")
-        if self.exchange not in ("master", "allreduce", "auto"):
+        if self.exchange not in (None, "master", "allreduce", "auto"):
             raise ValueError(f"exchange must be 'master', 'allreduce' or 'auto', not {self.exchange!r}")
         if self.averaging_frequency is not None and self.averaging_frequency < 1:
             raise ValueError("averaging_frequency must be at least 1 batch")
+        if self.averaging not in ("weights", "gradients"):
+            raise ValueError(f"averaging must be 'weights' or 'gradients', not {self.averaging!r}")
+        if not (isinstance(self.warmup_epochs, (int, float)) and 0 <= self.warmup_epochs < float("inf")):
+            raise ValueError(f"warmup_epochs must be a number of epochs >= 0, not {self.warmup_epochs!r}")
+        if self.averaging == "gradients":
+            if self.compression is not None:
+                raise ValueError(
+                    f'compression={self.compression!r} is for averaging="weights": the ring averages gradients '
+                    "in float32 (or float64)"
+                )
+            if self.average_optimizer_state:
+                raise ValueError(
+                    'average_optimizer_state is for averaging="weights": with averaging="gradients" every worker '
+                    "holds the same optimizer state already"
+                )
+        elif self.scale_learning_rate or self.warmup_epochs:
+            raise ValueError(
+                'scale_learning_rate and warmup_epochs are for averaging="gradients" (n workers step like one '
+                "process at n times the batch); model averaging keeps each worker's own learning rate"
+            )
+        if self.warmup_epochs and not self.scale_learning_rate:
+            raise ValueError("warmup_epochs warms up the scaled learning rate: set scale_learning_rate=True too")
+
+    def learning_rate_factor(self, workers: int, progress: float) -> float:
+        """The learning rate's multiple ``progress`` epochs into training: ``workers`` with
+        ``scale_learning_rate``, reached linearly from 1 over ``warmup_epochs``; 1 otherwise."""
+        if not self.scale_learning_rate:
+            return 1.0
+        if self.warmup_epochs <= 0:
+            return float(workers)
+        return 1.0 + (workers - 1) * min(1.0, max(0.0, progress) / self.warmup_epochs)
 
 
 def set_random_seed(seed: int) -> None:

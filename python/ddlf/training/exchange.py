@@ -44,11 +44,23 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-def choose(exchange: str, cluster: Any, workers: list[int], compression: str | None) -> str:
-    """The exchange a run uses (``"auto"`` decided by the rule in the module docs); raises for a combination
-    the all-reduce does not support yet."""
+def choose(
+    exchange: str | None, cluster: Any, workers: list[int], compression: str | None, averaging: str = "weights"
+) -> str:
+    """The exchange a run uses (``None``: ``"allreduce"`` for ``averaging="gradients"``, else ``"master"``;
+    ``"auto"`` decided by the rule in the module docs); raises for a combination the all-reduce does not support
+    yet."""
+    if exchange is None:
+        exchange = "allreduce" if averaging == "gradients" else "master"
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, not {exchange!r}")
+    if averaging == "gradients":
+        if exchange == "master":
+            raise ValueError(
+                'averaging="gradients" averages every step worker to worker: it needs exchange="allreduce" '
+                '(the default for it), not "master"'
+            )
+        exchange = "allreduce"
     unsupported = None
     if cluster.uses_tls:
         unsupported = "the cluster uses TLS (peer links are plaintext only, so far)"
@@ -102,10 +114,17 @@ class RingExchange:
         self.synced.pop(worker, None)
 
     def run_round(
-        self, assignments: list[tuple[int, dict[str, Any]]], epoch: int, round_no: int, t0: float
+        self,
+        assignments: list[tuple[int, dict[str, Any]]],
+        epoch: int,
+        round_no: int,
+        t0: float,
+        learning_rate_factor: tuple[float, float] | None = None,
     ) -> tuple[list[WorkerResult], float, dict[int, tuple[float, float]], dict[int, tuple[float, float]]]:
         """Train and all-reduce one round (redone without lost workers until it succeeds). Returns the results,
-        when sending ended, and the send and train calls' per-worker timings (as the master round does)."""
+        when sending ended, and the send and train calls' per-worker timings (as the master round does).
+        ``learning_rate_factor``: with ``averaging="gradients"``, the learning rate's multiples at the round's first
+        and last step."""
         run, cfg, cluster = self.run, self.run.cfg, self.run.cluster
         start: list[np.ndarray] | None = None
         pending = list(assignments)
@@ -132,21 +151,26 @@ class RingExchange:
                 pending = self._drop(pending, lost, epoch, round_no, t0)
                 continue
             args, kwargs = [], []
+            gradients = cfg.averaging == "gradients"
+            # Gradients: every member takes as many steps as the one with the most batches (lockstep).
+            steps = max(-(-assigned_rows(part) // cfg.batch_size) for _, part in pending)
+            adopt = bool(fresh) and len(fresh) < len(targets)
             for w, extra in pending:
                 kw = dict(extra)
                 indices = kw.pop("indices", None)
-                kw.update(
-                    round_no=round_no,
-                    ring=ring.spec(w),
-                    fresh=w in fresh,
-                    average_optimizer_state=cfg.average_optimizer_state,
-                    prefetch=cfg.prefetch,
-                )
+                kw.update(round_no=round_no, ring=ring.spec(w), fresh=w in fresh, prefetch=cfg.prefetch)
+                if gradients:
+                    kw.update(steps=steps, adopt=adopt)
+                    if cfg.scale_learning_rate:
+                        kw["learning_rate_factor"] = learning_rate_factor
+                else:
+                    kw["average_optimizer_state"] = cfg.average_optimizer_state
                 if cfg.slow_worker and cfg.slow_worker[0] == w:
                     kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
                 args.append((cfg.run_id, indices, cfg.batch_size))
                 kwargs.append(kw)
-            outcomes = cluster.run_each(remote.train_reduce, args, kwargs, workers=targets, return_exceptions=True)
+            step_fn = remote.train_gradients if gradients else remote.train_reduce
+            outcomes = cluster.run_each(step_fn, args, kwargs, workers=targets, return_exceptions=True)
             call_s = cluster.last_call_timings()
             failed_ring = False
             for w, out in zip(targets, outcomes):
@@ -167,6 +191,9 @@ class RingExchange:
                         results.append(check_reply(w, out, [], rows=rows[w], compression=None, weights_expected=False))
                     except BadWorkerReply as exc:
                         run.refuse(exc)
+                    skipped = out.get("nonfinite_batches", 0) if isinstance(out, dict) else 0
+                    if skipped:
+                        run.nonfinite_gradients(w, int(skipped))
                 return results, t_sent, send_s, call_s
             run.members.note("allreduce_redo", lost=lost, survivors=[w for w in targets if w not in lost])
             cluster.retire_ring(ring)  # spent: the next attempt forms a new one

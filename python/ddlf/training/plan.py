@@ -70,6 +70,10 @@ class SlicePlan:
     def finished(self) -> bool:
         return self.offset >= self.rows
 
+    def progress(self) -> float:
+        """The share of the epoch's rows handed out so far (0 to 1)."""
+        return self.offset / self.rows if self.rows else 1.0
+
     def next_round(self, live: list[int]) -> list[Assignment]:
         left = self.rows - self.offset
         total = min(left, self.per_worker * len(live)) if self.per_worker else left
@@ -108,6 +112,10 @@ class ShardPlan:
 
     def finished(self) -> bool:
         return self.r >= self.n_rounds
+
+    def progress(self) -> float:
+        """The share of the epoch's rounds handed out so far (0 to 1)."""
+        return self.r / self.n_rounds
 
     def next_round(self, live: list[int]) -> list[Assignment]:
         start, stop = self.r * self.per_round, (self.r + 1) * self.per_round

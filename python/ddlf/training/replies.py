@@ -72,7 +72,7 @@ def check_reply(
             raise bad("optimizer_state holds object arrays")
     result = WorkerResult.from_reply(worker, reply)
     result.payload = decoded
-    if not all(_finite(a) for a in decoded) or (state is not None and not all(_finite(a) for a in state)):
+    if not all(finite(a) for a in decoded) or (state is not None and not all(finite(a) for a in state)):
         raise NonFiniteUpdate(
             f"worker {worker} sent non-finite weights (NaN or infinity): its model diverged, or its reply is corrupt",
             worker_id=worker,
@@ -112,7 +112,7 @@ def _check_weights(
     return [np.ascontiguousarray(a) for a in raw]
 
 
-def _finite(a: np.ndarray) -> bool:
+def finite(a: np.ndarray) -> bool:
     """Whether every element of float array ``a`` is finite (other dtypes always are): one pass summing in
     float64, where a finite float32 tensor cannot overflow; the exact check only when the sum is not finite."""
     if a.dtype.kind != "f" or a.size == 0:

@@ -95,6 +95,16 @@ class TrainingRun:
         warnings.warn(f"{exc}; its reply is left out of this round", RuntimeWarning, stacklevel=2)
         self.members.note("reply_refused", worker=exc.worker_id, reason=str(exc), error=type(exc).__name__)
 
+    def nonfinite_gradients(self, worker: int, batches: int) -> None:
+        """With ``averaging="gradients"``, worker ``worker`` left ``batches`` batches out of their steps because
+        their gradients were not finite (averaged in, they would have reached every replica): warn and record it,
+        or stop the run when it says ``nonfinite="raise"``."""
+        what = f"worker {worker} computed non-finite gradients (NaN or infinity) on {batches} batch(es)"
+        if self.cfg.nonfinite == "raise":
+            raise NonFiniteUpdate(f"{what}: its model diverged, or its data holds NaN", worker_id=worker)
+        warnings.warn(f"{what}; they were left out of their steps", RuntimeWarning, stacklevel=2)
+        self.members.note("nonfinite_gradients", worker=worker, batches=batches)
+
     def fail(self, exc: BaseException) -> None:
         """A worker failed: raise unless the policy says to carry on without it."""
         if self.policy.decide(exc) == "raise":

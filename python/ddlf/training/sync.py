@@ -45,7 +45,7 @@ def train_sync(run: TrainingRun) -> History:
     opt_state: list[np.ndarray] | None = run.resumed.get("optimizer_state") if run.resumed else None
     round_no = len({(s.epoch, s.round) for s in history.stats})
     targets = cfg.workers if cfg.workers is not None else list(range(len(cluster)))
-    exchange = choose(cfg.exchange, cluster, targets, cfg.compression)
+    exchange = choose(cfg.exchange, cluster, targets, cfg.compression, cfg.averaging)
     ring = RingExchange(run, weights) if exchange == "allreduce" else None
     if ring is not None:
         run.members.note("exchange", exchange="allreduce")
@@ -57,12 +57,19 @@ def train_sync(run: TrainingRun) -> History:
         while not plan.finished():
             run.members.round = round_no
             live = run.members.live() or run.members.wait_for_any(cfg.rejoin_timeout)
+            progress = plan.progress()
             assignments = plan.next_round(live)
             if not assignments:
                 continue
             t0 = time.perf_counter()
             if ring is not None:
-                results, t_sent, send_s, call_s = ring.run_round(assignments, epoch, round_no, t0)
+                factors = None
+                if cfg.scale_learning_rate:  # at the round's first and last step
+                    n = len(assignments)
+                    first = epoch + progress
+                    last = max(first, epoch + plan.progress() - cfg.batch_size * n / max(1, run.rows))
+                    factors = (cfg.learning_rate_factor(n, first), cfg.learning_rate_factor(n, last))
+                results, t_sent, send_s, call_s = ring.run_round(assignments, epoch, round_no, t0, factors)
             else:
                 results, t_sent, send_s, call_s = _round(run, weights, opt_state, assignments, epoch, round_no, t0)
             wall = time.perf_counter() - t0

@@ -36,6 +36,9 @@ class Session:
     residual: list[np.ndarray] | None = None  # top-k error feedback: what earlier rounds did not send
     # exchange="allreduce": (round, weights before it, weights after it) of the last round reduced here
     reduced: tuple[int, list[np.ndarray], list[np.ndarray]] | None = None
+    # averaging="gradients": the split training step, and the optimizer state the last round started from
+    stepper: Any = None
+    optimizer_start: list[np.ndarray] | None = None
     started: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -264,13 +267,32 @@ def _set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
         v.assign(s)
 
 
+def _rows(
+    session: Session,
+    indices: np.ndarray | None,
+    seeded: tuple[int, int, list[float], int, int, int] | None,
+    shard: int | None,
+) -> tuple[Any, Any, np.ndarray | None]:
+    """The dataset a round trains on (with shard rotation, another worker's shard: loaded once, then cached here
+    too) and its rows: ``indices``, or the slice ``seeded`` names of a permutation regenerated here."""
+    x, y, rows = session.x, session.y, session.rows
+    if session.n_shards and shard is not None:
+        item, _ = _load(session.app, shard, session.n_shards)
+        x, y = _split_xy(item.value)
+        rows = len(x)
+    if seeded is not None:
+        seed, epoch, shares, w, start, stop = seeded
+        indices = ops.partition_for(rows, seed, epoch, shares, w)[start:stop]
+    return x, y, indices
+
+
 def train_chunk(
     worker: Any,
     run_id: str,
     indices: np.ndarray | None,
     batch_size: int,
     weights: list[np.ndarray] | None = None,
-    seeded: tuple[int, int, list[float], int, int, int] | None = None,
+    seeded: Seeded | None = None,
     optimizer_state: list[np.ndarray] | None = None,
     return_optimizer_state: bool = False,
     return_delta: bool = False,
@@ -289,17 +311,9 @@ def train_chunk(
     session = _session(run_id)
     model = session.model
     t0 = time.perf_counter()
-    x, y, rows = session.x, session.y, session.rows
-    if session.n_shards and shard is not None:
-        # Shard rotation: this round trains on another worker's shard (loaded once, then cached here too).
-        item, _ = _load(session.app, shard, session.n_shards)
-        x, y = _split_xy(item.value)
-        rows = len(x)
+    x, y, indices = _rows(session, indices, seeded, shard)
     if weights is None:
         weights = worker.vars[weights_var(run_id)]
-    if seeded is not None:
-        seed, epoch, shares, w, start, stop = seeded
-        indices = ops.partition_for(rows, seed, epoch, shares, w)[start:stop]
     model.set_weights(weights)
     if optimizer_state is not None:
         _set_optimizer_state(model, optimizer_state)
@@ -351,14 +365,21 @@ def _start_weights(worker: Any, session: Session, run_id: str, round_no: int, fr
     return reduced[1] if reduced[0] == round_no else reduced[2]
 
 
-def _reduce_floats(arrays: list[np.ndarray], samples: int, spec: dict[str, Any]) -> list[np.ndarray]:
+def _reduce_floats(arrays: list[np.ndarray], samples: float, spec: dict[str, Any]) -> list[np.ndarray]:
     """The samples-weighted average over the ring's ranks of every float array: ``sum(samples_i * a_i) /
     sum(samples_i)``. Per float dtype, the arrays are scaled straight into one buffer (the only copy), with the
     sample count as its last element, reduced where it lies, and divided in place; the results are views of it.
     Other arrays (integer step counters) stay as they are here."""
+    return _weighted_mean(arrays, samples, spec)[0]
+
+
+def _weighted_mean(arrays: list[np.ndarray], samples: float, spec: dict[str, Any]) -> tuple[list[np.ndarray], float]:
+    """:func:`_reduce_floats`, and the ranks' total of ``samples`` (0: no rank had any, and the arrays are
+    returned as they were)."""
     from ..collective import reduce_scratch
 
     out = list(arrays)
+    total = 0.0
     for kind in (np.float32, np.float64):
         idx = [i for i, a in enumerate(arrays) if a.dtype == kind]
         if not idx:
@@ -375,11 +396,11 @@ def _reduce_floats(arrays: list[np.ndarray], samples: int, spec: dict[str, Any])
         reduce_scratch(flat, spec, "sum")
         total = float(flat[-1])
         if total <= 0:
-            continue  # no rank trained a row: nothing to average
+            return list(arrays), 0.0  # no rank trained a row: nothing to average
         flat[:-1] *= kind(1.0 / total)
         for i, view in zip(idx, views):
             out[i] = view
-    return out
+    return out, total
 
 
 def train_reduce(
@@ -393,7 +414,7 @@ def train_reduce(
     fresh: bool = False,
     average_optimizer_state: bool = False,
     prefetch: int = 2,
-    seeded: tuple[int, int, list[float], int, int, int] | None = None,
+    seeded: Seeded | None = None,
     shard: int | None = None,
     slow_seconds_per_batch: float = 0.0,
 ) -> dict[str, Any]:
@@ -424,6 +445,119 @@ def train_reduce(
     session.reduced = (round_no, start, averaged)
     session.last_used = time.monotonic()
     return result
+
+
+def _adopt(state: list[np.ndarray], holder: bool, spec: dict[str, Any]) -> list[np.ndarray]:
+    """The optimizer state of the ring's holders (who all hold the same), for every member: a new member (not a
+    holder) takes it. Integer arrays (step counters) travel as float64, exactly."""
+    wide = [a.astype(np.float64) if a.dtype.kind in "iub" else np.asarray(a) for a in state]
+    mean, total = _weighted_mean(wide, 1.0 if holder else 0.0, spec)
+    if total <= 0:
+        return state
+    return [np.rint(m).astype(a.dtype) if a.dtype.kind in "iub" else m for m, a in zip(mean, state)]
+
+
+def train_gradients(
+    worker: Any,
+    run_id: str,
+    indices: np.ndarray | None,
+    batch_size: int,
+    *,
+    round_no: int,
+    ring: dict[str, Any],
+    steps: int,
+    fresh: bool = False,
+    adopt: bool = False,
+    learning_rate_factor: tuple[float, float] | None = None,
+    prefetch: int = 2,
+    seeded: Seeded | None = None,
+    shard: int | None = None,
+    slow_seconds_per_batch: float = 0.0,
+) -> dict[str, Any]:
+    """One synchronous round with ``averaging="gradients"``: ``steps`` optimizer steps in lockstep with the ring's
+    other workers. Each step this worker computes the gradients of its next batch, the ring averages them (weighted
+    by each batch's rows; a worker out of batches adds zeros with weight 0), and every worker applies the same
+    average with the same optimizer state, so the replicas stay identical. At the end the untrained weights
+    (BatchNorm statistics) are averaged too.
+
+    ``adopt``: some members are new (``fresh``): first every member takes the optimizer state of the others.
+    ``learning_rate_factor``: ``(first, last)`` multiples of the compiled learning rate, interpolated over the
+    steps (the linear warm-up). A redo of a failed round starts again from the weights and optimizer state this
+    worker started it with. Returns samples, logs and timings, never the weights."""
+    from .gradients import local_mask, stepper_for
+    from .replies import finite
+
+    session = _session(run_id)
+    redo = not fresh and session.reduced is not None and session.reduced[0] == round_no
+    start = _start_weights(worker, session, run_id, round_no, fresh)
+    model = session.model
+    if session.stepper is None:
+        session.stepper = stepper_for(model)
+    stepper = session.stepper
+    t0 = time.perf_counter()
+    x, y, indices = _rows(session, indices, seeded, shard)
+    model.set_weights(start)
+    if redo and session.optimizer_start is not None:
+        _set_optimizer_state(model, session.optimizer_start)
+    if adopt:
+        stepper.build_optimizer()
+        _set_optimizer_state(model, _adopt(_optimizer_state(model), not fresh, ring))
+    session.optimizer_start = _optimizer_state(model) if _optimizer_built(model) else None
+    model.reset_metrics()
+    stepper.begin()
+    pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=prefetch)
+    batches = iter(pipeline)
+    preprocess = session.app.preprocess
+    factor = None
+    reduce_s = 0.0
+    nonfinite = 0
+    try:
+        for step in range(steps):
+            if learning_rate_factor is not None:
+                first, last = learning_rate_factor
+                f = first + (last - first) * step / max(1, steps - 1)
+                if f != factor:
+                    stepper.set_learning_rate_factor(f)
+                    factor = f
+            batch = next(batches, None)
+            if batch is None:
+                grads, n = stepper.zeros(), 0
+            else:
+                bx, by = preprocess(*batch)
+                grads, n = stepper.gradients(bx, by), len(by)
+                if slow_seconds_per_batch:
+                    time.sleep(slow_seconds_per_batch)
+                if not all(finite(g) for g in grads):
+                    # Averaged in, NaN would reach every replica: this batch is left out of the step.
+                    log.warning("run %s: non-finite gradients on a batch of %d rows: left out of the step", run_id, n)
+                    grads, n = stepper.zeros(), 0
+                    nonfinite += 1
+            t_reduce = time.perf_counter()
+            averaged, total = _weighted_mean(grads, float(n), ring)
+            reduce_s += time.perf_counter() - t_reduce
+            if total > 0:
+                stepper.apply(averaged)
+    finally:
+        logs = stepper.end()
+    stats = pipeline.stats()
+    samples = int(stats["rows"])
+    new = model.get_weights()
+    untrained = [i for i, m in enumerate(local_mask(model)) if m]
+    if untrained:
+        averaged = _reduce_floats([np.asarray(new[i]) for i in untrained], samples, ring)
+        for i, a in zip(untrained, averaged):
+            new[i] = a
+    session.reduced = (round_no, start, new)
+    session.last_used = time.monotonic()
+    return {
+        "samples": samples,
+        "logs": logs,
+        "compute_seconds": time.perf_counter() - t0,
+        "data_wait_seconds": float(stats["wait_seconds"]),
+        "reduce_seconds": reduce_s,
+        "steps": steps,
+        "nonfinite_batches": nonfinite,
+    }
 
 
 def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray]:

@@ -1,0 +1,256 @@
+"""One optimizer step split in two, so that the gradients can be averaged in between (``averaging="gradients"``).
+
+A :class:`Stepper` computes a batch's gradients (and updates the model's loss and metrics, as Keras's own
+``train_step`` does), hands them out as numpy arrays, and applies the averaged gradients it is given back with
+the model's own optimizer. One stepper per backend:
+
+* Keras on TensorFlow: two ``tf.function``\\ s (gradients under a ``GradientTape``; ``apply_gradients``), traced
+  once per run.
+* Keras on JAX: two jitted, stateless functions over the model's state (as Keras's JAX trainer keeps it), the
+  state written back to the Keras variables at the end of each round.
+* Keras on PyTorch: eager, as Keras's torch trainer.
+* :class:`ddlf.TorchModel`: the module's autograd and its ``torch.optim`` optimizer.
+
+Exactness: every replica applies the same averaged gradients to the same weights with the same optimizer state,
+so all replicas hold bit-identical trainable weights after every step (the ring's result is bit-identical on every
+rank). Weights that are not trained (BatchNorm's moving statistics) follow each replica's own batches during a
+round and are averaged at its end (:func:`local_mask` says which).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class Stepper:
+    """A model's training step, split around the gradient exchange."""
+
+    def begin(self) -> None:
+        """A round starts (the model's variables hold its start weights)."""
+
+    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        """This batch's gradients of the mean loss, one array per trainable weight (zeros for unused weights);
+        the model's running loss and metrics count the batch."""
+        raise NotImplementedError
+
+    def apply(self, gradients: list[np.ndarray]) -> None:
+        """One optimizer step with ``gradients`` (what :meth:`gradients` returned, averaged)."""
+        raise NotImplementedError
+
+    def end(self) -> dict[str, float]:
+        """The round ends: the model's variables hold the result. Returns the running logs."""
+        raise NotImplementedError
+
+    def zeros(self) -> list[np.ndarray]:
+        """Zero gradients (a replica without a batch this step contributes them, with weight 0)."""
+        raise NotImplementedError
+
+    def build_optimizer(self) -> None:
+        """Create the optimizer's state (slots) if it has none yet, leaving the weights as they are."""
+        raise NotImplementedError
+
+    def set_learning_rate_factor(self, factor: float) -> None:
+        """Scale the optimizer's learning rate to ``factor`` times the one the model was compiled with."""
+        raise NotImplementedError
+
+
+def stepper_for(model: Any) -> Stepper:
+    """The stepper for ``model``: its own (``model.gradient_stepper()``, as :class:`ddlf.TorchModel`), or the
+    one for the Keras backend it runs on."""
+    own = getattr(model, "gradient_stepper", None)
+    if own is not None:
+        return own()
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return _TensorFlowStepper(model)
+    if backend == "jax":
+        return _JaxStepper(model)
+    if backend == "torch":
+        return _TorchKerasStepper(model)
+    raise NotImplementedError(f'averaging="gradients" does not support the Keras backend {backend!r}')
+
+
+def local_mask(model: Any) -> list[bool]:
+    """For each array of ``model.get_weights()``: True where it is a float weight the optimizer does not train
+    (BatchNorm's moving mean and variance), which each replica updates from its own batches."""
+    own = getattr(model, "untrained_mask", None)
+    if own is not None:
+        return list(own())
+    trained = {id(v) for v in model.trainable_weights}
+    return [id(v) not in trained and np.dtype(v.dtype).kind == "f" for v in model.weights]
+
+
+# -- Keras ---------------------------------------------------------------------------------------------------
+
+
+class _KerasStepper(Stepper):
+    def __init__(self, model: Any) -> None:
+        if getattr(model, "optimizer", None) is None:
+            raise ValueError('averaging="gradients" needs a compiled model (create_model must compile it)')
+        self.model = model
+        self.trainable = list(model.trainable_weights)
+        if not self.trainable:
+            raise ValueError('averaging="gradients": the model has no trainable weights')
+        self.base_lr: float | None = None
+
+    def _loss(self, x: Any, y: Any, y_pred: Any) -> Any:
+        model = self.model
+        compute = getattr(model, "_compute_loss", None) or model.compute_loss
+        return compute(x=x, y=y, y_pred=y_pred, sample_weight=None, training=True)
+
+    def _forward(self, x: Any) -> Any:
+        model = self.model
+        return model(x, training=True) if getattr(model, "_call_has_training_arg", True) else model(x)
+
+    def zeros(self) -> list[np.ndarray]:
+        return [np.zeros(tuple(v.shape), dtype=np.dtype(v.dtype)) for v in self.trainable]
+
+    def build_optimizer(self) -> None:
+        if not self.model.optimizer.built:
+            self.model.optimizer.build(self.trainable)
+
+    def end(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.model.get_metrics_result().items()}
+
+    def set_learning_rate_factor(self, factor: float) -> None:
+        import keras
+
+        optimizer = self.model.optimizer
+        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            raise ValueError(
+                "scale_learning_rate does not work with a learning-rate schedule: scale the schedule itself"
+            )
+        if self.base_lr is None:
+            self.base_lr = float(np.asarray(optimizer.learning_rate))
+        optimizer.learning_rate = self.base_lr * factor
+
+
+class _TensorFlowStepper(_KerasStepper):
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        import tensorflow as tf  # type: ignore[import-untyped]
+
+        self._tf = tf
+        trainable = self.trainable
+        jit = bool(getattr(model, "jit_compile", False))
+
+        @tf.function(reduce_retracing=True, jit_compile=jit)
+        def gradients(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                y_pred = self._forward(x)
+                loss = self._loss(x, y, y_pred)
+                model._loss_tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+                loss = model.optimizer.scale_loss(loss)
+            grads = tape.gradient(loss, trainable)
+            model.compute_metrics(x, y, y_pred, sample_weight=None)
+            return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, trainable)]
+
+        @tf.function(reduce_retracing=True, jit_compile=jit)
+        def apply(grads: Any) -> None:
+            model.optimizer.apply_gradients(zip(grads, trainable))
+
+        self._gradients, self._apply = gradients, apply
+
+    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        return [g.numpy() for g in self._gradients(x, y)]
+
+    def apply(self, gradients: list[np.ndarray]) -> None:
+        self._apply([self._tf.convert_to_tensor(g) for g in gradients])
+
+
+class _JaxStepper(_KerasStepper):
+    """Keras's JAX trainer keeps the model's state as arrays during ``fit`` and writes it back at the end; this
+    does the same for a round."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        import jax
+
+        self._jax = jax
+
+        def gradients(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any) -> Any:
+            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+            (_loss, aux), grads = grad_fn(tv, ntv, mv, x, y, None, training=True, optimizer_variables=ov)
+            unscaled, y_pred, ntv, mv = aux
+            _logs, mv = model._update_metrics_variables(mv, unscaled, x, y, y_pred, None)
+            return grads, ntv, mv
+
+        def apply(ov: Any, grads: Any, tv: Any) -> Any:
+            return model.optimizer.stateless_apply(ov, grads, tv)
+
+        self._gradients = jax.jit(gradients)
+        self._apply = jax.jit(apply)
+        self._state: list[list[Any]] | None = None
+
+    def _variables(self) -> list[list[Any]]:
+        m = self.model
+        return [m.trainable_variables, m.non_trainable_variables, m.metrics_variables, m.optimizer.variables]
+
+    def begin(self) -> None:
+        self.build_optimizer()
+        self._state = [[v.value for v in group] for group in self._variables()]
+
+    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        assert self._state is not None, "begin() first"
+        tv, ntv, mv, ov = self._state
+        grads, ntv, mv = self._gradients(tv, ntv, mv, ov, x, y)
+        self._state[1], self._state[2] = ntv, mv
+        return [np.asarray(g) for g in grads]
+
+    def apply(self, gradients: list[np.ndarray]) -> None:
+        assert self._state is not None, "begin() first"
+        tv, _ntv, _mv, ov = self._state
+        tv, ov = self._apply(ov, gradients, tv)
+        self._state[0], self._state[3] = list(tv), list(ov)
+
+    def end(self) -> dict[str, float]:
+        if self._state is not None:
+            for group, values in zip(self._variables(), self._state):
+                for v, value in zip(group, values):
+                    v.assign(value)
+            self._state = None
+        return super().end()
+
+    def set_learning_rate_factor(self, factor: float) -> None:
+        super().set_learning_rate_factor(factor)
+        if self._state is not None:  # the learning rate is one of the optimizer's variables: update its copy
+            optimizer = self.model.optimizer
+            for i, v in enumerate(optimizer.variables):
+                if v is optimizer._learning_rate:
+                    self._state[3][i] = v.value
+
+
+class _TorchKerasStepper(_KerasStepper):
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        import torch
+
+        self._torch = torch
+
+    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        import keras
+
+        model, torch = self.model, self._torch
+        x, y = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+        y_pred = self._forward(x)
+        model.zero_grad()
+        loss = self._loss(x, y, y_pred)
+        model._loss_tracker.update_state(loss, sample_weight=x.shape[0])
+        model.optimizer.scale_loss(loss).backward()
+        out = []
+        for v in self.trainable:
+            g = v.value.grad
+            out.append(np.zeros(tuple(v.shape), np.dtype(v.dtype)) if g is None else g.detach().cpu().numpy())
+        with torch.no_grad():
+            model.compute_metrics(x, y, y_pred, sample_weight=None)
+        return out
+
+    def apply(self, gradients: list[np.ndarray]) -> None:
+        import keras
+
+        with self._torch.no_grad():
+            self.model.optimizer.apply([keras.ops.convert_to_tensor(g) for g in gradients], self.trainable)

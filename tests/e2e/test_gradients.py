@@ -1,0 +1,279 @@
+"""``averaging="gradients"``: n workers averaging gradients every step over the ring learn exactly like one process
+trained on the same global batches (the union of the workers' batches of each step), in the same order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf import ops
+from ddlf.callbacks import LambdaCallback
+from ddlf.errors import NonFiniteUpdate
+
+from ..conftest import Daemon
+from .test_faults import _kill_at_round
+
+ROWS = 600
+
+
+class Linear(ddlf.IApp):
+    """A two-layer MLP on a fixed synthetic task, trained with plain SGD and no dropout (nothing random per step)."""
+
+    dataset_key = "gradients-test-linear"
+    learning_rate = 0.05
+    optimizer = "sgd"
+    nan_rows: tuple[int, ...] = ()
+
+    def load_dataset(self):
+        rng = np.random.default_rng(7)
+        x = rng.standard_normal((ROWS, 12)).astype(np.float32)
+        y = (x @ rng.standard_normal(12) > 0).astype(np.float32)
+        x[list(self.nan_rows)] = np.nan
+        return x, y
+
+    def create_model(self):
+        import keras
+
+        model = keras.Sequential(
+            [keras.Input((12,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1, activation="sigmoid")]
+        )
+        opt = (
+            keras.optimizers.SGD(self.learning_rate)
+            if self.optimizer == "sgd"
+            else keras.optimizers.Adam(self.learning_rate)
+        )
+        model.compile(optimizer=opt, loss="binary_crossentropy", metrics=["accuracy"])
+        return model
+
+
+class Nan(Linear):
+    dataset_key = "gradients-test-nan"
+    nan_rows = (3, 4)
+
+
+def global_batches(n: int, batch: int, epochs: int, seed: int, frequency: int | None) -> list[np.ndarray]:
+    """The rows of each step as one process sees them: the union of the n workers' batches of that step, following
+    the master's plan (the epoch's permutation, cut into rounds and split among the workers)."""
+    out = []
+    for epoch in range(epochs):
+        perm = ops.permutation(ROWS, seed, epoch)
+        lo = 0
+        while lo < ROWS:
+            total = min(ROWS - lo, frequency * batch * n) if frequency else ROWS - lo
+            parts = []
+            for size in ops.split_sizes(total, [1.0] * n):
+                parts.append(perm[lo : lo + int(size)])
+                lo += int(size)
+            steps = max(-(-len(p) // batch) for p in parts)
+            for s in range(steps):
+                out.append(np.concatenate([p[s * batch : (s + 1) * batch] for p in parts]))
+    return out
+
+
+def one_process(app: ddlf.IApp, start: list[np.ndarray], batches: list[np.ndarray], lr_scale: float = 1.0):
+    x, y = app.load_dataset()
+    model = app.create_model()
+    model.set_weights(start)
+    model.optimizer.learning_rate = app.learning_rate * lr_scale
+    for rows in batches:
+        model.train_on_batch(x[rows], y[rows])
+    return model.get_weights()
+
+
+class Replicas(LambdaCallback):
+    """Every live worker's copy of the weights after each round (the run is torn down when training ends)."""
+
+    def __init__(self, c: ddlf.Cluster) -> None:
+        super().__init__(on_round_end=self._fetch)
+        self.cluster = c
+        self.run_id = ""
+        self.held: list[list[np.ndarray]] = []
+
+    def _fetch(self, r: int, logs: dict) -> None:
+        from ddlf.training import worker as remote
+
+        if not self.run_id:  # the only run these tests have on their workers
+            live = [w for w in range(len(self.cluster)) if w not in self.cluster.lost_workers]
+            (run,) = self.cluster.run_on(live[0], remote.runs)
+            self.run_id = run["run_id"]
+        got = self.cluster.call(remote.reduced_weights, (self.run_id,), return_exceptions=True)
+        self.held = [w for w in got if not isinstance(w, BaseException)]
+
+    def identical(self) -> bool:
+        first = self.held[0]
+        return all(a.tobytes() == b.tobytes() for r in self.held[1:] for a, b in zip(r, first))
+
+
+@pytest.mark.parametrize(("n", "frequency"), [(2, None), (3, 4)])
+def test_n_workers_equal_one_process_on_the_global_batches(n: int, frequency: int | None) -> None:
+    with ddlf.Cluster.local(n, threads=1) as c:
+        app = Linear(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        held = Replicas(c)
+        h = app.train(
+            epochs=2,
+            batch_size=16,
+            seed=4,
+            averaging="gradients",
+            averaging_frequency=frequency,
+            callbacks=[held],
+            verbose=0,
+        )
+        got = app.model.get_weights()
+        assert h.params["exchange"] == "allreduce" and h.params["averaging"] == "gradients"
+        want = one_process(app, start, global_batches(n, 16, 2, 4, frequency))
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+        assert diff < 2e-5, diff  # float32: the mean of per-worker means against one mean over the union
+        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(got, start))
+        assert moved > 100 * diff  # it trained: the match is not two untouched models
+        # Every replica holds the very same bits, and the master fetched them.
+        assert len(held.held) == n and held.identical()
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(held.held[0], got))
+        assert sum(s.samples for s in h.stats) == 2 * ROWS
+
+
+def test_scaled_learning_rate_equals_one_process_at_n_times_the_rate() -> None:
+    with ddlf.Cluster.local(2, threads=1) as c:
+        app = Linear(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        app.train(epochs=1, batch_size=16, seed=2, averaging="gradients", scale_learning_rate=True, verbose=0)
+        want = one_process(app, start, global_batches(2, 16, 1, 2, None), lr_scale=2.0)
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), want))
+        assert diff < 2e-5, diff
+        # With a warm-up the rate climbs step by step from 1x to 2x over the first epoch, then stays at 2x.
+        rates: list[list[float]] = []
+        probe = Replicas(c)
+
+        def on_round_end(r: int, logs: dict) -> None:
+            probe._fetch(r, logs)
+            rates.append(c.run(_learning_rate, probe.run_id))
+
+        app.train(
+            epochs=2,
+            batch_size=16,
+            seed=2,
+            averaging="gradients",
+            scale_learning_rate=True,
+            warmup_epochs=1,
+            averaging_frequency=3,
+            callbacks=[LambdaCallback(on_round_end=on_round_end)],
+            verbose=0,
+        )
+        first = [r[0] / Linear.learning_rate for r in rates]
+        assert all(r[0] == r[1] for r in rates)  # both workers at the same rate
+        assert 1.0 < first[0] < 1.3 and first == sorted(first), first
+        assert first[len(first) // 2 - 1] < 2.0 and first[-1] == pytest.approx(2.0), first
+
+
+def _learning_rate(run_id: str) -> float:
+    from ddlf.training.worker import _session
+
+    return float(np.asarray(_session(run_id).model.optimizer.learning_rate))
+
+
+def test_adam_replicas_stay_identical_and_learn() -> None:
+    with ddlf.Cluster.local(2, threads=1) as c:
+        app = AdamApp(c)
+        held = Replicas(c)
+        h = app.train(
+            epochs=3, batch_size=32, seed=1, averaging="gradients", averaging_frequency=5, callbacks=[held], verbose=0
+        )
+        assert h.history["loss"][-1] < h.history["loss"][0]
+        assert h.history["accuracy"][-1] > 0.9
+        assert len(held.held) == 2 and held.identical()
+
+
+def test_options_that_do_not_fit_are_refused_before_training(cluster: ddlf.Cluster) -> None:
+    app = Linear(cluster)
+    refusals = [
+        (dict(exchange="master"), 'needs exchange="allreduce"'),
+        (dict(compression="float16"), "compression"),
+        (dict(average_optimizer_state=True), "average_optimizer_state"),
+        (dict(mode="async"), "is for mode='sync'"),
+        (dict(averaging="params"), "averaging must be"),
+        (dict(warmup_epochs=2), "scale_learning_rate=True"),
+        (dict(warmup_epochs=-1, scale_learning_rate=True), "warmup_epochs must be"),
+    ]
+    for kw, match in refusals:
+        kw.setdefault("averaging", "gradients")
+        with pytest.raises(ValueError, match=match):
+            app.train(epochs=1, verbose=0, **kw)
+    with pytest.raises(ValueError, match='for averaging="gradients"'):
+        app.train(epochs=1, verbose=0, scale_learning_rate=True)
+    assert cluster.ping()
+
+
+def test_nan_gradients_are_left_out_of_the_step_and_reported() -> None:
+    with ddlf.Cluster.local(2, threads=1) as c:
+        app = Nan(c)
+        with pytest.warns(RuntimeWarning, match="non-finite gradients"):
+            h = app.train(epochs=1, batch_size=16, seed=0, averaging="gradients", verbose=0)
+        events = [e for e in h.events if e["event"] == "nonfinite_gradients"]
+        assert events and sum(e["batches"] for e in events) in (1, 2), h.events  # rows 3 and 4: one or two batches
+        assert all(np.isfinite(w).all() for w in app.model.get_weights())
+        with pytest.raises(NonFiniteUpdate, match="non-finite gradients"):
+            app.train(epochs=1, batch_size=16, seed=0, averaging="gradients", nonfinite="raise", verbose=0)
+        assert c.ping()
+
+
+class AdamApp(Linear):
+    optimizer = "adam"
+    learning_rate = 1e-2
+
+
+def test_a_worker_added_mid_training_adopts_the_optimizer_state() -> None:
+    """Adam's moments and step count differ on a new worker: unless it adopts the others' state, the same averaged
+    gradients move its weights differently, and the replicas' bits part."""
+    extra = Daemon("--threads", "1", token=None)
+    daemons = [Daemon("--threads", "1", token=None) for _ in range(2)]
+    try:
+        c = ddlf.Cluster([d.address for d in daemons], token=None)
+
+        def on_round_end(r: int, logs: dict) -> None:
+            if r == 1:
+                c.add_worker(extra.address)
+
+        app = AdamApp(c)
+        held = Replicas(c)
+        h = app.train(
+            epochs=2,
+            batch_size=16,
+            seed=3,
+            averaging="gradients",
+            averaging_frequency=3,
+            callbacks=[LambdaCallback(on_round_end=on_round_end), held],
+            verbose=0,
+        )
+        assert any(s.worker == 2 and s.samples > 0 for s in h.stats)
+        assert len(held.held) == 3 and held.identical()
+        c.close()
+    finally:
+        for d in [extra, *daemons]:
+            d.stop()
+
+
+def test_a_worker_killed_mid_training_is_left_out() -> None:
+    with ddlf.Cluster.local(3, threads=1) as c:
+        victim = c._local.pids()[2]
+        cb, when = _kill_at_round(victim, 2)
+        app = AdamApp(c)
+        held = Replicas(c)
+        with pytest.warns(RuntimeWarning, match="worker 2 .* lost"):
+            h = app.train(
+                epochs=2,
+                batch_size=16,
+                seed=3,
+                averaging="gradients",
+                averaging_frequency=2,
+                callbacks=[cb, held],
+                verbose=0,
+            )
+        lost = [e for e in h.events if e["event"] == "lost"]
+        assert [e["worker"] for e in lost] == [2]
+        assert 0 <= lost[0]["time"] - when["t"] < 5.0  # the ring failed at once: no step waited on the dead worker
+        assert sum(s.samples for s in h.stats if s.epoch == 1) == ROWS  # the survivors cover the last epoch
+        assert len(held.held) == 2 and held.identical()
+        assert h.history["accuracy"][-1] > 0.85
