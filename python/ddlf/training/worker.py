@@ -267,11 +267,12 @@ def _set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
         v.assign(s)
 
 
+Seeded = tuple[int, int, list[float], int, int, int]
+"""``shuffle="seeded"``: ``(seed, epoch, shares, worker, start, stop)`` of a slice of a regenerated permutation."""
+
+
 def _rows(
-    session: Session,
-    indices: np.ndarray | None,
-    seeded: tuple[int, int, list[float], int, int, int] | None,
-    shard: int | None,
+    session: Session, indices: np.ndarray | None, seeded: Seeded | None, shard: int | None
 ) -> tuple[Any, Any, np.ndarray | None]:
     """The dataset a round trains on (with shard rotation, another worker's shard: loaded once, then cached here
     too) and its rows: ``indices``, or the slice ``seeded`` names of a permutation regenerated here."""
