@@ -20,6 +20,8 @@ BENCHMARKS = {
     "backends": "benchmarks.backends",
     "warmstart": "benchmarks.warmstart",
     "sweep": "benchmarks.sweep",
+    "gpu": "benchmarks.gpu",
+    "scaling": "benchmarks.scaling",
 }
 
 
