@@ -39,6 +39,10 @@ class Stepper:
         """One optimizer step with ``gradients`` (what :meth:`gradients` returned, averaged)."""
         raise NotImplementedError
 
+    def step(self, x: Any, y: Any) -> None:
+        """One whole training step on a batch (model averaging: nothing in between)."""
+        self.apply(self.gradients(x, y))
+
     def end(self) -> dict[str, float]:
         """The round ends: the model's variables hold the result. Returns the running logs."""
         raise NotImplementedError
@@ -74,6 +78,27 @@ def stepper_for(model: Any) -> Stepper:
     raise NotImplementedError(f'averaging="gradients" does not support the Keras backend {backend!r}')
 
 
+def fused_stepper_for(model: Any) -> Stepper | None:
+    """A stepper for model averaging's rounds where it beats ``train_on_batch``: Keras on JAX or TensorFlow, whose
+    ``train_on_batch`` writes every variable back and waits for the step's logs after each batch (on a GPU it
+    measured 2-3x slower per epoch than ``fit``); the stepper keeps the state on the device for a whole round
+    and reads the logs once. None for other models (they keep ``train_on_batch``)."""
+    if hasattr(model, "gradient_stepper") or getattr(model, "optimizer", None) is None:
+        return None
+    try:
+        import keras
+    except ImportError:
+        return None
+    if not isinstance(model, keras.Model) or getattr(model, "run_eagerly", False):
+        return None
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return _JaxStepper(model)
+    if backend == "tensorflow":
+        return _TensorFlowStepper(model)
+    return None
+
+
 def local_mask(model: Any) -> list[bool]:
     """For each array of ``model.get_weights()``: True where it is a float weight the optimizer does not train
     (BatchNorm's moving mean and variance), which each replica updates from its own batches."""
@@ -101,6 +126,12 @@ class _KerasStepper(Stepper):
         model = self.model
         compute = getattr(model, "_compute_loss", None) or model.compute_loss
         return compute(x=x, y=y, y_pred=y_pred, sample_weight=None, training=True)
+
+    def _build(self, x: Any, y: Any) -> None:
+        """Build what Keras builds on a model's first batch (its compiled metrics and loss), and the optimizer."""
+        if x is not None:
+            self.model._symbolic_build(data_batch=(x, y, None))
+        self.build_optimizer()
 
     def _forward(self, x: Any) -> Any:
         model = self.model
@@ -153,9 +184,24 @@ class _TensorFlowStepper(_KerasStepper):
         def apply(grads: Any) -> None:
             model.optimizer.apply_gradients(zip(grads, trainable))
 
-        self._gradients, self._apply = gradients, apply
+        @tf.function(reduce_retracing=True, jit_compile=jit)
+        def step(x: Any, y: Any) -> None:
+            model.train_step((x, y))
+
+        self._gradients, self._apply, self._step = gradients, apply, step
+        self._built = False
+
+    def _ready(self, x: Any, y: Any) -> None:
+        if not self._built:
+            self._build(x, y)
+            self._built = True
+
+    def step(self, x: Any, y: Any) -> None:
+        self._ready(x, y)
+        self._step(x, y)
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        self._ready(x, y)
         return [g.numpy() for g in self._gradients(x, y)]
 
     def apply(self, gradients: list[np.ndarray]) -> None:
@@ -182,30 +228,44 @@ class _JaxStepper(_KerasStepper):
         def apply(ov: Any, grads: Any, tv: Any) -> Any:
             return model.optimizer.stateless_apply(ov, grads, tv)
 
+        def step(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any) -> Any:
+            _logs, (tv, ntv, ov, mv) = model.train_step((tv, ntv, ov, mv), (x, y))
+            return tv, ntv, mv, ov
+
         self._gradients = jax.jit(gradients)
         self._apply = jax.jit(apply)
+        self._step = jax.jit(step)
         self._state: list[list[Any]] | None = None
+        self._open = False
 
     def _variables(self) -> list[list[Any]]:
         m = self.model
         return [m.trainable_variables, m.non_trainable_variables, m.metrics_variables, m.optimizer.variables]
 
     def begin(self) -> None:
-        self.build_optimizer()
-        self._state = [[v.value for v in group] for group in self._variables()]
+        self._open = True  # the state is read at the first batch (Keras builds its metrics on it)
+
+    def _ready(self, x: Any, y: Any) -> list[list[Any]]:
+        if self._state is None:
+            assert self._open, "begin() first"
+            self._build(x, y)
+            self._state = [[v.value for v in group] for group in self._variables()]
+        return self._state
+
+    def step(self, x: Any, y: Any) -> None:
+        state = self._ready(x, y)
+        self._state = [list(group) for group in self._step(*state, x, y)]
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
-        assert self._state is not None, "begin() first"
-        tv, ntv, mv, ov = self._state
+        tv, ntv, mv, ov = state = self._ready(x, y)
         grads, ntv, mv = self._gradients(tv, ntv, mv, ov, x, y)
-        self._state[1], self._state[2] = ntv, mv
+        state[1], state[2] = ntv, mv
         return [np.asarray(g) for g in grads]
 
     def apply(self, gradients: list[np.ndarray]) -> None:
-        assert self._state is not None, "begin() first"
-        tv, _ntv, _mv, ov = self._state
+        tv, _ntv, _mv, ov = state = self._ready(None, None)  # None: no batch here yet this round
         tv, ov = self._apply(ov, gradients, tv)
-        self._state[0], self._state[3] = list(tv), list(ov)
+        state[0], state[3] = list(tv), list(ov)
 
     def end(self) -> dict[str, float]:
         if self._state is not None:
@@ -213,6 +273,7 @@ class _JaxStepper(_KerasStepper):
                 for v, value in zip(group, values):
                     v.assign(value)
             self._state = None
+        self._open = False
         return super().end()
 
     def set_learning_rate_factor(self, factor: float) -> None:

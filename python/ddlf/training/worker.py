@@ -23,6 +23,7 @@ from .. import ops
 from ..datasets import STORE
 from ..settings import follow_keras_backend, keras_backend_default
 from .common import set_random_seed
+from .gradients import fused_stepper_for
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Session:
     # averaging="gradients": the split training step, and the optimizer state the last round started from
     stepper: Any = None
     optimizer_start: list[np.ndarray] | None = None
+    # model averaging: a whole-step stepper (Keras on JAX/TensorFlow), False where train_on_batch is used
+    fused: Any = None
     started: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -322,12 +325,26 @@ def train_chunk(
     pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=prefetch)
     logs: dict[str, float] = {}
     preprocess = session.app.preprocess
-    for bx, by in pipeline:
-        bx, by = preprocess(bx, by)
-        out = model.train_on_batch(bx, by, return_dict=True)
-        if slow_seconds_per_batch:
-            time.sleep(slow_seconds_per_batch)
-        logs = out
+    if session.fused is None:
+        session.fused = fused_stepper_for(model) or False
+    if session.fused:
+        # The model's state stays in the framework for the whole round; the logs are read once, at its end.
+        stepper = session.fused
+        stepper.begin()
+        try:
+            for bx, by in pipeline:
+                stepper.step(*preprocess(bx, by))
+                if slow_seconds_per_batch:
+                    time.sleep(slow_seconds_per_batch)
+        finally:
+            logs = stepper.end()
+    else:
+        for bx, by in pipeline:
+            bx, by = preprocess(bx, by)
+            out = model.train_on_batch(bx, by, return_dict=True)
+            if slow_seconds_per_batch:
+                time.sleep(slow_seconds_per_batch)
+            logs = out
     new = model.get_weights()
     stats = pipeline.stats()
     result: dict[str, Any] = {
