@@ -22,6 +22,7 @@ BENCHMARKS = {
     "sweep": "benchmarks.sweep",
     "gpu": "benchmarks.gpu",
     "scaling": "benchmarks.scaling",
+    "averaging": "benchmarks.averaging",
 }
 
 
