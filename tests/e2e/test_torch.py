@@ -164,3 +164,39 @@ def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch
         with pytest.raises(ddlf.RemoteError, match="Load PyTorch first"):
             cluster.run(torch_after_tensorflow)
         assert cluster.run(lambda: "alive") == ["alive"]
+
+
+class TorchLinear(ddlf.IApp):
+    """The gradient tests' synthetic task with a torch MLP and plain SGD (nothing random per step)."""
+
+    dataset_key = "torch-gradients-linear"
+
+    def load_dataset(self):
+        rng = np.random.default_rng(7)
+        x = rng.standard_normal((600, 12)).astype(np.float32)
+        y = (x @ rng.standard_normal(12) > 0).astype(np.int64)
+        return x, y
+
+    def create_model(self):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        return TorchModel(module, lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.CrossEntropyLoss())
+
+
+def test_torch_model_gradient_averaging_equals_one_process() -> None:
+    from .test_gradients import global_batches
+
+    with ddlf.Cluster.local(2, threads=1) as c:
+        app = TorchLinear(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        h = app.train(epochs=2, batch_size=16, seed=4, averaging="gradients", verbose=0)
+        x, y = app.load_dataset()
+        ref = app.create_model()
+        ref.set_weights(start)
+        for rows in global_batches(2, 16, 2, 4, None):
+            ref.train_on_batch(x[rows], y[rows])
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), ref.get_weights()))
+        assert diff < 2e-5, diff
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), start)) > 100 * diff
+        assert h.history["accuracy"][-1] > 0.8

@@ -1,0 +1,40 @@
+"""``averaging="gradients"`` on Keras's TensorFlow and PyTorch backends (the rest of the suite trains on JAX): each
+in its own master process, since a process has one Keras backend; the workers follow the master's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ..conftest import REPO
+
+SCRIPT = """
+import numpy as np, ddlf
+from tests.e2e.test_gradients import Linear, global_batches, one_process
+with ddlf.Cluster.local(2, threads=1) as c:
+    app = Linear(c)
+    app.model = app.create_model()
+    start = app.model.get_weights()
+    h = app.train(epochs=1, batch_size=16, seed=4, averaging="gradients", verbose=0)
+    want = one_process(app, start, global_batches(2, 16, 1, 4, None))
+    got = app.model.get_weights()
+    print("DIFF", max(float(np.max(np.abs(a - b))) for a, b in zip(got, want)))
+    print("MOVED", max(float(np.max(np.abs(a - b))) for a, b in zip(got, start)))
+    import keras
+    print("BACKEND", keras.backend.backend())
+"""
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_gradient_averaging_equals_one_process_on(backend: str) -> None:
+    pytest.importorskip(backend)
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    values = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ", 1)[0].isupper())
+    diff, moved = float(values["DIFF"]), float(values["MOVED"])
+    assert values["BACKEND"] == backend
+    assert diff < 2e-5 and moved > 100 * diff, (diff, moved)
