@@ -14,12 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 from . import report
+from .backends import fit_epochs
 
 TASKS = {
     # rows, epochs, batch, learning rate
@@ -79,16 +79,7 @@ def run_case(task: str, case: str, n: int, seed: int, frequency: int) -> dict[st
     if case.startswith("single"):
         b = batch * (n if case == "single-nb" else 1)
         net = build(task)
-        seconds: list[float] = []
-
-        class EpochTimer(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-                self.t0 = time.perf_counter()
-
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                seconds.append(time.perf_counter() - self.t0)
-
-        net.fit(prepare(task, x), y, batch_size=b, epochs=epochs, verbose=0, callbacks=[EpochTimer()])
+        seconds = fit_epochs(net, prepare(task, x), y, batch_size=b, epochs=epochs, verbose=0)
         _, acc = net.evaluate(prepare(task, xt), yt, verbose=0)
         return {"accuracy": float(acc), "seconds": report.median(seconds[1:] or seconds)}
     import ddlf

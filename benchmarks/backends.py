@@ -69,6 +69,23 @@ def build(model: str) -> Any:
     return net
 
 
+def fit_epochs(net: Any, *args: Any, **kwargs: Any) -> list[float]:
+    """``net.fit(*args, **kwargs)``; returns the seconds of each epoch."""
+    import keras
+
+    seconds: list[float] = []
+
+    class EpochTimer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            seconds.append(time.perf_counter() - self.t0)
+
+    net.fit(*args, callbacks=[EpochTimer()], **kwargs)
+    return seconds
+
+
 def shape_inputs(model: str, x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float32) / 255.0
     if model == "cnn":
@@ -112,16 +129,7 @@ def run_case(model: str, mode: str, rows: int, epochs: int, batch: int) -> dict[
     keras.utils.set_random_seed(0)
     if mode == "single":
         net = build(model)
-        seconds: list[float] = []
-
-        class EpochTimer(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-                self.t0 = time.perf_counter()
-
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                seconds.append(time.perf_counter() - self.t0)
-
-        net.fit(shape_inputs(model, x), y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[EpochTimer()])
+        seconds = fit_epochs(net, shape_inputs(model, x), y, batch_size=batch, epochs=epochs, verbose=0)
         _, acc = net.evaluate(shape_inputs(model, xt), yt, verbose=0)
     else:
         from ddlf import Cluster

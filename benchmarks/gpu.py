@@ -14,13 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 from . import report
-from .backends import DATA, shape_inputs
+from .backends import DATA, fit_epochs, shape_inputs
 from .backends import build as build_mnist
 
 MODELS = ("cnn", "resnet")
@@ -94,16 +93,7 @@ def run_case(model: str, mode: str, rows: int, epochs: int, batch: int) -> dict[
     acc = float("nan")
     if mode == "single":
         net = build(model)
-        seconds: list[float] = []
-
-        class EpochTimer(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-                self.t0 = time.perf_counter()
-
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                seconds.append(time.perf_counter() - self.t0)
-
-        net.fit(inputs(model, x), y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[EpochTimer()])
+        seconds = fit_epochs(net, inputs(model, x), y, batch_size=batch, epochs=epochs, verbose=0)
         if xt is not None:
             _, acc = net.evaluate(inputs(model, xt), yt, verbose=0)
         device = _device()

@@ -11,11 +11,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 from . import report
-from .backends import _data, build, shape_inputs
+from .backends import _data, build, fit_epochs, shape_inputs
 
 VARIANTS = {
     "master": {"exchange": "master"},
@@ -31,16 +30,7 @@ def run_case(variant: str, workers: int, rows: int, epochs: int, batch: int, fre
     keras.utils.set_random_seed(0)
     if variant == "single":
         net = build("cnn")
-        seconds: list[float] = []
-
-        class EpochTimer(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-                self.t0 = time.perf_counter()
-
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                seconds.append(time.perf_counter() - self.t0)
-
-        net.fit(shape_inputs("cnn", x), y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[EpochTimer()])
+        seconds = fit_epochs(net, shape_inputs("cnn", x), y, batch_size=batch, epochs=epochs, verbose=0)
         _, acc = net.evaluate(shape_inputs("cnn", xt), yt, verbose=0)
         return {"seconds": seconds, "accuracy": float(acc)}
     import ddlf
