@@ -131,19 +131,24 @@ class TorchModel:
             return 0
         return int((out.argmax(dim=-1) == target).sum())
 
-    def train_on_batch(self, x: Any, y: Any, return_dict: bool = False) -> Any:
-        """One optimizer step on a batch; returns the running loss (and accuracy) since :meth:`reset_metrics`."""
+    def _backward(self, x: Any, y: Any) -> None:
+        """Forward and backward on a batch (the gradients are in the parameters' ``.grad``); the running loss and
+        accuracy count it."""
         self.module.train()
         inputs, target = self._tensor(x), self._targets(y)
         self.optimizer.zero_grad(set_to_none=True)
         out = self.module(inputs)
         loss = self.loss_fn(out, target)
         loss.backward()
-        self.optimizer.step()
         n = len(target)
         self._seen += n
         self._loss_sum += float(loss.detach()) * n
         self._correct += self._count_correct(out.detach(), target)
+
+    def train_on_batch(self, x: Any, y: Any, return_dict: bool = False) -> Any:
+        """One optimizer step on a batch; returns the running loss (and accuracy) since :meth:`reset_metrics`."""
+        self._backward(x, y)
+        self.optimizer.step()
         return self._logs(self._loss_sum, self._correct, self._seen, return_dict)
 
     def evaluate(
@@ -259,17 +264,7 @@ class _TorchStepper:
         pass
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
-        m = self.model
-        m.module.train()
-        inputs, target = m._tensor(x), m._targets(y)
-        m.optimizer.zero_grad(set_to_none=True)
-        out = m.module(inputs)
-        loss = m.loss_fn(out, target)
-        loss.backward()
-        n = len(target)
-        m._seen += n
-        m._loss_sum += float(loss.detach()) * n
-        m._correct += m._count_correct(out.detach(), target)
+        self.model._backward(x, y)
         return [
             np.zeros(tuple(p.shape), np.float32) if p.grad is None else p.grad.detach().cpu().numpy()
             for p in self.params

@@ -203,7 +203,25 @@ def test_options_that_do_not_fit_are_refused_before_training(cluster: ddlf.Clust
             app.train(epochs=1, verbose=0, **kw)
     with pytest.raises(ValueError, match='for averaging="gradients"'):
         app.train(epochs=1, verbose=0, scale_learning_rate=True)
+    with pytest.raises(TypeError, match="scale_learning_rate must be True or False"):
+        app.train(epochs=1, verbose=0, averaging="gradients", scale_learning_rate="yes")
+    with pytest.raises(ValueError, match="warmup_epochs must be"):
+        app.train(epochs=1, verbose=0, averaging="gradients", scale_learning_rate=True, warmup_epochs=float("nan"))
+
+    class Scheduled(Linear):
+        def create_model(self):
+            import keras
+
+            model = super().create_model()
+            decay = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
+            model.compile(optimizer=keras.optimizers.SGD(decay), loss="binary_crossentropy")
+            return model
+
+    with pytest.raises(ValueError, match="learning-rate schedule"):
+        Scheduled(cluster).train(epochs=1, verbose=0, averaging="gradients", scale_learning_rate=True)
     assert cluster.ping()
+    h = Scheduled(cluster).train(epochs=1, verbose=0, averaging="gradients")  # without scaling it trains
+    assert h.history["loss"]
 
 
 def test_nan_gradients_are_left_out_of_the_step_and_reported() -> None:

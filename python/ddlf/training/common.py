@@ -71,7 +71,11 @@ class TrainConfig:
             raise ValueError("averaging_frequency must be at least 1 batch")
         if self.averaging not in ("weights", "gradients"):
             raise ValueError(f"averaging must be 'weights' or 'gradients', not {self.averaging!r}")
-        if not (isinstance(self.warmup_epochs, (int, float)) and 0 <= self.warmup_epochs < float("inf")):
+        if not isinstance(self.scale_learning_rate, bool):
+            raise TypeError(f"scale_learning_rate must be True or False, not {self.scale_learning_rate!r}")
+        if isinstance(self.warmup_epochs, bool) or not (
+            isinstance(self.warmup_epochs, (int, float)) and 0 <= self.warmup_epochs < float("inf")
+        ):
             raise ValueError(f"warmup_epochs must be a number of epochs >= 0, not {self.warmup_epochs!r}")
         if self.averaging == "gradients":
             if self.compression is not None:

@@ -152,9 +152,11 @@ class RingExchange:
                 continue
             args, kwargs = [], []
             gradients = cfg.averaging == "gradients"
-            # Gradients: every member takes as many steps as the one with the most batches (lockstep).
-            steps = max(-(-assigned_rows(part) // cfg.batch_size) for _, part in pending)
-            adopt = bool(fresh) and len(fresh) < len(targets)
+            if gradients:
+                # Every member takes as many steps as the one with the most batches (lockstep), and new members
+                # adopt the others' optimizer state first.
+                steps = max(-(-assigned_rows(part) // cfg.batch_size) for _, part in pending)
+                adopt = bool(fresh) and len(fresh) < len(targets)
             for w, extra in pending:
                 kw = dict(extra)
                 indices = kw.pop("indices", None)

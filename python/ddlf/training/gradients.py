@@ -78,25 +78,37 @@ def stepper_for(model: Any) -> Stepper:
     raise NotImplementedError(f'averaging="gradients" does not support the Keras backend {backend!r}')
 
 
-def fused_stepper_for(model: Any) -> Stepper | None:
-    """A stepper for model averaging's rounds where it beats ``train_on_batch``: Keras on JAX or TensorFlow, whose
-    ``train_on_batch`` writes every variable back and waits for the step's logs after each batch (on a GPU it
-    measured 2-3x slower per epoch than ``fit``); the stepper keeps the state on the device for a whole round
-    and reads the logs once. None for other models (they keep ``train_on_batch``)."""
+def steps_whole_rounds(model: Any) -> bool:
+    """Whether model averaging's rounds should run through the model's :class:`Stepper` rather than
+    ``train_on_batch``: for Keras on JAX or TensorFlow, whose ``train_on_batch`` writes every variable back and
+    waits for the step's logs after each batch (on a GPU it measured 2-3x slower per epoch than ``fit``); the
+    stepper keeps the state in the framework for a whole round and reads the logs once. Other models (the torch
+    backend, :class:`ddlf.TorchModel`, ``run_eagerly``) keep ``train_on_batch``."""
     if hasattr(model, "gradient_stepper") or getattr(model, "optimizer", None) is None:
-        return None
+        return False
     try:
         import keras
     except ImportError:
-        return None
+        return False
     if not isinstance(model, keras.Model) or getattr(model, "run_eagerly", False):
-        return None
-    backend = keras.backend.backend()
-    if backend == "jax":
-        return _JaxStepper(model)
-    if backend == "tensorflow":
-        return _TensorFlowStepper(model)
-    return None
+        return False
+    return keras.backend.backend() in ("jax", "tensorflow")
+
+
+def check_scalable(model: Any) -> None:
+    """Refuse ``scale_learning_rate`` for a Keras optimizer driven by a learning-rate schedule (its rate is a
+    function of the step, not a variable to scale)."""
+    optimizer = getattr(model, "optimizer", None)
+    rate = getattr(optimizer, "_learning_rate", None)
+    if rate is None or hasattr(model, "gradient_stepper"):
+        return
+    import keras
+
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        raise ValueError(
+            f"scale_learning_rate does not work with a learning-rate schedule ({type(rate).__name__}): "
+            "scale the schedule itself (its initial rate times the number of workers)"
+        )
 
 
 def local_mask(model: Any) -> list[bool]:
@@ -148,13 +160,8 @@ class _KerasStepper(Stepper):
         return {k: float(v) for k, v in self.model.get_metrics_result().items()}
 
     def set_learning_rate_factor(self, factor: float) -> None:
-        import keras
-
         optimizer = self.model.optimizer
-        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-            raise ValueError(
-                "scale_learning_rate does not work with a learning-rate schedule: scale the schedule itself"
-            )
+        check_scalable(self.model)
         if self.base_lr is None:
             self.base_lr = float(np.asarray(optimizer.learning_rate))
         optimizer.learning_rate = self.base_lr * factor

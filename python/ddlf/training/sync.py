@@ -33,6 +33,7 @@ from ..history import History, RoundStats
 from . import worker as remote
 from .common import average_states, nbytes
 from .exchange import RingExchange, choose
+from .gradients import check_scalable
 from .plan import ShardPlan, SlicePlan, assigned_rows
 from .replies import check_reply, check_states
 from .run import TrainingRun, WorkerResult, weighted_logs
@@ -41,6 +42,8 @@ from .run import TrainingRun, WorkerResult, weighted_logs
 def train_sync(run: TrainingRun) -> History:
     """The synchronous loop: one round = broadcast weights, every live worker trains its rows, average."""
     app, cfg, history, cluster = run.app, run.cfg, run.history, run.cluster
+    if cfg.scale_learning_rate:
+        check_scalable(app.model)  # here, before any round: the workers' models are the master's architecture
     weights = [np.ascontiguousarray(w) for w in app.model.get_weights()]
     opt_state: list[np.ndarray] | None = run.resumed.get("optimizer_state") if run.resumed else None
     round_no = len({(s.epoch, s.round) for s in history.stats})

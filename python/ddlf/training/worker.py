@@ -23,7 +23,7 @@ from .. import ops
 from ..datasets import STORE
 from ..settings import follow_keras_backend, keras_backend_default
 from .common import set_random_seed
-from .gradients import fused_stepper_for
+from .gradients import local_mask, stepper_for, steps_whole_rounds
 
 
 @dataclass
@@ -37,11 +37,17 @@ class Session:
     residual: list[np.ndarray] | None = None  # top-k error feedback: what earlier rounds did not send
     # exchange="allreduce": (round, weights before it, weights after it) of the last round reduced here
     reduced: tuple[int, list[np.ndarray], list[np.ndarray]] | None = None
-    # averaging="gradients": the split training step, and the optimizer state the last round started from
+    # the model's training step (training.gradients), made on first use; and, with averaging="gradients", the
+    # optimizer state the last round started from
     stepper: Any = None
     optimizer_start: list[np.ndarray] | None = None
-    # model averaging: a whole-step stepper (Keras on JAX/TensorFlow), False where train_on_batch is used
-    fused: Any = None
+
+    def steps(self) -> Any:
+        """The model's :class:`~ddlf.training.gradients.Stepper` (traced or jitted once per run)."""
+        if self.stepper is None:
+            self.stepper = stepper_for(self.model)
+        return self.stepper
+
     started: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -325,11 +331,9 @@ def train_chunk(
     pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=prefetch)
     logs: dict[str, float] = {}
     preprocess = session.app.preprocess
-    if session.fused is None:
-        session.fused = fused_stepper_for(model) or False
-    if session.fused:
+    if steps_whole_rounds(model):
         # The model's state stays in the framework for the whole round; the logs are read once, at its end.
-        stepper = session.fused
+        stepper = session.steps()
         stepper.begin()
         try:
             for bx, by in pipeline:
@@ -502,16 +506,13 @@ def train_gradients(
     ``learning_rate_factor``: ``(first, last)`` multiples of the compiled learning rate, interpolated over the
     steps (the linear warm-up). A redo of a failed round starts again from the weights and optimizer state this
     worker started it with. Returns samples, logs and timings, never the weights."""
-    from .gradients import local_mask, stepper_for
     from .replies import finite
 
     session = _session(run_id)
     redo = not fresh and session.reduced is not None and session.reduced[0] == round_no
     start = _start_weights(worker, session, run_id, round_no, fresh)
     model = session.model
-    if session.stepper is None:
-        session.stepper = stepper_for(model)
-    stepper = session.stepper
+    stepper = session.steps()
     t0 = time.perf_counter()
     x, y, indices = _rows(session, indices, seeded, shard)
     model.set_weights(start)
