@@ -210,7 +210,8 @@ class Ring:
     def rank(self) -> int: ...
     @property
     def size(self) -> int: ...
-    def allreduce_(self, arrays: list[Any], op: str = "mean", atomic: bool = True) -> None:
+    def allreduce_(self, arrays: list[Any], op: str = "mean", atomic: bool = True, wire: str | None = None) -> None:
         """Reduce ``arrays`` (C-contiguous, writable, all float32 or all float64) with the other ranks, in place;
         raises ``ddlf.errors.CollectiveError`` (the arrays then unchanged, unless ``atomic=False``: one array
-        reduced where it lies, no copy, undefined after a failure)."""
+        reduced where it lies, no copy, undefined after a failure). ``wire="float16"|"bfloat16"``: float32
+        elements travel at half precision, sums stay float32, every rank ends with the same bits."""

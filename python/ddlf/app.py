@@ -137,9 +137,13 @@ class IApp:
             worker_shares: relative amount of data per worker (for workers of unequal speed).
             rotate_shards_every: sharded apps: every k epochs each worker moves on to the next worker's shard, so
                 that every worker eventually sees all the data.
-            compression: ``None``, ``"float16"`` or ``"bfloat16"`` (workers send back deltas in half precision),
-                or ``"topk"``: workers send only the ``topk_ratio`` share of delta entries of largest magnitude,
-                keeping the rest as error feedback for their next round (nothing is lost, only delayed).
+            compression: ``None``, ``"float16"`` or ``"bfloat16"`` (workers send back deltas in half precision;
+                on the ring, every link carries the round's changes or, with ``averaging="gradients"``, the
+                gradients at half precision, summed in float32), or ``"topk"`` (master exchange only): workers
+                send only the ``topk_ratio`` share of delta entries of largest magnitude, keeping the rest as
+                error feedback for their next round (nothing is lost, only delayed). ``"bfloat16"`` keeps
+                float32's range; ``"float16"`` is more precise but overflows past 65504 (such an update is
+                skipped on every worker and reported).
             staleness, max_staleness: async staleness control (``"dynsgd"`` scales a delta by 1/(staleness+1)).
             validation_data: ``(x, y)`` evaluated on the master's model after each epoch (``val_*`` metrics).
             checkpoint_dir: write a checkpoint there after every epoch, atomically (weights, optimizer states,

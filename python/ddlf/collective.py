@@ -29,6 +29,9 @@ MAX_RINGS = 16
 
 OPS = ("mean", "sum")
 
+WIRES = (None, "float16", "bfloat16")
+"""How float32 elements travel between workers: as themselves, or at half precision (sums stay float32)."""
+
 _RINGS: OrderedDict[str, _ddlf.Ring] = OrderedDict()
 
 
@@ -105,6 +108,12 @@ def check_op(op: str) -> str:
     return op
 
 
+def check_wire(wire: str | None) -> str | None:
+    if wire not in WIRES:
+        raise ValueError(f"compression must be None, 'float16' or 'bfloat16', not {wire!r}")
+    return wire
+
+
 # -- the worker's side -------------------------------------------------------------------------------------
 
 
@@ -134,12 +143,14 @@ def forget(group: str) -> None:
     _RINGS.pop(group, None)
 
 
-def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mean") -> None:
+def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mean", wire: str | None = None) -> None:
     """All-reduce ``arrays`` in place with the ring's other members: float32 and float64 arrays (one ring pass
     per dtype, each at its own precision). Arrays that are not C-contiguous and writable are replaced in the list
     by reduced copies. On failure (``ddlf.errors.CollectiveError``) the ring is closed and the arrays are
-    unchanged."""
+    unchanged. ``wire="float16"|"bfloat16"``: float32 arrays travel at half precision (half the bytes; sums in
+    float32, every member ends with the same bits; float16 overflows past 65504); float64 ones as themselves."""
     check_op(op)
+    check_wire(wire)
     for i, a in enumerate(arrays):
         if not isinstance(a, np.ndarray):
             raise TypeError(f"allreduce: item {i} is {type(a).__name__}, not a numpy array")
@@ -154,7 +165,8 @@ def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mea
     r = ring(spec)
     try:
         for g in groups or [[]]:
-            r.allreduce_([work[i] for i in g], op)
+            half = wire if g and work[g[0]].dtype == np.float32 else None
+            r.allreduce_([work[i] for i in g], op, wire=half)
     except BaseException:
         forget(spec["group"])
         raise
@@ -163,18 +175,19 @@ def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mea
             a[...] = w
 
 
-def reduce_scratch(flat: np.ndarray, spec: dict[str, Any], op: str = "sum") -> None:
+def reduce_scratch(flat: np.ndarray, spec: dict[str, Any], op: str = "sum", wire: str | None = None) -> None:
     """All-reduce one contiguous float32 or float64 buffer where it lies, with no copy; its contents are
-    undefined after a failure (for buffers made for the reduction, as training's)."""
+    undefined after a failure (for buffers made for the reduction, as training's). ``wire``: as in
+    :func:`reduce_arrays` (float32 only)."""
     r = ring(spec)
     try:
-        r.allreduce_([flat], check_op(op), atomic=False)
+        r.allreduce_([flat], check_op(op), atomic=False, wire=check_wire(wire))
     except BaseException:
         forget(spec["group"])
         raise
 
 
-def allreduce_variable(worker: Any, name: str, spec: dict[str, Any], op: str) -> None:
+def allreduce_variable(worker: Any, name: str, spec: dict[str, Any], op: str, wire: str | None = None) -> None:
     """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
     tuple of arrays) in place with the ring's other members."""
     if name not in worker.vars:
@@ -186,5 +199,5 @@ def allreduce_variable(worker: Any, name: str, spec: dict[str, Any], op: str) ->
             f"allreduce: variable {name!r} holds {type(value).__name__}; expected a numpy array or a list of them"
         )
     arrays = [value] if single else list(value)
-    reduce_arrays(arrays, spec, op)
+    reduce_arrays(arrays, spec, op, wire)
     worker.vars[name] = arrays[0] if single else (tuple(arrays) if isinstance(value, tuple) else arrays)

@@ -190,7 +190,7 @@ def test_options_that_do_not_fit_are_refused_before_training(cluster: ddlf.Clust
     app = Linear(cluster)
     refusals = [
         (dict(exchange="master"), 'needs exchange="allreduce"'),
-        (dict(compression="float16"), "compression"),
+        (dict(compression="topk"), "topk"),
         (dict(average_optimizer_state=True), "average_optimizer_state"),
         (dict(mode="async"), "is for mode='sync'"),
         (dict(averaging="params"), "averaging must be"),
@@ -222,6 +222,65 @@ def test_options_that_do_not_fit_are_refused_before_training(cluster: ddlf.Clust
     assert cluster.ping()
     h = Scheduled(cluster).train(epochs=1, verbose=0, averaging="gradients")  # without scaling it trains
     assert h.history["loss"]
+
+
+@pytest.mark.parametrize(("wire", "tol"), [("float16", 2e-3), ("bfloat16", 2e-2)])
+def test_half_precision_gradients_stay_near_one_process_and_replicas_identical(wire: str, tol: float) -> None:
+    with ddlf.Cluster.local(3, threads=1) as c:
+        app = Linear(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        held = Replicas(c)
+        h = app.train(
+            epochs=2,
+            batch_size=16,
+            seed=4,
+            averaging="gradients",
+            averaging_frequency=4,
+            compression=wire,
+            callbacks=[held],
+            verbose=0,
+        )
+        assert h.params["compression"] == wire
+        got = app.model.get_weights()
+        want = one_process(app, start, global_batches(3, 16, 2, 4, 4))
+        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(want, start))
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+        assert 0 < diff < tol * moved * 10, (diff, moved)  # rounded on the wire, yet the same descent
+        assert len(held.held) == 3 and held.identical()  # the same rounded bits applied everywhere
+
+
+class Huge(Linear):
+    """Targets of 1e6 under MSE: gradients far past float16's 65504."""
+
+    dataset_key = "gradients-test-huge"
+
+    def load_dataset(self):
+        x, y = super().load_dataset()
+        return x, (y * 1e6).astype(np.float32)
+
+    def create_model(self):
+        model = super().create_model()
+        model.compile(optimizer=model.optimizer, loss="mse")
+        return model
+
+
+def test_float16_overflow_on_the_wire_skips_the_step_everywhere_and_is_reported() -> None:
+    with ddlf.Cluster.local(2, threads=1) as c:
+        app = Huge(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        with pytest.warns(RuntimeWarning, match="overflowed"):
+            h = app.train(epochs=1, batch_size=16, seed=0, averaging="gradients", compression="float16", verbose=0)
+        events = [e for e in h.events if e["event"] == "wire_overflow"]
+        assert events and events[0]["updates"] > 0, h.events
+        got = app.model.get_weights()
+        assert all(np.isfinite(w).all() for w in got)  # an infinite average applied once would be everywhere
+        assert any(not np.array_equal(a, b) for a, b in zip(got, start)) or events[0]["updates"] >= 19
+        # bfloat16 carries float32's range: the same run trains.
+        h = app.train(epochs=1, batch_size=16, seed=0, averaging="gradients", compression="bfloat16", verbose=0)
+        assert not [e for e in h.events if e["event"] == "wire_overflow"]
+        assert c.ping()
 
 
 def test_nan_gradients_are_left_out_of_the_step_and_reported() -> None:

@@ -78,10 +78,10 @@ class TrainConfig:
         ):
             raise ValueError(f"warmup_epochs must be a number of epochs >= 0, not {self.warmup_epochs!r}")
         if self.averaging == "gradients":
-            if self.compression is not None:
+            if self.compression == "topk":
                 raise ValueError(
-                    f'compression={self.compression!r} is for averaging="weights": the ring averages gradients '
-                    "in float32 (or float64)"
+                    'compression="topk" is for averaging="weights": the ring sums dense gradients; '
+                    '"float16" and "bfloat16" halve their bytes'
                 )
             if self.average_optimizer_state:
                 raise ValueError(

@@ -18,7 +18,12 @@ later round with the current weights.
 
 ``"auto"``: all-reduce when the run's workers are on more than one host (so the master's link is the bottleneck
 it removes), and the master exchange when they share one host (where the master exchange writes the weights once
-to shared memory for all of them) or when the run needs what the ring does not do yet (TLS, compression).
+to shared memory for all of them) or when the run needs what the ring does not do yet (TLS, ``"topk"``).
+
+``compression="float16"|"bfloat16"`` on the ring: float32 values travel at half precision on every link, sums
+stay float32 (:func:`ddlf.collective.reduce_arrays`). Model averaging then reduces each round's *change* of the
+weights (small values, as the master exchange's compressed replies), gradient averaging the gradients; either
+way every member applies the same bits.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadWorkerReply, RemoteError, WorkerUnavailable
+from ..errors import BadWorkerReply, NonFiniteUpdate, RemoteError, WorkerUnavailable
 from . import worker as remote
 from .plan import assigned_rows
 from .replies import check_reply
@@ -64,8 +69,8 @@ def choose(
     unsupported = None
     if cluster.uses_tls:
         unsupported = "the cluster uses TLS (peer links are plaintext only, so far)"
-    elif compression is not None:
-        unsupported = f"compression={compression!r} (the ring reduces float32/float64 only, so far)"
+    elif compression == "topk":
+        unsupported = 'compression="topk" (the ring sums dense arrays; "float16" and "bfloat16" work)'
     if exchange == "allreduce":
         if unsupported:
             raise ValueError(f'exchange="allreduce" is not available: {unsupported}; use exchange="master"')
@@ -161,12 +166,16 @@ class RingExchange:
                 kw = dict(extra)
                 indices = kw.pop("indices", None)
                 kw.update(round_no=round_no, ring=ring.spec(w), fresh=w in fresh, prefetch=cfg.prefetch)
+                if cfg.compression is not None:
+                    kw["compression"] = cfg.compression
                 if gradients:
                     kw.update(steps=steps, adopt=adopt)
                     if cfg.scale_learning_rate:
                         kw["learning_rate_factor"] = learning_rate_factor
                 else:
                     kw["average_optimizer_state"] = cfg.average_optimizer_state
+                    if cfg.compression is not None:
+                        kw["round_rows"] = sum(assigned_rows(part) for _, part in pending)
                 if cfg.slow_worker and cfg.slow_worker[0] == w:
                     kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
                 args.append((cfg.run_id, indices, cfg.batch_size))
@@ -193,9 +202,24 @@ class RingExchange:
                         results.append(check_reply(w, out, [], rows=rows[w], compression=None, weights_expected=False))
                     except BadWorkerReply as exc:
                         run.refuse(exc)
-                    skipped = out.get("nonfinite_batches", 0) if isinstance(out, dict) else 0
-                    if skipped:
-                        run.nonfinite_gradients(w, int(skipped))
+                    if not isinstance(out, dict):
+                        continue
+                    if out.get("nonfinite_batches", 0):
+                        run.nonfinite_gradients(w, int(out["nonfinite_batches"]))
+                    if out.get("nonfinite_weights"):
+                        run.refuse(
+                            NonFiniteUpdate(
+                                f"worker {w}'s weights are not finite (NaN or infinity) after "
+                                "the round: left out of the ring's average",
+                                worker_id=w,
+                            )
+                        )
+                overflow = max(
+                    (int(o.get("wire_overflow_steps") or 0) for o in outcomes if isinstance(o, dict)),
+                    default=0,
+                )
+                if overflow:
+                    run.wire_overflow(overflow)
                 return results, t_sent, send_s, call_s
             run.members.note("allreduce_redo", lost=lost, survivors=[w for w in targets if w not in lost])
             cluster.retire_ring(ring)  # spent: the next attempt forms a new one

@@ -105,6 +105,17 @@ class TrainingRun:
         warnings.warn(f"{what}; they were left out of their steps", RuntimeWarning, stacklevel=2)
         self.members.note("nonfinite_gradients", worker=worker, batches=batches)
 
+    def wire_overflow(self, steps: int) -> None:
+        """The ring's average of ``steps`` steps (or a round) overflowed float16 on the wire (the same on every
+        worker): those updates were skipped. Warn and record it."""
+        warnings.warn(
+            f'{steps} update(s) overflowed compression="float16" on the ring and were skipped on every worker; '
+            'compression="bfloat16" has float32\'s range',
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self.members.note("wire_overflow", updates=steps)
+
     def fail(self, exc: BaseException) -> None:
         """A worker failed: raise unless the policy says to carry on without it."""
         if self.policy.decide(exc) == "raise":

@@ -387,21 +387,30 @@ def _start_weights(worker: Any, session: Session, run_id: str, round_no: int, fr
     return reduced[1] if reduced[0] == round_no else reduced[2]
 
 
-def _reduce_floats(arrays: list[np.ndarray], samples: float, spec: dict[str, Any]) -> list[np.ndarray]:
+def _reduce_floats(
+    arrays: list[np.ndarray], samples: float, spec: dict[str, Any], wire: str | None = None, unit: float = 1.0
+) -> list[np.ndarray]:
     """The samples-weighted average over the ring's ranks of every float array: ``sum(samples_i * a_i) /
     sum(samples_i)``. Per float dtype, the arrays are scaled straight into one buffer (the only copy), with the
     sample count as its last element, reduced where it lies, and divided in place; the results are views of it.
-    Other arrays (integer step counters) stay as they are here."""
-    return _weighted_mean(arrays, samples, spec)[0]
+    Other arrays (integer step counters) stay as they are here. See :func:`_weighted_mean` for ``wire``."""
+    return _weighted_mean(arrays, samples, spec, wire, unit)[0]
 
 
-def _weighted_mean(arrays: list[np.ndarray], samples: float, spec: dict[str, Any]) -> tuple[list[np.ndarray], float]:
+def _weighted_mean(
+    arrays: list[np.ndarray], samples: float, spec: dict[str, Any], wire: str | None = None, unit: float = 1.0
+) -> tuple[list[np.ndarray], float]:
     """:func:`_reduce_floats`, and the ranks' total of ``samples`` (0: no rank had any, and the arrays are
-    returned as they were)."""
+    returned as they were).
+
+    ``wire="float16"|"bfloat16"``: float32 arrays travel at half precision (sums in float32). The weights are then
+    ``samples / unit`` (``unit``: the same on every rank, so that a weight is about 1 and a weighted value stays as
+    small as the value itself: float16 ends at 65504)."""
     from ..collective import reduce_scratch
 
     out = list(arrays)
     total = 0.0
+    weight = samples / unit
     for kind in (np.float32, np.float64):
         idx = [i for i, a in enumerate(arrays) if a.dtype == kind]
         if not idx:
@@ -411,15 +420,15 @@ def _weighted_mean(arrays: list[np.ndarray], samples: float, spec: dict[str, Any
         views, at = [], 0
         for i, n in zip(idx, sizes):
             view = flat[at : at + n].reshape(arrays[i].shape)
-            np.multiply(arrays[i], kind(samples), out=view)
+            np.multiply(arrays[i], kind(weight), out=view)
             views.append(view)
             at += n
-        flat[-1] = samples
-        reduce_scratch(flat, spec, "sum")
-        total = float(flat[-1])
+        flat[-1] = weight
+        reduce_scratch(flat, spec, "sum", wire=wire if kind == np.float32 else None)
+        total = float(flat[-1]) * unit
         if total <= 0:
             return list(arrays), 0.0  # no rank trained a row: nothing to average
-        flat[:-1] *= kind(1.0 / total)
+        flat[:-1] *= kind(1.0 / flat[-1])
         for i, view in zip(idx, views):
             out[i] = view
     return out, total
@@ -435,6 +444,8 @@ def train_reduce(
     ring: dict[str, Any],
     fresh: bool = False,
     average_optimizer_state: bool = False,
+    compression: str | None = None,
+    round_rows: int = 1,
     prefetch: int = 2,
     seeded: Seeded | None = None,
     shard: int | None = None,
@@ -443,7 +454,14 @@ def train_reduce(
     """One synchronous round with ``exchange="allreduce"``: train the rows, then average the weights (weighted by
     the samples each trained) with the round's other workers over the ring, worker to worker. Returns samples,
     logs and timings, never the weights. A failed all-reduce raises ``CollectiveError`` and leaves this worker
-    able to redo the round from the weights it started it with."""
+    able to redo the round from the weights it started it with.
+
+    ``compression="float16"|"bfloat16"``: the ring averages the float32 *changes* of the round (small values,
+    half precision on the wire, sums in float32), weighted by samples over ``round_rows`` (the rows of the whole
+    round), and every member adds the same average to the same start. Weights that are not finite after training
+    are left out of the average (weight 0) and reported (``nonfinite_weights``)."""
+    from .replies import finite
+
     session = _session(run_id)
     start = _start_weights(worker, session, run_id, round_no, fresh)
     result = train_chunk(
@@ -459,10 +477,28 @@ def train_reduce(
     )
     new = [np.asarray(w) for w in result.pop("weights")]
     samples = int(result["samples"])
-    averaged = _reduce_floats(new, samples, ring)
+    weight = float(samples)
+    if not all(finite(w) for w in new):
+        # Averaged in, NaN would reach every member: this worker's round is left out.
+        log.warning("run %s: non-finite weights after round %d: left out of the average", run_id, round_no)
+        new, weight = [np.array(w) for w in start], 0.0
+        result["nonfinite_weights"] = True
+    if compression is None:
+        averaged = _reduce_floats(new, weight, ring)
+    else:
+        halves = [a.dtype == np.float32 for a in new]
+        moved = [np.subtract(a, s) if h else a for a, s, h in zip(new, start, halves)]
+        mean = _reduce_floats(moved, weight, ring, wire=compression, unit=max(1, round_rows))
+        averaged = [np.add(s, m) if h else m for s, m, h in zip(start, mean, halves)]
+        if not all(finite(a) for a in averaged):
+            # float16 overflowed on the wire (identically on every member): the round's change is dropped.
+            log.warning("run %s: round %d's average overflowed %s: not applied", run_id, round_no, compression)
+            averaged = list(start)
+            result["wire_overflow_steps"] = 1
     model = session.model
     if average_optimizer_state and _optimizer_built(model):
-        _set_optimizer_state(model, _reduce_floats(_optimizer_state(model), samples, ring))
+        # At full precision: Adam's second moments underflow float16 (and a zero there makes a huge step).
+        _set_optimizer_state(model, _reduce_floats(_optimizer_state(model), weight, ring))
     # The model takes the averaged weights when the next round starts from them (train_chunk sets them).
     session.reduced = (round_no, start, averaged)
     session.last_used = time.monotonic()
@@ -491,6 +527,7 @@ def train_gradients(
     fresh: bool = False,
     adopt: bool = False,
     learning_rate_factor: tuple[float, float] | None = None,
+    compression: str | None = None,
     prefetch: int = 2,
     seeded: Seeded | None = None,
     shard: int | None = None,
@@ -504,8 +541,11 @@ def train_gradients(
 
     ``adopt``: some members are new (``fresh``): first every member takes the optimizer state of the others.
     ``learning_rate_factor``: ``(first, last)`` multiples of the compiled learning rate, interpolated over the
-    steps (the linear warm-up). A redo of a failed round starts again from the weights and optimizer state this
-    worker started it with. Returns samples, logs and timings, never the weights."""
+    steps (the linear warm-up). ``compression="float16"|"bfloat16"``: float32 gradients travel at half precision
+    (each weighted by its batch's share of ``batch_size``, so a weighted gradient is no larger than the gradient);
+    a step whose average overflowed float16 is skipped on every member alike (``wire_overflow_steps``). A redo of
+    a failed round starts again from the weights and optimizer state this worker started it with. Returns
+    samples, logs and timings, never the weights."""
     from .replies import finite
 
     session = _session(run_id)
@@ -529,7 +569,7 @@ def train_gradients(
     preprocess = session.app.preprocess
     factor = None
     reduce_s = 0.0
-    nonfinite = 0
+    nonfinite = overflowed = 0
     try:
         for step in range(steps):
             if learning_rate_factor is not None:
@@ -552,8 +592,11 @@ def train_gradients(
                     grads, n = stepper.zeros(), 0
                     nonfinite += 1
             t_reduce = time.perf_counter()
-            averaged, total = _weighted_mean(grads, float(n), ring)
+            averaged, total = _weighted_mean(grads, float(n), ring, wire=compression, unit=batch_size)
             reduce_s += time.perf_counter() - t_reduce
+            if compression is not None and total > 0 and not all(finite(a) for a in averaged):
+                overflowed += 1  # the same bits on every member: all skip this step
+                continue
             if total > 0:
                 stepper.apply(averaged)
     finally:
@@ -576,6 +619,7 @@ def train_gradients(
         "reduce_seconds": reduce_s,
         "steps": steps,
         "nonfinite_batches": nonfinite,
+        "wire_overflow_steps": overflowed,
     }
 
 

@@ -7,7 +7,9 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ddlf_net::collective::{self, CollectiveError, Elem, Op, RingSpec};
+use ddlf_net::collective::{
+    self, Bf16Wire, Codec, CollectiveError, Elem, F16Wire, Op, Plain, RingSpec,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -80,15 +82,28 @@ impl Ring {
     /// Reduce `arrays` (C-contiguous, writable, all float32 or all float64) with the other ranks, in place.
     /// `op`: "sum" or "mean". Raises `ddlf.errors.CollectiveError` naming the neighbour at fault; with `atomic`
     /// (the default) the arrays are then unchanged. `atomic=False` with one array reduces it where it lies, with
-    /// no copy, and leaves its contents undefined after a failure (for scratch buffers).
-    #[pyo3(signature = (arrays, op = "mean", atomic = true))]
+    /// no copy, and leaves its contents undefined after a failure (for scratch buffers). `wire`: "float16" or
+    /// "bfloat16" sends float32 elements at half precision (sums stay float32; every rank ends with the same
+    /// bits); every rank must pass the same `wire`.
+    #[pyo3(signature = (arrays, op = "mean", atomic = true, wire = None))]
     fn allreduce_(
         &self,
         py: Python<'_>,
         arrays: Vec<Bound<'_, PyAny>>,
         op: &str,
         atomic: bool,
+        wire: Option<&str>,
     ) -> PyResult<()> {
+        let wire = match wire {
+            None => Wire::Plain,
+            Some("float16") => Wire::F16,
+            Some("bfloat16") => Wire::Bf16,
+            Some(other) => {
+                return Err(PyValueError::new_err(format!(
+                    "wire must be None, 'float16' or 'bfloat16', not {other:?}"
+                )))
+            }
+        };
         let op = match op {
             "sum" => Op::Sum,
             "mean" => Op::Mean,
@@ -128,13 +143,18 @@ impl Ring {
                 )));
             }
         }
+        if wire != Wire::Plain && dtype != DType::F32 {
+            return Err(PyTypeError::new_err(
+                "allreduce: half precision on the wire is for float32 arrays (sums stay float32)",
+            ));
+        }
         let result = py.detach(|| {
             let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            match (dtype, &views[..]) {
-                (DType::F64, [one]) if !atomic => ring.allreduce(one.slice_mut::<f64>(), op),
-                (_, [one]) if !atomic => ring.allreduce(one.slice_mut::<f32>(), op),
-                (DType::F64, _) => reduce::<f64>(&mut ring, &views, op),
-                _ => reduce::<f32>(&mut ring, &views, op),
+            match (dtype, wire) {
+                (DType::F64, _) => reduce::<f64, Plain>(&mut ring, &views, op, atomic),
+                (_, Wire::F16) => reduce::<f32, F16Wire>(&mut ring, &views, op, atomic),
+                (_, Wire::Bf16) => reduce::<f32, Bf16Wire>(&mut ring, &views, op, atomic),
+                (_, Wire::Plain) => reduce::<f32, Plain>(&mut ring, &views, op, atomic),
             }
         });
         result.map_err(|e| collective_error(py, &e))
@@ -151,18 +171,29 @@ fn name(dtype: DType) -> &'static str {
     }
 }
 
-/// Gather, reduce, scatter back (only on success).
-fn reduce<T: Elem + crate::arrays::Elem>(
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wire {
+    Plain,
+    F16,
+    Bf16,
+}
+
+/// Gather, reduce, scatter back (only on success); one array with `atomic` off is reduced where it lies.
+fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut collective::Ring,
     views: &[View],
     op: Op,
+    atomic: bool,
 ) -> Result<(), CollectiveError> {
+    if let ([one], false) = (views, atomic) {
+        return ring.allreduce_over::<T, C>(one.slice_mut::<T>(), op);
+    }
     let total = views.iter().map(|v| v.len).sum();
     let mut flat: Vec<T> = Vec::with_capacity(total);
     for v in views {
         flat.extend_from_slice(v.slice::<T>());
     }
-    ring.allreduce(&mut flat, op)?;
+    ring.allreduce_over::<T, C>(&mut flat, op)?;
     let mut at = 0;
     for v in views {
         v.slice_mut::<T>().copy_from_slice(&flat[at..at + v.len]);

@@ -21,7 +21,7 @@ use std::time::Duration;
 use ddlf_core::auth::Token;
 
 use crate::guard::Slot;
-pub use ring::{Elem, Op, RingError, Side};
+pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Plain, RingError, Side};
 
 /// The token this process presents on the peer links it opens: the one its daemon was started with (set by
 /// the daemon at start; workers of one cluster share the master's token).
@@ -230,13 +230,22 @@ impl Ring {
 
     /// All-reduce `data` in place with the other ranks. Every rank must pass the same element type and count.
     pub fn allreduce<T: Elem>(&mut self, data: &mut [T], op: Op) -> Result<(), CollectiveError> {
+        self.allreduce_over::<T, Plain>(data, op)
+    }
+
+    /// [`Ring::allreduce`] with the elements sent as `C::W` (half precision on the wire, sums in `T`).
+    pub fn allreduce_over<T: Elem, C: Codec<T>>(
+        &mut self,
+        data: &mut [T],
+        op: Op,
+    ) -> Result<(), CollectiveError> {
         if let Some(why) = &self.spent {
             return Err(CollectiveError::Spent(why.clone()));
         }
         if self.n() == 1 {
             return Ok(());
         }
-        let result = self.reduce(data, op);
+        let result = self.reduce::<T, C>(data, op);
         if let Err(e) = &result {
             // Close the links now: both neighbours fail at once instead of stalling out.
             self.spent = Some(e.to_string());
@@ -246,7 +255,11 @@ impl Ring {
         result
     }
 
-    fn reduce<T: Elem>(&mut self, data: &mut [T], op: Op) -> Result<(), CollectiveError> {
+    fn reduce<T: Elem, C: Codec<T>>(
+        &mut self,
+        data: &mut [T],
+        op: Op,
+    ) -> Result<(), CollectiveError> {
         let mut streams = match self.streams.take() {
             Some(s) => s,
             None => self.connect()?,
@@ -263,7 +276,7 @@ impl Ring {
             rest = tail;
         }
         let results: Vec<Result<(), RingError>> = if k == 1 {
-            vec![ring::allreduce(
+            vec![ring::allreduce_over::<T, C>(
                 parts.pop().unwrap_or_default(),
                 rank,
                 n,
@@ -277,7 +290,9 @@ impl Ring {
                     .into_iter()
                     .zip(streams.iter_mut())
                     .map(|(part, st)| {
-                        s.spawn(move || ring::allreduce(part, rank, n, &mut st.links, op, stall))
+                        s.spawn(move || {
+                            ring::allreduce_over::<T, C>(part, rank, n, &mut st.links, op, stall)
+                        })
                     })
                     .collect();
                 handles

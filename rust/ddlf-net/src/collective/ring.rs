@@ -14,8 +14,13 @@
 //! that arrives for element `i` of chunk `c` in the all-gather is the finished sum, which includes what this rank
 //! sent for `i` during the reduce-scatter, so that send happened first.
 //!
-//! Every call starts by exchanging a 16-byte header with both neighbours (element type and count), so ranks that
-//! disagree about what they reduce fail with [`RingError::Mismatch`] instead of adding unrelated bytes.
+//! Every call starts by exchanging a 16-byte header with both neighbours (element type, wire type and count), so
+//! ranks that disagree about what they reduce fail with [`RingError::Mismatch`] instead of adding unrelated bytes.
+//!
+//! **Half precision on the wire** ([`allreduce_over`] with a [`Codec`] such as [`F16Wire`]): every hop sends the
+//! elements as float16 or bfloat16 (half the bytes) and every rank adds in float32. In the all-gather each reduced
+//! chunk leaves its owner rounded to the wire type, and the owner keeps the same rounded value, so every rank still
+//! ends with identical bits (a received value re-encodes to the same bits it arrived as).
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -64,6 +69,88 @@ impl Elem for f64 {
     }
 }
 
+/// How elements of type `T` travel: as themselves ([`Plain`]), or narrowed to a smaller type and widened again on
+/// arrival (the sum is always kept in `T`).
+pub trait Codec<T: Elem>: Send + Sync {
+    /// The element type on the wire.
+    type W: bytemuck::Pod + Send + Sync;
+    /// Code in the call header (with `T::CODE`): ranks sending different wire types refuse.
+    const CODE: u32;
+    /// Name in error messages.
+    const NAME: &'static str;
+    /// `true` when `W` is `T` itself: bytes are sent straight from the data, without staging.
+    const PLAIN: bool;
+    /// Narrow `src` into `out` (same length).
+    fn encode(src: &[T], out: &mut [Self::W]);
+    /// Add the widened `src` to `dst` (same length).
+    fn add(dst: &mut [T], src: &[Self::W]);
+    /// Replace `dst` by the widened `src` (same length).
+    fn copy(dst: &mut [T], src: &[Self::W]);
+}
+
+/// Elements travel as themselves.
+pub struct Plain;
+
+impl<T: Elem> Codec<T> for Plain {
+    type W = T;
+    const CODE: u32 = 0;
+    const NAME: &'static str = "";
+    const PLAIN: bool = true;
+    fn encode(src: &[T], out: &mut [T]) {
+        out.copy_from_slice(src);
+    }
+    fn add(dst: &mut [T], src: &[T]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = d.add(*s);
+        }
+    }
+    fn copy(dst: &mut [T], src: &[T]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+/// float32 summed, IEEE float16 on the wire (values beyond ±65504 become infinite: for gradients and deltas).
+pub struct F16Wire;
+
+impl Codec<f32> for F16Wire {
+    type W = half::f16;
+    const CODE: u32 = 1;
+    const NAME: &'static str = " over float16";
+    const PLAIN: bool = false;
+    fn encode(src: &[f32], out: &mut [half::f16]) {
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(out, src);
+    }
+    fn add(dst: &mut [f32], src: &[half::f16]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d += s.to_f32();
+        }
+    }
+    fn copy(dst: &mut [f32], src: &[half::f16]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+}
+
+/// float32 summed, bfloat16 on the wire (float32's range, 8 bits of mantissa).
+pub struct Bf16Wire;
+
+impl Codec<f32> for Bf16Wire {
+    type W = half::bf16;
+    const CODE: u32 = 2;
+    const NAME: &'static str = " over bfloat16";
+    const PLAIN: bool = false;
+    fn encode(src: &[f32], out: &mut [half::bf16]) {
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(out, src);
+    }
+    fn add(dst: &mut [f32], src: &[half::bf16]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d += s.to_f32();
+        }
+    }
+    fn copy(dst: &mut [f32], src: &[half::bf16]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+}
+
 /// Why one ring pass failed. The caller knows the neighbours' ranks and addresses and names them.
 #[derive(Debug, thiserror::Error)]
 pub enum RingError {
@@ -75,13 +162,13 @@ pub enum RingError {
     Stalled { side: Side, after: Duration },
     #[error(
         "the left neighbour reduces {their_len} {their_type} elements and this rank {our_len} {our_type}: \
-         every rank must pass arrays of the same dtypes and sizes"
+         every rank must pass arrays of the same dtypes and sizes, with the same wire precision"
     )]
     Mismatch {
         their_len: u64,
-        their_type: &'static str,
+        their_type: String,
         our_len: u64,
-        our_type: &'static str,
+        our_type: String,
     },
     #[error("the left neighbour sent an unreadable header (not a ddlf ring)")]
     BadHeader,
@@ -134,11 +221,23 @@ pub fn allreduce<T: Elem>(
     op: Op,
     stall: Duration,
 ) -> Result<(), RingError> {
+    allreduce_over::<T, Plain>(data, rank, n, links, op, stall)
+}
+
+/// [`allreduce`] with the elements sent as `C::W` (see the module docs on half precision).
+pub fn allreduce_over<T: Elem, C: Codec<T>>(
+    data: &mut [T],
+    rank: usize,
+    n: usize,
+    links: &mut Links,
+    op: Op,
+    stall: Duration,
+) -> Result<(), RingError> {
     if n <= 1 {
         return Ok(());
     }
-    exchange_header::<T>(data.len() as u64, links, stall)?;
-    Pass::new(data.len(), rank, n).run(data, links, stall)?;
+    exchange_header::<T, C>(data.len() as u64, links, stall)?;
+    Pass::new(data.len(), rank, n).run::<T, C>(data, links, stall)?;
     if op == Op::Mean {
         let by = 1.0 / n as f64;
         for x in data.iter_mut() {
@@ -148,10 +247,35 @@ pub fn allreduce<T: Elem>(
     Ok(())
 }
 
-fn exchange_header<T: Elem>(len: u64, links: &mut Links, stall: Duration) -> Result<(), RingError> {
+/// The header's type word: the element type in the low byte, the wire type in the next.
+fn type_word<T: Elem, C: Codec<T>>() -> u32 {
+    T::CODE | (C::CODE << 8)
+}
+
+fn type_name(word: u32) -> String {
+    let elem = match word & 0xff {
+        1 => "float32",
+        2 => "float64",
+        _ => "unknown",
+    };
+    let wire = match word >> 8 {
+        0 => "",
+        1 => " over float16",
+        2 => " over bfloat16",
+        _ => " over an unknown wire type",
+    };
+    format!("{elem}{wire}")
+}
+
+fn exchange_header<T: Elem, C: Codec<T>>(
+    len: u64,
+    links: &mut Links,
+    stall: Duration,
+) -> Result<(), RingError> {
+    let ours_word = type_word::<T, C>();
     let mut ours = [0u8; 16];
     ours[..4].copy_from_slice(&MAGIC.to_le_bytes());
-    ours[4..8].copy_from_slice(&T::CODE.to_le_bytes());
+    ours[4..8].copy_from_slice(&ours_word.to_le_bytes());
     ours[8..].copy_from_slice(&len.to_le_bytes());
     let mut theirs = [0u8; 16];
     let (mut sent, mut got) = (0usize, 0usize);
@@ -185,16 +309,12 @@ fn exchange_header<T: Elem>(len: u64, links: &mut Links, stall: Duration) -> Res
     }
     let their_len = u64::from_le_bytes(theirs[8..].try_into().unwrap_or_default());
     let their_code = word(4..8);
-    if their_code != T::CODE || their_len != len {
+    if their_code != ours_word || their_len != len {
         return Err(RingError::Mismatch {
             their_len,
-            their_type: match their_code {
-                1 => "float32",
-                2 => "float64",
-                _ => "unknown",
-            },
+            their_type: type_name(their_code),
             our_len: len,
-            our_type: T::NAME,
+            our_type: format!("{}{}", T::NAME, C::NAME),
         });
     }
     Ok(())
@@ -247,14 +367,25 @@ impl Pass {
         }
     }
 
-    fn run<T: Elem>(
+    fn run<T: Elem, C: Codec<T>>(
         mut self,
         data: &mut [T],
         links: &mut Links,
         stall: Duration,
     ) -> Result<(), RingError> {
-        let size = std::mem::size_of::<T>();
-        let mut scratch = vec![T::zeroed(); SCRATCH_BYTES / size];
+        let size = std::mem::size_of::<C::W>();
+        let mut scratch = vec![<C::W as bytemuck::Zeroable>::zeroed(); SCRATCH_BYTES / size];
+        // Narrowed elements of the current send step (unused when elements travel as themselves): `staged` of
+        // them encoded so far.
+        let mut stage = vec![
+            <C::W as bytemuck::Zeroable>::zeroed();
+            if C::PLAIN {
+                0
+            } else {
+                self.len.div_ceil(self.n)
+            }
+        ];
+        let mut staged = 0usize;
         let mut filled = 0usize; // bytes of `scratch` holding received data not yet applied
                                  // Bytes this pass still receives: reads never go past them (into the next call's header, which a fast
                                  // left neighbour may already have sent).
@@ -267,9 +398,24 @@ impl Pass {
             // Send what is ready of the current step; a finished step moves on at once.
             while self.send_step < self.steps {
                 let range = self.send_chunk(self.send_step);
-                let ready = self.ready() * size;
+                let ready_elems = self.ready();
+                let ready = ready_elems * size;
                 if self.sent < ready {
-                    let bytes: &[u8] = bytemuck::cast_slice(&data[range.clone()]);
+                    let bytes: &[u8] = if C::PLAIN {
+                        bytemuck::cast_slice(&data[range.clone()])
+                    } else {
+                        if staged < ready_elems {
+                            let fresh = range.start + staged..range.start + ready_elems;
+                            C::encode(&data[fresh.clone()], &mut stage[staged..ready_elems]);
+                            if self.send_step == self.n - 1 {
+                                // This rank's finished chunk leaves rounded: keep the rounded value too, so
+                                // every rank ends with the same bits.
+                                C::copy(&mut data[fresh], &stage[staged..ready_elems]);
+                            }
+                            staged = ready_elems;
+                        }
+                        bytemuck::cast_slice(&stage[..range.len()])
+                    };
                     match links.right.write(&bytes[self.sent..ready]) {
                         Ok(k) => (self.sent, progressed) = (self.sent + k, true),
                         Err(e) if retry(&e) => break,
@@ -277,7 +423,7 @@ impl Pass {
                     }
                 }
                 if self.sent == range.len() * size {
-                    (self.send_step, self.sent) = (self.send_step + 1, 0);
+                    (self.send_step, self.sent, staged) = (self.send_step + 1, 0, 0);
                     progressed = true;
                 } else {
                     break;
@@ -286,7 +432,7 @@ impl Pass {
             // Receive whatever has arrived and apply every whole element of it (empty chunks complete first: a
             // neighbour that finished may already have closed, and nothing is read for them).
             if filled == 0 {
-                self.apply(data, &[]);
+                self.apply::<T, C>(data, &[]);
             }
             if self.recv_step < self.steps {
                 let room: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
@@ -297,7 +443,7 @@ impl Pass {
                     Err(e) if retry(&e) => {}
                     Err(e) => return Err(io_error(Side::Left, e)),
                 }
-                let applied = self.apply(data, &scratch[..filled / size]);
+                let applied = self.apply::<T, C>(data, &scratch[..filled / size]);
                 let used = applied * size;
                 if used > 0 {
                     let room: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
@@ -319,7 +465,7 @@ impl Pass {
     /// Reduce (reduce-scatter steps) or copy (all-gather steps) received elements into `data`, moving through the
     /// steps as chunks complete (empty chunks, when there are fewer elements than ranks, complete at once).
     /// Returns how many elements of `got` were used.
-    fn apply<T: Elem>(&mut self, data: &mut [T], got: &[T]) -> usize {
+    fn apply<T: Elem, C: Codec<T>>(&mut self, data: &mut [T], got: &[C::W]) -> usize {
         let mut used = 0;
         while self.recv_step < self.steps {
             let range = self.recv_chunk(self.recv_step);
@@ -327,11 +473,9 @@ impl Pass {
             let dst = &mut data[range.start + self.done..range.start + self.done + take];
             let src = &got[used..used + take];
             if self.recv_step < self.n - 1 {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = d.add(*s);
-                }
+                C::add(dst, src);
             } else {
-                dst.copy_from_slice(src);
+                C::copy(dst, src);
             }
             used += take;
             self.done += take;
@@ -451,6 +595,96 @@ mod tests {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// Like `run`, each rank with its own codec (`wires[r]`: 0 plain, 1 float16, 2 bfloat16).
+    fn run_wire(inputs: Vec<Vec<f32>>, wires: &[u8], op: Op) -> Vec<Result<Vec<f32>, String>> {
+        let n = inputs.len();
+        let links = ring(n);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = inputs
+                .into_iter()
+                .zip(links)
+                .enumerate()
+                .map(|(rank, (mut data, mut links))| {
+                    let wire = wires[rank];
+                    s.spawn(move || {
+                        let d = Duration::from_secs(10);
+                        match wire {
+                            1 => allreduce_over::<f32, F16Wire>(
+                                &mut data, rank, n, &mut links, op, d,
+                            ),
+                            2 => allreduce_over::<f32, Bf16Wire>(
+                                &mut data, rank, n, &mut links, op, d,
+                            ),
+                            _ => allreduce(&mut data, rank, n, &mut links, op, d),
+                        }
+                        .map(|_| data)
+                        .map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn half_on_the_wire_sums_in_float32_and_every_rank_agrees() {
+        for (wire, tol) in [(1u8, 2e-3f32), (2u8, 1.6e-2f32)] {
+            for n in [2, 3, 5] {
+                for len in [0, 1, 7, 1023, 100_003] {
+                    let ins: Vec<Vec<f32>> = (0..n)
+                        .map(|r| {
+                            (0..len)
+                                .map(|i| ((i * 7919 + r * 104_729) % 2000) as f32 * 1e-3 - 1.0)
+                                .collect()
+                        })
+                        .collect();
+                    let want: Vec<f32> = (0..len).map(|i| ins.iter().map(|v| v[i]).sum()).collect();
+                    let outs: Vec<Vec<f32>> = run_wire(ins, &vec![wire; n], Op::Sum)
+                        .into_iter()
+                        .map(|o| o.unwrap_or_else(|e| panic!("wire {wire} n={n} len={len}: {e}")))
+                        .collect();
+                    for (i, w) in want.iter().enumerate() {
+                        // Each hop rounds the partial sum to the wire type: error grows with the ranks.
+                        let err = (outs[0][i] - w).abs();
+                        assert!(
+                            err <= tol * n as f32 * w.abs().max(1.0),
+                            "wire {wire} n={n} i={i}: {err}"
+                        );
+                    }
+                    for o in &outs[1..] {
+                        assert!(
+                            o.iter()
+                                .zip(&outs[0])
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "wire {wire} n={n} len={len}: ranks differ"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn half_on_the_wire_keeps_exact_values_exact() {
+        // Small integers are exact in float16: a mean of them comes back exactly.
+        let ins: Vec<Vec<f32>> = (0..4).map(|r| vec![r as f32 * 4.0; 4097]).collect();
+        for out in run_wire(ins, &[1; 4], Op::Mean) {
+            assert_eq!(out.unwrap(), vec![6.0f32; 4097]);
+        }
+    }
+
+    #[test]
+    fn ranks_with_different_wire_types_refuse() {
+        let ins: Vec<Vec<f32>> = (0..3).map(|_| vec![1.0f32; 100]).collect();
+        let outs = run_wire(ins, &[0, 1, 1], Op::Sum);
+        assert!(
+            outs.iter().any(|o| o
+                .as_ref()
+                .is_err_and(|e| e.contains("float32 over float16"))),
+            "{outs:?}"
+        );
     }
 
     fn inputs(n: usize, len: usize) -> Vec<Vec<f64>> {
