@@ -123,6 +123,7 @@ class IApp:
         averaging: str = "weights",
         scale_learning_rate: bool = False,
         warmup_epochs: float = 0.0,
+        bucket_cap_mb: float | None = 25.0,
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -178,6 +179,11 @@ class IApp:
                 batch. Use it when the per-worker ``batch_size`` is the one the learning rate was tuned for.
             warmup_epochs: reach the scaled learning rate linearly from the compiled one over this many epochs
                 (step by step); large scale factors need a few epochs of warm-up to stay stable.
+            bucket_cap_mb: with ``averaging="gradients"`` on PyTorch (Keras's torch backend, :class:`TorchModel`):
+                the gradients go to the ring in buckets of about this many MB while the backward pass still runs
+                (PyTorch DDP's ``bucket_cap_mb``, same default), so communication overlaps computation; ``None``
+                exchanges them in one buffer after the backward pass. Keras on JAX and TensorFlow compute all
+                gradients in one compiled call: they always exchange after it. See :mod:`ddlf.training.buckets`.
             nonfinite: what a worker's reply holding NaN or infinity does: ``"skip"`` leaves it out of its round
                 (a warning and a ``reply_refused`` event; the other workers' replies are merged) or ``"raise"``
                 stops training with :class:`~ddlf.errors.NonFiniteUpdate`. Malformed replies (wrong count,
@@ -215,6 +221,7 @@ class IApp:
             averaging=averaging,
             scale_learning_rate=scale_learning_rate,
             warmup_epochs=warmup_epochs,
+            bucket_cap_mb=bucket_cap_mb,
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):
@@ -332,6 +339,7 @@ class IApp:
             "compression": cfg.compression,
             "exchange": cfg.exchange if mode == "sync" else "master",
             "averaging": cfg.averaging,
+            "bucket_cap_mb": cfg.bucket_cap_mb if cfg.averaging == "gradients" else None,
             "run_id": cfg.run_id,  # what the workers' status and logs call this run
         }
         if resumed is not None:

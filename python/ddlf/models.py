@@ -263,6 +263,14 @@ class _TorchStepper:
     def begin(self) -> None:
         pass
 
+    def backward(self, x: Any, y: Any) -> None:
+        self.model._backward(x, y)
+
+    def buckets(self, cap_bytes: int) -> Any:
+        from .training.gradients import torch_buckets
+
+        return torch_buckets(self, self.params, cap_bytes)
+
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
         self.model._backward(x, y)
         return [

@@ -183,14 +183,18 @@ class TorchLinear(ddlf.IApp):
         return TorchModel(module, lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.CrossEntropyLoss())
 
 
-def test_torch_model_gradient_averaging_equals_one_process() -> None:
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-4, None])
+def test_torch_model_gradient_averaging_equals_one_process(bucket_cap_mb: float | None) -> None:
+    """25 MB: one bucket, sent during backward; 1e-4 MB (100 bytes): a bucket per parameter or two, launched
+    in order while backward runs; None: one buffer after backward. All the same descent as one process."""
     from .test_gradients import global_batches
 
     with ddlf.Cluster.local(2, threads=1) as c:
         app = TorchLinear(c)
         app.model = app.create_model()
         start = app.model.get_weights()
-        h = app.train(epochs=2, batch_size=16, seed=4, averaging="gradients", verbose=0)
+        h = app.train(epochs=2, batch_size=16, seed=4, averaging="gradients", bucket_cap_mb=bucket_cap_mb, verbose=0)
+        assert h.params["bucket_cap_mb"] == bucket_cap_mb
         x, y = app.load_dataset()
         ref = app.create_model()
         ref.set_weights(start)
@@ -200,3 +204,47 @@ def test_torch_model_gradient_averaging_equals_one_process() -> None:
         assert diff < 2e-5, diff
         assert max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), start)) > 100 * diff
         assert h.history["accuracy"][-1] > 0.8
+
+
+def test_buckets_follow_backward_order_and_launch_in_order() -> None:
+    """The unit of overlap, without a ring: buckets cut in reverse parameter order, launched strictly in order
+    (each while backward still runs, the last after it), weights carried per bucket, NaN left out per bucket."""
+    from ddlf.training.buckets import Buckets
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    params = list(module.parameters())  # 192 + 16 + 32 + 2 floats
+    buckets = Buckets(params, cap_bytes=100)
+    assert buckets.members == [[3, 2], [1, 0]]  # 34 floats (136 bytes) fill the first bucket
+    launched: list[tuple[int, bool]] = []
+
+    def reduce(flat: np.ndarray) -> None:
+        launched.append((flat.size, backward_running[0]))
+        flat *= 2  # as if a second rank sent the same
+
+    backward_running = [False]
+    x = torch.randn(8, 12)
+
+    def backward() -> None:
+        backward_running[0] = True
+        module.zero_grad()
+        torch.nn.functional.cross_entropy(module(x), torch.zeros(8, dtype=torch.long)).backward()
+        backward_running[0] = False
+
+    grads, totals, bad = buckets.exchange(backward, 0.5, reduce)
+    assert [n for n, _ in launched] == [35, 209]  # each with its weight as the last element
+    assert launched[0][1]  # the last layer's bucket left while backward still ran
+    assert totals == [1.0, 1.0] and not bad
+    for g, p in zip(grads, params):
+        np.testing.assert_allclose(g, p.grad.numpy(), rtol=1e-6)  # (2 x 0.5 x grad) / (2 x 0.5)
+    # A rank without a batch sends zeros with weight 0; a non-finite bucket is left out on its own.
+    launched.clear()
+    grads, totals, bad = buckets.exchange(None, 0.5, reduce)
+    assert totals == [0.0, 0.0] and all(not g.any() for g in grads)
+    poison = params[0].register_hook(lambda g: torch.full_like(g, float("nan")))  # only the first layer's grads
+    grads, totals, bad = buckets.exchange(backward, 1.0, reduce)
+    assert (
+        bad and totals[1] == 0.0 and totals[0] == 2.0 and np.isfinite(np.concatenate([g.ravel() for g in grads])).all()
+    )
+    poison.remove()
+    buckets.close()

@@ -45,6 +45,7 @@ class TrainConfig:
     averaging: str = "weights"  # sync: "weights" (model averaging) or "gradients" (every step, see training.gradients)
     scale_learning_rate: bool = False  # gradients: learning rate x workers (Goyal et al. 2017)...
     warmup_epochs: float = 0.0  # ...reached linearly over this many epochs
+    bucket_cap_mb: float | None = 25.0  # gradients on PyTorch: exchanged in buckets during backward (None: after)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
 
@@ -93,6 +94,11 @@ class TrainConfig:
                 'scale_learning_rate and warmup_epochs are for averaging="gradients" (n workers step like one '
                 "process at n times the batch); model averaging keeps each worker's own learning rate"
             )
+        cap = self.bucket_cap_mb
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf")
+        ):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MB or None, not {cap!r}")
         if self.warmup_epochs and not self.scale_learning_rate:
             raise ValueError("warmup_epochs warms up the scaled learning rate: set scale_learning_rate=True too")
 

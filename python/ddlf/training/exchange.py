@@ -169,7 +169,7 @@ class RingExchange:
                 if cfg.compression is not None:
                     kw["compression"] = cfg.compression
                 if gradients:
-                    kw.update(steps=steps, adopt=adopt)
+                    kw.update(steps=steps, adopt=adopt, bucket_cap_mb=cfg.bucket_cap_mb)
                     if cfg.scale_learning_rate:
                         kw["learning_rate_factor"] = learning_rate_factor
                 else:

@@ -59,6 +59,31 @@ class Stepper:
         """Scale the optimizer's learning rate to ``factor`` times the one the model was compiled with."""
         raise NotImplementedError
 
+    def buckets(self, cap_bytes: int) -> Any:
+        """A :class:`~ddlf.training.buckets.Buckets` that exchanges this model's gradients while its backward pass
+        runs (then :meth:`backward` computes a batch's gradients), or ``None`` where the backend computes all
+        gradients in one compiled call (Keras on JAX or TensorFlow)."""
+        return None
+
+    def backward(self, x: Any, y: Any) -> None:
+        """Forward and backward on a batch, leaving the gradients where :meth:`buckets`' hooks read them."""
+        raise NotImplementedError
+
+
+def torch_buckets(stepper: Any, params: list[Any], cap_bytes: int) -> Any:
+    """The torch steppers' :meth:`Stepper.buckets`: one per stepper and cap, ``None`` unless every parameter is
+    float32."""
+    from .buckets import Buckets
+
+    held = getattr(stepper, "_buckets", None)
+    if held is not None and held[0] == cap_bytes:
+        return held[1]
+    if held is not None and held[1] is not None:
+        held[1].close()
+    made = Buckets(params, cap_bytes) if Buckets.supports(params) else None
+    stepper._buckets = (cap_bytes, made)
+    return made
+
 
 def stepper_for(model: Any) -> Stepper:
     """The stepper for ``model``: its own (``model.gradient_stepper()``, as :class:`ddlf.TorchModel`), or the
@@ -299,7 +324,7 @@ class _TorchKerasStepper(_KerasStepper):
 
         self._torch = torch
 
-    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+    def backward(self, x: Any, y: Any) -> None:
         import keras
 
         model, torch = self.model, self._torch
@@ -309,13 +334,19 @@ class _TorchKerasStepper(_KerasStepper):
         loss = self._loss(x, y, y_pred)
         model._loss_tracker.update_state(loss, sample_weight=x.shape[0])
         model.optimizer.scale_loss(loss).backward()
+        with torch.no_grad():
+            model.compute_metrics(x, y, y_pred, sample_weight=None)
+
+    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        self.backward(x, y)
         out = []
         for v in self.trainable:
             g = v.value.grad
             out.append(np.zeros(tuple(v.shape), np.dtype(v.dtype)) if g is None else g.detach().cpu().numpy())
-        with torch.no_grad():
-            model.compute_metrics(x, y, y_pred, sample_weight=None)
         return out
+
+    def buckets(self, cap_bytes: int) -> Any:
+        return torch_buckets(self, [v.value for v in self.trainable], cap_bytes)
 
     def apply(self, gradients: list[np.ndarray]) -> None:
         import keras

@@ -528,6 +528,7 @@ def train_gradients(
     adopt: bool = False,
     learning_rate_factor: tuple[float, float] | None = None,
     compression: str | None = None,
+    bucket_cap_mb: float | None = None,
     prefetch: int = 2,
     seeded: Seeded | None = None,
     shard: int | None = None,
@@ -544,8 +545,11 @@ def train_gradients(
     steps (the linear warm-up). ``compression="float16"|"bfloat16"``: float32 gradients travel at half precision
     (each weighted by its batch's share of ``batch_size``, so a weighted gradient is no larger than the gradient);
     a step whose average overflowed float16 is skipped on every member alike (``wire_overflow_steps``). A redo of
-    a failed round starts again from the weights and optimizer state this worker started it with. Returns
-    samples, logs and timings, never the weights."""
+    a failed round starts again from the weights and optimizer state this worker started it with.
+    ``bucket_cap_mb``: where the backend allows (PyTorch), exchange the gradients in buckets of about this size
+    while the backward pass runs (:mod:`.buckets`); ``None``: in one buffer after it. Returns samples, logs and
+    timings (``reduce_seconds``: the time steps waited for the exchange after their backward), never the
+    weights."""
     from .replies import finite
 
     session = _session(run_id)
@@ -570,6 +574,13 @@ def train_gradients(
     factor = None
     reduce_s = 0.0
     nonfinite = overflowed = 0
+    buckets = stepper.buckets(int(bucket_cap_mb * 2**20)) if bucket_cap_mb else None
+    if buckets is not None:
+        from ..collective import reduce_scratch
+
+        def reduce(flat: np.ndarray) -> None:
+            reduce_scratch(flat, ring, "sum", wire=compression)
+
     try:
         for step in range(steps):
             if learning_rate_factor is not None:
@@ -579,7 +590,25 @@ def train_gradients(
                     stepper.set_learning_rate_factor(f)
                     factor = f
             batch = next(batches, None)
-            if batch is None:
+            if buckets is not None:
+                # Overlapped: the buckets go to the ring while backward runs; only the wait after it counts.
+                run, n = None, 0
+                if batch is not None:
+                    bx, by = preprocess(*batch)
+                    n = len(by)
+
+                    def run(bx: Any = bx, by: Any = by) -> None:
+                        stepper.backward(bx, by)
+                        if slow_seconds_per_batch:
+                            time.sleep(slow_seconds_per_batch)
+
+                averaged, totals, bad = buckets.exchange(run, n / batch_size, reduce)
+                reduce_s += buckets.waited
+                total = max(totals) * batch_size
+                if bad:
+                    log.warning("run %s: non-finite gradients on a batch of %d rows: left out of the step", run_id, n)
+                    nonfinite += 1
+            elif batch is None:
                 grads, n = stepper.zeros(), 0
             else:
                 bx, by = preprocess(*batch)
@@ -591,9 +620,10 @@ def train_gradients(
                     log.warning("run %s: non-finite gradients on a batch of %d rows: left out of the step", run_id, n)
                     grads, n = stepper.zeros(), 0
                     nonfinite += 1
-            t_reduce = time.perf_counter()
-            averaged, total = _weighted_mean(grads, float(n), ring, wire=compression, unit=batch_size)
-            reduce_s += time.perf_counter() - t_reduce
+            if buckets is None:
+                t_reduce = time.perf_counter()
+                averaged, total = _weighted_mean(grads, float(n), ring, wire=compression, unit=batch_size)
+                reduce_s += time.perf_counter() - t_reduce
             if compression is not None and total > 0 and not all(finite(a) for a in averaged):
                 overflowed += 1  # the same bits on every member: all skip this step
                 continue
