@@ -23,7 +23,8 @@ def test_auto_takes_the_ring_only_across_hosts() -> None:
     assert choose("auto", ONE_HOST, [0, 1, 2], None) == "master"
     assert choose("auto", TWO_HOSTS, [0, 1, 2], None) == "allreduce"
     assert choose("auto", TWO_HOSTS, [1, 2], None) == "master"  # the run's workers share one host
-    assert choose("auto", TWO_HOSTS, [0, 1], "float16") == "master"  # what the ring does not do yet
+    assert choose("auto", TWO_HOSTS, [0, 1], "float16") == "allreduce"  # half precision on the ring's links
+    assert choose("auto", TWO_HOSTS, [0, 1], "topk") == "master"  # what the ring does not do
     assert choose("auto", FakeCluster(TWO_HOSTS.addresses, tls=True), [0, 1], None) == "master"
 
 
