@@ -117,8 +117,107 @@ def markdown(
         f"compression it is about {floor:,.0f} s per epoch at {gbits[0]:g} Gbit/s whatever the cluster size, and "
         "compute only shrinks under it. Compressing the upload (float16, top-k) lowers that floor, the dense "
         "download of the averaged weights does not shrink; beyond it, fewer rounds (a larger "
-        "`averaging_frequency`) or a hierarchical / all-reduce exchange (not in ddlf yet) is what scales.",
+        '`averaging_frequency`) or the ring (`exchange="allreduce"`: its rows and projection are in the next '
+        "section) is what scales.",
     ]
+    return "\n".join(lines)
+
+
+def ring_comm_seconds(
+    n: int, gbits: float, weights_bytes: float, efficiency: float, hop_latency: float = 0.0, reduces: int = 1
+) -> float:
+    """Seconds of communication per round for ``n`` workers averaging over a ring, each on its own ``gbits``
+    Gbit/s link: every all-reduce moves 2(n-1)/n of the weights through each worker's link each way (reduce-scatter
+    then all-gather) in 2(n-1) steps, each paying a hop's latency once (the chunks behind it are pipelined).
+    ``reduces``: all-reduces per round (1 for model averaging, one per batch for gradient averaging)."""
+    if n <= 1:
+        return 0.0
+    return reduces * (2 * (n - 1) / n * weights_bytes * 8 / (gbits * 1e9 * efficiency) + 2 * (n - 1) * hop_latency)
+
+
+def _ring_rows(rows: list[dict[str, Any]], averaging: str) -> list[dict[str, Any]]:
+    return sorted(
+        (r for r in rows if r["exchange"] == "allreduce" and r["averaging"] == averaging and not r["compression"]),
+        key=lambda r: r["workers"],
+    )
+
+
+def calibrate_ring(rows: list[dict[str, Any]], gbits: float = 1.0) -> float:
+    """Achieved share of each link's nominal bandwidth on the ring, from the smallest measured model-averaging
+    run (comm = wall - compute: a ring round's compute excludes the all-reduce)."""
+    base = _ring_rows(rows, "weights")[0]
+    comm = max(1e-9, base["wall"] - base["compute"])
+    return ring_comm_seconds(base["workers"], gbits, base["weights_bytes"], 1.0) / comm
+
+
+def ring_markdown(
+    rows: list[dict[str, Any]],
+    samples: int = 1_000_000,
+    workers: tuple[int, ...] = (8, 64, 512),
+    gbits: tuple[float, ...] = (10, 25, 100),
+    rtt: float = 1e-4,
+) -> str:
+    """The projection for both exchanges, from ``python -m benchmarks exchange``'s rows (1 Gbit/s): each model
+    checked against every measured worker count, then seconds per epoch and communication share projected."""
+    masters = sorted((r for r in rows if r["exchange"] == "master"), key=lambda r: r["workers"])
+    ring_w, ring_g = _ring_rows(rows, "weights"), _ring_rows(rows, "gradients")
+    w = float(ring_w[0]["weights_bytes"])
+    m0 = masters[0]
+    eff_m = m0["workers"] * 2 * w * 8 / 1e9 / max(1e-9, m0["wall"] - m0["compute"])
+    eff_r = calibrate_ring(rows)
+    compute_w = {r["workers"]: r["compute"] for r in ring_w}
+    checks: list[tuple[str, int, float, float]] = []
+    for r in masters:
+        predicted = r["compute"] + comm_seconds(r["workers"], 1.0, w, w, eff_m)
+        checks.append(("master, weights", r["workers"], r["wall"], predicted))
+    for r in ring_w:
+        predicted = r["compute"] + ring_comm_seconds(r["workers"], 1.0, w, eff_r)
+        checks.append(("ring, weights", r["workers"], r["wall"], predicted))
+    for r in ring_g:  # its compute includes the ring: take the same batches' compute from model averaging
+        if r["workers"] in compute_w:
+            pred = compute_w[r["workers"]] + ring_comm_seconds(r["workers"], 1.0, w, eff_r, reduces=AVG_FREQ)
+            checks.append(("ring, gradients", r["workers"], r["wall"], pred))
+    lines = [
+        "### Projection for both exchanges (`benchmarks.project`)",
+        "",
+        "Master exchange: round = compute + n·2W·8 / (B·eff) (the master's link carries every copy). Ring: "
+        "round = compute + k·(2(n-1)/n·W·8 / (B·eff) + 2(n-1)·hop latency), k all-reduces per round (1 for model "
+        f"averaging, {AVG_FREQ} for gradient averaging), each worker on its own link of B. Efficiency calibrated "
+        f"on the smallest measured run of each exchange at 1 Gbit/s: master **{eff_m:.2f}**, ring **{eff_r:.2f}** "
+        "of nominal (the gradient rows use the ring's, not their own). Checked against every measured worker "
+        "count, each with its own measured compute:",
+        "",
+        "| exchange | workers | measured s/round | predicted s/round | error |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, n, measured, predicted in checks:
+        lines.append(
+            f"| {label} | {n} | {measured:.3f} | {predicted:.3f} | {(predicted - measured) / measured * 100:+.0f}% |"
+        )
+    batch_s = min(masters, key=lambda r: r["workers"])["compute"] / AVG_FREQ
+    lines += [
+        "",
+        f"Projected seconds per epoch of {samples:,} samples and the share of it spent communicating (wide MLP, "
+        f"{w / 1e6:.1f} MB, batch {BATCH}, {AVG_FREQ} batches per round, {batch_s * 1000:.1f} ms per batch as "
+        f"measured here with 2 workers, rtt {rtt * 1e3:g} ms, hop latency rtt/2):",
+        "",
+        "| workers | link | master s/epoch (comm) | ring s/epoch (comm) | ring gradients s/epoch (comm) | "
+        "compute only |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for n in workers:
+        rounds = math.ceil(samples / (n * AVG_FREQ * BATCH))
+        compute = rounds * AVG_FREQ * batch_s
+        for g in gbits:
+            cells = []
+            for comm in (
+                2 * rtt + comm_seconds(n, g, w, w, eff_m),
+                ring_comm_seconds(n, g, w, eff_r, rtt / 2),
+                ring_comm_seconds(n, g, w, eff_r, rtt / 2, reduces=AVG_FREQ),
+            ):
+                total = compute + rounds * comm
+                cells.append(f"{total:,.1f} ({rounds * comm / total:.0%})")
+            lines.append(f"| {n} | {g:g} Gbit/s | " + " | ".join(cells) + f" | {compute:,.1f} |")
     return "\n".join(lines)
 
 

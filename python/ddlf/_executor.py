@@ -23,6 +23,8 @@ from typing import Any
 import cloudpickle
 
 from . import _ddlf, serialization
+from .errors import MemoryBudgetExceeded
+from .memory_budget import MemoryBudget
 from .upload import files_digest, in_package, module_files, source_path
 
 OPS = _ddlf.OPS
@@ -91,9 +93,15 @@ class Executor:
     """Runs the operations of one worker daemon. Called only from the daemon's interpreter thread."""
 
     def __init__(
-        self, ready_file: str | None = None, module_dir: str | None = None, preload: Sequence[str] = ()
+        self,
+        ready_file: str | None = None,
+        module_dir: str | None = None,
+        preload: Sequence[str] = (),
+        max_memory: int | None = None,
     ) -> None:
         self.preload = list(preload)
+        self.budget = MemoryBudget(max_memory)
+        """Resident memory this worker may hold (``--max-memory``): see :mod:`ddlf.memory_budget`."""
         self.variables: dict[str, Any] = {}
         self.functions: dict[str, _Function] = {}
         self.namespace: dict[str, Any] = {"__name__": "__ddlf_worker__"}
@@ -117,6 +125,14 @@ class Executor:
             OPS["CLEAN"]: self._clean,
             OPS["UPLOAD_MODULE"]: self._upload_module,
             OPS["CONTEXT"]: self._set_context,
+        }
+        # Operations that keep or run something: checked against the memory budget before they are decoded.
+        self._budgeted = {
+            OPS["SET_VAR"]: "set",
+            OPS["ADD_FUNCTION"]: "add_function",
+            OPS["RUN"]: "the call",
+            OPS["EXEC"]: "exec",
+            OPS["UPLOAD_MODULE"]: "the module upload",
         }
 
     # -- called by the Rust daemon ------------------------------------------------------------------------
@@ -159,8 +175,18 @@ class Executor:
             handler = self._handlers.get(op)
             if handler is None:
                 raise _Failure("BAD_REQUEST", "ProtocolError", f"unknown operation code {op}")
+            what = self._budgeted.get(op)
+            if what is not None and self.budget.limit is not None:
+                incoming = len(pickle) + sum(memoryview(b).nbytes for b in buffers)
+                self.budget.check(incoming, f"{what} {name!r}" if name else what)
             value = self._decode(op, pickle, buffers)
-            result = handler(name, digest, value)
+            if op == OPS["RUN"] or op == OPS["EXEC"]:
+                with self.budget:  # the watchdog stops the call if it takes the worker past its budget
+                    result = handler(name, digest, value)
+            else:
+                result = handler(name, digest, value)
+        except MemoryBudgetExceeded as exc:
+            return (KINDS["RESOURCE_EXHAUSTED"], ("MemoryBudgetExceeded", str(exc), ""))
         except _Failure as f:
             return (KINDS[f.kind], (f.type_name, str(f), ""))
         except Exception as exc:
@@ -193,7 +219,16 @@ class Executor:
 
     def _set_var(self, name: str, digest: str, value: Any) -> None:
         _check_name(name, "variable")
+        old = self.variables.get(name, _MISSING)
         self.variables[name] = value
+        try:
+            self.budget.check_after(f"set {name!r}")
+        except MemoryBudgetExceeded:
+            if old is _MISSING:
+                del self.variables[name]
+            else:
+                self.variables[name] = old
+            raise
 
     def _get_var(self, name: str, digest: str, value: Any) -> Any:
         try:

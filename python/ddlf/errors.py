@@ -77,6 +77,36 @@ class RequestRejected(DdlfError):
         self.code = code
 
 
+class MemoryBudgetExceeded(RequestRejected, MemoryError):
+    """The worker refused a request, or stopped a call, that would take its resident memory past its budget
+    (``ddlf-worker --max-memory``). Nothing of it was kept and the worker keeps serving: delete variables or
+    datasets there, or give the worker a larger budget. ``code`` is ``"memory_budget"``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        address: str | None = None,
+        worker_id: int | None = None,
+        code: str | None = "memory_budget",
+    ) -> None:
+        super().__init__(message, address=address, worker_id=worker_id, code=code)
+
+
+class CheckpointError(DdlfError, OSError):
+    """A training checkpoint could not be written (a full disk, a quota, a read-only directory). The partial file
+    was removed and the previous checkpoint is intact; ``errno``, ``strerror`` and ``filename`` are the
+    ``OSError``'s."""
+
+    def __init__(self, errno: int, message: str, filename: str) -> None:
+        OSError.__init__(self, errno, message, filename)
+        self.address = None
+        self.worker_id = None
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class RemoteError(DdlfError):
     """User code raised an exception on a worker.
 
@@ -265,6 +295,7 @@ _CLASSES: dict[ErrorClass, type[DdlfError]] = {
     ErrorClass.WorkerStartError: WorkerStartError,
     ErrorClass.InsecureConfiguration: InsecureConfiguration,
     ErrorClass.CollectiveError: CollectiveError,
+    ErrorClass.MemoryBudgetExceeded: MemoryBudgetExceeded,
 }
 """What the Rust extension raises for each of its error classes (complete: checked by the unit tests)."""
 
@@ -272,10 +303,12 @@ _CLASSES: dict[ErrorClass, type[DdlfError]] = {
 __all__ = [
     "AuthenticationError",
     "BadWorkerReply",
+    "CheckpointError",
     "CollectiveError",
     "DdlfError",
     "DeadlineExceeded",
     "InsecureConfiguration",
+    "MemoryBudgetExceeded",
     "NonFiniteUpdate",
     "NotFoundError",
     "ProtocolError",

@@ -43,6 +43,15 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _memory_size(text: str) -> int:
+    from .memory_budget import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _spin_us(text: str) -> int:
     try:
         return check_lane_spin_us(int(text))
@@ -135,6 +144,15 @@ def _parser() -> argparse.ArgumentParser:
         "DDLF_PRELOAD, else none)",
     )
     p.add_argument(
+        "--max-memory",
+        type=_memory_size,
+        default=None,
+        metavar="SIZE",
+        help="resident memory this worker may hold, e.g. 4G or 512Mi: a set, call, dataset or upload that would "
+        "pass it is refused (a call that passes it while it runs is stopped) with MemoryBudgetExceeded, and the "
+        "worker keeps serving (default: no budget)",
+    )
+    p.add_argument(
         "--gpu",
         default=None,
         metavar="IDS",
@@ -210,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before serving, on this thread: a TorchModel run on this daemon must still be able to load torch's
         # compiler once TensorFlow is in (see ddlf.frameworks); in a background thread it would race the requests.
         load_torch_compiler_first()
-    executor = Executor(ready_file=args.ready_file, preload=preload)
+    executor = Executor(ready_file=args.ready_file, preload=preload, max_memory=args.max_memory)
     try:
         _ddlf.serve_worker(
             executor,

@@ -20,7 +20,7 @@ else:  # the backport ddlf depends on there
 def test_every_error_class_of_the_extension_has_its_python_class() -> None:
     members = [getattr(_ddlf.ErrorClass, n) for n in dir(_ddlf.ErrorClass) if not n.startswith("_")]
     members = [m for m in members if isinstance(m, _ddlf.ErrorClass)]
-    assert len(members) == 12
+    assert len(members) == 13
     for m in members:
         cls = _CLASSES[m]
         assert issubclass(cls, ddlf.DdlfError)

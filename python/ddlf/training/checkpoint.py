@@ -8,7 +8,9 @@ number of epochs done, the master's random state and the History so far. In sync
 resumed reaches the same weights as an uninterrupted one (tested).
 
 The file is written next to its final name, flushed to disk, then renamed over it: a crash at any moment
-leaves either the previous checkpoint or the new one, never a torn file.
+leaves either the previous checkpoint or the new one, never a torn file. A write that fails (a full disk, a
+quota, a read-only mount) removes its partial file and raises :class:`~ddlf.errors.CheckpointError`; the previous
+checkpoint stays as it was.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CheckpointError
 from ..history import History, RoundStats
 
 FILENAME = "ddlf-checkpoint.pkl"
@@ -46,7 +49,6 @@ def save(
 ) -> Path:
     """Write the checkpoint atomically; returns its path."""
     final = path_in(directory)
-    final.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "format": FORMAT,
         "epochs_done": epochs_done,
@@ -64,11 +66,22 @@ def save(
         },
     }
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)  # a partial file would hold the space the next write needs
+        previous = "the previous checkpoint there is intact" if final.exists() else "there is no earlier checkpoint"
+        raise CheckpointError(
+            exc.errno or 0,
+            f"cannot write the checkpoint of epoch {epochs_done} to {final.parent}: {exc.strerror or exc}; "
+            f"{previous}. Free space there (or pass another checkpoint_dir) and train again with resume=True",
+            str(final),
+        ) from exc
     dir_fd = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself survives a power cut

@@ -30,6 +30,7 @@ pub enum ErrorClass {
     WorkerStartError,
     InsecureConfiguration,
     CollectiveError,
+    MemoryBudgetExceeded,
 }
 
 static CLASSES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
@@ -123,6 +124,10 @@ pub fn remote_error_instance<'py>(
         }
         ErrorKind::Serialization => (
             ErrorClass::SerializationError,
+            format!("{place}: {}", f.message),
+        ),
+        ErrorKind::ResourceExhausted => (
+            ErrorClass::MemoryBudgetExceeded,
             format!("{place}: {}", f.message),
         ),
         ErrorKind::User | ErrorKind::BadRequest | ErrorKind::None => {

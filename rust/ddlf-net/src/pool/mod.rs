@@ -131,11 +131,14 @@ impl Answer {
         }
     }
 
-    /// The worker received the request's value (it answered, and not that the value was unreadable).
+    /// The worker received the request's value (it answered, and not that the value was unreadable or that
+    /// keeping it would pass the worker's memory budget).
     fn took_value(&self) -> bool {
         match &self.outcome {
             Outcome::Reply(_) => true,
-            Outcome::Remote { kind, .. } => *kind != ErrorKind::BadRequest,
+            Outcome::Remote { kind, .. } => {
+                !matches!(kind, ErrorKind::BadRequest | ErrorKind::ResourceExhausted)
+            }
             Outcome::Failed(_) => false,
         }
     }
