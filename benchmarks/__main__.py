@@ -23,6 +23,9 @@ BENCHMARKS = {
     "gpu": "benchmarks.gpu",
     "scaling": "benchmarks.scaling",
     "averaging": "benchmarks.averaging",
+    "exchange": "benchmarks.exchange",
+    "chaos": "benchmarks.chaos",
+    "exhaustion": "benchmarks.exhaustion",
 }
 
 

@@ -176,9 +176,10 @@ class Executor:
             if handler is None:
                 raise _Failure("BAD_REQUEST", "ProtocolError", f"unknown operation code {op}")
             what = self._budgeted.get(op)
-            if what is not None and self.budget.limit is not None:
-                incoming = len(pickle) + sum(memoryview(b).nbytes for b in buffers)
-                self.budget.check(incoming, f"{what} {name!r}" if name else what)
+            if what is not None:
+                # The request's bytes are in memory already; unpickling builds about len(pickle) more (arrays
+                # are decoded in place from their buffers).
+                self.budget.check(len(pickle), f"{what} {name!r}" if name else what)
             value = self._decode(op, pickle, buffers)
             if op == OPS["RUN"] or op == OPS["EXEC"]:
                 with self.budget:  # the watchdog stops the call if it takes the worker past its budget

@@ -17,10 +17,12 @@ the daemon: a second run (another app, another script) with the same key skips l
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,12 +114,16 @@ def read_idx(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | 
         raise DatasetError(f"{path}: truncated header")
     dims = struct.unpack(">" + "I" * ndim, data[4:header])
     dtype = np.dtype(_IDX_TYPES[dtype_code])
-    expected = int(np.prod(dims)) * dtype.itemsize
+    expected = math.prod(dims) * dtype.itemsize  # exact: np.prod would wrap around for huge declared shapes
     if len(data) - header != expected:
         raise DatasetError(
             f"{path}: header says {dims} ({expected} bytes of data) but the file holds {len(data) - header} bytes"
         )
-    return np.frombuffer(data, dtype=dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="), copy=False)
+    try:
+        array = np.frombuffer(data, dtype=dtype, offset=header).reshape(dims)
+    except ValueError as exc:  # an empty array whose other dimensions numpy cannot address
+        raise DatasetError(f"{path}: header declares an impossible shape {dims}: {exc}") from exc
+    return array.astype(dtype.newbyteorder("="), copy=False)
 
 
 def _find(directory: str | os.PathLike[str], stem: str, storage_options: Mapping[str, Any] | None) -> str:
@@ -188,6 +194,10 @@ def cifar10(
 # -- numpy files ------------------------------------------------------------------------------------------
 
 
+# What numpy raises for a file that is not what it should be: empty (EOFError), a broken zip, a bad header.
+_UNREADABLE = (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError)
+
+
 def npy(
     path: str | os.PathLike[str], mmap: bool = True, storage_options: Mapping[str, Any] | None = None
 ) -> np.ndarray:
@@ -197,13 +207,18 @@ def npy(
         import io
 
         try:
-            return np.load(io.BytesIO(read_bytes(path, storage_options)), allow_pickle=False)
-        except ValueError as exc:
-            raise DatasetError(f"{path}: {exc}") from exc
-    try:
-        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"{path}: {exc}") from exc
+            out = np.load(io.BytesIO(read_bytes(path, storage_options)), allow_pickle=False)
+        except _UNREADABLE as exc:
+            raise DatasetError(f"{path}: not a readable .npy file: {exc}") from exc
+    else:
+        try:
+            out = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except _UNREADABLE as exc:
+            raise DatasetError(f"{path}: not a readable .npy file: {exc}") from exc
+    if not isinstance(out, np.ndarray):  # an .npz archive: a mapping of arrays
+        out.close()
+        raise DatasetError(f"{path}: an .npz archive, not an .npy file (read it with ddlf.datasets.npz)")
+    return out
 
 
 def npz(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
@@ -212,10 +227,16 @@ def npz(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None 
 
     source: Any = io.BytesIO(read_bytes(path, storage_options)) if is_url(path) else path
     try:
-        with np.load(source, allow_pickle=False) as z:
+        z = np.load(source, allow_pickle=False)
+    except _UNREADABLE as exc:
+        raise DatasetError(f"{path}: not a readable .npz archive: {exc}") from exc
+    if isinstance(z, np.ndarray):
+        raise DatasetError(f"{path}: an .npy array, not an .npz archive (read it with ddlf.datasets.npy)")
+    try:
+        with z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"{path}: {exc}") from exc
+    except _UNREADABLE as exc:
+        raise DatasetError(f"{path}: not a readable .npz archive: {exc}") from exc
 
 
 # -- feeding a training loop ------------------------------------------------------------------------------
@@ -242,7 +263,8 @@ def batches(
     from . import ops
 
     arrays = list(arrays) if isinstance(arrays, (tuple, list)) else [arrays]
-    idx = np.arange(len(arrays[0]), dtype=np.uint32) if indices is None else np.asarray(indices, dtype=np.uint32)
+    # Indices go to the pipeline as given: it refuses non-integers and rows out of range (a cast here would wrap).
+    idx = np.arange(len(arrays[0]), dtype=np.uint32) if indices is None else np.asarray(indices)
     epoch = 0
     while epochs is None or epoch < epochs:
         order = idx if seed is None else idx[ops.permutation(len(idx), seed, epoch)]

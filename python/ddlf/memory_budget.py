@@ -4,8 +4,9 @@ The budget is on the worker process's resident memory (what ``ddlf status`` show
 the frameworks it loaded, variables, datasets, models). It is enforced three ways, each leaving nothing behind:
 
 * **before** a request that stores or runs something (``set``, a call, ``put_dataset``/``load_dataset``, exec,
-  uploads): resident memory plus the request's own bytes over the budget, and the request is refused before its
-  value is decoded;
+  uploads) is decoded: its bytes are in memory already (the network side received them), so resident memory
+  then, plus the size of its pickle (unpickling builds objects about that large; arrays are decoded in place, no
+  copy), past the budget, and the request is refused;
 * **after** a ``set`` or a dataset load: the value turned out larger than its bytes on the wire (a decoded or
   computed dataset), so it is dropped again and the request refused;
 * **during** a call: a watchdog thread samples resident memory every few milliseconds and, past the budget,
@@ -73,16 +74,17 @@ class MemoryBudget:
         if limit is not None:
             threading.Thread(target=self._watch, name="ddlf-memory-budget", daemon=True).start()
 
-    def check(self, incoming: int, what: str) -> None:
-        """Refuse ``what`` when resident memory plus ``incoming`` bytes would pass the budget."""
+    def check(self, decoding: int, what: str) -> None:
+        """Refuse ``what`` when resident memory (the received request included) plus ``decoding`` bytes (what
+        decoding it will build) would pass the budget."""
         if self.limit is None:
             return
         rss = resident_bytes()
-        if rss + incoming > self.limit:
+        if rss + decoding > self.limit:
             raise MemoryBudgetExceeded(
-                f"{what} refused: this worker holds {_mib(rss)} and the request brings {_mib(incoming)}, over its "
-                f"memory budget of {_mib(self.limit)} (--max-memory). Delete variables or datasets, or start "
-                "the worker with a larger budget"
+                f"{what} refused: with it this worker would hold {_mib(rss + decoding)}, over its memory budget "
+                f"of {_mib(self.limit)} (--max-memory); it was not kept. Delete variables or datasets there, or "
+                "start the worker with a larger budget"
             )
 
     def check_after(self, what: str) -> None:

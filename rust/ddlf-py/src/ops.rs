@@ -92,9 +92,18 @@ pub(crate) fn indices_u32(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         return Err(PyTypeError::new_err("indices must be integers"));
     }
     if arr.getattr("size")?.extract::<usize>()? > 0 {
-        let min: i64 = arr.call_method0("min")?.extract()?;
-        if min < 0 {
+        // Compared as Python ints (exact for every integer dtype): a cast first would wrap silently.
+        let zero = 0i64.into_pyobject(obj.py())?;
+        let min = arr.call_method0("min")?;
+        if min.lt(&zero)? {
             return Err(PyValueError::new_err(format!("negative index {min}")));
+        }
+        let max = arr.call_method0("max")?;
+        if max.gt(u32::MAX)? {
+            return Err(PyValueError::new_err(format!(
+                "index {max} is out of range: ddlf indexes at most {} rows",
+                u32::MAX
+            )));
         }
     }
     let arr = arr
@@ -125,6 +134,13 @@ impl RowSource {
     pub(crate) fn new(array: &Bound<'_, PyAny>) -> PyResult<Self> {
         let np = array.py().import("numpy")?;
         let arr = np.call_method1("ascontiguousarray", (array,))?;
+        if arr.getattr("dtype")?.getattr("hasobject")?.extract::<bool>()? {
+            // Rows are copied as bytes: references to Python objects cannot be (they would not be counted).
+            return Err(PyTypeError::new_err(format!(
+                "arrays of Python objects (dtype {}) cannot be batched: convert them to a numeric dtype first",
+                arr.getattr("dtype")?.str()?
+            )));
+        }
         let untyped = arr.cast::<numpy::PyUntypedArray>()?;
         let shape = untyped.shape().to_vec();
         if shape.is_empty() {
