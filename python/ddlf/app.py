@@ -124,6 +124,9 @@ class IApp:
         scale_learning_rate: bool = False,
         warmup_epochs: float = 0.0,
         bucket_cap_mb: float | None = 25.0,
+        outer_optimizer: str | None = None,
+        outer_learning_rate: float = 0.7,
+        outer_momentum: float = 0.9,
         _slow_worker: tuple[int, float] | None = None,
     ) -> History:
         """Train on the cluster; returns a Keras-like :class:`~ddlf.History`.
@@ -184,6 +187,11 @@ class IApp:
                 (PyTorch DDP's ``bucket_cap_mb``, same default), so communication overlaps computation; ``None``
                 exchanges them in one buffer after the backward pass. Keras on JAX and TensorFlow compute all
                 gradients in one compiled call: they always exchange after it. See :mod:`ddlf.training.buckets`.
+            outer_optimizer: with model averaging (``averaging="weights"``, sync): ``"nesterov"`` applies each
+                round's averaged change through Nesterov momentum (``outer_learning_rate``, ``outer_momentum``;
+                DiLoCo's 0.7 and 0.9) instead of replacing the weights with the average, so workers can average
+                much less often (a larger ``averaging_frequency``) at equal quality. Works with either exchange.
+                See :mod:`ddlf.training.outer`.
             nonfinite: what a worker's reply holding NaN or infinity does: ``"skip"`` leaves it out of its round
                 (a warning and a ``reply_refused`` event; the other workers' replies are merged) or ``"raise"``
                 stops training with :class:`~ddlf.errors.NonFiniteUpdate`. Malformed replies (wrong count,
@@ -222,6 +230,9 @@ class IApp:
             scale_learning_rate=scale_learning_rate,
             warmup_epochs=warmup_epochs,
             bucket_cap_mb=bucket_cap_mb,
+            outer_optimizer=outer_optimizer,
+            outer_learning_rate=outer_learning_rate,
+            outer_momentum=outer_momentum,
         )
         cfg.check()
         if cfg.shares is not None and len(cfg.shares) != len(self.cluster):
@@ -239,6 +250,11 @@ class IApp:
         if mode == "async" and averaging != "weights":
             raise ValueError(
                 f"averaging={averaging!r} is for mode='sync': asynchronous workers each step at their own pace"
+            )
+        if mode == "async" and outer_optimizer is not None:
+            raise ValueError(
+                "outer_optimizer is for mode='sync': it steps with each round's averaged change, and asynchronous "
+                "training has no rounds"
             )
         if mode == "sync":
             # Decided (and refused) here, before any worker sets the run up.
@@ -340,6 +356,7 @@ class IApp:
             "exchange": cfg.exchange if mode == "sync" else "master",
             "averaging": cfg.averaging,
             "bucket_cap_mb": cfg.bucket_cap_mb if cfg.averaging == "gradients" else None,
+            "outer_optimizer": cfg.outer_optimizer,
             "run_id": cfg.run_id,  # what the workers' status and logs call this run
         }
         if resumed is not None:

@@ -46,6 +46,7 @@ def save(
     optimizer_state: list[np.ndarray] | None,
     worker_states: dict[int, Any],
     history: History,
+    outer_state: list[np.ndarray] | None = None,
 ) -> Path:
     """Write the checkpoint atomically; returns its path."""
     final = path_in(directory)
@@ -57,6 +58,7 @@ def save(
         "weights": weights,
         "optimizer_state": optimizer_state,
         "worker_states": worker_states,
+        "outer_state": outer_state,  # the outer optimizer's momentum (master exchange; the ring's is per worker)
         "rng": {"numpy": np.random.get_state(), "python": random.getstate()},
         "history": {
             "history": history.history,

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops
+from .outer import OuterSpec
 from .policy import FailurePolicy
 
 
@@ -46,6 +47,9 @@ class TrainConfig:
     scale_learning_rate: bool = False  # gradients: learning rate x workers (Goyal et al. 2017)...
     warmup_epochs: float = 0.0  # ...reached linearly over this many epochs
     bucket_cap_mb: float | None = 25.0  # gradients on PyTorch: exchanged in buckets during backward (None: after)
+    outer_optimizer: str | None = None  # model averaging: "nesterov" steps with the round's change (training.outer)
+    outer_learning_rate: float = 0.7
+    outer_momentum: float = 0.9
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
 
@@ -99,8 +103,19 @@ class TrainConfig:
             isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf")
         ):
             raise ValueError(f"bucket_cap_mb must be a positive number of MB or None, not {cap!r}")
+        if self.outer_optimizer is not None:
+            self.outer().check()
+            if self.averaging != "weights":
+                raise ValueError(
+                    'outer_optimizer is for averaging="weights": it steps with each round\'s averaged change of the '
+                    'weights; with averaging="gradients" every step is averaged already'
+                )
         if self.warmup_epochs and not self.scale_learning_rate:
             raise ValueError("warmup_epochs warms up the scaled learning rate: set scale_learning_rate=True too")
+
+    def outer(self) -> OuterSpec:
+        """The outer optimizer asked for (``outer_optimizer`` must be set)."""
+        return OuterSpec(str(self.outer_optimizer), self.outer_learning_rate, self.outer_momentum)
 
     def learning_rate_factor(self, workers: int, progress: float) -> float:
         """The learning rate's multiple ``progress`` epochs into training: ``workers`` with

@@ -176,6 +176,12 @@ class RingExchange:
                     kw["average_optimizer_state"] = cfg.average_optimizer_state
                     if cfg.compression is not None:
                         kw["round_rows"] = sum(assigned_rows(part) for _, part in pending)
+                    if cfg.outer_optimizer is not None:
+                        o = cfg.outer()
+                        # New members adopt the momentum of the others (when all are new: of those that hold one,
+                        # restored from a checkpoint; zeros when none does).
+                        kw["outer"] = (o.name, o.learning_rate, o.momentum)
+                        kw["adopt_outer"] = None if not fresh else ("any" if len(fresh) == len(targets) else "others")
                 if cfg.slow_worker and cfg.slow_worker[0] == w:
                     kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
                 args.append((cfg.run_id, indices, cfg.batch_size))

@@ -152,7 +152,12 @@ class TrainingRun:
         return bool(app.stop_training)
 
     def save_checkpoint(
-        self, epochs_done: int, weights: list[np.ndarray], opt_state: list[np.ndarray] | None, mode: str
+        self,
+        epochs_done: int,
+        weights: list[np.ndarray],
+        opt_state: list[np.ndarray] | None,
+        mode: str,
+        outer_state: list[np.ndarray] | None = None,
     ) -> None:
         """Write the run's checkpoint, with each live worker's own state (optimizer, random generators)."""
         cfg = self.cfg
@@ -170,4 +175,5 @@ class TrainingRun:
             optimizer_state=opt_state,
             worker_states=worker_states,
             history=self.history,
+            outer_state=outer_state,
         )

@@ -33,7 +33,8 @@ from ..history import History, RoundStats
 from . import worker as remote
 from .common import average_states, nbytes
 from .exchange import RingExchange, choose
-from .gradients import check_scalable
+from .gradients import check_scalable, local_mask
+from .outer import Nesterov
 from .plan import ShardPlan, SlicePlan, assigned_rows
 from .replies import check_reply, check_states
 from .run import TrainingRun, WorkerResult, weighted_logs
@@ -52,6 +53,11 @@ def train_sync(run: TrainingRun) -> History:
     ring = RingExchange(run, weights) if exchange == "allreduce" else None
     if ring is not None:
         run.members.note("exchange", exchange="allreduce")
+    # The outer optimizer: applied here to the merged weights; with the ring each worker applies it (worker.py).
+    outer = Nesterov(cfg.outer()) if cfg.outer_optimizer is not None and ring is None else None
+    trained = [not m for m in local_mask(app.model)]
+    if outer is not None and run.resumed:
+        outer.load(run.resumed.get("outer_state"))
     for epoch in range(run.initial_epoch, cfg.epochs):
         t_epoch = run.begin_epoch(epoch)
         plan = ShardPlan(run.shard_rows, cfg, epoch) if app.sharded else SlicePlan(run.rows, len(cluster), cfg, epoch)
@@ -83,10 +89,13 @@ def train_sync(run: TrainingRun) -> History:
                 samples = [float(r.samples) for r in live_results]
                 payloads = [r.payload for r in live_results]
                 merged = ops.weighted_average(payloads, samples)
+                start = [w.copy() for w in weights] if outer is not None else weights
                 if cfg.compression is not None:  # workers sent deltas
                     ops.axpy_(weights, merged)
                 else:
                     weights = merged
+                if outer is not None:
+                    weights = outer.step(start, weights, trained)
                 if cfg.average_optimizer_state:
                     opt_state = average_states([r.optimizer_state or [] for r in live_results], samples)
             sent = 0 if ring is not None else nbytes(weights) + (nbytes(opt_state) if opt_state else 0)
@@ -117,7 +126,7 @@ def train_sync(run: TrainingRun) -> History:
         if ring is not None:
             weights = ring.weights()
         stop = run.end_epoch(weights, epoch_results, epoch, t_epoch)
-        run.save_checkpoint(epoch + 1, weights, opt_state, "sync")
+        run.save_checkpoint(epoch + 1, weights, opt_state, "sync", outer.state() if outer is not None else None)
         if stop:
             break
     return history

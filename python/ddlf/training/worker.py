@@ -24,6 +24,7 @@ from ..datasets import STORE
 from ..settings import follow_keras_backend, keras_backend_default
 from .common import set_random_seed
 from .gradients import local_mask, stepper_for, steps_whole_rounds
+from .outer import Nesterov, OuterSpec
 
 
 @dataclass
@@ -41,6 +42,9 @@ class Session:
     # optimizer state the last round started from
     stepper: Any = None
     optimizer_start: list[np.ndarray] | None = None
+    # exchange="allreduce" with an outer optimizer: its momentum, and the momentum the last round started from
+    outer: Nesterov | None = None
+    outer_start: list[np.ndarray] | None = None
 
     def steps(self) -> Any:
         """The model's :class:`~ddlf.training.gradients.Stepper` (traced or jitted once per run)."""
@@ -243,6 +247,7 @@ def session_state(run_id: str) -> dict[str, Any]:
         "optimizer": _optimizer_state(model) if _optimizer_built(model) else None,
         "rng": _rng_state(model),
         "residual": session.residual,
+        "outer": session.outer.state() if session.outer is not None else None,
     }
 
 
@@ -256,6 +261,9 @@ def restore_state(run_id: str, state: dict[str, Any]) -> None:
         _set_optimizer_state(model, state["optimizer"])
     _set_rng_state(model, state.get("rng", []))
     session.residual = state.get("residual")
+    if state.get("outer") is not None:
+        session.outer = Nesterov(OuterSpec())  # the spec comes with the next round
+        session.outer.load(state["outer"])
 
 
 def _optimizer_state(model: Any) -> list[np.ndarray]:
@@ -450,6 +458,8 @@ def train_reduce(
     seeded: Seeded | None = None,
     shard: int | None = None,
     slow_seconds_per_batch: float = 0.0,
+    outer: tuple[str, float, float] | None = None,
+    adopt_outer: str | None = None,
 ) -> dict[str, Any]:
     """One synchronous round with ``exchange="allreduce"``: train the rows, then average the weights (weighted by
     the samples each trained) with the round's other workers over the ring, worker to worker. Returns samples,
@@ -459,11 +469,25 @@ def train_reduce(
     ``compression="float16"|"bfloat16"``: the ring averages the float32 *changes* of the round (small values,
     half precision on the wire, sums in float32), weighted by samples over ``round_rows`` (the rows of the whole
     round), and every member adds the same average to the same start. Weights that are not finite after training
-    are left out of the average (weight 0) and reported (``nonfinite_weights``)."""
+    are left out of the average (weight 0) and reported (``nonfinite_weights``).
+
+    ``outer``: ``(name, learning_rate, momentum)`` of the outer optimizer (:mod:`.outer`), applied by every member
+    to the same average with the same momentum; ``adopt_outer``: some members are new and first take the momentum
+    of the ``"others"`` (the members that are not new), or, all being new, of ``"any"`` member that holds one
+    (restored from a checkpoint). A redo of the round starts again from the momentum this worker started it with."""
     from .replies import finite
 
     session = _session(run_id)
+    redo = not fresh and session.reduced is not None and session.reduced[0] == round_no
     start = _start_weights(worker, session, run_id, round_no, fresh)
+    held = session.outer is not None and session.outer.momentum is not None
+    if outer is not None:
+        if session.outer is None:
+            session.outer = Nesterov(OuterSpec(*outer))
+        session.outer.spec = OuterSpec(*outer)
+        if redo:
+            session.outer.load(session.outer_start)
+        session.outer_start = session.outer.state()
     result = train_chunk(
         worker,
         run_id,
@@ -496,6 +520,13 @@ def train_reduce(
             averaged = list(start)
             result["wire_overflow_steps"] = 1
     model = session.model
+    if session.outer is not None and outer is not None:
+        trained = [not m for m in local_mask(model)]
+        momentum = session.outer.ensure(averaged, trained)
+        if adopt_outer is not None:
+            holder = held if adopt_outer == "any" else not fresh
+            session.outer.load(_adopt(momentum, holder, ring))
+        averaged = session.outer.step(start, averaged, trained)
     if average_optimizer_state and _optimizer_built(model):
         # At full precision: Adam's second moments underflow float16 (and a zero there makes a huge step).
         _set_optimizer_state(model, _reduce_floats(_optimizer_state(model), weight, ring))

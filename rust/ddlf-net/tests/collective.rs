@@ -39,11 +39,25 @@ fn reduce_all(
     token: &str,
     len: usize,
 ) -> Vec<Result<Vec<f32>, String>> {
+    reduce_all_with(daemons, group, streams, token, len, Duration::from_secs(4))
+}
+
+fn reduce_all_with(
+    daemons: &[Daemon],
+    group: u128,
+    streams: usize,
+    token: &str,
+    len: usize,
+    liveness: Duration,
+) -> Vec<Result<Vec<f32>, String>> {
     let n = daemons.len();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|rank| {
-                let spec = spec(daemons, group, rank, streams);
+                let spec = RingSpec {
+                    liveness,
+                    ..spec(daemons, group, rank, streams)
+                };
                 let token = Token::new(token);
                 s.spawn(move || {
                     let mut ring = Ring::new(spec, token).map_err(|e| e.to_string())?;
@@ -74,6 +88,20 @@ fn ranks_on_three_daemons_sum_with_one_and_several_streams() {
         for out in reduce_all(&ds, group, streams, "s3cret", len) {
             assert_eq!(out.unwrap(), want, "streams={streams}");
         }
+    }
+}
+
+#[test]
+fn a_liveness_under_four_seconds_still_forms_the_ring() {
+    // A cluster with heartbeat_timeout=1.5 asks for 1.5 s: its keepalive probe (liveness / 4) once rounded down
+    // to 0 s, which the kernel refuses, and every ring failed with EINVAL (found by `benchmarks chaos`).
+    let ds = daemons(4, "s3cret");
+    let len = 10_001;
+    let want: Vec<f32> = (0..len)
+        .map(|i| (0..4).map(|r| (r * 10 + i % 7 + 2) as f32).sum())
+        .collect();
+    for out in reduce_all_with(&ds, 3, 1, "s3cret", len, Duration::from_millis(1500)) {
+        assert_eq!(out.unwrap(), want);
     }
 }
 

@@ -134,7 +134,11 @@ impl RowSource {
     pub(crate) fn new(array: &Bound<'_, PyAny>) -> PyResult<Self> {
         let np = array.py().import("numpy")?;
         let arr = np.call_method1("ascontiguousarray", (array,))?;
-        if arr.getattr("dtype")?.getattr("hasobject")?.extract::<bool>()? {
+        if arr
+            .getattr("dtype")?
+            .getattr("hasobject")?
+            .extract::<bool>()?
+        {
             // Rows are copied as bytes: references to Python objects cannot be (they would not be counted).
             return Err(PyTypeError::new_err(format!(
                 "arrays of Python objects (dtype {}) cannot be batched: convert them to a numeric dtype first",

@@ -198,7 +198,10 @@ impl Ring {
                 s.set_nonblocking(true)?;
                 s.set_nodelay(true)?;
                 let sock = socket2::SockRef::from(s);
-                let probe = liveness / 4;
+                // The kernel takes keepalive times in whole seconds, and refuses 0 (EINVAL): a liveness under
+                // 4 s (a cluster with a short heartbeat timeout) would round the probe down to 0 and fail every
+                // ring. TCP_USER_TIMEOUT still bounds unacknowledged data at `liveness`.
+                let probe = (liveness / 4).max(Duration::from_secs(1));
                 sock.set_tcp_keepalive(
                     &socket2::TcpKeepalive::new()
                         .with_time(probe)

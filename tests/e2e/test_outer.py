@@ -1,0 +1,82 @@
+"""The outer optimizer (DiLoCo's Nesterov step on each round's averaged change) with both exchanges: the ring's
+replicas stay bit-identical and end where the master exchange does, a worker that joins adopts the momentum,
+and what cannot work is refused before training starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf.callbacks import LambdaCallback
+
+from .test_faults import FaultApp
+from .test_gradients import Replicas
+
+KW = {"epochs": 2, "batch_size": 32, "averaging_frequency": 10, "seed": 5, "verbose": 0}
+OUTER = {"outer_optimizer": "nesterov", "outer_learning_rate": 0.7, "outer_momentum": 0.9}
+
+
+def _off(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def test_ring_and_master_exchange_agree_and_the_step_changes_the_result() -> None:
+    with ddlf.Cluster.local(3, threads=1) as c:
+        plain = FaultApp(c)
+        plain.train(**KW)
+        master = FaultApp(c)
+        hm = master.train(**KW, **OUTER)
+        ring = FaultApp(c)
+        held = Replicas(c)
+        ring.train(**KW, exchange="allreduce", callbacks=[held], **OUTER)
+        assert hm.params["outer_optimizer"] == "nesterov"
+        # Every member applied the same step to the same average with the same momentum: identical bits.
+        assert len(held.held) == 3 and held.identical()
+        # The ring sums in another order than the master: float32 rounding apart, amplified a little by momentum.
+        assert _off(master.model.get_weights(), ring.model.get_weights()) < 1e-4
+        # And the outer step is really applied: far from plain averaging.
+        assert _off(master.model.get_weights(), plain.model.get_weights()) > 1e-2
+        assert np.isfinite(hm.history["loss"]).all() and hm.history["loss"][-1] < hm.history["loss"][0]
+
+
+def test_learning_rate_one_without_momentum_is_model_averaging() -> None:
+    with ddlf.Cluster.local(2, threads=1) as c:
+        plain, outer = FaultApp(c), FaultApp(c)
+        plain.train(**KW)
+        outer.train(**KW, outer_optimizer="nesterov", outer_learning_rate=1.0, outer_momentum=0.0)
+        assert _off(plain.model.get_weights(), outer.model.get_weights()) < 1e-5
+
+
+def test_a_worker_that_joins_the_ring_adopts_the_momentum() -> None:
+    from ddlf.local import LocalWorkers
+
+    with ddlf.Cluster.local(2, threads=1) as c, LocalWorkers(1, threads=1, token=c.token) as extra:
+        app = FaultApp(c)
+        added: dict[str, bool] = {}
+
+        def on_round_end(r: int, logs: dict) -> None:
+            if r == 4 and not added:
+                added["yes"] = True
+                c.add_worker(extra.addresses[0])
+
+        held = Replicas(c)  # after add_worker: fetches from the three workers at the end of every round
+        cbs = [LambdaCallback(on_round_end=on_round_end), held]
+        h = app.train(**KW, exchange="allreduce", callbacks=cbs, **OUTER)
+        assert any(e["event"] == "joined" for e in h.events), h.events
+        # The newcomer adopted the others' momentum: after its rounds every replica holds the same bits (with
+        # zeros in its momentum instead, its outer step would part from theirs).
+        assert len(held.held) == 3 and held.identical()
+
+
+def test_what_cannot_work_is_refused_before_training(cluster: ddlf.Cluster) -> None:
+    app = FaultApp(cluster)
+    with pytest.raises(ValueError, match='outer_optimizer is for averaging="weights"'):
+        app.train(epochs=1, averaging="gradients", verbose=0, **OUTER)
+    with pytest.raises(ValueError, match="outer_optimizer is for mode='sync'"):
+        app.train(epochs=1, mode="async", verbose=0, **OUTER)
+    with pytest.raises(ValueError, match="outer_optimizer must be"):
+        app.train(epochs=1, outer_optimizer="adam", verbose=0)
+    with pytest.raises(ValueError, match="outer_momentum"):
+        app.train(epochs=1, outer_optimizer="nesterov", outer_momentum=1.5, verbose=0)
+    assert cluster.ping()
