@@ -26,6 +26,7 @@ BENCHMARKS = {
     "exchange": "benchmarks.exchange",
     "chaos": "benchmarks.chaos",
     "exhaustion": "benchmarks.exhaustion",
+    "outer": "benchmarks.outer",
 }
 
 

@@ -25,19 +25,17 @@ import signal
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddlf import datasets
 from ddlf.callbacks import LambdaCallback
 from ddlf.cluster import Cluster
 from ddlf.local import LocalWorkers
 from ddlf.training import checkpoint
 
 from . import report
-from .faults import DenseMnist
+from .faults import DenseMnist, prepare
 
 WORKERS = 4
 MODES = {  # label -> train() keywords
@@ -148,8 +146,11 @@ def _run(label: str, kw: dict[str, Any], epochs: int, test: Any, chaos: bool, se
     for f in faults:
         lost = next((e for e in events if e["event"] == "lost" and e.get("worker") == f.worker and e["time"] >= f.at),
                     None)  # fmt: skip
+        # A restarted daemon is set up for the run again ("joined"); a hung one that continues keeps its setup and
+        # comes back as "rejoined".
+        again = "joined" if f.kind == "kill" else "rejoined"
         back = next(
-            (e for e in events if e["event"] == "joined" and e.get("worker") == f.worker and e["time"] >= f.back),
+            (e for e in events if e["event"] == again and e.get("worker") == f.worker and e["time"] >= f.back),
             None,
         )
         f.detect = (lost["time"] - f.at) if lost else None
@@ -173,10 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", default=os.path.join("examples", "data", "mnist"))
     p.add_argument("--out", default="RELIABILITY.md")
     args = p.parse_args(argv)
-    warnings.simplefilter("ignore", RuntimeWarning)  # the lost-worker warnings are the point here
-    DenseMnist.data_dir = os.path.abspath(args.data)
-    _, (xt, yt) = datasets.mnist(DenseMnist.data_dir)
-    test = (xt, yt)
+    test = prepare(args.data)
     per_run = args.minutes * 60 / len(MODES)
     rows = []
     t_all = time.perf_counter()
@@ -237,8 +235,8 @@ def _markdown(rows: list[tuple[dict[str, Any], dict[str, Any], bool]], args: Any
     lines += [
         "",
         "Every fault of the runs, in order (seconds from the signal to the master's `lost` event, and from the "
-        "restart or SIGCONT to the worker's `joined` event; '-': not seen, e.g. a hang shorter than the heartbeat "
-        "timeout, or a fault in the run's last seconds):",
+        "restart to the worker's `joined` event (set up for the run again), or from SIGCONT to its `rejoined` event; "
+        "'-': not seen, e.g. a hang shorter than the heartbeat timeout, or a fault in the run's last seconds):",
         "",
         "| run | fault | worker | detected after | back after |",
         "| --- | --- | ---: | ---: | ---: |",

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import netns, report
-from .network import AVG_FREQ, BATCH, TOKEN, WideMlp, _mnist_dir
+from .network import AVG_FREQ, BATCH, TOKEN, WideMlp, _mnist_dir, steady_rounds, train_wide_mlp
 
 RATE = 1_000  # Mbit/s on every link
 CASES: list[tuple[str, str, str | None]] = [  # (exchange, averaging, compression)
@@ -92,31 +92,17 @@ def master(spec: dict[str, Any]) -> dict[str, Any]:
     (the first round, with its compilation, left out)."""
     import numpy as np
 
-    import ddlf
-
-    with ddlf.Cluster(spec["addresses"], token=TOKEN, heartbeat_timeout=120, timeout=600) as cluster:
-        app = WideMlp(cluster)
-        app.data_dir = spec["data_dir"]
-        app.rows = spec["rounds"] * len(cluster) * AVG_FREQ * BATCH
-        app.dataset_key = f"{WideMlp.dataset_key}-{app.rows}"
-        weights_bytes = sum(w.nbytes for w in app.create_model().get_weights())
-        h = app.train(
-            epochs=1,
-            batch_size=BATCH,
-            averaging_frequency=AVG_FREQ,
-            exchange=spec["exchange"],
-            averaging=spec["averaging"],
-            compression=spec["compression"],
-            bucket_cap_mb=spec.get("bucket_cap_mb", 25.0),
-            verbose=0,
-        )
-    rounds: dict[int, list[Any]] = {}
-    for s in h.stats:
-        rounds.setdefault(s.round, []).append(s)
-    walls, computes = [], []
-    for _round, ss in sorted(rounds.items())[1:]:
-        walls.append(max(s.send_seconds + s.compute_seconds + s.comm_seconds + s.wait_seconds for s in ss))
-        computes.append(max(s.compute_seconds for s in ss))
+    h, weights_bytes = train_wide_mlp(
+        spec,
+        exchange=spec["exchange"],
+        averaging=spec["averaging"],
+        compression=spec["compression"],
+        bucket_cap_mb=spec.get("bucket_cap_mb", 25.0),
+    )
+    per_round = steady_rounds(h)
+    walls = [r["wall"] for r in per_round]
+    computes = [r["compute"] for r in per_round]
+    rounds = {s.round for s in h.stats}
     return {
         "wall": float(np.median(walls)),
         "compute": float(np.median(computes)),

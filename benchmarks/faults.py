@@ -154,6 +154,15 @@ def _soak(calls: int) -> dict[str, Any]:
     return {"before": before, "after": after, "growth": after / before - 1, "seconds": seconds}
 
 
+def prepare(data: str) -> tuple[Any, Any]:
+    """For a fault benchmark: lost-worker warnings off (they are the point), :class:`DenseMnist` reading MNIST
+    from ``data``; returns the MNIST test set."""
+    warnings.simplefilter("ignore", RuntimeWarning)
+    DenseMnist.data_dir = os.path.abspath(data)
+    _, (xt, yt) = datasets.mnist(DenseMnist.data_dir)
+    return xt, yt
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks faults", description=__doc__)
     p.add_argument("--epochs", type=int, default=3, help="epochs of the kill -9 runs")
@@ -161,10 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", default=os.path.join("examples", "data", "mnist"))
     p.add_argument("--out", default="RELIABILITY.md")
     args = p.parse_args(argv)
-    warnings.simplefilter("ignore", RuntimeWarning)  # the lost-worker warnings are the point here
-    DenseMnist.data_dir = os.path.abspath(args.data)
-    _, (xt, yt) = datasets.mnist(DenseMnist.data_dir)
-    test = (xt, yt)
+    test = prepare(args.data)
     kills = {mode: _kill_run(mode, args.epochs, test) for mode in ("sync", "async")}
     stop = _stop_run(test)
     restart = _restart_run(test)

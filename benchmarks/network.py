@@ -80,38 +80,42 @@ class WideMlp(ddlf.IApp):
         return model
 
 
-def master(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run in the master's namespace: train ``rounds`` rounds, return per-round medians (first round, with its
-    compilation, left out)."""
+def train_wide_mlp(spec: dict[str, Any], **kw: Any) -> tuple[Any, int]:
+    """In the master's namespace: train one epoch of ``spec["rounds"]`` rounds on ``spec["addresses"]`` with the
+    ``train()`` keywords ``kw``. Returns History and the model's bytes of weights."""
     with ddlf.Cluster(spec["addresses"], token=TOKEN, heartbeat_timeout=120, timeout=600) as cluster:
         app = WideMlp(cluster)
         app.data_dir = spec["data_dir"]
         app.rows = spec["rounds"] * len(cluster) * AVG_FREQ * BATCH
         app.dataset_key = f"{WideMlp.dataset_key}-{app.rows}"
         weights_bytes = sum(w.nbytes for w in app.create_model().get_weights())
-        h = app.train(
-            epochs=1,
-            batch_size=BATCH,
-            averaging_frequency=AVG_FREQ,
-            compression=spec["compression"],
-            verbose=0,
-        )
+        h = app.train(epochs=1, batch_size=BATCH, averaging_frequency=AVG_FREQ, verbose=0, **kw)
+    return h, weights_bytes
+
+
+def steady_rounds(h: Any) -> list[dict[str, float]]:
+    """Per round after the first (which compiles): the round's wall time (its slowest worker), the slowest
+    worker's compute and send, and the mean bytes up and down per worker."""
     rounds: dict[int, list[Any]] = {}
     for s in h.stats:
         rounds.setdefault(s.round, []).append(s)
-    per_round = []
-    for _round, ss in sorted(rounds.items())[1:]:
-        wall = max(s.send_seconds + s.compute_seconds + s.comm_seconds + s.wait_seconds for s in ss)
-        compute = max(s.compute_seconds for s in ss)
-        per_round.append(
-            {
-                "wall": wall,
-                "compute": compute,
-                "send": max(s.send_seconds for s in ss),
-                "bytes_up": float(np.mean([s.bytes_received for s in ss])),
-                "bytes_down": float(np.mean([s.bytes_sent for s in ss])),
-            }
-        )
+    return [
+        {
+            "wall": max(s.send_seconds + s.compute_seconds + s.comm_seconds + s.wait_seconds for s in ss),
+            "compute": max(s.compute_seconds for s in ss),
+            "send": max(s.send_seconds for s in ss),
+            "bytes_up": float(np.mean([s.bytes_received for s in ss])),
+            "bytes_down": float(np.mean([s.bytes_sent for s in ss])),
+        }
+        for _round, ss in sorted(rounds.items())[1:]
+    ]
+
+
+def master(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run in the master's namespace: train ``rounds`` rounds, return per-round medians (first round, with its
+    compilation, left out)."""
+    h, weights_bytes = train_wide_mlp(spec, compression=spec["compression"])
+    per_round = steady_rounds(h)
     med = {k: float(np.median([p[k] for p in per_round])) for k in per_round[0]}
     med["workers"] = len(spec["addresses"])
     med["weights_bytes"] = weights_bytes
