@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             "## Exhaustion (`python -m benchmarks exhaustion`)",
             "",
-            f"Machine: {report.machine()}; {time.perf_counter() - t0:.0f} s. Python {sys.version.split()[0]}.",
+            f"Machine: {report.machine()}; {time.perf_counter() - t0:.0f} s.",
             "",
             "| what was exhausted | what happened | time | data lost |",
             "| --- | --- | --- | --- |",
