@@ -52,6 +52,15 @@ with ddlf.Cluster.local(1, threads=1) as tcp_c, ddlf.Cluster.local(1, threads=1,
             for _ in range(repeats):
                 t0 = time.perf_counter(); c.run_on(0, "echo", w); t.append(time.perf_counter() - t0)
             out[f"{label}_{name}_ms"] = med(t) * 1e3
+    # Fan-out: the same list to 2 workers at once over TCP.
+    w = [rng.standard_normal(50_000, dtype=np.float32) for _ in range(20)]
+    with ddlf.Cluster.local(2, threads=1) as two:
+        two.add_function(echo, "echo")
+        two.run("echo", w)
+        t = []
+        for _ in range(repeats):
+            t0 = time.perf_counter(); two.run("echo", w); t.append(time.perf_counter() - t0)
+        out["4MB_tcp2_ms"] = med(t) * 1e3
 print(json.dumps(out))
 """
 
@@ -61,6 +70,7 @@ METRICS = [
     ("100MB_shm_ms", "100 MB round trip through shared memory (ms)"),
     ("4MB_tcp_ms", "4 MB round trip over TCP (ms)"),
     ("4MB_shm_ms", "4 MB round trip through shared memory (ms)"),
+    ("4MB_tcp2_ms", "4 MB round trip over TCP, 2 workers at once (ms)"),
 ]
 
 
@@ -81,6 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument(
+        "--section",
+        default="ab",
+        help="BENCHMARKS.md section to write (ab: refactors; another name keeps a change's own comparison)",
+    )
+    p.add_argument("--title", default="This tree against a baseline build (refactors)")
     args = p.parse_args(argv)
     baseline = str(Path(args.baseline).resolve())
     samples: dict[str, dict[str, list[float]]] = {"baseline": {}, "this tree": {}}
@@ -102,21 +118,24 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([label, f"{b:.1f}", f"{t:.1f}", f"{t / b:.2f}x"])
     body = "\n".join(
         [
-            "## This tree against a baseline build (refactors)",
+            f"## {args.title}",
             "",
             f"Command: `python -m benchmarks ab --baseline <{args.label} checkout>/python --label {args.label} "
-            f"--rounds {args.rounds} --calls {args.calls} --repeats {args.repeats}`  ",
+            f"--rounds {args.rounds} --calls {args.calls} --repeats {args.repeats}"
+            + (f' --section {args.section} --title "{args.title}"' if args.section != "ab" else "")
+            + "`  ",
             f"Machine: {report.machine()}",
             "",
             f"{args.rounds} rounds; each round runs one measuring process per build (alternating which goes first), "
             "each with its own local daemon of the same build: a no-op `run_on` "
             f"({args.calls} calls, median), and a list of float32 arrays echoed by the worker "
-            f"({args.repeats} times, median) over TCP and through the shared-memory pool. The table gives the "
+            f"({args.repeats} times, median) over TCP and through the shared-memory pool, and to 2 workers at once "
+            "over TCP. The table gives the "
             "median over rounds; the ratio is this tree's time over the baseline's "
             f"(the run took {time.perf_counter() - t0:.0f} s).",
             "",
             report.table(["measure", f"{args.label}", "this tree", "ratio"], rows),
         ]
     )
-    report.write_section("ab", body)
+    report.write_section(args.section, body)
     print(body)

@@ -20,7 +20,6 @@ import asyncio
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

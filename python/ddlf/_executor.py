@@ -171,6 +171,7 @@ class Executor:
 
     def handle(self, op: int, name: str, digest: str, pickle: bytes, buffers: list[Any]) -> tuple[Any, ...]:
         """Run one operation. Returns ``(0, pickle, buffers)`` or ``(kind, (type, message, traceback))``."""
+        refused: str | None = None
         try:
             handler = self._handlers.get(op)
             if handler is None:
@@ -187,11 +188,16 @@ class Executor:
             else:
                 result = handler(name, digest, value)
         except MemoryBudgetExceeded as exc:
-            return (KINDS["RESOURCE_EXHAUSTED"], ("MemoryBudgetExceeded", str(exc), ""))
+            refused = str(exc)
         except _Failure as f:
             return (KINDS[f.kind], (f.type_name, str(f), ""))
         except Exception as exc:
             return (KINDS["USER"], _describe(exc))
+        if refused is not None:
+            # Out of the except block, whose traceback held the stopped call's frames: what they held is free
+            # now, and goes back to the system.
+            self.budget.release()
+            return (KINDS["RESOURCE_EXHAUSTED"], ("MemoryBudgetExceeded", refused, ""))
         try:
             data, bufs = serialization.dumps(result)
         except Exception as exc:

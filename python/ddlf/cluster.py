@@ -51,7 +51,7 @@ class Cluster:
             authority: a path to a PEM file, or the PEM bytes. ``tls_domain``: the name their certificates are
             checked against (default: each address's host).
         direct_lane: besides its gRPC connection, open a direct lane to each plaintext daemon: a second TCP
-            connection on the same port that carries small calls (requests up to 1 MiB on the wire; values in
+            connection on the same port that carries small calls (requests up to 8 MiB on the wire; values in
             shared memory count as their reference) as plain frames, read
             and answered by the worker's interpreter thread itself, with no HTTP/2 and no hand-over between
             threads: about half the latency of a gRPC call (see BENCHMARKS.md). Large values, TLS, heartbeats

@@ -5,8 +5,11 @@ deterministic, and finishing when a worker is killed mid-round)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ import pytest
 import ddlf
 from ddlf.errors import NonFiniteUpdate, RemoteError
 
-from ..conftest import MNIST_DIR
+from ..conftest import MNIST_DIR, wait_until
 from .test_faults import FaultApp, _kill_at_round
 
 
@@ -249,3 +252,67 @@ def test_a_worker_killed_mid_round_fails_the_ring_and_training_finishes_without_
         _, acc = app.evaluate(xt[:2000], yt[:2000])
         assert acc > 0.8
         assert c.lost_workers == [2]
+
+
+def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training_goes_on() -> None:
+    """A ``SIGSTOP``\\ ped member keeps its sockets open (its kernel even answers TCP keepalives): its neighbours
+    find it by probing its daemon, within the cluster's heartbeat timeout, not after the ring's 300 s stall
+    timeout; the master redoes the round without it, and it rejoins once woken."""
+    local = ddlf.local.LocalWorkers(3, threads=1)
+    try:
+        c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=2.0)
+        assert c.timeout is None  # so the ring waits up to 300 s for a slow member: only probing ends it sooner
+        victim = local.pids()[1]
+        cb, when = _kill_at_round(victim, 2, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="worker 1 .* lost"):
+            _, h = _train(c, "allreduce", callbacks=[cb])
+        assert time.monotonic() - t0 < 120
+        assert len(h.history["loss"]) == 2
+        lost = [e for e in h.events if e["event"] == "lost"]
+        assert [e["worker"] for e in lost] == [1]
+        detect = lost[0]["time"] - when["t"]
+        assert 0 <= detect < 2.0 + 0.5 + 3.0, detect  # heartbeat timeout + interval + one round's slack
+        redo = [e for e in h.events if e["event"] == "allreduce_redo"]
+        assert redo and redo[0]["survivors"] == [0, 2], h.events
+        assert redo[0]["time"] - when["t"] < 2.0 + 0.5 + 3.0, (redo[0], when)
+        assert sum(s.samples for s in h.stats if s.epoch == 1) == FaultApp.rows
+        # The survivors' ring, formed anew, works outside training too, and the woken worker rejoins.
+        os.kill(victim, signal.SIGCONT)
+        assert wait_until(lambda: c.recover() == [1] or not c.lost_workers, 10)
+        c.scatter("t", [np.full(3, i, np.float32) for i in range(3)])
+        c.allreduce("t", "sum")
+        assert all(np.array_equal(v, np.full(3, 3.0, np.float32)) for v in c.get("t"))
+        c.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(local.pids()[1], signal.SIGCONT)
+        local.terminate()
+
+
+def test_allreduce_with_a_stopped_worker_fails_fast_and_names_it() -> None:
+    local = ddlf.local.LocalWorkers(3, threads=1)
+    try:
+        c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=2.0)
+        c.scatter("t", [np.ones(1000, np.float32)] * 3)
+        c.allreduce("t")  # the ring forms and works
+        os.kill(local.pids()[2], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="worker 2 .* lost"), pytest.raises(ddlf.DdlfError) as info:
+            c.allreduce("t", "sum")
+        took = time.monotonic() - t0
+        assert took < 2.0 + 0.5 + 3.0, took
+        # The stopped worker is named unavailable (the master's heartbeat); the survivors say why their ring
+        # ended (the probe of its daemon went unanswered).
+        subs = list(getattr(info.value, "exceptions", [info.value]))
+        assert any(isinstance(e, ddlf.WorkerUnavailable) and e.worker_id == 2 for e in subs), subs
+        assert any("did not answer a liveness probe" in str(e) for e in subs), subs
+        # The survivors kept their values unchanged and still serve.
+        os.kill(local.pids()[2], signal.SIGCONT)
+        assert wait_until(lambda: c.recover() == [2] or not c.lost_workers, 10)
+        assert all(np.array_equal(v, np.ones(1000, np.float32)) for v in c.get("t", workers=[0, 1]))
+        c.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(local.pids()[2], signal.SIGCONT)
+        local.terminate()

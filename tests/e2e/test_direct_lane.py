@@ -3,6 +3,7 @@ concurrent callers and masters that opt out use gRPC. Either way the results, er
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import pytest
 
 import ddlf
 
-from ..conftest import Daemon
+from ..conftest import Daemon, wait_until
 
 
 def _ident(x):
@@ -43,11 +44,13 @@ def test_a_master_opens_a_lane_unless_told_not_to(both) -> None:
 def test_lane_and_grpc_give_the_same_values_small_and_large(both) -> None:
     lane, grpc = both
     small = {"a": [1, 2.5, "x"], "arr": np.arange(10, dtype=np.float32)}
-    large = np.random.default_rng(0).random(400_000)  # 3.2 MB: over the lane's 1 MiB request limit
+    mid = np.random.default_rng(0).random(400_000)  # 3.2 MB: a small CNN's weights, on the lane
+    large = np.random.default_rng(0).random(1_200_000)  # 9.6 MB: over the lane's 8 MiB request limit, gRPC
     for c in both:
         out = c.run(_ident, small)[0]
         assert out["a"] == small["a"]
         np.testing.assert_array_equal(out["arr"], small["arr"])
+        np.testing.assert_array_equal(c.run(_ident, mid)[0], mid)
         np.testing.assert_array_equal(c.run(_ident, large)[0], large)
         # A small request with a large reply comes back on the lane.
         c.set("big", large)
@@ -123,6 +126,26 @@ def test_a_killed_worker_fails_a_lane_call_with_worker_unavailable(daemon: Daemo
     assert daemon.address in str(box["exc"])
 
 
+def test_a_large_lane_request_to_a_stopped_worker_fails_within_the_heartbeat_bound(daemon: Daemon) -> None:
+    """An 8 MB request does not fit the sockets' buffers: its write waits on a stopped worker, and the master's
+    heartbeat, not the (absent) deadline, ends the wait."""
+    c = ddlf.Cluster([daemon.address], daemon.token, heartbeat_interval=0.5, heartbeat_timeout=1.5)
+    big = np.ones(1_000_000)  # 8 MB, under the lane's limit
+    np.testing.assert_array_equal(c.run(_ident, big)[0], big)
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="lost"), pytest.raises(ddlf.WorkerUnavailable, match="heartbeat"):
+            c.run(_ident, big)
+        assert time.monotonic() - t0 < 1.5 + 0.5 + 2.0
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    # Woken, the worker answers again: the broken lane is reopened or gRPC carries the call.
+    assert wait_until(lambda: c.recover() == [0] or not c.lost_workers, 10)
+    np.testing.assert_array_equal(c.run(_ident, big)[0], big)
+    c.close()
+
+
 def test_grpc_stays_healthy_while_only_the_lane_is_used() -> None:
     # The daemon pings each master every 0.3 s and drops it after 0.5 s without an answer. With every call on the
     # lane, the master's gRPC connection carries nothing for seconds; it must still answer those pings.
@@ -143,8 +166,8 @@ def test_grpc_stays_healthy_while_only_the_lane_is_used() -> None:
 
 
 def test_values_in_shared_memory_ride_the_lane_as_a_reference(daemon: Daemon) -> None:
-    # 3.2 MB over the lane's 1 MiB limit inline, but through shared memory only its reference is on the wire.
-    big = np.random.default_rng(1).random(400_000)
+    # 9.6 MB over the lane's 8 MiB limit inline, but through shared memory only its reference is on the wire.
+    big = np.random.default_rng(1).random(1_200_000)
     with ddlf.Cluster([daemon.address], daemon.token, shared_memory=True) as c:
         info = c.worker_info()[0]
         assert info["shared_memory"] is True and info["direct_lane"] is True

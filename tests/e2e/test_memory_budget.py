@@ -108,12 +108,15 @@ def _grow(worker: Any) -> int:
 
 def test_call_that_grows_is_stopped_and_freed(budgeted: tuple[Daemon, ddlf.Cluster]) -> None:
     d, c = budgeted
+    before = _rss(c)
     with pytest.raises(MemoryBudgetExceeded) as info:
         c.run(_grow)
     assert "while it ran" in str(info.value)
     grown = c.get("grown")[0]
     assert 10 < grown < BUDGET_MIB  # it ran until the budget, then stopped (8 MB a step)
     _still_serving(d, c)  # and what it allocated was freed
+    # ... and given back to the system, not kept in the allocator's heap near the budget.
+    assert _rss(c) < before + 64 * 2**20, (before, _rss(c))
     # The next call runs normally: no stale interruption is left pending for it.
     assert c.run(lambda: sum(range(100_000))) == [sum(range(100_000))]
 

@@ -151,3 +151,74 @@ fn a_rank_that_never_comes_fails_its_neighbours_within_the_timeout() {
     let again = ring.allreduce(&mut [1f32; 4], Op::Sum).unwrap_err();
     assert!(matches!(again, CollectiveError::Spent(_)), "{again}");
 }
+
+#[test]
+fn a_stopped_rank_fails_its_neighbours_within_the_liveness_bound_not_the_timeout() {
+    // A stopped process (SIGSTOP) keeps its port: its kernel still accepts connections, and nothing answers.
+    let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ds = daemons(2, "t");
+    let mut addresses: Vec<String> = ds.iter().map(|d| d.local_addr().to_string()).collect();
+    addresses.push(frozen.local_addr().unwrap().to_string());
+    let t0 = std::time::Instant::now();
+    let outs: Vec<Result<(), CollectiveError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let sp = RingSpec {
+                    group: 11,
+                    rank,
+                    addresses: addresses.clone(),
+                    streams: 1,
+                    timeout: Duration::from_secs(120),
+                    liveness: Duration::from_secs(1),
+                };
+                s.spawn(move || {
+                    let mut ring = Ring::new(sp, Token::new("t"))?;
+                    ring.allreduce(&mut [1f32; 16], Op::Sum)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(6), "took {took:?}");
+    for out in &outs {
+        let err = out.as_ref().unwrap_err().to_string();
+        // Rank 0 waits on rank 2 (its left), rank 1 on rank 0 or on rank 2 (its right): whichever is named
+        // first, the frozen rank's failure ends both.
+        assert!(err.contains("rank"), "{err}");
+    }
+    let rank0 = outs[0].as_ref().unwrap_err();
+    assert!(
+        matches!(rank0, CollectiveError::Ring { rank: 2, .. }),
+        "{rank0}"
+    );
+    assert!(rank0.to_string().contains("liveness probe"), "{rank0}");
+}
+
+#[test]
+fn a_rank_that_joins_late_but_answers_its_probes_is_waited_for() {
+    let ds = daemons(3, "t");
+    let outs: Vec<Result<Vec<f32>, CollectiveError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|rank| {
+                let mut sp = spec(&ds, 12, rank, 1);
+                sp.timeout = Duration::from_secs(30);
+                sp.liveness = Duration::from_secs(1);
+                s.spawn(move || {
+                    if rank == 2 {
+                        // Still computing for three liveness periods before it joins.
+                        std::thread::sleep(Duration::from_secs(3));
+                    }
+                    let mut ring = Ring::new(sp, Token::new("t"))?;
+                    let mut data = vec![rank as f32; 8];
+                    ring.allreduce(&mut data, Op::Sum)?;
+                    Ok(data)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for out in outs {
+        assert_eq!(out.unwrap(), vec![3.0f32; 8]);
+    }
+}

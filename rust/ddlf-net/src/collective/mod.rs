@@ -21,7 +21,7 @@ use std::time::Duration;
 use ddlf_core::auth::Token;
 
 use crate::guard::Slot;
-pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Plain, RingError, Side};
+pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Plain, RingError, Side, Watch};
 
 /// The token this process presents on the peer links it opens: the one its daemon was started with (set by
 /// the daemon at start; workers of one cluster share the master's token).
@@ -49,9 +49,11 @@ pub struct RingSpec {
     /// How long a rank waits for its neighbours to join (a slow one may still be computing), and the longest a
     /// neighbour may make no progress during a reduction.
     pub timeout: Duration,
-    /// A neighbour whose host stops answering (link cut, host frozen) is detected within about this long even
-    /// while its process computes: TCP keepalive probes answered by its kernel, and unacknowledged data bounded
-    /// by `TCP_USER_TIMEOUT`. A neighbour whose process dies is detected at once (its links close).
+    /// A neighbour that stops answering is detected within about this long, whatever it was doing: a rank
+    /// waiting on a silent neighbour probes its daemon every quarter of it ([`peer::probe`], answered by the
+    /// daemon's network runtime even while its Python computes; a stopped process or a frozen or cut-off host
+    /// does not answer within three quarters of it). TCP keepalive and `TCP_USER_TIMEOUT` bound a link whose host
+    /// vanished in the same time. A neighbour whose process dies is detected at once (its links close).
     pub liveness: Duration,
 }
 
@@ -156,11 +158,30 @@ impl Ring {
             })
     }
 
+    /// How a pass of this ring watches its neighbours (see [`RingSpec::liveness`]).
+    fn watcher(&self) -> Result<Watcher, CollectiveError> {
+        let (left, _) = self.neighbour(Side::Left);
+        let (right, _) = self.neighbour(Side::Right);
+        Ok(Watcher {
+            group: self.spec.group,
+            left: self.resolve(left)?,
+            right: self.resolve(right)?,
+            token: self.token.clone(),
+            answer_within: self.spec.liveness * 3 / 4,
+            every: self.spec.liveness / 4,
+            stall: self.spec.timeout,
+        })
+    }
+
     /// Open every stream's link to the right neighbour, then take the left neighbour's from the mailbox.
     fn connect(&mut self) -> Result<Vec<Stream>, CollectiveError> {
         let (right, right_address) = self.neighbour(Side::Right);
         let (left, left_address) = self.neighbour(Side::Left);
         let to = self.resolve(right)?;
+        let watcher = self.watcher()?;
+        // The right neighbour's daemon admits links from its network runtime whatever its Python does: a live one
+        // answers at once.
+        let open_within = self.spec.liveness.min(self.spec.timeout);
         let mut rights = Vec::with_capacity(self.spec.streams);
         for stream in 0..self.spec.streams {
             let key = peer::LinkKey {
@@ -168,14 +189,13 @@ impl Ring {
                 to_rank: right as u32,
                 stream: stream as u32,
             };
-            let link =
-                peer::open(to, key, self.token.as_ref(), self.spec.timeout).map_err(|source| {
-                    CollectiveError::Open {
-                        rank: right,
-                        address: right_address.clone(),
-                        source,
-                    }
-                })?;
+            let link = peer::open(to, key, self.token.as_ref(), open_within).map_err(|source| {
+                CollectiveError::Open {
+                    rank: right,
+                    address: right_address.clone(),
+                    source,
+                }
+            })?;
             rights.push(link);
         }
         let mut streams = Vec::with_capacity(self.spec.streams);
@@ -185,14 +205,33 @@ impl Ring {
                 to_rank: self.spec.rank as u32,
                 stream: stream as u32,
             };
-            let (left_link, slot) =
-                peer::mailbox()
-                    .take(key, self.spec.timeout)
-                    .ok_or_else(|| CollectiveError::NoLink {
+            // The left neighbour may still be computing: wait for its link up to the timeout, probing it while
+            // waiting so that a stopped or unreachable one fails the ring within the liveness bound.
+            let t0 = std::time::Instant::now();
+            let (left_link, slot) = loop {
+                let left_time = self.spec.timeout.saturating_sub(t0.elapsed());
+                if let Some(got) = peer::mailbox().take(key, left_time.min(watcher.every)) {
+                    break got;
+                }
+                if t0.elapsed() >= self.spec.timeout {
+                    return Err(CollectiveError::NoLink {
                         rank: left,
                         address: left_address.clone(),
                         timeout: self.spec.timeout,
-                    })?;
+                    });
+                }
+                if let Err(reason) = watcher.probe(Side::Left) {
+                    return Err(CollectiveError::Ring {
+                        rank: left,
+                        address: left_address.clone(),
+                        source: RingError::Unresponsive {
+                            side: Side::Left,
+                            after: t0.elapsed(),
+                            reason,
+                        },
+                    });
+                }
+            };
             let liveness = self.spec.liveness;
             let configure = |s: &std::net::TcpStream| {
                 s.set_nonblocking(true)?;
@@ -267,7 +306,14 @@ impl Ring {
             Some(s) => s,
             None => self.connect()?,
         };
-        let (rank, n, stall) = (self.spec.rank, self.n(), self.spec.timeout);
+        let watcher = self.watcher()?;
+        let probe = |side: Side| watcher.probe(side);
+        let watch = Watch {
+            stall: watcher.stall,
+            probe_every: watcher.every,
+            probe: Some(&probe),
+        };
+        let (rank, n) = (self.spec.rank, self.n());
         // Each stream reduces its own contiguous slice (the same cut on every rank: it depends on the length only).
         let k = streams.len();
         let mut parts: Vec<&mut [T]> = Vec::with_capacity(k);
@@ -285,7 +331,7 @@ impl Ring {
                 n,
                 &mut streams[0].links,
                 op,
-                stall,
+                watch,
             )]
         } else {
             std::thread::scope(|s| {
@@ -294,7 +340,7 @@ impl Ring {
                     .zip(streams.iter_mut())
                     .map(|(part, st)| {
                         s.spawn(move || {
-                            ring::allreduce_over::<T, C>(part, rank, n, &mut st.links, op, stall)
+                            ring::allreduce_over::<T, C>(part, rank, n, &mut st.links, op, watch)
                         })
                     })
                     .collect();
@@ -309,7 +355,8 @@ impl Ring {
                 let side = match &source {
                     RingError::Io { side, .. }
                     | RingError::Closed { side }
-                    | RingError::Stalled { side, .. } => *side,
+                    | RingError::Stalled { side, .. }
+                    | RingError::Unresponsive { side, .. } => *side,
                     RingError::Mismatch { .. } | RingError::BadHeader => Side::Left,
                 };
                 let (rank, address) = self.neighbour(side);
@@ -322,6 +369,28 @@ impl Ring {
         }
         self.streams = Some(streams);
         Ok(())
+    }
+}
+
+/// What a ring's passes need to probe its neighbours (owned, so the parallel streams' threads share it).
+struct Watcher {
+    group: u128,
+    left: SocketAddr,
+    right: SocketAddr,
+    token: Option<Token>,
+    answer_within: Duration,
+    every: Duration,
+    stall: Duration,
+}
+
+impl Watcher {
+    fn probe(&self, side: Side) -> Result<(), String> {
+        let to = match side {
+            Side::Left => self.left,
+            Side::Right => self.right,
+        };
+        peer::probe(to, self.group, self.token.as_ref(), self.answer_within)
+            .map_err(|e| format!("{to}: no answer within {:?}: {e}", self.answer_within))
     }
 }
 

@@ -9,6 +9,11 @@
 //! Admitted links wait in this process's [`mailbox`] until the receiving rank's [`super::Ring`] takes them (the
 //! ring runs on the interpreter thread, the daemon accepts on its network runtime, and both are in one process).
 //! Links nobody takes are dropped after [`MAILBOX_TTL`].
+//!
+//! A **liveness probe** ([`probe`]) is a peer link whose key names [`PROBE_RANK`]: the daemon answers
+//! [`ANSWER_OK`] from its network runtime and closes it. A rank waiting on a silent neighbour probes it to tell
+//! a neighbour still computing (its runtime answers) from one whose process is stopped or whose host is gone
+//! (nothing answers, though its kernel may still accept the connection).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -108,6 +113,25 @@ pub fn open(
     }
 }
 
+/// The rank a liveness probe's key names: no ring has that many ranks.
+pub const PROBE_RANK: u32 = u32::MAX;
+
+/// Ask the daemon at `address` whether its process still answers, within `timeout`: `Ok` once its network
+/// runtime has checked `token` and answered. Blocking.
+pub fn probe(
+    address: SocketAddr,
+    group: u128,
+    token: Option<&Token>,
+    timeout: Duration,
+) -> Result<(), OpenError> {
+    let key = LinkKey {
+        group,
+        to_rank: PROBE_RANK,
+        stream: 0,
+    };
+    open(address, key, token, timeout).map(drop)
+}
+
 /// Links admitted by this process's daemon(s), waiting for their ring.
 pub struct Mailbox {
     links: Mutex<HashMap<LinkKey, (Instant, TcpStream, Slot)>>,
@@ -187,6 +211,10 @@ pub async fn welcome(
     })
     .await;
     match checked {
+        Ok(Ok(Some(key))) if key.to_rank == PROBE_RANK => {
+            // A liveness probe: answering is the whole point; nothing goes to the mailbox.
+            let _ = stream.write_all(&[ANSWER_OK]).await;
+        }
         Ok(Ok(Some(key))) => {
             if stream.write_all(&[ANSWER_OK]).await.is_err() {
                 return;

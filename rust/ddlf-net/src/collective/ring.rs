@@ -161,6 +161,15 @@ pub enum RingError {
     #[error("the {side} neighbour made no progress for {after:?} (stopped, or its link is down)")]
     Stalled { side: Side, after: Duration },
     #[error(
+        "the {side} neighbour made no progress for {after:?} and its daemon did not answer a liveness probe \
+         ({reason}): its process is stopped or its host unreachable"
+    )]
+    Unresponsive {
+        side: Side,
+        after: Duration,
+        reason: String,
+    },
+    #[error(
         "the left neighbour reduces {their_len} {their_type} elements and this rank {our_len} {our_type}: \
          every rank must pass arrays of the same dtypes and sizes, with the same wire precision"
     )]
@@ -205,6 +214,54 @@ const SCRATCH_BYTES: usize = 1 << 20;
 /// How long one `poll` waits before the stall clock is checked again.
 const POLL_SLICE: Duration = Duration::from_millis(200);
 
+/// Asks whether the neighbour on one side is still alive (its daemon answers), and says why not.
+pub type Probe<'a> = &'a (dyn Fn(Side) -> Result<(), String> + Sync);
+
+/// How long a pass waits for its neighbours, and how it tells a slow neighbour from a dead one.
+///
+/// A neighbour may legitimately go quiet for a long time (still computing before it joins the reduction), so
+/// silence alone fails a pass only after `stall`. A neighbour whose process is stopped (`SIGSTOP`, swapped out,
+/// a debugger) or whose host froze keeps its TCP connections open, and its kernel even answers keepalives: only
+/// asking its process tells it apart. After `probe_every` without progress, and again every `probe_every`, the
+/// pass calls `probe` for the neighbour it waits on; a probe that fails ends the pass at once.
+#[derive(Clone, Copy)]
+pub struct Watch<'a> {
+    pub stall: Duration,
+    pub probe_every: Duration,
+    pub probe: Option<Probe<'a>>,
+}
+
+impl Watch<'static> {
+    /// Fail after `stall` without progress; never probe.
+    pub fn stall(stall: Duration) -> Self {
+        Watch {
+            stall,
+            probe_every: stall,
+            probe: None,
+        }
+    }
+}
+
+/// The progress clock of one pass: when something last moved, and when the neighbours last proved alive.
+struct Clock {
+    last: Instant,
+    alive: Instant,
+}
+
+impl Clock {
+    fn new() -> Self {
+        let now = Instant::now();
+        Clock {
+            last: now,
+            alive: now,
+        }
+    }
+
+    fn progressed(&mut self) {
+        self.last = Instant::now();
+    }
+}
+
 /// The element range of chunk `c` of `n` over `len` elements.
 pub fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
     let at = |i: usize| ((i as u128 * len as u128) / n as u128) as usize;
@@ -212,16 +269,16 @@ pub fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
 }
 
 /// All-reduce `data` in place with the ranks of this ring. `n == 1` leaves `data` as it is (a mean of one).
-/// `stall`: the longest either neighbour may go without progress before the pass fails.
+/// `watch`: how long either neighbour may go without progress, and how its liveness is checked meanwhile.
 pub fn allreduce<T: Elem>(
     data: &mut [T],
     rank: usize,
     n: usize,
     links: &mut Links,
     op: Op,
-    stall: Duration,
+    watch: Watch<'_>,
 ) -> Result<(), RingError> {
-    allreduce_over::<T, Plain>(data, rank, n, links, op, stall)
+    allreduce_over::<T, Plain>(data, rank, n, links, op, watch)
 }
 
 /// [`allreduce`] with the elements sent as `C::W` (see the module docs on half precision).
@@ -231,13 +288,13 @@ pub fn allreduce_over<T: Elem, C: Codec<T>>(
     n: usize,
     links: &mut Links,
     op: Op,
-    stall: Duration,
+    watch: Watch<'_>,
 ) -> Result<(), RingError> {
     if n <= 1 {
         return Ok(());
     }
-    exchange_header::<T, C>(data.len() as u64, links, stall)?;
-    Pass::new(data.len(), rank, n).run::<T, C>(data, links, stall)?;
+    exchange_header::<T, C>(data.len() as u64, links, watch)?;
+    Pass::new(data.len(), rank, n).run::<T, C>(data, links, watch)?;
     if op == Op::Mean {
         let by = 1.0 / n as f64;
         for x in data.iter_mut() {
@@ -270,7 +327,7 @@ fn type_name(word: u32) -> String {
 fn exchange_header<T: Elem, C: Codec<T>>(
     len: u64,
     links: &mut Links,
-    stall: Duration,
+    watch: Watch<'_>,
 ) -> Result<(), RingError> {
     let ours_word = type_word::<T, C>();
     let mut ours = [0u8; 16];
@@ -279,7 +336,7 @@ fn exchange_header<T: Elem, C: Codec<T>>(
     ours[8..].copy_from_slice(&len.to_le_bytes());
     let mut theirs = [0u8; 16];
     let (mut sent, mut got) = (0usize, 0usize);
-    let mut last = Instant::now();
+    let mut clock = Clock::new();
     while sent < 16 || got < 16 {
         let mut progressed = false;
         if sent < 16 {
@@ -298,9 +355,9 @@ fn exchange_header<T: Elem, C: Codec<T>>(
             }
         }
         if progressed {
-            last = Instant::now();
+            clock.progressed();
         } else {
-            wait(links, got < 16, sent < 16, last, stall)?;
+            wait(links, got < 16, sent < 16, &mut clock, watch)?;
         }
     }
     let word = |r: Range<usize>| u32::from_le_bytes(theirs[r].try_into().unwrap_or_default());
@@ -371,7 +428,7 @@ impl Pass {
         mut self,
         data: &mut [T],
         links: &mut Links,
-        stall: Duration,
+        watch: Watch<'_>,
     ) -> Result<(), RingError> {
         let size = std::mem::size_of::<C::W>();
         let mut scratch = vec![<C::W as bytemuck::Zeroable>::zeroed(); SCRATCH_BYTES / size];
@@ -392,7 +449,7 @@ impl Pass {
         let mut expected: usize = (0..self.steps)
             .map(|t| self.recv_chunk(t).len() * size)
             .sum();
-        let mut last = Instant::now();
+        let mut clock = Clock::new();
         while self.send_step < self.steps || self.recv_step < self.steps {
             let mut progressed = false;
             // Send what is ready of the current step; a finished step moves on at once.
@@ -453,10 +510,16 @@ impl Pass {
                 }
             }
             if progressed {
-                last = Instant::now();
+                clock.progressed();
             } else {
                 let want_out = self.send_step < self.steps && self.sent < self.ready() * size;
-                wait(links, self.recv_step < self.steps, want_out, last, stall)?;
+                wait(
+                    links,
+                    self.recv_step < self.steps,
+                    want_out,
+                    &mut clock,
+                    watch,
+                )?;
             }
         }
         Ok(())
@@ -507,19 +570,35 @@ fn io_error(side: Side, source: io::Error) -> RingError {
 }
 
 /// Wait until the left link is readable (`want_in`) or the right writable (`want_out`), failing once nothing has
-/// moved for `stall` since `last`.
+/// moved for `watch.stall`, or once the neighbour waited on fails a liveness probe (see [`Watch`]).
 fn wait(
     links: &Links,
     want_in: bool,
     want_out: bool,
-    last: Instant,
-    stall: Duration,
+    clock: &mut Clock,
+    watch: Watch<'_>,
 ) -> Result<(), RingError> {
-    let waited = last.elapsed();
+    let waited = clock.last.elapsed();
+    let stall = watch.stall;
     if waited >= stall {
         // Blame the side we were waiting for; waiting to send means the right neighbour stopped reading.
         let side = if want_in { Side::Left } else { Side::Right };
         return Err(RingError::Stalled { side, after: stall });
+    }
+    if let Some(probe) = watch.probe {
+        if clock.last.max(clock.alive).elapsed() >= watch.probe_every {
+            let sides = [(want_in, Side::Left), (want_out, Side::Right)];
+            for (_, side) in sides.into_iter().filter(|(wanted, _)| *wanted) {
+                if let Err(reason) = probe(side) {
+                    return Err(RingError::Unresponsive {
+                        side,
+                        after: clock.last.elapsed(),
+                        reason,
+                    });
+                }
+            }
+            clock.alive = Instant::now();
+        }
     }
     let mut fds = [
         libc::pollfd {
@@ -587,9 +666,16 @@ mod tests {
                 .enumerate()
                 .map(|(rank, (mut data, mut links))| {
                     s.spawn(move || {
-                        allreduce(&mut data, rank, n, &mut links, op, Duration::from_secs(10))
-                            .map(|_| data)
-                            .map_err(|e| e.to_string())
+                        allreduce(
+                            &mut data,
+                            rank,
+                            n,
+                            &mut links,
+                            op,
+                            Watch::stall(Duration::from_secs(10)),
+                        )
+                        .map(|_| data)
+                        .map_err(|e| e.to_string())
                     })
                 })
                 .collect();
@@ -609,7 +695,7 @@ mod tests {
                 .map(|(rank, (mut data, mut links))| {
                     let wire = wires[rank];
                     s.spawn(move || {
-                        let d = Duration::from_secs(10);
+                        let d = Watch::stall(Duration::from_secs(10));
                         match wire {
                             1 => allreduce_over::<f32, F16Wire>(
                                 &mut data, rank, n, &mut links, op, d,
@@ -732,8 +818,15 @@ mod tests {
                         let len = 1 + (pass * 7919) % 5000;
                         let mut data: Vec<f64> =
                             (0..len).map(|i| (rank + i + pass) as f64).collect();
-                        allreduce(&mut data, rank, n, &mut l, Op::Sum, Duration::from_secs(10))
-                            .unwrap();
+                        allreduce(
+                            &mut data,
+                            rank,
+                            n,
+                            &mut l,
+                            Op::Sum,
+                            Watch::stall(Duration::from_secs(10)),
+                        )
+                        .unwrap();
                         let want: Vec<f64> = (0..len)
                             .map(|i| (0..n).map(|r| (r + i + pass) as f64).sum())
                             .collect();
@@ -796,7 +889,14 @@ mod tests {
                 .map(|(rank, mut l)| {
                     s.spawn(move || {
                         let mut data = vec![1.0f32; 1 << 20];
-                        allreduce(&mut data, rank, 3, &mut l, Op::Sum, Duration::from_secs(5))
+                        allreduce(
+                            &mut data,
+                            rank,
+                            3,
+                            &mut l,
+                            Op::Sum,
+                            Watch::stall(Duration::from_secs(5)),
+                        )
                     })
                 })
                 .collect();
@@ -822,9 +922,91 @@ mod tests {
             2,
             &mut mine,
             Op::Sum,
-            Duration::from_millis(300),
+            Watch::stall(Duration::from_millis(300)),
         )
         .unwrap_err();
         assert!(matches!(err, RingError::Stalled { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_silent_neighbour_that_fails_its_probe_ends_the_pass_long_before_the_stall_timeout() {
+        let mut links = ring(2);
+        let _frozen = links.pop().unwrap(); // open but never runs, as a SIGSTOPped process
+        let mut mine = links.pop().unwrap();
+        let mut data = vec![1.0f32; 10];
+        let asked = std::sync::Mutex::new(Vec::new());
+        let probe = |side: Side| {
+            asked.lock().unwrap().push(side);
+            Err("no answer within 1s".to_string())
+        };
+        let t0 = Instant::now();
+        let err = allreduce(
+            &mut data,
+            0,
+            2,
+            &mut mine,
+            Op::Sum,
+            Watch {
+                stall: Duration::from_secs(60),
+                probe_every: Duration::from_millis(300),
+                probe: Some(&probe),
+            },
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RingError::Unresponsive {
+                    side: Side::Left,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("no answer within 1s"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        assert_eq!(*asked.lock().unwrap(), vec![Side::Left]); // the side it waited on, once
+        assert_eq!(data, vec![1.0f32; 10]); // nothing reduced
+    }
+
+    #[test]
+    fn a_slow_neighbour_that_answers_its_probes_is_waited_for() {
+        let mut links = ring(2);
+        let mut late = links.pop().unwrap();
+        let mut mine = links.pop().unwrap();
+        let probes = std::sync::atomic::AtomicUsize::new(0);
+        let probe = |_: Side| {
+            probes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
+        };
+        let watch = Watch {
+            stall: Duration::from_secs(30),
+            probe_every: Duration::from_millis(200),
+            probe: Some(&probe),
+        };
+        let out = std::thread::scope(|s| {
+            let h = s.spawn(move || {
+                // Still computing for a while, then joins.
+                std::thread::sleep(Duration::from_millis(1500));
+                let mut d = vec![2.0f32; 10];
+                allreduce(
+                    &mut d,
+                    1,
+                    2,
+                    &mut late,
+                    Op::Sum,
+                    Watch::stall(Duration::from_secs(30)),
+                )
+                .map(|_| d)
+            });
+            let mut d = vec![1.0f32; 10];
+            let mine = allreduce(&mut d, 0, 2, &mut mine, Op::Sum, watch).map(|_| d);
+            (mine, h.join().unwrap())
+        });
+        assert_eq!(out.0.unwrap(), vec![3.0f32; 10]);
+        assert_eq!(out.1.unwrap(), vec![3.0f32; 10]);
+        // Probed while it waited (about every 200 ms of the 1.5 s), not on every poll.
+        let k = probes.load(std::sync::atomic::Ordering::Relaxed);
+        assert!((3..=12).contains(&k), "{k} probes");
     }
 }

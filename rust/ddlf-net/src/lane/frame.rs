@@ -27,9 +27,12 @@ pub const MAX_MESSAGE: usize = 16 << 20;
 const MAX_HANDSHAKE: usize = 64 << 10;
 
 /// Requests up to this size on the wire (pickle plus inline buffers; buffers in shared memory do not count) take
-/// the lane; larger ones stream over gRPC, whose chunking and flow control suit bulk data, and which never has a
-/// large write wait behind a busy interpreter.
-pub const MAX_LANE_REQUEST: usize = 1 << 20;
+/// the lane; larger ones stream over gRPC, whose chunking and flow control suit bulk data. A lane request is
+/// written whole by the master's thread: one larger than the sockets' buffers waits there while the worker's
+/// interpreter is busy with an earlier call, so the master pings the worker while it waits (a stopped worker
+/// fails the call within the heartbeat timeout). Mid-size weight lists (a small CNN's 4 MB) cost about twice the
+/// raw socket over gRPC and about what the raw socket does on the lane (`BENCHMARKS.md`, *Tensor data plane*).
+pub const MAX_LANE_REQUEST: usize = 8 << 20;
 
 /// Whether a request with this value goes on a lane: its bytes on the wire (pickle and inline buffers; buffers in
 /// shared memory travel as a reference) are at most [`MAX_LANE_REQUEST`].

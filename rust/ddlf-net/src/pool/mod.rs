@@ -445,52 +445,89 @@ impl Pool {
                 false => Ok(()),
             }
         };
+        // Every worker still owing a reply is pinged each heartbeat interval, whichever request is being written
+        // or reply read: a stopped worker is found within interval + timeout of the call, not after the workers
+        // before it answer, and a request that fills the socket of a stopped worker does not wait forever.
+        let mut dead: Vec<Option<String>> = vec![None; lanes.len()];
+        let mut next_beat = Instant::now() + self.config.keepalive_interval;
         let sent: Vec<_> = lanes
             .iter_mut()
             .zip(requests)
-            .map(|(lane, req)| {
+            .enumerate()
+            .map(|(i, (lane, req))| {
                 let (id, start) = (req.request_id, Instant::now());
-                let mut wait = deadline_wait(deadline, || check(&mut interrupted));
-                (id, start, lane.send(req, deadline, &mut wait))
-            })
-            .collect();
-        let answers = lanes
-            .iter_mut()
-            .zip(conns)
-            .zip(targets)
-            .zip(sent)
-            .map(|(((lane, conn), &worker), (id, start, sent))| {
-                let mut next_beat = Instant::now() + self.config.keepalive_interval;
                 let mut wait = deadline_wait(deadline, || {
                     check(&mut interrupted)?;
                     if Instant::now() >= next_beat {
-                        self.alive(conn)?;
+                        if let Some(Err(why)) = self.alive_all(&conns[i..=i]).pop() {
+                            dead[i] = Some(why);
+                        }
                         next_beat = Instant::now() + self.config.keepalive_interval;
                     }
-                    Ok(())
+                    match &dead[i] {
+                        Some(why) => Err(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            why.clone(),
+                        )),
+                        None => Ok(()),
+                    }
                 });
-                let result = sent.and_then(|()| lane.receive(deadline, &mut wait));
-                Answer::new(worker, result, start.elapsed().as_secs_f64(), id)
+                (id, start, lane.send(req, deadline, &mut wait))
             })
             .collect();
+        let mut answers = Vec::with_capacity(lanes.len());
+        for (i, ((lane, &worker), (id, start, sent))) in
+            lanes.iter_mut().zip(targets).zip(sent).enumerate()
+        {
+            let mut wait = deadline_wait(deadline, || {
+                check(&mut interrupted)?;
+                if dead[i].is_none() && Instant::now() >= next_beat {
+                    for (k, failed) in self.alive_all(&conns[i..]).into_iter().enumerate() {
+                        if let Err(why) = failed {
+                            dead[i + k].get_or_insert(why);
+                        }
+                    }
+                    next_beat = Instant::now() + self.config.keepalive_interval;
+                }
+                match &dead[i] {
+                    Some(why) => Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        why.clone(),
+                    )),
+                    None => Ok(()),
+                }
+            });
+            let result = sent.and_then(|()| lane.receive(deadline, &mut wait));
+            answers.push(Answer::new(
+                worker,
+                result,
+                start.elapsed().as_secs_f64(),
+                id,
+            ));
+        }
         match interrupted {
             true => Err(PoolError::Interrupted),
             false => Ok(answers),
         }
     }
 
-    /// A heartbeat over gRPC within the keepalive timeout (blocking).
-    fn alive(&self, conn: &WorkerConn) -> io::Result<()> {
+    /// Heartbeats over gRPC to `conns` at once, each within the keepalive timeout (blocking): why each that failed
+    /// did.
+    fn alive_all(&self, conns: &[Arc<WorkerConn>]) -> Vec<Result<(), String>> {
         let t = self.config.keepalive_timeout;
-        let aborted = |why: String| io::Error::new(io::ErrorKind::ConnectionAborted, why);
-        match self.rt.block_on(conn.heartbeat(Some(t))) {
-            Ok(_) => Ok(()),
-            Err(NetError::DeadlineExceeded { .. }) => Err(aborted(format!(
-                "no answer to a heartbeat within {:.1} s",
-                t.as_secs_f64()
-            ))),
-            Err(e) => Err(aborted(format!("heartbeat failed: {e}"))),
-        }
+        let beats = conns.iter().map(|c| c.heartbeat(Some(t)));
+        self.rt
+            .block_on(futures_util::future::join_all(beats))
+            .into_iter()
+            .map(|r| match r {
+                Ok(_) => Ok(()),
+                Err(NetError::DeadlineExceeded { .. }) => Err(format!(
+                    "no answer to a heartbeat within {:.1} s",
+                    t.as_secs_f64()
+                )),
+                Err(e) => Err(format!("heartbeat failed: {e}")),
+            })
+            .collect()
     }
 
     /// Run `f` on each target concurrently (requests the daemon's network side answers by itself).
