@@ -27,6 +27,7 @@ BENCHMARKS = {
     "chaos": "benchmarks.chaos",
     "exhaustion": "benchmarks.exhaustion",
     "outer": "benchmarks.outer",
+    "smallmodel": "benchmarks.smallmodel",
 }
 
 

@@ -43,6 +43,7 @@ MODES = {  # label -> train() keywords
     "sync, ring all-reduce": {"mode": "sync", "exchange": "allreduce"},
     "async": {"mode": "async"},
 }
+RUN_NAMES = ("master", "ring", "async")  # --runs names of MODES, in order
 BAND_POINTS = 1.0  # the accuracy band around the undisturbed run, in percentage points
 
 
@@ -173,12 +174,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hang-factor", type=float, default=3.0)
     p.add_argument("--data", default=os.path.join("examples", "data", "mnist"))
     p.add_argument("--out", default="RELIABILITY.md")
+    p.add_argument(
+        "--runs",
+        default=",".join(RUN_NAMES),
+        help=f"which runs, comma-separated from {','.join(RUN_NAMES)} (a subset writes its own section)",
+    )
     args = p.parse_args(argv)
+    chosen = args.runs.split(",")
+    unknown = [r for r in chosen if r not in RUN_NAMES]
+    if unknown:
+        p.error(f"unknown runs {unknown}: choose from {','.join(RUN_NAMES)}")
+    modes = {label: kw for name, (label, kw) in zip(RUN_NAMES, MODES.items()) if name in chosen}
     test = prepare(args.data)
-    per_run = args.minutes * 60 / len(MODES)
+    per_run = args.minutes * 60 / len(modes)
     rows = []
     t_all = time.perf_counter()
-    for k, (label, kw) in enumerate(MODES.items()):
+    for k, (label, kw) in enumerate(modes.items()):
         # A short undisturbed run first: its steady time per epoch sets the epochs that fill this run's share.
         probe = _run(label, kw, 2, test, chaos=False, seed=0)
         epochs = max(2, round(per_run / probe["epoch_seconds"][-1]))
@@ -193,12 +204,15 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     took = time.perf_counter() - t_all
-    _write(Path(args.out), _markdown(rows, args, took))
+    section = "chaos" if len(modes) == len(MODES) else "chaos-" + "-".join(chosen)
+    _write(Path(args.out), _markdown(rows, args, took), section)
 
 
 def _markdown(rows: list[tuple[dict[str, Any], dict[str, Any], bool]], args: Any, took: float) -> str:
     lines = [
-        "## Chaos (`python -m benchmarks chaos`)",
+        "## Chaos (`python -m benchmarks chaos"
+        + ("" if args.runs == ",".join(RUN_NAMES) else f" --runs {args.runs} --minutes {args.minutes:g}")
+        + "`)",
         "",
         f"Machine: {report.machine()}; {took / 60:.1f} minutes in all, seed {args.seed}.",
         "",
@@ -251,8 +265,8 @@ def _markdown(rows: list[tuple[dict[str, Any], dict[str, Any], bool]], args: Any
     return "\n".join(lines)
 
 
-def _write(path: Path, body: str) -> None:
-    report.write_section("chaos", body, path)
+def _write(path: Path, body: str, section: str) -> None:
+    report.write_section(section, body, path)
     print(body)
 
 
