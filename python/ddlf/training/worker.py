@@ -22,6 +22,7 @@ import numpy as np
 from .. import ops
 from ..datasets import STORE
 from ..settings import follow_keras_backend, keras_backend_default
+from . import warm
 from .common import set_random_seed
 from .gradients import local_mask, stepper_for, steps_whole_rounds
 from .outer import Nesterov, OuterSpec
@@ -45,6 +46,8 @@ class Session:
     # exchange="allreduce" with an outer optimizer: its momentum, and the momentum the last round started from
     outer: Nesterov | None = None
     outer_start: list[np.ndarray] | None = None
+    # what identifies the model's architecture among kept warm models (training.warm); None: not kept
+    warm_key: str | None = None
 
     def steps(self) -> Any:
         """The model's :class:`~ddlf.training.gradients.Stepper` (traced or jitted once per run)."""
@@ -150,7 +153,8 @@ def setup(worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | N
     if hasattr(model, "set_rng_state"):
         set_random_seed(worker_seed)  # torch may have been imported by create_model itself
     _admit(worker, run_id)
-    _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards)
+    model, stepper, key = warm.lend(model)  # an earlier run's traced model, holding this one's initial state
+    _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards, stepper=stepper, warm_key=key)
     _publish()
     log.info("training run %s (%s) set up: %d rows, %d runs here", run_id, type(app).__name__, len(x), len(_SESSIONS))
     return {
@@ -200,7 +204,9 @@ def runs() -> list[dict[str, Any]]:
 
 def teardown(worker: Any, run_id: str) -> None:
     """Forget a run's session and its broadcast weights (the dataset stays cached)."""
-    if _SESSIONS.pop(run_id, None) is not None:
+    session = _SESSIONS.pop(run_id, None)
+    if session is not None:
+        warm.keep(session.warm_key, session.model, session.stepper)
         log.info("training run %s torn down", run_id)
         _publish()
     worker.vars.pop(weights_var(run_id), None)

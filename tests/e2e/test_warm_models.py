@@ -1,0 +1,80 @@
+"""Warm models: a second ``train()`` with the same architecture reuses each worker's traced model, and learns
+exactly what a cold run learns (weights, optimizer state, random generators and BatchNorm statistics all reset to
+the new run's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ddlf
+
+from .test_training import SmallMnist
+
+
+class DropoutMnist(SmallMnist):
+    """Dropout (a random generator in the model) and BatchNorm (non-trainable statistics), Adam."""
+
+    def create_model(self) -> Any:
+        import keras
+
+        model = keras.Sequential(
+            [
+                keras.Input(shape=(784,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dropout(0.3),
+                keras.layers.Dense(10, "softmax"),
+            ]
+        )
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+
+class WiderMnist(SmallMnist):
+    def create_model(self) -> Any:
+        import keras
+
+        model = keras.Sequential(
+            [keras.Input(shape=(784,)), keras.layers.Dense(48, activation="relu"), keras.layers.Dense(10, "softmax")]
+        )
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+
+def _kept() -> list[int]:
+    from ddlf.training import warm
+
+    return sorted(id(model) for model, _ in warm._KEPT.values())
+
+
+def _train(app: ddlf.IApp, **kw: Any) -> ddlf.History:
+    return app.train(epochs=2, batch_size=32, averaging_frequency=10, seed=11, verbose=0, **kw)
+
+
+@pytest.mark.parametrize("kw", [{}, {"exchange": "allreduce"}, {"averaging": "gradients"}], ids=str)
+def test_a_warm_run_learns_exactly_what_a_cold_run_learns(kw: dict[str, Any]) -> None:
+    with ddlf.Cluster.local(2, threads=1) as c:
+        cold = DropoutMnist(c)
+        h_cold = _train(cold, **kw)
+        kept = c.call(_kept)
+        assert all(len(k) == 1 for k in kept), kept  # each worker keeps the traced model
+        warm = DropoutMnist(c)
+        h_warm = _train(warm, **kw)
+        # The same model objects were lent to the second run and kept again after it.
+        assert c.call(_kept) == kept
+        assert h_warm.history == h_cold.history
+        for a, b in zip(cold.model.get_weights(), warm.model.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_another_architecture_is_built_fresh_and_both_are_kept() -> None:
+    with ddlf.Cluster.local(1, threads=1) as c:
+        _train(SmallMnist(c))
+        first = c.call(_kept)[0]
+        h = _train(WiderMnist(c))
+        both = c.call(_kept)[0]
+        assert len(both) == 2 and set(first) < set(both)
+        assert h.history["loss"][-1] < h.history["loss"][0]
