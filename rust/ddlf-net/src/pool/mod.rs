@@ -448,8 +448,7 @@ impl Pool {
         // Every worker still owing a reply is pinged each heartbeat interval, whichever request is being written
         // or reply read: a stopped worker is found within interval + timeout of the call, not after the workers
         // before it answer, and a request that fills the socket of a stopped worker does not wait forever.
-        let mut dead: Vec<Option<String>> = vec![None; lanes.len()];
-        let mut next_beat = Instant::now() + self.config.keepalive_interval;
+        let mut beats = Beats::new(lanes.len(), self.config.keepalive_interval);
         let sent: Vec<_> = lanes
             .iter_mut()
             .zip(requests)
@@ -458,19 +457,7 @@ impl Pool {
                 let (id, start) = (req.request_id, Instant::now());
                 let mut wait = deadline_wait(deadline, || {
                     check(&mut interrupted)?;
-                    if Instant::now() >= next_beat {
-                        if let Some(Err(why)) = self.alive_all(&conns[i..=i]).pop() {
-                            dead[i] = Some(why);
-                        }
-                        next_beat = Instant::now() + self.config.keepalive_interval;
-                    }
-                    match &dead[i] {
-                        Some(why) => Err(io::Error::new(
-                            io::ErrorKind::ConnectionAborted,
-                            why.clone(),
-                        )),
-                        None => Ok(()),
-                    }
+                    beats.watch(self, conns, i, i + 1)
                 });
                 (id, start, lane.send(req, deadline, &mut wait))
             })
@@ -481,21 +468,7 @@ impl Pool {
         {
             let mut wait = deadline_wait(deadline, || {
                 check(&mut interrupted)?;
-                if dead[i].is_none() && Instant::now() >= next_beat {
-                    for (k, failed) in self.alive_all(&conns[i..]).into_iter().enumerate() {
-                        if let Err(why) = failed {
-                            dead[i + k].get_or_insert(why);
-                        }
-                    }
-                    next_beat = Instant::now() + self.config.keepalive_interval;
-                }
-                match &dead[i] {
-                    Some(why) => Err(io::Error::new(
-                        io::ErrorKind::ConnectionAborted,
-                        why.clone(),
-                    )),
-                    None => Ok(()),
-                }
+                beats.watch(self, conns, i, conns.len())
             });
             let result = sent.and_then(|()| lane.receive(deadline, &mut wait));
             answers.push(Answer::new(
@@ -600,5 +573,48 @@ impl Pool {
             move |c| async move { c.shutdown(timeout).await },
             interrupt,
         )
+    }
+}
+
+/// The heartbeats of one call over lanes: which workers failed one, and when the next is due.
+struct Beats {
+    dead: Vec<Option<String>>,
+    next: Instant,
+    every: Duration,
+}
+
+impl Beats {
+    fn new(n: usize, every: Duration) -> Self {
+        Beats {
+            dead: vec![None; n],
+            next: Instant::now() + every,
+            every,
+        }
+    }
+
+    /// While waiting on worker `i`: when a beat is due, ping workers `i..upto` at once (those still owing a
+    /// reply); an error once worker `i` failed one.
+    fn watch(
+        &mut self,
+        pool: &Pool,
+        conns: &[Arc<WorkerConn>],
+        i: usize,
+        upto: usize,
+    ) -> io::Result<()> {
+        if self.dead[i].is_none() && Instant::now() >= self.next {
+            for (k, failed) in pool.alive_all(&conns[i..upto]).into_iter().enumerate() {
+                if let Err(why) = failed {
+                    self.dead[i + k].get_or_insert(why);
+                }
+            }
+            self.next = Instant::now() + self.every;
+        }
+        match &self.dead[i] {
+            Some(why) => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                why.clone(),
+            )),
+            None => Ok(()),
+        }
     }
 }
