@@ -10,7 +10,6 @@ import argparse
 import importlib
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -147,10 +146,7 @@ def _subprocess_case(backend: str, model: str, mode: str, args: argparse.Namespa
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
     cmd = [sys.executable, "-m", "benchmarks.backends", "--case", model, mode]
     cmd += ["--rows", str(args.rows), "--epochs", str(args.epochs), "--batch", str(args.batch)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return report.json_case(cmd, env)
 
 
 def main(argv: list[str]) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -129,11 +128,7 @@ def _subprocess_case(model: str, mode: str, args: argparse.Namespace) -> dict[st
     env.setdefault("KERAS_BACKEND", args.backend)
     cmd = [sys.executable, "-m", "benchmarks.gpu", "--case", model, mode]
     cmd += ["--epochs", str(args.epochs), "--batch", str(args.batch), "--rows", str(args.rows.get(model, 0))]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        sys.stderr.write(out.stderr[-4000:])
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return report.json_case(cmd, env)
 
 
 def main(argv: list[str]) -> None:

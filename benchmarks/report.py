@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def machine() -> str:
@@ -87,3 +90,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(out)
+
+
+def json_case(cmd: Sequence[str], env: dict[str, str], timeout: float = 3600) -> dict[str, Any]:
+    """Run one benchmark case in a fresh process and return the JSON object on its last line of output; on
+    failure, ``{"error": <its last stderr line>}`` (its stderr's tail goes to ours)."""
+    out = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr[-3000:])
+        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))

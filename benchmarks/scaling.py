@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -67,11 +66,7 @@ def main(argv: list[str]) -> None:
 
     def case(variant: str, n: int) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "benchmarks.scaling", "--case", variant, str(n), *common]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        if out.returncode != 0:
-            sys.stderr.write(out.stderr[-3000:])
-            return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = report.json_case(cmd, env)
         print(variant, n, r, flush=True)
         return r
 

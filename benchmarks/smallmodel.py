@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -96,11 +95,10 @@ def _subprocess_case(mode: str, args: argparse.Namespace, backend: str | None = 
         env["KERAS_BACKEND"] = backend
     cmd = [sys.executable, "-m", "benchmarks.smallmodel", "--case", mode]
     cmd += ["--rows", str(args.rows), "--epochs", str(args.epochs), "--batch", str(args.batch)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        tail = out.stderr.strip().splitlines()
-        raise SystemExit(f"case {mode} failed: {tail[-1] if tail else out.returncode}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = report.json_case(cmd, env, timeout=1800)
+    if "error" in out:
+        raise SystemExit(f"case {mode} failed: {out['error']}")
+    return out
 
 
 def main(argv: list[str]) -> None:

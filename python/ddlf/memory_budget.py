@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import re
@@ -147,23 +148,17 @@ class MemoryBudget:
                 time.sleep(WATCH_INTERVAL)
 
 
-_TRIM: list[Any] = []
-
-
+@functools.cache
 def _malloc_trim() -> Any:
     """glibc's ``malloc_trim``, or ``None`` where the C library has none (musl, macOS)."""
-    if not _TRIM:
-        fn = None
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            fn = getattr(libc, "malloc_trim", None)
-            if fn is not None:
-                fn.argtypes = [ctypes.c_size_t]
-                fn.restype = ctypes.c_int
-        except OSError:
-            fn = None
-        _TRIM.append(fn)
-    return _TRIM[0]
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_size_t]
+        fn.restype = ctypes.c_int
+    return fn
 
 
 class _WatchdogExceeded(MemoryBudgetExceeded):

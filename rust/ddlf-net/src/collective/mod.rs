@@ -96,6 +96,8 @@ pub struct Ring {
     spec: RingSpec,
     token: Option<Token>,
     streams: Option<Vec<Stream>>,
+    /// The neighbours' addresses resolved once, for their liveness probes (made with the links).
+    watcher: Option<Watcher>,
     spent: Option<String>,
 }
 
@@ -124,6 +126,7 @@ impl Ring {
             spec,
             token,
             streams: None,
+            watcher: None,
             spent: None,
         })
     }
@@ -169,7 +172,6 @@ impl Ring {
             token: self.token.clone(),
             answer_within: self.spec.liveness * 3 / 4,
             every: self.spec.liveness / 4,
-            stall: self.spec.timeout,
         })
     }
 
@@ -177,8 +179,8 @@ impl Ring {
     fn connect(&mut self) -> Result<Vec<Stream>, CollectiveError> {
         let (right, right_address) = self.neighbour(Side::Right);
         let (left, left_address) = self.neighbour(Side::Left);
-        let to = self.resolve(right)?;
         let watcher = self.watcher()?;
+        let to = watcher.right;
         // The right neighbour's daemon admits links from its network runtime whatever its Python does: a live one
         // answers at once.
         let open_within = self.spec.liveness.min(self.spec.timeout);
@@ -267,6 +269,7 @@ impl Ring {
                 _slot: slot,
             });
         }
+        self.watcher = Some(watcher);
         Ok(streams)
     }
 
@@ -292,6 +295,7 @@ impl Ring {
             // Close the links now: both neighbours fail at once instead of stalling out.
             self.spent = Some(e.to_string());
             self.streams = None;
+            self.watcher = None;
             peer::mailbox().forget(self.spec.group);
         }
         result
@@ -306,10 +310,14 @@ impl Ring {
             Some(s) => s,
             None => self.connect()?,
         };
-        let watcher = self.watcher()?;
+        let Some(watcher) = self.watcher.as_ref() else {
+            return Err(CollectiveError::Invalid(
+                "a ring's links without their watcher".into(),
+            ));
+        };
         let probe = |side: Side| watcher.probe(side);
         let watch = Watch {
-            stall: watcher.stall,
+            stall: self.spec.timeout,
             probe_every: watcher.every,
             probe: Some(&probe),
         };
@@ -380,7 +388,6 @@ struct Watcher {
     token: Option<Token>,
     answer_within: Duration,
     every: Duration,
-    stall: Duration,
 }
 
 impl Watcher {
