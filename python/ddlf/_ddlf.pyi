@@ -196,7 +196,8 @@ def tune_allocator() -> bool:
 @final
 class Ring:
     """One worker's rank in a ring all-reduce among workers (``ddlf.collective``). Links open on the first
-    reduction and stay open for the next; a ring that fails once is spent."""
+    reduction and stay open for the next; a ring that fails once is spent. ``tls_ca``: open TLS peer links,
+    checking neighbours' certificates against this authority (PEM) for ``tls_domain`` or each one's host."""
 
     def __new__(
         cls,
@@ -206,6 +207,8 @@ class Ring:
         streams: int = 1,
         timeout: float = 300.0,
         liveness: float = 10.0,
+        tls_ca: bytes | None = None,
+        tls_domain: str | None = None,
     ) -> Ring: ...
     @property
     def rank(self) -> int: ...

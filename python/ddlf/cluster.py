@@ -94,6 +94,7 @@ class Cluster:
             lane_spin_us = check_lane_spin_us(lane_spin_us)
         prepare_process()
         self._local = _local
+        ca_pem = read_pem(tls_ca, "tls_ca")
         self._client = _ddlf.Client(
             list(addresses),
             token,
@@ -101,7 +102,7 @@ class Cluster:
             heartbeat_interval,
             heartbeat_timeout,
             shared_memory=shared_memory,
-            tls_ca=read_pem(tls_ca, "tls_ca"),
+            tls_ca=ca_pem,
             tls_domain=tls_domain,
             direct_lane=direct_lane,
             lane_spin_us=lane_spin_us,
@@ -110,6 +111,7 @@ class Cluster:
         self.connect_timeout = connect_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.uses_tls = tls_ca is not None
+        self._tls = (ca_pem, tls_domain) if ca_pem is not None else None
         self._rings = collective.Rings()
         self._closed = False
         self._calls = Calls(self._client)
@@ -478,9 +480,9 @@ class Cluster:
         ``ring.spec(w)`` to worker ``w``'s own function, which reduces with ``ddlf.collective.reduce_arrays``;
         after a failed reduction, :meth:`retire_ring` it. ``timeout``: how long a worker waits for the others to
         join, default the cluster's ``timeout`` or 300 s; a neighbour that stops answering is noticed within
-        ``heartbeat_timeout``."""
-        if self.uses_tls:
-            raise DdlfError("rings need plaintext peer links between workers; this cluster uses TLS")
+        ``heartbeat_timeout``. On a cluster that uses TLS the workers' peer links do too: each checks its
+        neighbour's certificate against the master's ``tls_ca`` (for ``tls_domain`` if given, else the
+        neighbour's host), as the master checks theirs."""
         targets = self._targets(workers)
         return self._rings.plan(
             targets,
@@ -489,6 +491,7 @@ class Cluster:
             streams=streams,
             timeout=timeout or self.timeout or 300.0,
             liveness=max(1.0, self.heartbeat_timeout),
+            tls=self._tls,
         )
 
     def retire_ring(self, ring: RingPlan) -> None:

@@ -41,7 +41,9 @@ class RingPlan:
 
     ``timeout``: how long a member waits for the others to join (one may still be computing) and the longest a
     neighbour may stall mid-reduction; ``liveness``: a neighbour whose host stops answering is detected within
-    about this long (TCP keepalive), one whose process dies at once.
+    about this long (TCP keepalive), one whose process dies at once. ``tls``: the certificate authority (PEM) and
+    the name to check certificates for (``None``: each neighbour's host) of a cluster that uses TLS; members
+    then open TLS peer links.
     """
 
     workers: tuple[int, ...]
@@ -49,6 +51,7 @@ class RingPlan:
     streams: int = 1
     timeout: float = 300.0
     liveness: float = 10.0
+    tls: tuple[bytes, str | None] | None = None
     group: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def spec(self, worker: int) -> dict[str, Any]:
@@ -60,6 +63,8 @@ class RingPlan:
             "streams": self.streams,
             "timeout": self.timeout,
             "liveness": self.liveness,
+            "tls_ca": self.tls[0] if self.tls else None,
+            "tls_domain": self.tls[1] if self.tls else None,
         }
 
     def __post_init__(self) -> None:
@@ -89,11 +94,14 @@ class Rings:
         streams: int = 1,
         timeout: float = 300.0,
         liveness: float = 10.0,
+        tls: tuple[bytes, str | None] | None = None,
     ) -> RingPlan:
         key = (tuple(workers), tuple(instances), streams)
         plan = self._plans.get(key)
         if plan is None or plan.addresses != tuple(addresses):
-            plan = RingPlan(tuple(workers), tuple(addresses), streams=streams, timeout=timeout, liveness=liveness)
+            plan = RingPlan(
+                tuple(workers), tuple(addresses), streams=streams, timeout=timeout, liveness=liveness, tls=tls
+            )
             self._plans[key] = plan
         return plan
 
@@ -129,6 +137,8 @@ def ring(spec: dict[str, Any]) -> _ddlf.Ring:
             streams=spec.get("streams", 1),
             timeout=spec.get("timeout", 300.0),
             liveness=spec.get("liveness", 10.0),
+            tls_ca=spec.get("tls_ca"),
+            tls_domain=spec.get("tls_domain"),
         )
         _RINGS[group] = r
         while len(_RINGS) > MAX_RINGS:

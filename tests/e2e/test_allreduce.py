@@ -17,7 +17,8 @@ import pytest
 import ddlf
 from ddlf.errors import NonFiniteUpdate, RemoteError
 
-from ..conftest import MNIST_DIR, wait_until
+from ..certs import make_certs
+from ..conftest import MNIST_DIR, Daemon, wait_until
 from .test_faults import FaultApp, _kill_at_round
 
 
@@ -155,16 +156,30 @@ def test_a_peer_link_with_a_wrong_token_is_refused_and_the_worker_keeps_serving(
     assert np.array_equal(four.get("t")[3], np.full(2, 4.0, np.float32))
 
 
-def test_tls_clusters_refuse_allreduce_clearly() -> None:
+def test_tls_clusters_allreduce_and_train_over_tls_peer_links(tmp_path) -> None:
+    """On TLS daemons (which admit only TLS peer links: see ``rust/ddlf-net/tests/collective.rs``) the ring runs
+    inside TLS, checked against the master's authority, and learns what the master exchange learns."""
     from ddlf.training.exchange import choose
 
-    class Fake:
-        uses_tls = True
-        addresses = ["10.0.0.1:1", "10.0.0.2:1"]
-
-    with pytest.raises(ValueError, match="TLS"):
-        choose("allreduce", Fake(), [0, 1], None)
-    assert choose("auto", Fake(), [0, 1], None) == "master"
+    certs = make_certs(tmp_path / "certs")
+    daemons = [Daemon("--tls-cert", str(certs["server"]), "--tls-key", str(certs["key"])) for _ in range(3)]
+    try:
+        addresses = [d.address for d in daemons]
+        with ddlf.Cluster(addresses, token=daemons[0].token, tls_ca=certs["ca"]) as c:
+            assert c.uses_tls and choose("allreduce", c, [0, 1, 2], None) == "allreduce"
+            c.scatter("t", [np.full(100_003, i, np.float32) for i in range(3)])
+            c.allreduce("t", "sum")
+            assert all(np.array_equal(v, np.full(100_003, 3.0, np.float32)) for v in c.get("t"))
+            master, _ = _train(c, "master")
+            ring, hr = _train(c, "allreduce")
+            diff = max(
+                float(np.max(np.abs(x - y))) for x, y in zip(master.model.get_weights(), ring.model.get_weights())
+            )
+            assert diff < 1e-5, diff
+            assert sum(s.bytes_sent for s in hr.stats) == 0  # the weights went worker to worker
+    finally:
+        for d in daemons:
+            d.stop()
 
 
 def _train(c: ddlf.Cluster, exchange: str, **kw):

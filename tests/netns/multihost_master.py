@@ -67,6 +67,7 @@ def main() -> None:
             verbose=0,
             callbacks=callbacks,
             rejoin_timeout=30,
+            **({"exchange": args["exchange"]} if "exchange" in args else {}),
         )
         _, acc = app.evaluate(xt[:2000], yt[:2000])
         print(
@@ -81,6 +82,7 @@ def main() -> None:
                     "hosts": hosts,
                     "worker_ips": ips,
                     "status": [s["address"] for s in cluster.status()],
+                    "master_bytes": sum(s.bytes_sent + s.bytes_received for s in h.stats),
                 }
             )
         )

@@ -25,7 +25,8 @@ def test_auto_takes_the_ring_only_across_hosts() -> None:
     assert choose("auto", TWO_HOSTS, [1, 2], None) == "master"  # the run's workers share one host
     assert choose("auto", TWO_HOSTS, [0, 1], "float16") == "allreduce"  # half precision on the ring's links
     assert choose("auto", TWO_HOSTS, [0, 1], "topk") == "master"  # what the ring does not do
-    assert choose("auto", FakeCluster(TWO_HOSTS.addresses, tls=True), [0, 1], None) == "master"
+    # TLS clusters ring over TLS peer links: the same rule.
+    assert choose("auto", FakeCluster(TWO_HOSTS.addresses, tls=True), [0, 1], None) == "allreduce"
 
 
 def test_explicit_choices_and_refusals() -> None:

@@ -18,7 +18,8 @@ later round with the current weights.
 
 ``"auto"``: all-reduce when the run's workers are on more than one host (so the master's link is the bottleneck
 it removes), and the master exchange when they share one host (where the master exchange writes the weights once
-to shared memory for all of them) or when the run needs what the ring does not do yet (TLS, ``"topk"``).
+to shared memory for all of them) or when the run needs what the ring does not do (``"topk"``). On a cluster that
+uses TLS the ring's peer links use it too (:meth:`ddlf.Cluster.ring`).
 
 ``compression="float16"|"bfloat16"`` on the ring: float32 values travel at half precision on every link, sums
 stay float32 (:func:`ddlf.collective.reduce_arrays`). Model averaging then reduces each round's *change* of the
@@ -67,9 +68,7 @@ def choose(
             )
         exchange = "allreduce"
     unsupported = None
-    if cluster.uses_tls:
-        unsupported = "the cluster uses TLS (peer links are plaintext only, so far)"
-    elif compression == "topk":
+    if compression == "topk":
         unsupported = 'compression="topk" (the ring sums dense arrays; "float16" and "bfloat16" work)'
     if exchange == "allreduce":
         if unsupported:

@@ -8,9 +8,10 @@
 //!
 //! The bytes read for the check are replayed to the server, so an accepted connection is untouched.
 //!
-//! A plaintext daemon also admits direct lanes (see [`crate::lane`]) and peer links (see
+//! A plaintext daemon also admits direct lanes (see [`crate::lane`]), and every daemon peer links (see
 //! [`crate::collective::peer`]): a connection that opens with [`LANE_PREFACE`] or [`PEER_PREFACE`] is handed to
-//! the daemon's handler for it instead of the gRPC server.
+//! the daemon's handler for it instead of the gRPC server (on a TLS daemon, a peer link's handshake follows its
+//! preface).
 
 use std::io;
 use std::net::SocketAddr;
@@ -106,12 +107,12 @@ impl std::fmt::Display for Refusal {
             Refusal::Garbage => write!(f, "not a gRPC connection (unrecognised bytes)"),
             Refusal::LanesOff => write!(
                 f,
-                "a direct lane or a peer link (ddlf's plaintext connections; a TLS daemon reads too few \
-                 bytes to tell them apart), and this daemon serves neither (TLS daemons serve gRPC only)"
+                "a direct lane (ddlf's plaintext master connection), and this daemon serves none (a TLS \
+                 daemon's master speaks gRPC)"
             ),
             Refusal::PeersOff => write!(
                 f,
-                "a peer link, and this daemon admits none (TLS daemons serve gRPC only)"
+                "a peer link, and this daemon admits none"
             ),
         }
     }
@@ -130,8 +131,9 @@ pub fn judge(first: &[u8], tls: bool) -> Result<Admission, Refusal> {
         if first == &LANE_PREFACE[..first.len().min(LANE_PREFACE.len())] && !first.is_empty() {
             return Err(Refusal::LanesOff);
         }
-        if first == &PEER_PREFACE[..first.len().min(PEER_PREFACE.len())] && !first.is_empty() {
-            return Err(Refusal::PeersOff);
+        // A peer link's preface comes in the clear, its TLS handshake after it.
+        if first == PEER_PREFACE {
+            return Ok(Admission::Peer);
         }
     } else {
         if first == H2_PREFACE {
@@ -262,19 +264,19 @@ async fn read_first(
     stream: &mut TcpStream,
     config: &GuardConfig,
 ) -> Result<(Admission, Vec<u8>), Refusal> {
-    let want = needed(config.tls);
-    let mut first = vec![0u8; want];
+    let mut want = needed(config.tls);
+    let mut first = vec![0u8; H2_PREFACE.len().max(PEER_PREFACE.len())];
     let mut got = 0;
     let read = async {
         while got < want {
-            match stream.read(&mut first[got..]).await {
+            match stream.read(&mut first[got..want]).await {
                 Ok(0) | Err(_) => return Err(Refusal::Closed),
                 Ok(n) => got += n,
             }
             // Decide as early as the bytes allow: garbage need not wait for 24 bytes.
             let so_far = &first[..got];
             let plausible = if config.tls {
-                so_far[0] == 0x16
+                so_far[0] == 0x16 || PEER_PREFACE.starts_with(so_far)
             } else {
                 H2_PREFACE.starts_with(so_far)
                     || LANE_PREFACE.starts_with(so_far)
@@ -283,13 +285,20 @@ async fn read_first(
             if !plausible {
                 return judge(so_far, config.tls);
             }
+            if config.tls && so_far[0] != 0x16 {
+                // A TLS daemon's peer link: its whole preface comes before its handshake.
+                want = PEER_PREFACE.len();
+            }
         }
-        judge(&first, config.tls)
+        judge(&first[..got], config.tls)
     };
     match tokio::time::timeout(config.handshake_timeout, read).await {
         Err(_) => Err(Refusal::Silent(config.handshake_timeout)),
         Ok(Err(r)) => Err(r),
-        Ok(Ok(a)) => Ok((a, first)),
+        Ok(Ok(a)) => {
+            first.truncate(got);
+            Ok((a, first))
+        }
     }
 }
 
@@ -429,10 +438,10 @@ mod tests {
         assert_eq!(judge(H2_PREFACE, false), Ok(Admission::Grpc));
         assert_eq!(judge(LANE_PREFACE, false), Ok(Admission::Lane));
         assert_eq!(judge(PEER_PREFACE, false), Ok(Admission::Peer));
-        // A TLS daemon reads 3 bytes: "DDL" opens both plaintext prefaces, refused as lanes; more tells them apart.
-        assert_eq!(judge(&PEER_PREFACE[..3], true), Err(Refusal::LanesOff));
-        assert_eq!(judge(&PEER_PREFACE[..8], true), Err(Refusal::PeersOff));
-        assert_eq!(judge(&LANE_PREFACE[..3], true), Err(Refusal::LanesOff));
+        // A TLS daemon admits peer links (their TLS handshake follows the preface), never lanes.
+        assert_eq!(judge(PEER_PREFACE, true), Ok(Admission::Peer));
+        assert_eq!(judge(LANE_PREFACE, true), Err(Refusal::LanesOff));
+        assert_eq!(judge(&LANE_PREFACE[..6], true), Err(Refusal::LanesOff));
         assert_eq!(judge(&LANE_PREFACE[..10], false), Err(Refusal::Garbage));
         assert_eq!(judge(b"GET / HTTP/1.1\r\n", false), Err(Refusal::Http1));
         assert_eq!(judge(&[0x16, 0x03, 0x01], false), Err(Refusal::TlsOnPlain));

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use ddlf_core::auth::Token;
-use ddlf_net::collective::{CollectiveError, Op, Ring, RingSpec};
+use ddlf_net::collective::{CollectiveError, Op, PeerTls, Ring, RingSpec};
 use ddlf_worker::{Daemon, DaemonConfig};
 
 fn daemons(n: usize, token: &str) -> Vec<Daemon> {
@@ -28,6 +28,7 @@ fn spec(daemons: &[Daemon], group: u128, rank: usize, streams: usize) -> RingSpe
         streams,
         timeout: Duration::from_secs(5),
         liveness: Duration::from_secs(4),
+        tls: None,
     }
 }
 
@@ -170,6 +171,7 @@ fn a_stopped_rank_fails_its_neighbours_within_the_liveness_bound_not_the_timeout
                     streams: 1,
                     timeout: Duration::from_secs(120),
                     liveness: Duration::from_secs(1),
+                    tls: None,
                 };
                 s.spawn(move || {
                     let mut ring = Ring::new(sp, Token::new("t"))?;
@@ -221,4 +223,183 @@ fn a_rank_that_joins_late_but_answers_its_probes_is_waited_for() {
     for out in outs {
         assert_eq!(out.unwrap(), vec![3.0f32; 8]);
     }
+}
+
+/// A CA and a certificate for 127.0.0.1 signed by it, plus an unrelated CA, made with the system `openssl` (as
+/// the Python tests make theirs). Returns (ca, cert, key, other ca) PEMs.
+fn certificates() -> (Vec<u8>, Vec<u8>, Vec<u8>, Vec<u8>) {
+    let dir = std::env::temp_dir().join(format!(
+        "ddlf-peer-tls-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("the system openssl (the test suite's certificates are made with it)");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    for (name, cn) in [("ca", "ddlf-test-ca"), ("other", "someone-else")] {
+        let (key, pem, subj) = (
+            format!("{name}.key"),
+            format!("{name}.pem"),
+            format!("/CN={cn}"),
+        );
+        openssl(&[
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", &key, "-out", &pem,
+            "-days", "2", "-subj", &subj,
+        ]);
+    }
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        dir.join("ext"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "ext",
+    ]);
+    let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+    let out = (
+        read("ca.pem"),
+        read("server.pem"),
+        read("server.key"),
+        read("other.pem"),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+fn tls_daemons(n: usize, token: &str, cert: &[u8], key: &[u8]) -> Vec<Daemon> {
+    (0..n)
+        .map(|_| {
+            let mut config = DaemonConfig {
+                listen: "127.0.0.1:0".into(),
+                token: Token::new(token),
+                ..Default::default()
+            };
+            config.server.tls = Some(ddlf_net::ServerTls {
+                cert_pem: cert.to_vec(),
+                key_pem: key.to_vec(),
+            });
+            Daemon::start(config).unwrap().0
+        })
+        .collect()
+}
+
+/// Every rank reduces once on TLS daemons, trusting `ca`; returns each rank's result.
+fn reduce_tls(
+    daemons: &[Daemon],
+    group: u128,
+    streams: usize,
+    token: &str,
+    ca: Option<&[u8]>,
+    len: usize,
+) -> Vec<Result<Vec<f32>, String>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..daemons.len())
+            .map(|rank| {
+                let spec = RingSpec {
+                    tls: ca.map(|ca| PeerTls::new(ca, None).unwrap()),
+                    ..spec(daemons, group, rank, streams)
+                };
+                let token = Token::new(token);
+                s.spawn(move || {
+                    let mut ring = Ring::new(spec, token).map_err(|e| e.to_string())?;
+                    let mut data: Vec<f32> = (0..len).map(|i| (rank + i % 5) as f32).collect();
+                    for _ in 0..2 {
+                        // Twice on the same links: bytes a pass leaves buffered never leak into the next.
+                        data = (0..len).map(|i| (rank + i % 5) as f32).collect();
+                        ring.allreduce(&mut data, Op::Sum)
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(data)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn tls_daemons_reduce_over_encrypted_peer_links_and_refuse_the_rest() {
+    let (ca, cert, key, other_ca) = certificates();
+    let ds = tls_daemons(3, "tls-token", &cert, &key);
+    // More than the TLS buffer per pass (1 MiB): writes wait for it to drain mid-pass.
+    for (group, streams, len) in [(21u128, 1usize, 1_000_003usize), (22, 2, 7)] {
+        let want: Vec<f32> = (0..len)
+            .map(|i| (0..3).map(|r| (r + i % 5) as f32).sum())
+            .collect();
+        for out in reduce_tls(&ds, group, streams, "tls-token", Some(&ca), len) {
+            assert_eq!(out.unwrap(), want, "streams={streams}");
+        }
+    }
+    // Plaintext links to a TLS daemon: its handshake fails on them, nothing is admitted.
+    for out in reduce_tls(&ds, 23, 1, "tls-token", None, 10) {
+        let err = out.unwrap_err();
+        assert!(err.contains("a TLS daemon"), "{err}");
+    }
+    // A certificate the ring does not trust is refused by the opening rank.
+    for out in reduce_tls(&ds, 24, 1, "tls-token", Some(&other_ca), 10) {
+        let err = out.unwrap_err();
+        assert!(err.contains("certificate"), "{err}");
+    }
+    // Inside the tunnel, the token is still checked before anything else is read.
+    let before: u64 = ds
+        .iter()
+        .map(|d| {
+            d.state()
+                .rejected
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    for out in reduce_tls(&ds, 25, 1, "wrong-token", Some(&ca), 10) {
+        let err = out.unwrap_err();
+        assert!(err.contains("token"), "{err}");
+    }
+    let after: u64 = ds
+        .iter()
+        .map(|d| {
+            d.state()
+                .rejected
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    assert!(after > before);
+    // The daemons still serve a good ring afterwards.
+    assert!(reduce_tls(&ds, 26, 1, "tls-token", Some(&ca), 10)
+        .iter()
+        .all(Result::is_ok));
 }

@@ -28,7 +28,8 @@ pub struct Ring {
 #[pymethods]
 impl Ring {
     #[new]
-    #[pyo3(signature = (group, rank, addresses, streams = 1, timeout = 300.0, liveness = 10.0))]
+    #[pyo3(signature = (group, rank, addresses, streams = 1, timeout = 300.0, liveness = 10.0, tls_ca = None, tls_domain = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         group: &str,
         rank: usize,
@@ -36,6 +37,8 @@ impl Ring {
         streams: usize,
         timeout: f64,
         liveness: f64,
+        tls_ca: Option<&[u8]>,
+        tls_domain: Option<String>,
     ) -> PyResult<Self> {
         let group = u128::from_str_radix(group, 16).map_err(|_| {
             PyValueError::new_err(format!(
@@ -49,6 +52,12 @@ impl Ring {
                 )));
             }
         }
+        let tls = match tls_ca {
+            Some(ca) => {
+                Some(collective::PeerTls::new(ca, tls_domain).map_err(PyValueError::new_err)?)
+            }
+            None => None,
+        };
         let size = addresses.len();
         let spec = RingSpec {
             group,
@@ -57,6 +66,7 @@ impl Ring {
             streams,
             timeout: Duration::from_secs_f64(timeout.min(1e9)),
             liveness: Duration::from_secs_f64(liveness.min(1e6)),
+            tls,
         };
         let ring = collective::Ring::new(spec, collective::local_token().cloned())
             .map_err(|e| PyValueError::new_err(e.to_string()))?;

@@ -148,20 +148,28 @@ impl Daemon {
         let mut guard = config.server.guard.clone();
         guard.tls = config.server.tls.is_some();
         let connections = state.connections.clone();
-        // Direct lanes and peer links on a plaintext daemon (TLS daemons speak gRPC only): their hellos are
-        // checked on this runtime; then the interpreter thread serves a lane, and a peer link waits in the
-        // mailbox for this process's ring.
+        // Direct lanes on a plaintext daemon (a TLS daemon's master speaks gRPC only), peer links on both (a TLS
+        // daemon's inside a TLS handshake with its own certificate): their hellos are checked on this runtime;
+        // then the interpreter thread serves a lane, and a peer link waits in the mailbox for this process's
+        // ring.
         let plaintext = !guard.tls;
+        let peer_tls = match &config.server.tls {
+            Some(tls) => Some(
+                ddlf_net::collective::tls::server_config(&tls.cert_pem, &tls.key_pem)
+                    .map_err(DaemonError::Tls)?,
+            ),
+            None => None,
+        };
         let token = config.token.clone().map(Arc::new);
         let handshake = guard.handshake_timeout;
         let lanes = plaintext.then(|| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             (tx, rx, token.clone(), state.clone(), jobs.clone())
         });
-        let peers = plaintext.then(|| {
+        let peers = {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            (tx, rx, token.clone(), state.rejected.clone())
-        });
+            Some((tx, rx, token.clone(), peer_tls, state.rejected.clone()))
+        };
         // The ring links this process opens present the daemon's own token (a cluster's workers share it).
         ddlf_net::collective::set_local_token(config.token.clone());
         let (done_tx, done) = std::sync::mpsc::channel();
@@ -195,12 +203,13 @@ impl Daemon {
                         });
                         tx
                     });
-                    let peers = peers.map(|(tx, mut rx, token, rejected)| {
+                    let peers = peers.map(|(tx, mut rx, token, tls, rejected)| {
                         tokio::spawn(async move {
                             while let Some(arrival) = rx.recv().await {
                                 tokio::spawn(ddlf_net::collective::peer::welcome(
                                     arrival,
                                     token.clone(),
+                                    tls.clone(),
                                     handshake,
                                     rejected.clone(),
                                 ));

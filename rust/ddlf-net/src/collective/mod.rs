@@ -11,8 +11,10 @@
 //! their stall timeout, and the failure travels around the ring in a few round trips) and every later call
 //! refuses. Whoever formed it (the master) forms a new one, with a new group id, from the ranks still alive.
 
+pub mod link;
 pub mod peer;
 pub mod ring;
+pub mod tls;
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::OnceLock;
@@ -21,7 +23,9 @@ use std::time::Duration;
 use ddlf_core::auth::Token;
 
 use crate::guard::Slot;
+pub use link::Link;
 pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Plain, RingError, Side, Watch};
+pub use tls::PeerTls;
 
 /// The token this process presents on the peer links it opens: the one its daemon was started with (set by
 /// the daemon at start; workers of one cluster share the master's token).
@@ -55,6 +59,9 @@ pub struct RingSpec {
     /// does not answer within three quarters of it). TCP keepalive and `TCP_USER_TIMEOUT` bound a link whose host
     /// vanished in the same time. A neighbour whose process dies is detected at once (its links close).
     pub liveness: Duration,
+    /// Open TLS peer links, checking neighbours' certificates with this (a cluster that uses TLS); `None`:
+    /// plaintext links.
+    pub tls: Option<PeerTls>,
 }
 
 /// What can go wrong in a collective, naming the rank (and address) at fault.
@@ -167,9 +174,10 @@ impl Ring {
         let (right, _) = self.neighbour(Side::Right);
         Ok(Watcher {
             group: self.spec.group,
-            left: self.resolve(left)?,
-            right: self.resolve(right)?,
+            left: (self.resolve(left)?, self.spec.addresses[left].clone()),
+            right: (self.resolve(right)?, self.spec.addresses[right].clone()),
             token: self.token.clone(),
+            tls: self.spec.tls.clone(),
             answer_within: self.spec.liveness * 3 / 4,
             every: self.spec.liveness / 4,
         })
@@ -180,7 +188,7 @@ impl Ring {
         let (right, right_address) = self.neighbour(Side::Right);
         let (left, left_address) = self.neighbour(Side::Left);
         let watcher = self.watcher()?;
-        let to = watcher.right;
+        let to = watcher.right.0;
         // The right neighbour's daemon admits links from its network runtime whatever its Python does: a live one
         // answers at once.
         let open_within = self.spec.liveness.min(self.spec.timeout);
@@ -191,12 +199,18 @@ impl Ring {
                 to_rank: right as u32,
                 stream: stream as u32,
             };
-            let link = peer::open(to, key, self.token.as_ref(), open_within).map_err(|source| {
-                CollectiveError::Open {
-                    rank: right,
-                    address: right_address.clone(),
-                    source,
-                }
+            let link = peer::open(
+                to,
+                &right_address,
+                key,
+                self.token.as_ref(),
+                self.spec.tls.as_ref(),
+                open_within,
+            )
+            .map_err(|source| CollectiveError::Open {
+                rank: right,
+                address: right_address.clone(),
+                source,
             })?;
             rights.push(link);
         }
@@ -235,7 +249,8 @@ impl Ring {
                 }
             };
             let liveness = self.spec.liveness;
-            let configure = |s: &std::net::TcpStream| {
+            let configure = |link: &Link| {
+                let s = link.socket();
                 s.set_nonblocking(true)?;
                 s.set_nodelay(true)?;
                 let sock = socket2::SockRef::from(s);
@@ -383,21 +398,31 @@ impl Ring {
 /// What a ring's passes need to probe its neighbours (owned, so the parallel streams' threads share it).
 struct Watcher {
     group: u128,
-    left: SocketAddr,
-    right: SocketAddr,
+    /// Each neighbour's resolved address, and as the ring spells it (for TLS names).
+    left: (SocketAddr, String),
+    right: (SocketAddr, String),
     token: Option<Token>,
+    tls: Option<PeerTls>,
     answer_within: Duration,
     every: Duration,
 }
 
 impl Watcher {
     fn probe(&self, side: Side) -> Result<(), String> {
-        let to = match side {
-            Side::Left => self.left,
-            Side::Right => self.right,
+        let (to, name) = match side {
+            Side::Left => &self.left,
+            Side::Right => &self.right,
         };
-        peer::probe(to, self.group, self.token.as_ref(), self.answer_within)
-            .map_err(|e| format!("{to}: no answer within {:?}: {e}", self.answer_within))
+        let to = *to;
+        peer::probe(
+            to,
+            name,
+            self.group,
+            self.token.as_ref(),
+            self.tls.as_ref(),
+            self.answer_within,
+        )
+        .map_err(|e| format!("{to}: no answer within {:?}: {e}", self.answer_within))
     }
 }
 

@@ -1,7 +1,9 @@
 //! Peer links: how one worker opens a ring link to another worker's daemon, and how a daemon admits it.
 //!
-//! A peer link is a plain TCP connection to the other daemon's own port. It opens with [`PEER_PREFACE`] (which
-//! the admission guard recognises beside HTTP/2 and lanes), then the cluster token, length-prefixed. The daemon
+//! A peer link is a TCP connection to the other daemon's own port. It opens with [`PEER_PREFACE`] (which
+//! the admission guard recognises beside HTTP/2 and lanes), then, on a cluster that uses TLS, a TLS handshake
+//! (the daemon's own certificate, checked against the master's authority: [`super::tls`]) inside which
+//! everything else travels, then the cluster token, length-prefixed. The daemon
 //! compares the token in constant time **before reading anything else**: a connection without it is answered
 //! [`ANSWER_UNAUTHENTICATED`] and closed, its remaining bytes never decoded. Only then come the fixed-size ring
 //! fields (group, the receiving rank, stream index) and the daemon answers [`ANSWER_OK`].
@@ -23,7 +25,10 @@ use std::sync::{Arc, Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::Token;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::link::Link;
+use super::tls::PeerTls;
 
 use crate::guard::{Handover, Slot};
 
@@ -79,15 +84,20 @@ pub enum OpenError {
     Io(#[from] std::io::Error),
     #[error("refused the link: {0}")]
     Refused(&'static str),
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
-/// Open a link to the daemon at `address` for `key`, presenting `token`. Blocking, bounded by `timeout`.
+/// Open a link to the daemon at `address` (`name`: how the ring spells it, for TLS names) for `key`, presenting
+/// `token`, over TLS when `tls` is given. Blocking, bounded by `timeout` per step.
 pub fn open(
     address: SocketAddr,
+    name: &str,
     key: LinkKey,
     token: Option<&Token>,
+    tls: Option<&PeerTls>,
     timeout: Duration,
-) -> Result<TcpStream, OpenError> {
+) -> Result<Link, OpenError> {
     let mut stream = TcpStream::connect_timeout(&address, timeout)?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(timeout))?;
@@ -98,17 +108,50 @@ pub fn open(
     hello.extend_from_slice(&(secret.len() as u32).to_le_bytes());
     hello.extend_from_slice(secret);
     hello.extend_from_slice(&key.encode());
-    stream.write_all(&hello)?;
     let mut answer = [0u8; 1];
-    match stream.read(&mut answer) {
-        Ok(1) if answer[0] == ANSWER_OK => Ok(stream),
+    let (got, link) = match tls {
+        None => {
+            stream.write_all(&hello)?;
+            (stream.read(&mut answer), None)
+        }
+        Some(tls) => {
+            // The preface goes in the clear (the daemon's admission check tells peer links from gRPC by it);
+            // the handshake, the token and everything after it inside the tunnel.
+            stream.write_all(PEER_PREFACE)?;
+            let mut conn = tls.connect(name).map_err(OpenError::Tls)?;
+            while conn.is_handshaking() {
+                conn.complete_io(&mut stream).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::InvalidData => OpenError::Tls(e.to_string()),
+                    _ => OpenError::Io(e),
+                })?;
+            }
+            let mut tunnel = rustls::Stream::new(&mut conn, &mut stream);
+            tunnel.write_all(&hello[PEER_PREFACE.len()..])?;
+            tunnel.flush()?;
+            let got = tunnel.read(&mut answer);
+            (got, Some(conn))
+        }
+    };
+    let link = match link {
+        None => Link::from(stream),
+        Some(conn) => Link::tls(stream, rustls::Connection::Client(conn)),
+    };
+    match got {
+        Ok(1) if answer[0] == ANSWER_OK => Ok(link),
         Ok(1) if answer[0] == ANSWER_UNAUTHENTICATED => Err(OpenError::Refused(
             "wrong or missing cluster token (every worker of a ring must share the master's token)",
         )),
-        Ok(1) => Err(OpenError::Refused("unknown answer")),
-        Ok(_) => Err(OpenError::Refused(
-            "closed without an answer (an older ddlf, or a TLS daemon: peer links are plaintext only)",
+        // A TLS record (an alert): a TLS daemon read the plaintext hello as a broken handshake.
+        Ok(1) if tls.is_none() && matches!(answer[0], 0x15 | 0x16) => Err(OpenError::Refused(
+            "answered in TLS: a TLS daemon (its ring must be formed with the cluster's TLS authority)",
         )),
+        Ok(1) => Err(OpenError::Refused("unknown answer")),
+        Ok(_) => Err(OpenError::Refused(if tls.is_some() {
+            "closed without an answer (an older ddlf, or a daemon without TLS)"
+        } else {
+            "closed without an answer (an older ddlf, or a TLS daemon: its ring must be formed with the \
+             cluster's TLS authority)"
+        })),
         Err(e) => Err(e.into()),
     }
 }
@@ -120,8 +163,10 @@ pub const PROBE_RANK: u32 = u32::MAX;
 /// runtime has checked `token` and answered. Blocking.
 pub fn probe(
     address: SocketAddr,
+    name: &str,
     group: u128,
     token: Option<&Token>,
+    tls: Option<&PeerTls>,
     timeout: Duration,
 ) -> Result<(), OpenError> {
     let key = LinkKey {
@@ -129,12 +174,12 @@ pub fn probe(
         to_rank: PROBE_RANK,
         stream: 0,
     };
-    open(address, key, token, timeout).map(drop)
+    open(address, name, key, token, tls, timeout).map(drop)
 }
 
 /// Links admitted by this process's daemon(s), waiting for their ring.
 pub struct Mailbox {
-    links: Mutex<HashMap<LinkKey, (Instant, TcpStream, Slot)>>,
+    links: Mutex<HashMap<LinkKey, (Instant, Link, Slot)>>,
     arrived: Condvar,
 }
 
@@ -148,7 +193,7 @@ pub fn mailbox() -> &'static Mailbox {
 }
 
 impl Mailbox {
-    fn put(&self, key: LinkKey, stream: TcpStream, slot: Slot) {
+    fn put(&self, key: LinkKey, stream: Link, slot: Slot) {
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         links.retain(|_, (at, _, _)| at.elapsed() < MAILBOX_TTL);
         // A second link for the same key replaces the first (a rank that reconnected); the first closes.
@@ -157,7 +202,7 @@ impl Mailbox {
     }
 
     /// Take the link for `key`, waiting up to `timeout` for it to arrive.
-    pub fn take(&self, key: LinkKey, timeout: Duration) -> Option<(TcpStream, Slot)> {
+    pub fn take(&self, key: LinkKey, timeout: Duration) -> Option<(Link, Slot)> {
         let deadline = Instant::now() + timeout;
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -180,11 +225,68 @@ impl Mailbox {
     }
 }
 
-/// The daemon's end: check a peer link's token, then its fields, and put it in the mailbox. `rejected` counts
-/// refused tokens (the daemon's status shows it).
+/// Read a link's hello after its preface: the token (compared before anything else is read), then the key.
+/// `None`: a wrong or missing token.
+async fn hello<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    token: Option<&Token>,
+) -> std::io::Result<Option<LinkKey>> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await?;
+    let len = u32::from_le_bytes(len) as usize;
+    let mut secret = vec![0u8; len.min(MAX_TOKEN)];
+    if len <= MAX_TOKEN {
+        stream.read_exact(&mut secret).await?;
+    }
+    let ok = len <= MAX_TOKEN && token.is_none_or(|t| t.verify(&secret));
+    if !ok {
+        return Ok(None);
+    }
+    let mut key = [0u8; LinkKey::BYTES];
+    stream.read_exact(&mut key).await?;
+    Ok(Some(LinkKey::decode(&key)))
+}
+
+/// Answer a hello; a link (not a probe) that was admitted is handed over, as `into_link` makes it.
+async fn answer<S: AsyncWrite + Unpin>(
+    mut stream: S,
+    peer: SocketAddr,
+    key: Option<LinkKey>,
+    slot: Slot,
+    rejected: &AtomicU64,
+    into_link: impl FnOnce(S) -> std::io::Result<Link>,
+) {
+    let Some(key) = key else {
+        rejected.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%peer, "peer link refused: wrong or missing token");
+        let _ = stream.write_all(&[ANSWER_UNAUTHENTICATED]).await;
+        let _ = stream.flush().await;
+        return;
+    };
+    let answered = async {
+        stream.write_all(&[ANSWER_OK]).await?;
+        stream.flush().await
+    };
+    if answered.await.is_err() || key.to_rank == PROBE_RANK {
+        // A liveness probe: answering is the whole point; nothing goes to the mailbox.
+        return;
+    }
+    match into_link(stream) {
+        Ok(link) => {
+            tracing::debug!(%peer, rank = key.to_rank, stream = key.stream, tls = link.is_tls(), "peer link admitted");
+            mailbox().put(key, link, slot);
+        }
+        Err(e) => tracing::warn!(%peer, error = %e, "cannot hand a peer link over"),
+    }
+}
+
+/// The daemon's end: check a peer link's token, then its fields, and put it in the mailbox. With `tls` (a TLS
+/// daemon), the handshake comes first and the hello travels inside it. `rejected` counts refused tokens (the
+/// daemon's status shows it).
 pub async fn welcome(
     arrival: Handover,
     token: Option<Arc<Token>>,
+    tls: Option<Arc<rustls::ServerConfig>>,
     handshake_timeout: Duration,
     rejected: Arc<AtomicU64>,
 ) {
@@ -193,47 +295,45 @@ pub async fn welcome(
         peer,
         slot,
     } = arrival;
-    let checked = tokio::time::timeout(handshake_timeout, async {
-        let mut len = [0u8; 4];
-        stream.read_exact(&mut len).await?;
-        let len = u32::from_le_bytes(len) as usize;
-        let mut secret = vec![0u8; len.min(MAX_TOKEN)];
-        if len <= MAX_TOKEN {
-            stream.read_exact(&mut secret).await?;
+    let token = token.as_deref();
+    let Some(tls) = tls else {
+        match tokio::time::timeout(handshake_timeout, hello(&mut stream, token)).await {
+            Ok(Ok(key)) => {
+                answer(stream, peer, key, slot, &rejected, |s| {
+                    s.into_std().map(Link::from)
+                })
+                .await
+            }
+            Ok(Err(e)) => tracing::warn!(%peer, error = %e, "peer link closed during its hello"),
+            Err(_) => {
+                tracing::warn!(%peer, "peer link sent no hello within the handshake deadline")
+            }
         }
-        let ok = len <= MAX_TOKEN && token.as_ref().is_none_or(|t| t.verify(&secret));
-        if !ok {
-            return Ok::<_, std::io::Error>(None);
-        }
-        let mut key = [0u8; LinkKey::BYTES];
-        stream.read_exact(&mut key).await?;
-        Ok(Some(LinkKey::decode(&key)))
+        return;
+    };
+    let accepted = tokio::time::timeout(handshake_timeout, async {
+        let mut tunnel = tokio_rustls::TlsAcceptor::from(tls).accept(stream).await?;
+        let key = hello(&mut tunnel, token).await?;
+        Ok::<_, std::io::Error>((tunnel, key))
     })
     .await;
-    match checked {
-        Ok(Ok(Some(key))) if key.to_rank == PROBE_RANK => {
-            // A liveness probe: answering is the whole point; nothing goes to the mailbox.
-            let _ = stream.write_all(&[ANSWER_OK]).await;
+    match accepted {
+        Ok(Ok((tunnel, key))) => {
+            answer(tunnel, peer, key, slot, &rejected, |t| {
+                let (sock, conn) = t.into_inner();
+                Ok(Link::tls(
+                    sock.into_std()?,
+                    rustls::Connection::Server(conn),
+                ))
+            })
+            .await
         }
-        Ok(Ok(Some(key))) => {
-            if stream.write_all(&[ANSWER_OK]).await.is_err() {
-                return;
-            }
-            match stream.into_std() {
-                Ok(std) => {
-                    tracing::debug!(%peer, rank = key.to_rank, stream = key.stream, "peer link admitted");
-                    mailbox().put(key, std, slot);
-                }
-                Err(e) => tracing::warn!(%peer, error = %e, "cannot hand a peer link over"),
-            }
+        Ok(Err(e)) => {
+            tracing::warn!(%peer, error = %e, "TLS peer link failed its handshake or hello")
         }
-        Ok(Ok(None)) => {
-            rejected.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%peer, "peer link refused: wrong or missing token");
-            let _ = stream.write_all(&[ANSWER_UNAUTHENTICATED]).await;
+        Err(_) => {
+            tracing::warn!(%peer, "TLS peer link sent no hello within the handshake deadline")
         }
-        Ok(Err(e)) => tracing::warn!(%peer, error = %e, "peer link closed during its hello"),
-        Err(_) => tracing::warn!(%peer, "peer link sent no hello within the handshake deadline"),
     }
 }
 

@@ -22,11 +22,12 @@
 //! chunk leaves its owner rounded to the wire type, and the owner keeps the same rounded value, so every rank still
 //! ends with identical bits (a received value re-encodes to the same bits it arrived as).
 
-use std::io::{self, Read, Write};
-use std::net::TcpStream;
+use std::io;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
+
+pub use super::link::Link;
 
 /// What one reduction does with the summed values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,8 +203,15 @@ impl std::fmt::Display for Side {
 /// One rank's two links in one ring: data comes in from the left, goes out to the right. Both non-blocking.
 #[derive(Debug)]
 pub struct Links {
-    pub left: TcpStream,
-    pub right: TcpStream,
+    pub left: Link,
+    pub right: Link,
+}
+
+impl Links {
+    /// Push encrypted bytes still waiting on the right link (TLS); whether any moved.
+    fn flush(&mut self) -> Result<bool, RingError> {
+        self.right.flush().map_err(|e| io_error(Side::Right, e))
+    }
 }
 
 const MAGIC: u32 = 0x444c_5246; // "DLRF"
@@ -337,8 +345,8 @@ fn exchange_header<T: Elem, C: Codec<T>>(
     let mut theirs = [0u8; 16];
     let (mut sent, mut got) = (0usize, 0usize);
     let mut clock = Clock::new();
-    while sent < 16 || got < 16 {
-        let mut progressed = false;
+    while sent < 16 || got < 16 || links.right.pending() {
+        let mut progressed = links.flush()?;
         if sent < 16 {
             match links.right.write(&ours[sent..]) {
                 Ok(k) => (sent, progressed) = (sent + k, true),
@@ -357,7 +365,8 @@ fn exchange_header<T: Elem, C: Codec<T>>(
         if progressed {
             clock.progressed();
         } else {
-            wait(links, got < 16, sent < 16, &mut clock, watch)?;
+            let want_out = sent < 16 || links.right.pending();
+            wait(links, got < 16, want_out, &mut clock, watch)?;
         }
     }
     let word = |r: Range<usize>| u32::from_le_bytes(theirs[r].try_into().unwrap_or_default());
@@ -450,8 +459,9 @@ impl Pass {
             .map(|t| self.recv_chunk(t).len() * size)
             .sum();
         let mut clock = Clock::new();
-        while self.send_step < self.steps || self.recv_step < self.steps {
-            let mut progressed = false;
+        // A TLS link may hold encrypted bytes after the last write: the pass ends once they are out too.
+        while self.send_step < self.steps || self.recv_step < self.steps || links.right.pending() {
+            let mut progressed = links.flush()?;
             // Send what is ready of the current step; a finished step moves on at once.
             while self.send_step < self.steps {
                 let range = self.send_chunk(self.send_step);
@@ -512,7 +522,8 @@ impl Pass {
             if progressed {
                 clock.progressed();
             } else {
-                let want_out = self.send_step < self.steps && self.sent < self.ready() * size;
+                let want_out = (self.send_step < self.steps && self.sent < self.ready() * size)
+                    || links.right.pending();
                 wait(
                     links,
                     self.recv_step < self.steps,
@@ -631,7 +642,7 @@ fn wait(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::TcpListener;
+    use std::net::{TcpListener, TcpStream};
 
     /// `n` ranks' links over loopback sockets: rank r's right is rank r+1's left.
     fn ring(n: usize) -> Vec<Links> {
@@ -651,7 +662,10 @@ mod tests {
             .map(|(right, left)| {
                 right.set_nonblocking(true).unwrap();
                 left.set_nonblocking(true).unwrap();
-                Links { left, right }
+                Links {
+                    left: left.into(),
+                    right: right.into(),
+                }
             })
             .collect()
     }
