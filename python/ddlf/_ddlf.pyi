@@ -197,7 +197,10 @@ def tune_allocator() -> bool:
 class Ring:
     """One worker's rank in a ring all-reduce among workers (``ddlf.collective``). Links open on the first
     reduction and stay open for the next; a ring that fails once is spent. ``tls_ca``: open TLS peer links,
-    checking neighbours' certificates against this authority (PEM) for ``tls_domain`` or each one's host."""
+    checking neighbours' certificates against this authority (PEM) for ``tls_domain`` or each one's host.
+    Hierarchical mode (``local_index``, ``local_addresses``: this host's members, ``total``: ranks in all): the
+    host's members reduce through shared memory and only local index 0 joins the ring, whose ``rank`` and
+    ``addresses`` then name the hosts' leaders."""
 
     def __new__(
         cls,
@@ -209,6 +212,9 @@ class Ring:
         liveness: float = 10.0,
         tls_ca: bytes | None = None,
         tls_domain: str | None = None,
+        local_index: int | None = None,
+        local_addresses: list[str] | None = None,
+        total: int | None = None,
     ) -> Ring: ...
     @property
     def rank(self) -> int: ...

@@ -119,6 +119,7 @@ class IApp:
         failure_policy: FailurePolicy | None = None,
         workers: Sequence[int] | None = None,
         exchange: str | None = None,
+        hierarchical: bool | None = None,
         nonfinite: str = "skip",
         averaging: str = "weights",
         scale_learning_rate: bool = False,
@@ -171,6 +172,9 @@ class IApp:
                 per round whatever the cluster size, and the master carries no weights per round; the default and
                 the only choice for ``averaging="gradients"``), or ``"auto"`` (all-reduce when the workers span
                 several hosts). See :mod:`ddlf.training.exchange`.
+            hierarchical: with the all-reduce: workers on one host reduce through shared memory and one per host
+                joins the ring between hosts (see :meth:`ddlf.Cluster.ring`); default: when some host runs more
+                than one of the workers. ``False``: one flat ring.
             averaging: sync only. ``"weights"`` (the paper's model averaging: each worker takes its own optimizer
                 steps for ``averaging_frequency`` batches, then the weights are averaged) or ``"gradients"``
                 (Horovod's and PyTorch DDP's: every step the workers average their batches' gradients over the
@@ -225,6 +229,7 @@ class IApp:
             failure_policy=failure_policy if failure_policy is not None else FailurePolicy(),
             workers=self._subset(workers),
             exchange=exchange,
+            hierarchical=hierarchical,
             nonfinite=nonfinite,
             averaging=averaging,
             scale_learning_rate=scale_learning_rate,

@@ -447,6 +447,7 @@ class Cluster:
         streams: int = 1,
         timeout: float | None = None,
         compression: str | None = None,
+        hierarchical: bool | None = None,
     ) -> None:
         """Reduce the worker variable ``name`` (a numpy array, or a list or tuple of them: float32 or float64,
         the same shapes on every worker) across the workers, in place: afterwards every worker holds the
@@ -464,10 +465,13 @@ class Cluster:
         ``compression="float16"|"bfloat16"``: float32 arrays travel at half precision (half the bytes on every
         link; sums stay float32 and every worker ends with the same bits; float16 overflows past 65504, bfloat16
         keeps float32's range with 8 bits of mantissa).
+
+        ``hierarchical``: workers on one host reduce through shared memory and only one per host joins the ring
+        between hosts (see :meth:`ring`; default: when some host runs more than one of them).
         """
         collective.check_op(op)
         collective.check_wire(compression)
-        plan = self.ring(workers, streams=streams, timeout=timeout)
+        plan = self.ring(workers, streams=streams, timeout=timeout, hierarchical=hierarchical)
         args = [(name, plan.spec(w), op, compression) for w in plan.workers]
         try:
             self.run_each(collective.allreduce_variable, args, workers=list(plan.workers), timeout=timeout)
@@ -475,15 +479,30 @@ class Cluster:
             self.retire_ring(plan)  # spent on the workers: the next call forms a new ring
             raise
 
-    def ring(self, workers: Iterable[int] | None = None, *, streams: int = 1, timeout: float | None = None) -> RingPlan:
+    def ring(
+        self,
+        workers: Iterable[int] | None = None,
+        *,
+        streams: int = 1,
+        timeout: float | None = None,
+        hierarchical: bool | None = None,
+    ) -> RingPlan:
         """The ring of ``workers`` (default all), in that order: kept between calls while it works. Pass
         ``ring.spec(w)`` to worker ``w``'s own function, which reduces with ``ddlf.collective.reduce_arrays``;
         after a failed reduction, :meth:`retire_ring` it. ``timeout``: how long a worker waits for the others to
         join, default the cluster's ``timeout`` or 300 s; a neighbour that stops answering is noticed within
         ``heartbeat_timeout``. On a cluster that uses TLS the workers' peer links do too: each checks its
         neighbour's certificate against the master's ``tls_ca`` (for ``tls_domain`` if given, else the
-        neighbour's host), as the master checks theirs."""
+        neighbour's host), as the master checks theirs.
+
+        ``hierarchical`` (default: when some host runs more than one of the workers): the workers on one host
+        (the same host in their addresses) sum through shared memory, only the first of each host joins the ring
+        between hosts, and the result fans back out through shared memory; loopback TCP carries nothing. Every
+        worker still ends with the same bits. ``False``: one flat ring of every worker."""
         targets = self._targets(workers)
+        addresses = [self.addresses[w] for w in targets]
+        if hierarchical is None:
+            hierarchical = collective.shares_hosts(addresses)
         return self._rings.plan(
             targets,
             [self.addresses[w] for w in targets],
@@ -492,6 +511,7 @@ class Cluster:
             timeout=timeout or self.timeout or 300.0,
             liveness=max(1.0, self.heartbeat_timeout),
             tls=self._tls,
+            hierarchical=bool(hierarchical),
         )
 
     def retire_ring(self, ring: RingPlan) -> None:

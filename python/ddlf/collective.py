@@ -43,7 +43,8 @@ class RingPlan:
     neighbour may stall mid-reduction; ``liveness``: a neighbour whose host stops answering is detected within
     about this long (TCP keepalive), one whose process dies at once. ``tls``: the certificate authority (PEM) and
     the name to check certificates for (``None``: each neighbour's host) of a cluster that uses TLS; members
-    then open TLS peer links.
+    then open TLS peer links. ``hierarchical``: members on one host (the same address host) reduce through shared
+    memory and only each host's first member joins the ring between hosts (:meth:`spec` says who is where).
     """
 
     workers: tuple[int, ...]
@@ -52,14 +53,36 @@ class RingPlan:
     timeout: float = 300.0
     liveness: float = 10.0
     tls: tuple[bytes, str | None] | None = None
+    hierarchical: bool = False
     group: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def hosts(self) -> list[list[int]]:
+        """The members grouped by host (the host part of their address), hosts in order of first appearance."""
+        groups: dict[str, list[int]] = {}
+        for w, address in zip(self.workers, self.addresses):
+            groups.setdefault(host_of(address), []).append(w)
+        return list(groups.values())
 
     def spec(self, worker: int) -> dict[str, Any]:
         """What member ``worker`` needs to join (its rank and everyone's address)."""
+        local: dict[str, Any] = {}
+        rank, addresses = self.workers.index(worker), list(self.addresses)
+        if self.hierarchical:
+            hosts = self.hosts()
+            where = {w: (h, j) for h, members in enumerate(hosts) for j, w in enumerate(members)}
+            address = dict(zip(self.workers, self.addresses))
+            rank, index = where[worker]
+            addresses = [address[members[0]] for members in hosts]
+            local = {
+                "local_index": index,
+                "local_addresses": [address[w] for w in hosts[rank]],
+                "total": len(self.workers),
+            }
         return {
             "group": self.group,
-            "rank": self.workers.index(worker),
-            "addresses": list(self.addresses),
+            "rank": rank,
+            "addresses": addresses,
+            **local,
             "streams": self.streams,
             "timeout": self.timeout,
             "liveness": self.liveness,
@@ -95,12 +118,19 @@ class Rings:
         timeout: float = 300.0,
         liveness: float = 10.0,
         tls: tuple[bytes, str | None] | None = None,
+        hierarchical: bool = False,
     ) -> RingPlan:
-        key = (tuple(workers), tuple(instances), streams)
+        key = (tuple(workers), tuple(instances), streams, hierarchical)
         plan = self._plans.get(key)
         if plan is None or plan.addresses != tuple(addresses):
             plan = RingPlan(
-                tuple(workers), tuple(addresses), streams=streams, timeout=timeout, liveness=liveness, tls=tls
+                tuple(workers),
+                tuple(addresses),
+                streams=streams,
+                timeout=timeout,
+                liveness=liveness,
+                tls=tls,
+                hierarchical=hierarchical,
             )
             self._plans[key] = plan
         return plan
@@ -108,6 +138,17 @@ class Rings:
     def retire(self, plan: RingPlan) -> None:
         """Forget ``plan`` (it failed): the next request for its workers forms a new ring."""
         self._plans = {k: p for k, p in self._plans.items() if p.group != plan.group}
+
+
+def host_of(address: str) -> str:
+    """The host part of a ``host:port`` address (IPv6 brackets removed)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def shares_hosts(addresses: Sequence[str]) -> bool:
+    """Whether some host holds more than one of ``addresses`` (where a hierarchical ring pays)."""
+    hosts = [host_of(a) for a in addresses]
+    return len(set(hosts)) < len(hosts)
 
 
 def check_op(op: str) -> str:
@@ -139,6 +180,9 @@ def ring(spec: dict[str, Any]) -> _ddlf.Ring:
             liveness=spec.get("liveness", 10.0),
             tls_ca=spec.get("tls_ca"),
             tls_domain=spec.get("tls_domain"),
+            local_index=spec.get("local_index"),
+            local_addresses=spec.get("local_addresses"),
+            total=spec.get("total"),
         )
         _RINGS[group] = r
         while len(_RINGS) > MAX_RINGS:

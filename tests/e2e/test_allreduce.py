@@ -35,12 +35,14 @@ def _values(n: int, sizes: list[int], dtype: type) -> list[list[np.ndarray]]:
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("op", ["sum", "mean"])
-def test_allreduce_matches_numpy_for_odd_sizes(four: ddlf.Cluster, n: int, op: str) -> None:
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+def test_allreduce_matches_numpy_for_odd_sizes(four: ddlf.Cluster, n: int, op: str, hierarchical: bool) -> None:
+    """Flat: one ring of loopback links; hierarchical (the default on one host): shared memory only."""
     workers = list(range(n))
     sizes = [1, 0, 7, 100_003, 3]
     values = _values(n, sizes, np.float32)
     four.scatter("v", values + [[]] * (4 - n))
-    four.allreduce("v", op, workers=workers)
+    four.allreduce("v", op, workers=workers, hierarchical=hierarchical)
     got = four.get("v", workers=workers)
     for j in range(len(sizes)):
         want = np.sum([np.float64(v[j]) for v in values], axis=0) / (n if op == "mean" else 1)
@@ -98,7 +100,8 @@ def test_half_precision_on_the_wire_sums_in_float32_and_every_worker_agrees(
     values = _values(4, sizes, np.float32)
     exact = [np.arange(5.0) * w for w in range(4)]  # float64 travels as itself
     four.scatter("h", [[*v, e] for v, e in zip(values, exact)])
-    four.allreduce("h", "mean", compression=wire)
+    # On one host a hierarchical ring has no link to compress: the flat ring's links carry half precision.
+    four.allreduce("h", "mean", compression=wire, hierarchical=False)
     got = four.get("h")
     for j in range(len(sizes)):
         want = np.mean([np.float64(v[j]) for v in values], axis=0)
@@ -115,13 +118,13 @@ def test_half_precision_on_the_wire_is_refused_for_what_it_cannot_carry(four: dd
     four.scatter("f", [np.ones(3, np.float32) * 7e4 for _ in range(4)])
     with pytest.raises(ValueError, match="compression must be"):
         four.allreduce("f", compression="int8")
-    four.allreduce("f", "sum", compression="float16")  # 2.8e5 is past float16's range: infinite, not wrapped
+    four.allreduce("f", "sum", compression="float16", hierarchical=False)  # past float16's range: inf, not wrapped
     assert all(np.isinf(v).all() for v in four.get("f"))
     four.scatter("f", [np.ones(3, np.float32) * 7e4 for _ in range(4)])
-    four.allreduce("f", "sum", compression="bfloat16")  # float32's range
+    four.allreduce("f", "sum", compression="bfloat16", hierarchical=False)  # float32's range
     assert all(np.allclose(v, 2.8e5, rtol=1e-2) for v in four.get("f"))
     # Workers that disagree on the wire type refuse (none adds float16 bits to float32 ones), and keep serving.
-    spec = four.ring([0, 1])
+    spec = four.ring([0, 1], hierarchical=False)
     args = [([np.ones(4, np.float32)], spec.spec(w), "sum", None if w == 0 else "float16") for w in (0, 1)]
     with pytest.raises(RemoteError) as info:
         four.run_each(_reduce, args, workers=[0, 1])
@@ -168,10 +171,11 @@ def test_tls_clusters_allreduce_and_train_over_tls_peer_links(tmp_path) -> None:
         with ddlf.Cluster(addresses, token=daemons[0].token, tls_ca=certs["ca"]) as c:
             assert c.uses_tls and choose("allreduce", c, [0, 1, 2], None) == "allreduce"
             c.scatter("t", [np.full(100_003, i, np.float32) for i in range(3)])
-            c.allreduce("t", "sum")
+            # One host: a flat ring, so that every link is a TLS peer link.
+            c.allreduce("t", "sum", hierarchical=False)
             assert all(np.array_equal(v, np.full(100_003, 3.0, np.float32)) for v in c.get("t"))
             master, _ = _train(c, "master")
-            ring, hr = _train(c, "allreduce")
+            ring, hr = _train(c, "allreduce", hierarchical=False)
             diff = max(
                 float(np.max(np.abs(x - y))) for x, y in zip(master.model.get_weights(), ring.model.get_weights())
             )
@@ -213,7 +217,7 @@ def test_sync_allreduce_with_half_precision_costs_what_the_master_exchange_does(
 
         for wire in ("float16", "bfloat16"):
             master, hm = _train(c, "master", compression=wire)
-            ring, hr = _train(c, "allreduce", compression=wire)
+            ring, hr = _train(c, "allreduce", compression=wire, hierarchical=False)  # links to compress
             # Both send the rounds' changes at half precision; the ring also rounds its partial sums per hop.
             # Measured (2 epochs): float16 0.0036 (master) / 0.0045 (ring), bfloat16 0.0046 / 0.0069, weights
             # about 0.35.

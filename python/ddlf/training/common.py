@@ -42,6 +42,7 @@ class TrainConfig:
     failure_policy: FailurePolicy = field(default_factory=FailurePolicy)  # what a worker's failure does
     workers: list[int] | None = None  # train on these workers of the cluster only (None: all)
     exchange: str | None = "master"  # sync: "master", "allreduce" or "auto" (see training.exchange); None: by averaging
+    hierarchical: bool | None = None  # all-reduce: shared memory within a host, the ring between hosts (None: auto)
     nonfinite: str = "skip"  # a reply with NaN/inf: "skip" (leave it out of its round) or "raise"
     averaging: str = "weights"  # sync: "weights" (model averaging) or "gradients" (every step, see training.gradients)
     scale_learning_rate: bool = False  # gradients: learning rate x workers (Goyal et al. 2017)...
@@ -70,6 +71,8 @@ class TrainConfig:
             raise TypeError(f"failure_policy must be a ddlf.FailurePolicy, not {type(self.failure_policy).__name__}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise', not {self.nonfinite!r}")
+        if self.hierarchical not in (None, True, False):
+            raise ValueError(f"hierarchical must be None, True or False, not {self.hierarchical!r}")
         if self.exchange not in (None, "master", "allreduce", "auto"):
             raise ValueError(f"exchange must be 'master', 'allreduce' or 'auto', not {self.exchange!r}")
         if self.averaging_frequency is not None and self.averaging_frequency < 1:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..collective import host_of
 from ..errors import BadWorkerReply, NonFiniteUpdate, RemoteError, WorkerUnavailable
 from . import worker as remote
 from .plan import assigned_rows
@@ -44,10 +45,6 @@ EXCHANGES = ("master", "allreduce", "auto")
 
 MAX_REDOS = 8
 """Rounds redone in a row (each after a failed all-reduce) before training gives up."""
-
-
-def _host(address: str) -> str:
-    return address.rsplit(":", 1)[0].strip("[]")
 
 
 def choose(
@@ -75,7 +72,7 @@ def choose(
             raise ValueError(f'exchange="allreduce" is not available: {unsupported}; use exchange="master"')
         return "allreduce"
     if exchange == "auto":
-        hosts = {_host(cluster.addresses[w]) for w in workers}
+        hosts = {host_of(cluster.addresses[w]) for w in workers}
         return "allreduce" if unsupported is None and len(hosts) > 1 else "master"
     return "master"
 
@@ -138,7 +135,7 @@ class RingExchange:
             if not pending:
                 return [], t_sent, send_s, {}
             targets = [w for w, _ in pending]
-            ring = cluster.ring(targets)
+            ring = cluster.ring(targets, hierarchical=cfg.hierarchical)
             fresh = [w for w in targets if self.synced.get(w) != cluster.instance(w)]
             lost: list[int] = []
             if fresh:

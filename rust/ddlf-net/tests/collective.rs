@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use ddlf_core::auth::Token;
-use ddlf_net::collective::{CollectiveError, Op, PeerTls, Ring, RingSpec};
+use ddlf_net::collective::{CollectiveError, LocalSpec, Op, PeerTls, Ring, RingSpec};
 use ddlf_worker::{Daemon, DaemonConfig};
 
 fn daemons(n: usize, token: &str) -> Vec<Daemon> {
@@ -29,6 +29,7 @@ fn spec(daemons: &[Daemon], group: u128, rank: usize, streams: usize) -> RingSpe
         timeout: Duration::from_secs(5),
         liveness: Duration::from_secs(4),
         tls: None,
+        local: None,
     }
 }
 
@@ -172,6 +173,7 @@ fn a_stopped_rank_fails_its_neighbours_within_the_liveness_bound_not_the_timeout
                     timeout: Duration::from_secs(120),
                     liveness: Duration::from_secs(1),
                     tls: None,
+                    local: None,
                 };
                 s.spawn(move || {
                     let mut ring = Ring::new(sp, Token::new("t"))?;
@@ -402,4 +404,172 @@ fn tls_daemons_reduce_over_encrypted_peer_links_and_refuse_the_rest() {
     assert!(reduce_tls(&ds, 26, 1, "tls-token", Some(&ca), 10)
         .iter()
         .all(Result::is_ok));
+}
+
+/// Hierarchical ranks over `hosts` (each a list of daemon indices; the first is the host's leader): every rank's
+/// spec, in the order of `hosts` flattened.
+fn hierarchical(daemons: &[Daemon], hosts: &[Vec<usize>], group: u128) -> Vec<RingSpec> {
+    let addr = |i: usize| daemons[i].local_addr().to_string();
+    let leaders: Vec<String> = hosts.iter().map(|h| addr(h[0])).collect();
+    let total = hosts.iter().map(Vec::len).sum();
+    let mut specs = Vec::new();
+    for (h, members) in hosts.iter().enumerate() {
+        for index in 0..members.len() {
+            specs.push(RingSpec {
+                group,
+                rank: h,
+                addresses: leaders.clone(),
+                streams: 1,
+                timeout: Duration::from_secs(20),
+                liveness: Duration::from_secs(2),
+                tls: None,
+                local: Some(LocalSpec {
+                    index,
+                    addresses: members.iter().map(|&i| addr(i)).collect(),
+                    total,
+                }),
+            });
+        }
+    }
+    specs
+}
+
+#[test]
+fn hierarchical_ranks_sum_and_average_through_shared_memory_and_the_leaders_ring() {
+    let ds = daemons(5, "h");
+    // Two hosts of two, and uneven hosts (three and one; a single host of two: no ring at all).
+    for (group, hosts) in [
+        (31u128, vec![vec![0, 1], vec![2, 3]]),
+        (32, vec![vec![0, 1, 2], vec![3]]),
+        (33, vec![vec![3, 4]]),
+    ] {
+        let specs = hierarchical(&ds, &hosts, group);
+        let n = specs.len();
+        let outs: Vec<Result<Vec<Vec<f32>>, CollectiveError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = specs
+                .into_iter()
+                .enumerate()
+                .map(|(r, spec)| {
+                    s.spawn(move || {
+                        let mut ring = Ring::new(spec, Token::new("h"))?;
+                        let mut got = Vec::new();
+                        // Odd sizes, one element, shapes alternating between calls, and a mean.
+                        for (len, op) in [
+                            (100_003, Op::Sum),
+                            (1, Op::Sum),
+                            (7, Op::Mean),
+                            (100_003, Op::Mean),
+                        ] {
+                            let mut data: Vec<f32> =
+                                (0..len).map(|i| (r * 3 + i % 11) as f32).collect();
+                            ring.allreduce(&mut data, op)?;
+                            got.push(data);
+                        }
+                        Ok(got)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want = |len: usize, mean: bool| -> Vec<f32> {
+            (0..len)
+                .map(|i| {
+                    let sum: f32 = (0..n).map(|r| (r * 3 + i % 11) as f32).sum();
+                    if mean {
+                        (sum as f64 / n as f64) as f32
+                    } else {
+                        sum
+                    }
+                })
+                .collect()
+        };
+        let first = outs[0].as_ref().unwrap();
+        for out in &outs {
+            let out = out.as_ref().unwrap();
+            assert_eq!(out[0], want(100_003, false), "hosts {hosts:?}");
+            assert_eq!(out[1], want(1, false));
+            assert_eq!(out[2], want(7, true));
+            // Every rank ends with the same bits.
+            assert!(out.iter().zip(first).all(|(a, b)| a == b));
+        }
+    }
+    // Nothing left in /dev/shm by the rings (every file removed once mapped).
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            n.starts_with("ddlf-node-")
+                && (n.contains(&format!("{:032x}", 31)) || n.contains(&format!("{:032x}", 32)))
+        })
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn a_stopped_member_fails_its_host_within_the_liveness_bound() {
+    // Member 1 of host 0 is a stopped process: its port accepts, nothing answers, it never arrives.
+    let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ds = daemons(3, "f");
+    let mut specs = hierarchical(&ds, &[vec![0, 1], vec![2]], 41);
+    for spec in &mut specs {
+        if let Some(local) = spec.local.as_mut() {
+            if local.addresses.len() == 2 {
+                local.addresses[1] = frozen.local_addr().unwrap().to_string();
+            }
+        }
+        spec.timeout = Duration::from_secs(120);
+        spec.liveness = Duration::from_secs(1);
+    }
+    specs.remove(1); // the frozen member never runs
+    let t0 = std::time::Instant::now();
+    let outs: Vec<Result<(), CollectiveError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = specs
+            .into_iter()
+            .map(|spec| {
+                s.spawn(move || {
+                    let mut ring = Ring::new(spec, Token::new("f"))?;
+                    ring.allreduce(&mut [1f32; 64], Op::Sum)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(8), "took {took:?}");
+    // The leader of host 0 names its frozen member; host 1's leader loses its ring neighbour.
+    let leader = outs[0].as_ref().unwrap_err();
+    assert!(
+        matches!(leader, CollectiveError::Local { rank: 1, .. }),
+        "{leader}"
+    );
+    assert!(outs[1].is_err(), "{:?}", outs[1]);
+}
+
+#[test]
+fn hierarchical_members_that_disagree_on_the_shape_fail_together_at_once() {
+    let ds = daemons(3, "d");
+    let specs = hierarchical(&ds, &[vec![0, 1, 2]], 51);
+    let t0 = std::time::Instant::now();
+    let outs: Vec<Result<(), CollectiveError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = specs
+            .into_iter()
+            .enumerate()
+            .map(|(r, spec)| {
+                s.spawn(move || {
+                    let mut ring = Ring::new(spec, Token::new("d"))?;
+                    // A first call of one shape, then member 2 reduces a longer array than the others.
+                    ring.allreduce(&mut [1f32; 4], Op::Sum)?;
+                    let mut data = vec![1f32; if r == 2 { 5 } else { 4 }];
+                    ring.allreduce(&mut data, Op::Sum)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    for out in &outs {
+        let err = out.as_ref().unwrap_err().to_string();
+        assert!(err.contains("disagree"), "{err}");
+    }
 }

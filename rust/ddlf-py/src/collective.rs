@@ -28,7 +28,7 @@ pub struct Ring {
 #[pymethods]
 impl Ring {
     #[new]
-    #[pyo3(signature = (group, rank, addresses, streams = 1, timeout = 300.0, liveness = 10.0, tls_ca = None, tls_domain = None))]
+    #[pyo3(signature = (group, rank, addresses, streams = 1, timeout = 300.0, liveness = 10.0, tls_ca = None, tls_domain = None, local_index = None, local_addresses = None, total = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         group: &str,
@@ -39,6 +39,9 @@ impl Ring {
         liveness: f64,
         tls_ca: Option<&[u8]>,
         tls_domain: Option<String>,
+        local_index: Option<usize>,
+        local_addresses: Option<Vec<String>>,
+        total: Option<usize>,
     ) -> PyResult<Self> {
         let group = u128::from_str_radix(group, 16).map_err(|_| {
             PyValueError::new_err(format!(
@@ -58,7 +61,20 @@ impl Ring {
             }
             None => None,
         };
-        let size = addresses.len();
+        let local = match (local_index, local_addresses, total) {
+            (None, None, None) => None,
+            (Some(index), Some(addresses), Some(total)) => Some(collective::LocalSpec {
+                index,
+                addresses,
+                total,
+            }),
+            _ => {
+                return Err(PyValueError::new_err(
+                    "a hierarchical ring needs local_index, local_addresses and total together",
+                ))
+            }
+        };
+        let size = local.as_ref().map_or(addresses.len(), |l| l.total);
         let spec = RingSpec {
             group,
             rank,
@@ -67,6 +83,7 @@ impl Ring {
             timeout: Duration::from_secs_f64(timeout.min(1e9)),
             liveness: Duration::from_secs_f64(liveness.min(1e6)),
             tls,
+            local,
         };
         let ring = collective::Ring::new(spec, collective::local_token().cloned())
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -218,7 +235,8 @@ fn collective_error(py: Python<'_>, err: &CollectiveError) -> PyErr {
         CollectiveError::Resolve { rank, address }
         | CollectiveError::Open { rank, address, .. }
         | CollectiveError::NoLink { rank, address, .. }
-        | CollectiveError::Ring { rank, address, .. } => Some((*rank, address.clone())),
+        | CollectiveError::Ring { rank, address, .. }
+        | CollectiveError::Local { rank, address, .. } => Some((*rank, address.clone())),
         CollectiveError::Invalid(_) | CollectiveError::Spent(_) => None,
     };
     let built = kwargs

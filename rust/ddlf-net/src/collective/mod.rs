@@ -12,6 +12,7 @@
 //! refuses. Whoever formed it (the master) forms a new one, with a new group id, from the ranks still alive.
 
 pub mod link;
+pub mod node;
 pub mod peer;
 pub mod ring;
 pub mod tls;
@@ -24,6 +25,7 @@ use ddlf_core::auth::Token;
 
 use crate::guard::Slot;
 pub use link::Link;
+pub use node::LocalSpec;
 pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Plain, RingError, Side, Watch};
 pub use tls::PeerTls;
 
@@ -62,6 +64,10 @@ pub struct RingSpec {
     /// Open TLS peer links, checking neighbours' certificates with this (a cluster that uses TLS); `None`:
     /// plaintext links.
     pub tls: Option<PeerTls>,
+    /// Hierarchical mode: this rank's place among the ring's members on its host. The members reduce through
+    /// shared memory ([`node`]), and only the host's leader (local index 0) takes part in the ring, whose
+    /// `addresses` and `rank` then name the hosts' leaders. `None`: every member is a rank of a flat ring.
+    pub local: Option<LocalSpec>,
 }
 
 /// What can go wrong in a collective, naming the rank (and address) at fault.
@@ -91,6 +97,12 @@ pub enum CollectiveError {
     },
     #[error("this ring failed before ({0}); form a new one from the ranks still alive")]
     Spent(String),
+    #[error("local all-reduce failed with member {rank} on this host ({address}): {reason}")]
+    Local {
+        rank: usize,
+        address: String,
+        reason: String,
+    },
 }
 
 struct Stream {
@@ -106,6 +118,8 @@ pub struct Ring {
     /// The neighbours' addresses resolved once, for their liveness probes (made with the links).
     watcher: Option<Watcher>,
     spent: Option<String>,
+    /// Hierarchical mode's local stage (see [`RingSpec::local`]).
+    node: Option<node::Node>,
 }
 
 impl Ring {
@@ -129,12 +143,24 @@ impl Ring {
                 "timeout must be positive and liveness at least 1 s".into(),
             ));
         }
+        let node = match &spec.local {
+            Some(local) => Some(node::Node::new(
+                spec.group,
+                local.clone(),
+                token.clone(),
+                spec.tls.clone(),
+                spec.timeout,
+                spec.liveness,
+            )?),
+            None => None,
+        };
         Ok(Ring {
             spec,
             token,
             streams: None,
             watcher: None,
             spent: None,
+            node,
         })
     }
 
@@ -302,10 +328,34 @@ impl Ring {
         if let Some(why) = &self.spent {
             return Err(CollectiveError::Spent(why.clone()));
         }
-        if self.n() == 1 {
-            return Ok(());
-        }
-        let result = self.reduce::<T, C>(data, op);
+        let result = match self.node.take() {
+            Some(mut node) => {
+                // The host's members sum through shared memory; the leader sums the hosts' results on the ring.
+                let leads = node.is_leader() && self.n() > 1;
+                // The leader opens its links before the local stage and reduces on them after it: the two
+                // steps run one after the other, each borrowing the ring.
+                let this = std::cell::RefCell::new(&mut *self);
+                let r = node.allreduce(
+                    data,
+                    op,
+                    || {
+                        let mut ring = this.borrow_mut();
+                        if leads && ring.streams.is_none() {
+                            ring.streams = Some(ring.connect()?);
+                        }
+                        Ok(())
+                    },
+                    |all| match leads {
+                        true => this.borrow_mut().reduce::<T, C>(all, Op::Sum),
+                        false => Ok(()),
+                    },
+                );
+                self.node = Some(node);
+                r
+            }
+            None if self.n() == 1 => return Ok(()),
+            None => self.reduce::<T, C>(data, op),
+        };
         if let Err(e) = &result {
             // Close the links now: both neighbours fail at once instead of stalling out.
             self.spent = Some(e.to_string());

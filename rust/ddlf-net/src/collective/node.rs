@@ -1,0 +1,603 @@
+//! The local stage of a hierarchical all-reduce: the members of a ring on one host reduce through shared memory,
+//! only their leader (local index 0) runs the ring between hosts, and the result fans back out through shared
+//! memory. Loopback TCP carries nothing.
+//!
+//! A control file per node (a header page: the barrier words, each member's call shape, a failure flag and its
+//! reason) and a data file per call shape (a header page, one slot per member and a result region), both under
+//! `/dev/shm`, created by the leader and removed as soon as every member has mapped them (a crash leaves nothing
+//! behind). A call goes:
+//!
+//! 0. every member publishes its call's shape; **barrier**; members that disagree fail together (no hang);
+//! 1. every member copies its data into its slot; **barrier**;
+//! 2. member `j` sums its own `1/k` slice of the result over all `k` slots (the members reduce in parallel);
+//!    **barrier**;
+//! 3. the leader all-reduces the result with the other hosts' leaders (the inter-host ring, sum); **barrier**;
+//! 4. every member copies the result out (scaled by `1/n` for a mean over all `n` ranks of every host).
+//!
+//! Every member ends with the same bits (it copies the same result; the local sum runs in slot order). A barrier
+//! waits while it may (the ring's `timeout`: a member may still be computing), probing the daemon of a member
+//! it waits on every quarter of the liveness bound ([`super::peer::probe`]): a member whose process died or
+//! stopped fails the call on every member within that bound. Any member that fails marks the control file failed with
+//! its reason, and the others stop at once; the node is then spent, as a ring is.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use ddlf_core::auth::Token;
+use memmap2::{MmapMut, MmapOptions};
+
+use super::peer;
+use super::ring::{Elem, Op};
+use super::tls::PeerTls;
+use super::CollectiveError;
+
+/// One member's place in its host's group.
+#[derive(Clone, Debug)]
+pub struct LocalSpec {
+    /// This member's index on its host (0: the leader, which runs the ring between hosts).
+    pub index: usize,
+    /// The daemon addresses of the host's members, in local order (for liveness probes).
+    pub addresses: Vec<String>,
+    /// Ranks in the whole reduction (every host's members): a mean divides by it.
+    pub total: usize,
+}
+
+const MAGIC: u64 = 0x4444_4c46_4e4f_4445; // "DDLFNODE"
+/// The header page: words, then a failure reason.
+const HEADER: usize = 4096;
+const W_MAGIC: usize = 0;
+const W_MEMBERS: usize = 1;
+const W_LEN: usize = 2;
+const W_ELEM: usize = 3;
+/// 0, or 1 + the local index of the member that failed the call (its reason follows at [`REASON_AT`]).
+const W_FAILED: usize = 4;
+/// The barrier each member last arrived at, one word per member (control file).
+const W_ARRIVED: usize = 8;
+/// Each member's call shape, two words per member: elements, element size (control file).
+const W_SHAPE: usize = W_ARRIVED + MAX_MEMBERS;
+const REASON_AT: usize = 2048;
+/// The most members one host's group may have.
+pub const MAX_MEMBERS: usize = 64;
+const _: () = assert!((W_SHAPE + 2 * MAX_MEMBERS) * 8 <= REASON_AT);
+
+/// One call shape's shared-memory file, mapped.
+struct Segment {
+    map: MmapMut,
+    path: PathBuf,
+    members: usize,
+    len: usize,
+    elem: usize,
+    unlinked: bool,
+}
+
+impl Segment {
+    fn size(members: usize, len: usize, elem: usize) -> usize {
+        // Regions start on cache lines.
+        HEADER + (members + 1) * (len * elem).next_multiple_of(64)
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!((i + 1) * 8 <= REASON_AT && self.map.len() >= HEADER);
+        let p = self.map.as_ptr().wrapping_add(i * 8);
+        assert!((p as usize).is_multiple_of(std::mem::align_of::<AtomicU64>()));
+        // SAFETY: checked above: `p` lies inside the mapping's header page (which lives as long as `self`) and
+        // is 8-byte aligned (the mapping is page-aligned, `i * 8` a multiple of 8). Other processes touch these
+        // words only atomically, so an `AtomicU64` view is sound.
+        unsafe { &*(p as *const AtomicU64) }
+    }
+
+    /// Region `r` (a member's slot, or the result at `members`) as a raw pointer to `len` elements of `T`.
+    fn region<T: Elem>(&self, r: usize) -> *mut T {
+        assert!(r <= self.members && std::mem::size_of::<T>() == self.elem);
+        let stride = (self.len * self.elem).next_multiple_of(64);
+        let start = HEADER + r * stride;
+        assert!(start + self.len * self.elem <= self.map.len());
+        let p = self.map.as_ptr().wrapping_add(start) as *mut T;
+        assert!((p as usize).is_multiple_of(std::mem::align_of::<T>()));
+        p
+    }
+
+    fn set_failed(&self, index: usize, reason: &str) {
+        if self.word(W_FAILED).load(Ordering::Acquire) != 0 {
+            return;
+        }
+        let bytes = reason.as_bytes();
+        let n = bytes.len().min(HEADER - REASON_AT - 1);
+        let dst = self.map.as_ptr().wrapping_add(REASON_AT) as *mut u8;
+        // SAFETY: `REASON_AT + n < HEADER <= map.len()`: the write stays in the header page; members write the
+        // reason only before publishing the failed word, and a second writer (two failures at once) at worst
+        // mixes two reasons' bytes (plain bytes, no invariant).
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, n);
+            *dst.add(n) = 0;
+        }
+        self.word(W_FAILED)
+            .store(1 + index as u64, Ordering::Release);
+    }
+
+    fn failure(&self) -> Option<(usize, String)> {
+        let f = self.word(W_FAILED).load(Ordering::Acquire);
+        if f == 0 {
+            return None;
+        }
+        let reason = &self.map[REASON_AT..HEADER];
+        let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
+        Some((
+            (f - 1) as usize,
+            String::from_utf8_lossy(&reason[..end]).into_owned(),
+        ))
+    }
+
+    fn unlink(&mut self) {
+        if !self.unlinked {
+            let _ = std::fs::remove_file(&self.path);
+            self.unlinked = true;
+        }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.unlink();
+    }
+}
+
+/// One member of a host's group (see the module docs).
+pub struct Node {
+    group: u128,
+    spec: LocalSpec,
+    peers: Vec<SocketAddr>,
+    token: Option<Token>,
+    tls: Option<PeerTls>,
+    timeout: Duration,
+    liveness: Duration,
+    /// Barriers, shapes and failures, for the node's life.
+    control: Option<Segment>,
+    /// The data files of the last few call shapes (a training round reduces one or two: one per dtype).
+    segments: Vec<Segment>,
+    /// Data files made so far (every member makes the same sequence, so the count names the next file).
+    serial: u64,
+    barrier: u64,
+    spent: Option<String>,
+}
+
+/// Call shapes whose files a node keeps mapped.
+const KEEP_SEGMENTS: usize = 4;
+
+impl Node {
+    pub fn new(
+        group: u128,
+        spec: LocalSpec,
+        token: Option<Token>,
+        tls: Option<PeerTls>,
+        timeout: Duration,
+        liveness: Duration,
+    ) -> Result<Node, CollectiveError> {
+        let k = spec.addresses.len();
+        if k == 0 || spec.index >= k || k > MAX_MEMBERS || spec.total < k {
+            return Err(CollectiveError::Invalid(format!(
+                "local index {} of {k} members (at most {MAX_MEMBERS}), {} ranks in all",
+                spec.index, spec.total
+            )));
+        }
+        if !ddlf_core::shm::available() {
+            return Err(CollectiveError::Invalid(
+                "a hierarchical all-reduce needs /dev/shm; use a flat ring".into(),
+            ));
+        }
+        let peers = spec
+            .addresses
+            .iter()
+            .enumerate()
+            .map(|(rank, a)| {
+                a.to_socket_addrs()
+                    .ok()
+                    .and_then(|mut it| it.next())
+                    .ok_or_else(|| CollectiveError::Resolve {
+                        rank,
+                        address: a.clone(),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Node {
+            group,
+            spec,
+            peers,
+            token,
+            tls,
+            timeout,
+            liveness,
+            control: None,
+            segments: Vec::new(),
+            serial: 0,
+            barrier: 0,
+            spent: None,
+        })
+    }
+
+    /// Whether this member runs the ring between hosts.
+    pub fn is_leader(&self) -> bool {
+        self.spec.index == 0
+    }
+
+    fn members(&self) -> usize {
+        self.spec.addresses.len()
+    }
+
+    fn fail(&self, index: usize, reason: String) -> CollectiveError {
+        CollectiveError::Local {
+            rank: index,
+            address: self.spec.addresses[index].clone(),
+            reason,
+        }
+    }
+
+    /// Ask member `i`'s daemon whether its process still answers.
+    fn probe(&self, i: usize) -> Result<(), String> {
+        let within = self.liveness * 3 / 4;
+        peer::probe(
+            self.peers[i],
+            &self.spec.addresses[i],
+            self.group,
+            self.token.as_ref(),
+            self.tls.as_ref(),
+            within,
+        )
+        .map_err(|e| format!("its daemon did not answer a liveness probe within {within:?}: {e}"))
+    }
+
+    /// All-reduce `data` with the other members (and, through the leader's `inter`, the other hosts).
+    ///
+    /// The leader runs `prepare` before the local stage (opening its ring links, so that a failure here closes
+    /// them and the other hosts' leaders fail at once instead of waiting for links that never come).
+    pub fn allreduce<T: Elem>(
+        &mut self,
+        data: &mut [T],
+        op: Op,
+        prepare: impl FnOnce() -> Result<(), CollectiveError>,
+        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        if let Some(why) = &self.spent {
+            return Err(CollectiveError::Spent(why.clone()));
+        }
+        let result = self.run(data, op, prepare, inter);
+        if let Err(e) = &result {
+            let why = e.to_string();
+            let blamed = match e {
+                CollectiveError::Local { rank, .. } => *rank,
+                _ => self.spec.index,
+            };
+            // The others stop at their next look at the control file.
+            if let Some(control) = &self.control {
+                control.set_failed(blamed, &why);
+            }
+            self.spent = Some(why);
+            self.segments.clear();
+        }
+        result
+    }
+
+    fn path(&self, what: &str) -> PathBuf {
+        let name = format!(
+            "{}node-{:032x}-{}-{what}",
+            ddlf_core::shm::PREFIX,
+            self.group,
+            self.peers[0].port(),
+        );
+        PathBuf::from(ddlf_core::shm::DIR).join(name)
+    }
+
+    fn run<T: Elem>(
+        &mut self,
+        data: &mut [T],
+        op: Op,
+        prepare: impl FnOnce() -> Result<(), CollectiveError>,
+        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        let (k, j, len, elem) = (
+            self.members(),
+            self.spec.index,
+            data.len(),
+            std::mem::size_of::<T>(),
+        );
+        if self.control.is_none() {
+            let control = self.attach(&self.path("control"), 0, 1)?;
+            self.control = Some(control);
+        }
+        if self.is_leader() {
+            prepare()?;
+        }
+        // 0. Agree on the call's shape (members that disagree fail together, instead of waiting apart).
+        let control = self.control()?;
+        control
+            .word(W_SHAPE + 2 * j)
+            .store(len as u64, Ordering::Relaxed);
+        control
+            .word(W_SHAPE + 2 * j + 1)
+            .store(elem as u64, Ordering::Relaxed);
+        self.wait_all()?;
+        if let Some(control) = self.control.as_mut() {
+            // Every member has mapped the control file: nobody needs its name any more.
+            control.unlink();
+        }
+        let control = self.control()?;
+        for i in 0..k {
+            let theirs = (
+                control.word(W_SHAPE + 2 * i).load(Ordering::Relaxed) as usize,
+                control.word(W_SHAPE + 2 * i + 1).load(Ordering::Relaxed) as usize,
+            );
+            if theirs != (len, elem) {
+                return Err(self.fail(
+                    i,
+                    format!(
+                        "members disagree: member {i} reduces {} elements of {} bytes, member {j} {len} of \
+                         {elem}",
+                        theirs.0, theirs.1
+                    ),
+                ));
+            }
+        }
+        let current = match self
+            .segments
+            .iter()
+            .position(|s| s.len == len && s.elem == elem)
+        {
+            Some(i) => i,
+            None => {
+                self.serial += 1;
+                let seg = self.attach(&self.path(&self.serial.to_string()), len, elem)?;
+                if self.segments.len() == KEEP_SEGMENTS {
+                    self.segments.remove(0);
+                }
+                self.segments.push(seg);
+                self.segments.len() - 1
+            }
+        };
+        // 1. Every member's data into its slot.
+        let seg = &self.segments[current];
+        let slot = seg.region::<T>(j);
+        // SAFETY: `region` checked that `len` elements of `T` at `slot` lie inside the mapping, aligned. Slot `j`
+        // is written by this member only, and read by others only after the barrier below.
+        unsafe { std::slice::from_raw_parts_mut(slot, len) }.copy_from_slice(data);
+        self.wait_all()?;
+        // Every member has mapped the data file: nobody needs its name any more.
+        self.segments[current].unlink();
+        // 2. This member's chunk of the sum.
+        let seg = &self.segments[current];
+        let mine = super::ring::chunk(len, k, j);
+        let result = seg.region::<T>(k);
+        // SAFETY: the result region holds `len` elements (checked by `region`); this member writes only its own
+        // chunk of it (chunks of different members are disjoint), and nobody reads it before the next barrier.
+        let out = unsafe { std::slice::from_raw_parts_mut(result.add(mine.start), mine.len()) };
+        for i in 0..k {
+            let from = seg.region::<T>(i);
+            // SAFETY: slot `i` holds `len` elements, all written before the barrier passed and not written again
+            // before the next call's barriers, which this member has not reached.
+            let src = unsafe { std::slice::from_raw_parts(from.add(mine.start), mine.len()) };
+            if i == 0 {
+                out.copy_from_slice(src);
+            } else {
+                for (o, s) in out.iter_mut().zip(src) {
+                    *o = o.add(*s);
+                }
+            }
+        }
+        self.wait_all()?;
+        // 3. The hosts' sums, on the leaders' ring.
+        if self.is_leader() {
+            let seg = &self.segments[current];
+            // SAFETY: every member finished its chunk (barrier passed); until the next barrier only the leader
+            // touches the result region.
+            let all = unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(k), len) };
+            inter(all)?;
+        }
+        self.wait_all()?;
+        // 4. The result, to every member.
+        let seg = &self.segments[current];
+        // SAFETY: the leader finished (barrier passed); the result region is only read until the next call's
+        // second barrier, which every member reaches only after this copy.
+        let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(k), len) };
+        match op {
+            Op::Sum => data.copy_from_slice(all),
+            Op::Mean => {
+                let by = 1.0 / self.spec.total as f64;
+                for (d, s) in data.iter_mut().zip(all) {
+                    *d = s.scale(by);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn control(&self) -> Result<&Segment, CollectiveError> {
+        self.control
+            .as_ref()
+            .ok_or_else(|| CollectiveError::Invalid("a node without its control file".into()))
+    }
+
+    /// Look at the control file: has a member failed the call?
+    fn failed(&self) -> Result<(), CollectiveError> {
+        match self.control.as_ref().and_then(Segment::failure) {
+            Some((who, reason)) => Err(self.fail(who, reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Arrive at the next barrier and wait for every member (see the module docs on how long, and probes).
+    fn wait_all(&mut self) -> Result<(), CollectiveError> {
+        self.barrier += 1;
+        let b = self.barrier;
+        let (k, j) = (self.members(), self.spec.index);
+        let control = self.control()?;
+        control.word(W_ARRIVED + j).store(b, Ordering::Release);
+        let t0 = Instant::now();
+        let mut alive = t0;
+        let mut spins = 0u32;
+        loop {
+            self.failed()?;
+            let late = (0..k).find(|&i| control.word(W_ARRIVED + i).load(Ordering::Acquire) < b);
+            let Some(late) = late else {
+                return Ok(());
+            };
+            if t0.elapsed() >= self.timeout {
+                return Err(self.fail(
+                    late,
+                    format!("did not reach the local barrier within {:?}", self.timeout),
+                ));
+            }
+            if alive.elapsed() >= self.liveness / 4 {
+                if let Err(why) = self.probe(late) {
+                    return Err(self.fail(late, why));
+                }
+                alive = Instant::now();
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// The file at `path` for `len` elements of `elem` bytes (0 elements: the control file): the leader makes
+    /// it, the others wait for it (watching the control file, if any, for a failure) and map it.
+    fn attach(
+        &self,
+        path: &std::path::Path,
+        len: usize,
+        elem: usize,
+    ) -> Result<Segment, CollectiveError> {
+        let k = self.members();
+        let size = Segment::size(k, len, elem);
+        let io = |what: &str, e: io::Error| {
+            CollectiveError::Invalid(format!("shared memory {}: {what}: {e}", path.display()))
+        };
+        if self.is_leader() {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .map_err(|e| io("create", e))?;
+            // Reserve every page now: a full /dev/shm is an error here, not a SIGBUS later.
+            let grown = file
+                .set_len(size as u64)
+                .and_then(|_| allocate(&file, size));
+            let seg = map(
+                &file,
+                path.to_path_buf(),
+                k,
+                len,
+                elem,
+                HEADER.max(size),
+                false,
+            );
+            if let Err(e) = grown {
+                drop(seg);
+                let _ = std::fs::remove_file(path);
+                return Err(self.fail(
+                    0,
+                    format!(
+                        "cannot reserve {size} bytes in {} ({e}): too little shared memory for a hierarchical \
+                         all-reduce of this size (use a flat ring, or a larger /dev/shm)",
+                        ddlf_core::shm::DIR
+                    ),
+                ));
+            }
+            let seg = seg.map_err(|e| io("map", e))?;
+            for (w, v) in [(W_MEMBERS, k), (W_LEN, len), (W_ELEM, elem)] {
+                seg.word(w).store(v as u64, Ordering::Relaxed);
+            }
+            seg.word(W_MAGIC).store(MAGIC, Ordering::Release);
+            return Ok(seg);
+        }
+        // A member: wait for the leader's file (the leader may still be computing), probing it meanwhile.
+        let t0 = Instant::now();
+        let mut alive = t0;
+        loop {
+            self.failed()?;
+            if let Ok(file) = File::options().read(true).write(true).open(path) {
+                let mut word = [0u8; 8];
+                let ready =
+                    file.read_exact_at(&mut word, 0).is_ok() && u64::from_le_bytes(word) == MAGIC;
+                if ready {
+                    // Members never remove the file (the leader does, once all have mapped it).
+                    let seg = map(&file, path.to_path_buf(), k, len, elem, size, true)
+                        .map_err(|e| io("map", e))?;
+                    let theirs = (
+                        seg.word(W_MEMBERS).load(Ordering::Relaxed) as usize,
+                        seg.word(W_LEN).load(Ordering::Relaxed) as usize,
+                        seg.word(W_ELEM).load(Ordering::Relaxed) as usize,
+                    );
+                    if theirs != (k, len, elem) {
+                        return Err(self.fail(
+                            0,
+                            format!(
+                                "the leader's file is for {theirs:?} (members, elements, bytes)"
+                            ),
+                        ));
+                    }
+                    return Ok(seg);
+                }
+            }
+            if t0.elapsed() >= self.timeout {
+                return Err(self.fail(
+                    0,
+                    format!(
+                        "made no shared memory for the call within {:?}",
+                        self.timeout
+                    ),
+                ));
+            }
+            if alive.elapsed() >= self.liveness / 4 {
+                if let Err(why) = self.probe(0) {
+                    return Err(self.fail(0, why));
+                }
+                alive = Instant::now();
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+fn map(
+    file: &File,
+    path: PathBuf,
+    members: usize,
+    len: usize,
+    elem: usize,
+    bytes: usize,
+    unlinked: bool,
+) -> io::Result<Segment> {
+    // SAFETY: the file is ddlf's own under /dev/shm, sized to at least `bytes` before mapping (the leader sets
+    // the length first; members map only once the leader published the header, after it reserved every page).
+    // Other processes change its bytes only under the barrier protocol of this module.
+    let map = unsafe { MmapOptions::new().len(bytes).map_mut(file)? };
+    Ok(Segment {
+        map,
+        path,
+        members,
+        len,
+        elem,
+        unlinked,
+    })
+}
+
+fn allocate(file: &File, size: usize) -> io::Result<()> {
+    // SAFETY: `file` is open for writing for the whole call; posix_fallocate only reads its arguments.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
+    }
+}
