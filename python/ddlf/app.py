@@ -144,9 +144,11 @@ class IApp:
                 that every worker eventually sees all the data.
             compression: ``None``, ``"float16"`` or ``"bfloat16"`` (workers send back deltas in half precision;
                 on the ring, every link carries the round's changes or, with ``averaging="gradients"``, the
-                gradients at half precision, summed in float32), or ``"topk"`` (master exchange only): workers
-                send only the ``topk_ratio`` share of delta entries of largest magnitude, keeping the rest as
-                error feedback for their next round (nothing is lost, only delayed). ``"bfloat16"`` keeps
+                gradients at half precision, summed in float32; a hierarchical ring sums a host's workers in
+                float32 through shared memory and rounds only what crosses the network between hosts), or
+                ``"topk"`` (master exchange only): workers send only the ``topk_ratio`` share of delta entries of
+                largest magnitude, keeping the rest as error feedback for their next round (nothing is lost, only
+                delayed). ``"bfloat16"`` keeps
                 float32's range; ``"float16"`` is more precise but overflows past 65504 (such an update is
                 skipped on every worker and reported).
             staleness, max_staleness: async staleness control (``"dynsgd"`` scales a delta by 1/(staleness+1)).

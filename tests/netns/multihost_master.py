@@ -67,7 +67,7 @@ def main() -> None:
             verbose=0,
             callbacks=callbacks,
             rejoin_timeout=30,
-            **({"exchange": args["exchange"]} if "exchange" in args else {}),
+            **{k: args[k] for k in ("exchange", "hierarchical") if k in args},
         )
         _, acc = app.evaluate(xt[:2000], yt[:2000])
         print(

@@ -284,11 +284,17 @@ impl Node {
     }
 
     fn path(&self, what: &str) -> PathBuf {
+        // The group and the first member's whole address: hosts that are network namespaces of one machine
+        // share /dev/shm, and their members may listen on the same ports.
+        let first: String = self.peers[0]
+            .to_string()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
         let name = format!(
-            "{}node-{:032x}-{}-{what}",
+            "{}node-{:032x}-{first}-{what}",
             ddlf_core::shm::PREFIX,
             self.group,
-            self.peers[0].port(),
         );
         PathBuf::from(ddlf_core::shm::DIR).join(name)
     }
