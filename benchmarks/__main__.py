@@ -28,6 +28,7 @@ BENCHMARKS = {
     "exhaustion": "benchmarks.exhaustion",
     "outer": "benchmarks.outer",
     "smallmodel": "benchmarks.smallmodel",
+    "nodestore": "benchmarks.nodestore",
 }
 
 

@@ -38,20 +38,35 @@ def fill(worker: Any, elements: int, seed: int) -> int:
     return int(worker.vars["x"].nbytes)
 
 
-def measure(cluster: ddlf.Cluster, mb: float, repeat: int, streams: int = 1) -> dict[str, Any]:
+def measure(
+    cluster: ddlf.Cluster, mb: float, repeat: int, streams: int = 1, hierarchical: bool | None = None
+) -> dict[str, Any]:
     """Median seconds of ``cluster.allreduce`` over ``mb`` megabytes, and its bandwidths."""
     n = len(cluster)
     elements = int(mb * 1e6) // 4
     size = cluster.run_each(fill, [(elements, i) for i in range(n)])[0]
-    cluster.allreduce("x", "sum", streams=streams)  # warm-up: opens the ring's links
+    cluster.allreduce("x", "sum", streams=streams, hierarchical=hierarchical)  # warm-up: opens the ring's links
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        cluster.allreduce("x", "sum", streams=streams)
+        cluster.allreduce("x", "sum", streams=streams, hierarchical=hierarchical)
         times.append(time.perf_counter() - t0)
     t = report.median(times)
     algbw = size / t
-    return {"n": n, "bytes": size, "seconds": t, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n}
+    mode = {None: "auto", True: "hierarchical", False: "flat"}[hierarchical]
+    return {"n": n, "mode": mode, "bytes": size, "seconds": t, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n}
+
+
+def memcpy(nbytes: int, repeat: int) -> float:
+    """Median seconds of one numpy copy of ``nbytes`` into a warm destination (the machine's memory anchor)."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return report.median(times[1:])
 
 
 def raw_socket(nbytes: int, repeat: int) -> float:
@@ -142,14 +157,18 @@ def main(argv: list[str] | None = None) -> None:
     local_rows = []
     for n in [int(x) for x in args.local.split(",") if x]:
         with ddlf.Cluster.local(n, threads=1) as c:
-            r = measure(c, args.mb, args.repeat)
-        raw = raw_socket(r["bytes"], args.repeat)
-        r["raw_bw"] = r["bytes"] / raw
-        local_rows.append(r)
-        print(
-            f"loopback n={n}: {r['seconds']:.3f} s, busbw {r['busbw'] / 1e9:.2f} GB/s, raw socket "
-            f"{r['raw_bw'] / 1e9:.2f} GB/s"
-        )
+            # Flat: every worker on the loopback ring; hierarchical: one host, so all of it in shared memory.
+            rows = [measure(c, args.mb, args.repeat, hierarchical=h) for h in (False, True)]
+        raw = raw_socket(rows[0]["bytes"], args.repeat)
+        copy = memcpy(rows[0]["bytes"], args.repeat)
+        for r in rows:
+            r["raw_bw"] = r["bytes"] / raw
+            r["memcpy_bw"] = r["bytes"] / copy
+            local_rows.append(r)
+            print(
+                f"loopback n={n} {r['mode']}: {r['seconds']:.3f} s, busbw {r['busbw'] / 1e9:.2f} GB/s, raw socket "
+                f"{r['raw_bw'] / 1e9:.2f} GB/s, memcpy {r['memcpy_bw'] / 1e9:.2f} GB/s"
+            )
     ns_rows = []
     counts = [int(x) for x in args.hosts.split(",") if x]
     if counts:
@@ -223,19 +242,32 @@ def _markdown(args: argparse.Namespace, local_rows: list[dict], ns_rows: list[di
     if local_rows:
         lines += [
             "",
-            "Loopback, local workers (one process each), against one raw TCP socket moving the same bytes in the "
-            "same run:",
+            "Loopback, local workers (one process each) on one host: *flat* is the ring over loopback TCP; "
+            "*hierarchical* (the default when a host runs several workers) sums through shared memory and opens "
+            "no socket. Anchors from the same run: one raw TCP socket moving the same bytes, and one numpy copy "
+            "of them (the hierarchical stage reads every member's array and writes the result back to each):",
             "",
             report.table(
-                ["workers", "seconds", "algbw GB/s", "busbw GB/s", "raw socket GB/s", "busbw / raw socket"],
+                [
+                    "workers",
+                    "mode",
+                    "seconds",
+                    "algbw GB/s",
+                    "busbw GB/s",
+                    "raw socket GB/s",
+                    "busbw / raw socket",
+                    "memcpy GB/s",
+                ],
                 [
                     [
                         r["n"],
+                        r["mode"],
                         f"{r['seconds']:.3f}",
                         f"{r['algbw'] / 1e9:.2f}",
                         f"{r['busbw'] / 1e9:.2f}",
                         f"{r['raw_bw'] / 1e9:.2f}",
                         f"{r['busbw'] / r['raw_bw']:.2f}",
+                        f"{r['memcpy_bw'] / 1e9:.2f}",
                     ]
                     for r in local_rows
                 ],

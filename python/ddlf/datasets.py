@@ -23,7 +23,7 @@ import struct
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,6 +239,88 @@ def npz(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None 
         raise DatasetError(f"{path}: not a readable .npz archive: {exc}") from exc
 
 
+# -- Parquet ----------------------------------------------------------------------------------------------
+
+
+def parquet(
+    path: str | os.PathLike[str],
+    columns: Sequence[str] | None = None,
+    label: str | None = None,
+    *,
+    dtype: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """Arrays from a Parquet file or a directory of them (a Spark/pandas export), local or a URL.
+
+    ``columns`` (default: every column but ``label``) are the features: numeric scalar columns are stacked into
+    one ``(rows, len(columns))`` array (of their common type, or ``dtype``); a single column of fixed-size lists
+    (nested for more dimensions, as Arrow writes tensors) becomes a ``(rows, *shape)`` tensor. Returns ``(x, y)``
+    with ``label``, else ``x``. Missing values, lists of varying length, strings and binary columns are refused
+    with the column's name (decode images before exporting them, or store them as fixed-size lists). Needs
+    pyarrow (``pip install pyarrow``)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    import pyarrow as pa
+
+    filesystem, where = (None, os.fspath(path)) if not is_url(path) else _fs(str(path), storage_options)
+    wanted = None if columns is None else [*columns, *([label] if label is not None and label not in columns else [])]
+    try:
+        table = pq.read_table(where, filesystem=filesystem, columns=wanted)
+    except (OSError, KeyError, pa.ArrowException) as exc:
+        raise DatasetError(f"{path}: not a readable Parquet file or directory with those columns: {exc}") from exc
+    if label is not None and label not in table.column_names:
+        raise DatasetError(f"{path}: no label column {label!r} (columns: {table.column_names})")
+    names = [n for n in table.column_names if n != label] if columns is None else list(columns)
+    if not names:
+        raise DatasetError(f"{path}: no feature columns (columns: {table.column_names})")
+    blocks = [_column_array(path, n, table.column(n)) for n in names]
+    if len(blocks) == 1:
+        x = blocks[0]
+        if x.ndim == 1:
+            x = x.reshape(-1, 1)
+    elif all(b.ndim == 1 for b in blocks):
+        x = np.stack(blocks, axis=1).astype(np.result_type(*blocks) if dtype is None else dtype, copy=False)
+    else:
+        shaped = [n for n, b in zip(names, blocks) if b.ndim > 1]
+        raise DatasetError(
+            f"{path}: columns {shaped} are tensors: read a tensor column alone (columns=[{shaped[0]!r}]) or "
+            "only scalar columns together"
+        )
+    if dtype is not None:
+        x = x.astype(dtype, copy=False)
+    if label is None:
+        return x
+    return x, _column_array(path, label, table.column(label))
+
+
+def _column_array(path: Any, name: str, column: Any) -> np.ndarray:
+    """One Arrow column as a numpy array: numbers as they are, fixed-size lists as extra dimensions."""
+    import pyarrow as pa
+
+    if column.null_count:
+        raise DatasetError(f"{path}: column {name!r} has {column.null_count} missing values")
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    shape = [len(array)]
+    while pa.types.is_fixed_size_list(array.type):
+        shape.append(array.type.list_size)
+        # Offsets into the child when the array is a slice; the child's own nulls are checked below.
+        start = array.offset * array.type.list_size
+        array = array.values.slice(start, len(array) * array.type.list_size)
+        if array.null_count:
+            raise DatasetError(f"{path}: column {name!r} has missing values inside its lists")
+    t = array.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        raise DatasetError(
+            f"{path}: column {name!r} holds lists of varying length; tensors must be fixed-size lists "
+            "(pyarrow: pa.list_(type, size); Spark: export arrays of one length)"
+        )
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        raise DatasetError(f"{path}: column {name!r} is {t}, not numbers (decode or encode it before exporting)")
+    return array.to_numpy(zero_copy_only=False).reshape(shape)
+
+
 # -- feeding a training loop ------------------------------------------------------------------------------
 
 
@@ -287,6 +369,7 @@ class StoredDataset:
     load_seconds: float
     loaded_at: float = field(default_factory=time.time)
     shard: tuple[int, int] | None = None
+    hold: Any = None  # a node_store.Mapped when the arrays are the host's one copy, mapped read-only
 
     @property
     def nbytes(self) -> int:
@@ -301,6 +384,7 @@ class StoredDataset:
             "arrays": [(tuple(a.shape), str(a.dtype)) for a in arrays],
             "load_seconds": self.load_seconds,
             "memory_mapped": any(isinstance(a, np.memmap) for a in arrays),
+            "node_shared": self.hold is not None,
             "shard": self.shard,
         }
 
@@ -323,30 +407,39 @@ class DatasetStore:
         self._lock = threading.Lock()
 
     def get_or_load(
-        self, key: str, loader: Callable[[], Any], shard: tuple[int, int] | None = None
+        self, key: str, loader: Callable[[], Any], shard: tuple[int, int] | None = None, share: bool = True
     ) -> tuple[StoredDataset, bool]:
-        """The dataset under ``key``, loading it with ``loader()`` if absent. Returns ``(dataset, was_cached)``."""
+        """The dataset under ``key``, loading it with ``loader()`` if absent. Returns ``(dataset, was_cached)``.
+
+        With ``share`` the arrays go through the host's one copy (:mod:`ddlf.node_store`): the first worker on the
+        host to load them writes them there, every worker maps them read-only."""
+        from . import node_store
+
         with self._lock:
             item = self._items.get(key)
             if item is not None:
                 return item, True
             t0 = time.perf_counter()
-            value = loader()
-            arrays = _arrays(value)
-            if not arrays:
-                raise TypeError(f"load_dataset for {key!r} returned {type(value).__name__}, not numpy arrays")
-            rows = {len(a) for a in arrays}
-            if len(rows) != 1:
-                raise ValueError(f"dataset {key!r}: arrays have different numbers of rows {sorted(rows)}")
-            item = StoredDataset(key, value, time.perf_counter() - t0, shard=shard)
+            value, hold = node_store.load(key, loader) if share else (loader(), None)
+            try:
+                arrays = _arrays(value)
+                if not arrays:
+                    raise TypeError(f"load_dataset for {key!r} returned {type(value).__name__}, not numpy arrays")
+                rows = {len(a) for a in arrays}
+                if len(rows) != 1:
+                    raise ValueError(f"dataset {key!r}: arrays have different numbers of rows {sorted(rows)}")
+            except BaseException:
+                if hold is not None:
+                    hold.release(remove=True)
+                raise
+            item = StoredDataset(key, value, time.perf_counter() - t0, shard=shard, hold=hold)
             self._items[key] = item
             return item, False
 
     def put(self, key: str, value: Any) -> StoredDataset:
         """Register arrays under ``key`` (replacing any previous value)."""
-        with self._lock:
-            self._items.pop(key, None)
-        return self.get_or_load(key, lambda: value)[0]
+        self.drop(key)
+        return self.get_or_load(key, lambda: value, share=False)[0]
 
     def get(self, key: str) -> StoredDataset:
         try:
@@ -355,8 +448,23 @@ class DatasetStore:
             raise KeyError(f"no dataset {key!r} on this worker (held: {sorted(self._items)})") from None
 
     def drop(self, key: str) -> bool:
+        """Forget ``key``; the host's copy of it goes when its last holder lets go."""
         with self._lock:
-            return self._items.pop(key, None) is not None
+            item = self._items.pop(key, None)
+        if item is None:
+            return False
+        if item.hold is not None:
+            item.value = None  # unmapped once no batch refers to the arrays any more
+            item.hold.release(remove=True)
+        return True
+
+    def close(self) -> None:
+        """Let go of everything (a worker's clean exit): host copies that nobody else holds are removed."""
+        from . import node_store
+
+        for key in list(self._items):
+            self.drop(key)
+        node_store.sweep()
 
     def describe(self) -> list[dict[str, Any]]:
         return [d.describe() for d in self._items.values()]

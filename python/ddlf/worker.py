@@ -252,7 +252,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         executor.close()
+        _let_go_of_datasets()
     return 0
+
+
+def _let_go_of_datasets() -> None:
+    """A clean exit: this worker's holds on the host's dataset copies go, and copies nobody holds are removed."""
+    from .datasets import STORE
+
+    try:
+        STORE.close()
+    except Exception as exc:  # exiting anyway: a copy left behind is reused or swept by the next worker
+        logging.getLogger("ddlf.worker").warning("datasets not released at exit: %s", exc)
 
 
 class _TracingHandler(logging.Handler):

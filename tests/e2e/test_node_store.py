@@ -1,0 +1,136 @@
+"""One copy of a dataset per host, with real worker daemons: the first worker to load it writes it to /dev/shm, the
+others map it; it outlives a killed worker and another script's daemons map it without loading; drop_dataset and
+the last worker's clean exit remove it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf import node_store
+
+pytestmark = pytest.mark.skipif(node_store.root() is None, reason="needs /dev/shm")
+
+
+def make_loader(log_path: str, rows: int):
+    def loader():
+        import numpy as np
+
+        with open(log_path, "a") as f:
+            f.write("loaded\n")
+        rng = np.random.default_rng(7)
+        return rng.standard_normal((rows, 28, 28)).astype(np.float32), rng.integers(0, 10, rows).astype(np.uint8)
+
+    return loader
+
+
+def checksum(key: str) -> tuple[float, int, bool]:
+    from ddlf.datasets import STORE
+
+    x, y = STORE.get(key).value
+    return float(np.sum(x, dtype=np.float64)), int(np.sum(y, dtype=np.int64)), bool(x.flags.writeable)
+
+
+def loads(log: str) -> int:
+    """How many times a loader made by :func:`make_loader` ran (on any process)."""
+    with open(log) as f:
+        return f.read().count("loaded")
+
+
+def checksum_of(key: str) -> tuple[float, int, bool]:
+    from ddlf.datasets import STORE
+
+    x, y = STORE.get(key).value
+    return float(np.sum(x, dtype=np.float64)), int(np.sum(y)), bool(x.flags.writeable)
+
+
+def entries(key: str) -> list[str]:
+    base = node_store.root()
+    assert base is not None
+    if not os.path.isdir(base):
+        return []
+    return [n for n in os.listdir(base) if n.startswith(key + "-") and not n.endswith(".lock")]
+
+
+def test_workers_of_a_host_load_once_and_map_one_copy(tmp_path) -> None:
+    log = str(tmp_path / "loads")
+    loader = make_loader(log, 5000)
+    key = f"node-store-{os.getpid()}"
+    with ddlf.Cluster.local(3, threads=1) as c:
+        out = c.load_dataset(key, loader)
+        assert loads(log) == 1  # one worker loaded, the other two mapped its copy
+        assert [i["cached"] for i in out] == [False] * 3
+        assert all(i["node_shared"] and i["memory_mapped"] and i["rows"] == 5000 for i in out)
+        assert len(entries(key)) == 1
+        sums = c.run(checksum, key)
+        want = loader()
+        assert sums == [(float(np.sum(want[0], dtype=np.float64)), int(np.sum(want[1])), False)] * 3
+        assert c.drop_dataset(key) == [True] * 3
+        assert not entries(key)  # the last holder let go: removed
+    assert loads(log) == 2  # the worker's load and the master's check above
+
+
+def test_the_copy_outlives_a_killed_loader_and_serves_the_next_daemons(tmp_path) -> None:
+    log = str(tmp_path / "loads")
+    loader = make_loader(log, 3000)
+    key = f"node-store-kill-{os.getpid()}"
+    with ddlf.Cluster.local(1, threads=1) as first:
+        assert first.load_dataset(key, loader)[0]["node_shared"]
+        os.kill(first._local.pids()[0], signal.SIGKILL)  # no clean exit: nothing lets go of the copy
+        first._local.wait(10)
+    assert len(entries(key)) == 1
+    with ddlf.Cluster.local(2, threads=1) as c:  # another script's daemons: they map it, nobody loads
+        out = c.load_dataset(key, loader)
+        assert all(i["node_shared"] and not i["cached"] for i in out)
+        assert loads(log) == 1
+        assert len(set(c.run(checksum, key))) == 1
+    assert not entries(key)  # their clean exit removed it
+
+
+def test_the_last_clean_exit_removes_the_hosts_copy(tmp_path) -> None:
+    key = f"node-store-exit-{os.getpid()}"
+    with ddlf.Cluster.local(2, threads=1) as c:
+        c.load_dataset(key, make_loader(str(tmp_path / "loads"), 100))
+        assert len(entries(key)) == 1
+    assert not entries(key)
+
+
+def test_training_reads_a_parquet_export_through_the_hosts_copy(tmp_path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2000, 20)).astype(np.float32)
+    export = tmp_path / "export"
+    export.mkdir()
+    for i in range(2):  # as Spark writes a DataFrame: part files
+        part = x[i * 1000 : (i + 1) * 1000]
+        columns = {f"f{j}": pa.array(part[:, j]) for j in range(20)}
+        columns["label"] = pa.array((part[:, 0] > 0).astype(np.float32))
+        pq.write_table(pa.table(columns), str(export / f"part-{i:05d}.parquet"))
+
+    class Exported(ddlf.IApp):
+        dataset_key = f"node-store-parquet-{os.getpid()}"
+        path = str(export)
+
+        def load_dataset(self):
+            return ddlf.datasets.parquet(self.path, label="label")
+
+        def create_model(self):
+            import keras
+
+            model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(1, activation="sigmoid")])
+            model.compile(optimizer=keras.optimizers.Adam(0.05), loss="binary_crossentropy", metrics=["accuracy"])
+            return model
+
+    with ddlf.Cluster.local(2, threads=1) as c:
+        h = Exported(c).train(epochs=3, batch_size=32, verbose=0)
+        want = (float(np.sum(x, dtype=np.float64)), int(np.sum(x[:, 0] > 0)), False)
+        assert c.run(checksum_of, Exported.dataset_key) == [want, want]  # the export, row for row
+        held = [d for w in c.datasets() for d in w if d["key"] == Exported.dataset_key]
+        assert len(held) == 2 and all(d["node_shared"] and d["rows"] == 2000 for d in held)
+        assert held[0]["arrays"] == [((2000, 20), "float32"), ((2000,), "float32")]
+        assert h.history["accuracy"][-1] > 0.9

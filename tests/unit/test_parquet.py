@@ -1,0 +1,100 @@
+"""ddlf.datasets.parquet: columns to arrays, tensors from fixed-size lists, and clear refusals (no daemons)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddlf import datasets
+from ddlf.datasets import DatasetError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+IMAGES = np.arange(7 * 4 * 3, dtype=np.float32).reshape(7, 4, 3)
+
+
+def tensor(a: np.ndarray):
+    """``a`` as nested fixed-size lists (how Arrow, Spark and pandas write tensors)."""
+    out = pa.array(a.reshape(-1))
+    for size in reversed(a.shape[1:]):
+        out = pa.FixedSizeListArray.from_arrays(out, size)
+    return out
+
+
+@pytest.fixture
+def table_path(tmp_path) -> str:
+    t = pa.table(
+        {
+            "a": pa.array(range(7), pa.int32()),
+            "b": pa.array(np.linspace(0, 1, 7), pa.float64()),
+            "c": pa.array([True, False] * 3 + [True]),
+            "img": tensor(IMAGES),
+            "y": pa.array([0, 1, 2, 0, 1, 2, 0], pa.int8()),
+        }
+    )
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(t, path, row_group_size=3)  # several row groups: chunks that are slices of one buffer
+    return path
+
+
+def test_scalar_columns_stack_into_features_and_the_label_comes_apart(table_path: str) -> None:
+    x, y = datasets.parquet(table_path, columns=["a", "b"], label="y")
+    assert x.shape == (7, 2) and x.dtype == np.float64 and y.dtype == np.int8
+    np.testing.assert_array_equal(x[:, 0], np.arange(7))
+    np.testing.assert_array_equal(y, [0, 1, 2, 0, 1, 2, 0])
+    x32 = datasets.parquet(table_path, columns=["a", "c"], dtype=np.float32)
+    assert x32.dtype == np.float32 and x32.shape == (7, 2) and x32[1, 1] == 0.0
+    one = datasets.parquet(table_path, columns=["b"])
+    assert one.shape == (7, 1)
+
+
+def test_a_fixed_size_list_column_is_a_tensor(table_path: str) -> None:
+    x, y = datasets.parquet(table_path, columns=["img"], label="y")
+    assert x.shape == (7, 4, 3) and x.dtype == np.float32 and len(y) == 7
+    np.testing.assert_array_equal(x, IMAGES)
+
+
+def test_a_directory_of_parts_reads_as_one_table(tmp_path) -> None:
+    (tmp_path / "export").mkdir()
+    for i in range(3):  # a Spark export: part files, and a marker that is not data
+        rows = np.arange(i * 10, i * 10 + 10)
+        pq.write_table(
+            pa.table({"f": pa.array(rows, pa.float32()), "y": pa.array(rows % 2, pa.int64())}),
+            str(tmp_path / "export" / f"part-{i:05d}.parquet"),
+        )
+    (tmp_path / "export" / "_SUCCESS").write_text("")
+    x, y = datasets.parquet(str(tmp_path / "export"), label="y")
+    assert x.shape == (30, 1) and sorted(x[:, 0].tolist()) == list(range(30))
+    np.testing.assert_array_equal(y, x[:, 0].astype(np.int64) % 2)
+
+
+@pytest.mark.parametrize(
+    ("column", "message"),
+    [
+        (pa.array([1.0, None, 3.0]), "1 missing values"),
+        (pa.array([[1, 2], [3], [4, 5]], pa.list_(pa.int64())), "lists of varying length"),
+        (pa.array(["a", "b", "c"]), "not numbers"),
+        (pa.array([b"\x89PNG", b"x", b"y"]), "not numbers"),
+        (pa.FixedSizeListArray.from_arrays(pa.array([1, None, 3, 4, 5, 6]), 2), "inside its lists"),
+    ],
+)
+def test_columns_that_are_not_tensors_are_refused_by_name(tmp_path, column, message: str) -> None:
+    path = str(tmp_path / "bad.parquet")
+    pq.write_table(pa.table({"bad": column, "y": pa.array([0, 1, 0])}), path)
+    with pytest.raises(DatasetError, match=f"'bad'.*{message}|{message}"):
+        datasets.parquet(path, columns=["bad"], label="y")
+
+
+def test_missing_files_columns_and_labels_are_clear(tmp_path, table_path: str) -> None:
+    with pytest.raises(DatasetError, match="no label column 'nope'"):
+        datasets.parquet(table_path, label="nope")
+    with pytest.raises(DatasetError, match="not a readable Parquet"):
+        datasets.parquet(table_path, columns=["nope"])
+    with pytest.raises(DatasetError, match="not a readable Parquet"):
+        datasets.parquet(str(tmp_path / "missing.parquet"))
+    (tmp_path / "text.parquet").write_text("not parquet at all")
+    with pytest.raises(DatasetError, match="not a readable Parquet"):
+        datasets.parquet(str(tmp_path / "text.parquet"))
+    with pytest.raises(DatasetError, match="are tensors"):
+        datasets.parquet(table_path, label="y")  # every column: scalars and a tensor together
