@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     local_rows = []
     for n in [int(x) for x in args.local.split(",") if x]:
-        with ddlf.Cluster.local(n, threads=1) as c:
+        # No framework preload: its imports would compete with the first measurements for the cores.
+        with ddlf.Cluster.local(n, threads=1, preload=None) as c:
             # Flat: every worker on the loopback ring; hierarchical: one host, so all of it in shared memory.
             rows = [measure(c, args.mb, args.repeat, hierarchical=h) for h in (False, True)]
         raw = raw_socket(rows[0]["bytes"], args.repeat)

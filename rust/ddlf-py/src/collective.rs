@@ -205,14 +205,15 @@ enum Wire {
     Bf16,
 }
 
-/// Gather, reduce, scatter back (only on success); one array with `atomic` off is reduced where it lies.
+/// Gather, reduce, scatter back (only on success); one array is reduced where it lies when `atomic` is off or
+/// the ring leaves its data untouched on failure anyway (a hierarchical rank: two copies fewer).
 fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut collective::Ring,
     views: &[View],
     op: Op,
     atomic: bool,
 ) -> Result<(), CollectiveError> {
-    if let ([one], false) = (views, atomic) {
+    if let ([one], false) = (views, atomic && !ring.leaves_data_on_failure()) {
         return ring.allreduce_over::<T, C>(one.slice_mut::<T>(), op);
     }
     let total = views.iter().map(|v| v.len).sum();

@@ -314,6 +314,13 @@ impl Ring {
         Ok(streams)
     }
 
+    /// Whether a failed [`Ring::allreduce`] leaves `data` as it was: true for a hierarchical rank (the host's
+    /// stage works on shared memory and writes `data` only after the last step that can fail) and for a ring of
+    /// one; a flat ring's passes write `data` as they go.
+    pub fn leaves_data_on_failure(&self) -> bool {
+        self.node.is_some() || self.n() == 1
+    }
+
     /// All-reduce `data` in place with the other ranks. Every rank must pass the same element type and count.
     pub fn allreduce<T: Elem>(&mut self, data: &mut [T], op: Op) -> Result<(), CollectiveError> {
         self.allreduce_over::<T, Plain>(data, op)
