@@ -41,9 +41,18 @@ fn reduce_all(
     token: &str,
     len: usize,
 ) -> Vec<Result<Vec<f32>, String>> {
-    reduce_all_with(daemons, group, streams, token, len, Duration::from_secs(4))
+    reduce_all_with(
+        daemons,
+        group,
+        streams,
+        token,
+        len,
+        Duration::from_secs(4),
+        None,
+    )
 }
 
+/// [`reduce_all`] with a liveness bound and, for TLS daemons, the authority each rank trusts.
 fn reduce_all_with(
     daemons: &[Daemon],
     group: u128,
@@ -51,6 +60,7 @@ fn reduce_all_with(
     token: &str,
     len: usize,
     liveness: Duration,
+    ca: Option<&[u8]>,
 ) -> Vec<Result<Vec<f32>, String>> {
     let n = daemons.len();
     std::thread::scope(|s| {
@@ -58,6 +68,7 @@ fn reduce_all_with(
             .map(|rank| {
                 let spec = RingSpec {
                     liveness,
+                    tls: ca.map(|ca| PeerTls::new(ca, None).unwrap()),
                     ..spec(daemons, group, rank, streams)
                 };
                 let token = Token::new(token);
@@ -102,7 +113,7 @@ fn a_liveness_under_four_seconds_still_forms_the_ring() {
     let want: Vec<f32> = (0..len)
         .map(|i| (0..4).map(|r| (r * 10 + i % 7 + 2) as f32).sum())
         .collect();
-    for out in reduce_all_with(&ds, 3, 1, "s3cret", len, Duration::from_millis(1500)) {
+    for out in reduce_all_with(&ds, 3, 1, "s3cret", len, Duration::from_millis(1500), None) {
         assert_eq!(out.unwrap(), want);
     }
 }
@@ -321,7 +332,7 @@ fn tls_daemons(n: usize, token: &str, cert: &[u8], key: &[u8]) -> Vec<Daemon> {
         .collect()
 }
 
-/// Every rank reduces once on TLS daemons, trusting `ca`; returns each rank's result.
+/// Every rank reduces on TLS daemons, trusting `ca` (see [`reduce_all`]); returns each rank's result.
 fn reduce_tls(
     daemons: &[Daemon],
     group: u128,
@@ -330,29 +341,15 @@ fn reduce_tls(
     ca: Option<&[u8]>,
     len: usize,
 ) -> Vec<Result<Vec<f32>, String>> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..daemons.len())
-            .map(|rank| {
-                let spec = RingSpec {
-                    tls: ca.map(|ca| PeerTls::new(ca, None).unwrap()),
-                    ..spec(daemons, group, rank, streams)
-                };
-                let token = Token::new(token);
-                s.spawn(move || {
-                    let mut ring = Ring::new(spec, token).map_err(|e| e.to_string())?;
-                    let mut data: Vec<f32> = (0..len).map(|i| (rank + i % 5) as f32).collect();
-                    for _ in 0..2 {
-                        // Twice on the same links: bytes a pass leaves buffered never leak into the next.
-                        data = (0..len).map(|i| (rank + i % 5) as f32).collect();
-                        ring.allreduce(&mut data, Op::Sum)
-                            .map_err(|e| e.to_string())?;
-                    }
-                    Ok(data)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    reduce_all_with(
+        daemons,
+        group,
+        streams,
+        token,
+        len,
+        Duration::from_secs(4),
+        ca,
+    )
 }
 
 #[test]
@@ -362,7 +359,7 @@ fn tls_daemons_reduce_over_encrypted_peer_links_and_refuse_the_rest() {
     // More than the TLS buffer per pass (1 MiB): writes wait for it to drain mid-pass.
     for (group, streams, len) in [(21u128, 1usize, 1_000_003usize), (22, 2, 7)] {
         let want: Vec<f32> = (0..len)
-            .map(|i| (0..3).map(|r| (r + i % 5) as f32).sum())
+            .map(|i| (0..3).map(|r| (r * 10 + i % 7 + 2) as f32).sum())
             .collect();
         for out in reduce_tls(&ds, group, streams, "tls-token", Some(&ca), len) {
             assert_eq!(out.unwrap(), want, "streams={streams}");
