@@ -84,6 +84,40 @@ def test_no_segment_outlives_its_processes() -> None:
     assert left == []
 
 
+def test_segments_of_a_killed_master_are_swept_by_the_next_one() -> None:
+    # The master sends 8 MB values through its pool, reports its pid, then is killed with SIGKILL: no exit code runs.
+    code = (
+        "import os, sys, time, numpy as np, ddlf\n"
+        "c = ddlf.Cluster.local(1, threads=1, shared_memory=True)\n"
+        "c.set('v', np.ones(2_000_000, dtype=np.float32))\n"
+        "print(os.getpid(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        pid = proc.stdout.readline().strip()
+        assert pid.isdigit()
+        left = [f for f in ddlf_files() if f.split("-")[1] == pid]
+        assert left, "the master's segment should exist while it runs"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [f for f in ddlf_files() if f.split("-")[1] == pid] == left  # SIGKILL: nothing removed them
+    # The next master's first segment removes them first; its own segment serves its transfer.
+    code = (
+        "import os, numpy as np, ddlf\n"
+        "with ddlf.Cluster.local(1, threads=1, shared_memory=True) as c:\n"
+        "    c.set('v', np.ones(2_000_000, dtype=np.float32))\n"
+        "    mine = [f for f in os.listdir('/dev/shm') if f.startswith(f'ddlf-{os.getpid()}-')]\n"
+        "    print(len(mine), float(c.get('v')[0].sum()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["1", "2000000.0"]
+    assert not [f for f in ddlf_files() if f.split("-")[1] == pid]
+
+
 def test_tcp_only_cluster_moves_the_same_values(shm_cluster: ddlf.Cluster) -> None:
     tcp = ddlf.Cluster(shm_cluster.addresses, shm_cluster.token)  # the default: no shared memory
     assert not any(i["shared_memory"] for i in tcp.worker_info())

@@ -11,7 +11,8 @@
 //! shared mapping, so it is exposed read-only (a writer never changes bytes that a reader still holds).
 //!
 //! Segments live as long as their writer: [`Pool::clear`] removes them at exit. A writer killed with SIGKILL
-//! leaves its segments in /dev/shm (bounded by the pool's size limit).
+//! cannot, so every writer holds a shared lock on each of its segments from creation on, and any pool about to
+//! create a segment first removes the segments nobody holds whose writer is gone ([`sweep_orphans`]).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -56,6 +57,9 @@ impl Segment {
 
     fn create(capacity: u64) -> Result<Segment, ShmError> {
         let (name, file, header) = shm::create_with(|file| {
+            // Held until the writer exits (the lock goes with the file): a live writer's segments are never
+            // swept, whatever pid namespace it runs in. Taken before the magic number marks the file a segment.
+            file.lock_shared()?;
             file.set_len(HEADER + capacity)?;
             file.write_all_at(&MAGIC.to_le_bytes(), 0)?;
             // SAFETY: our own file, sized above; the header page is only accessed through `readers`.
@@ -115,6 +119,9 @@ impl Pool {
             None => {
                 let capacity = total.max(1).div_ceil(GRANULE) * GRANULE;
                 self.make_room(&mut segments, capacity)?;
+                // Before taking more of /dev/shm: give back what killed writers left there (rare: segments
+                // are reused, so this runs a handful of times in a process's life).
+                sweep_orphans();
                 segments.push(Segment::create(capacity)?);
                 segments.len() - 1
             }
@@ -199,6 +206,47 @@ impl Pool {
     }
 }
 
+/// Remove the pool segments in /dev/shm whose writer is gone (killed: its exit never ran [`Pool::clear`]): a
+/// file is one when it carries the pool's magic number, nobody holds its lock (every live writer holds its own
+/// segments' locks) and the process its name names does not exist here. Receivers' mappings stay valid.
+/// Returns the names removed.
+pub fn sweep_orphans() -> Vec<String> {
+    let mut removed = Vec::new();
+    let Ok(entries) = std::fs::read_dir(shm::DIR) else {
+        return removed;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        // Names are `ddlf-<pid>-<counter>-<nanos>` ([`shm::unique_name`]).
+        let parts: Vec<&str> = name.split('-').collect();
+        let pid = match parts.as_slice() {
+            ["ddlf", pid, n, _] if n.parse::<u64>().is_ok() => match pid.parse::<u32>() {
+                Ok(pid) => pid,
+                Err(_) => continue,
+            },
+            _ => continue,
+        };
+        let Ok(path) = shm::path_of(&name) else {
+            continue;
+        };
+        let Ok(file) = File::open(&path) else {
+            continue;
+        };
+        if file.try_lock().is_err() {
+            continue; // a writer holds it
+        }
+        let mut magic = [0u8; 8];
+        let is_segment =
+            file.read_exact_at(&mut magic, 0).is_ok() && u64::from_le_bytes(magic) == MAGIC;
+        let writer_alive = std::path::Path::new(&format!("/proc/{pid}")).exists();
+        if is_segment && !writer_alive {
+            shm::unlink(&name);
+            removed.push(name);
+        }
+    }
+    removed
+}
+
 /// One receiver's view of one transfer: releases its claim on the segment when dropped.
 pub struct Lease {
     map: Arc<MmapMut>,
@@ -281,6 +329,42 @@ mod tests {
         if let Ok((lease, _)) = attach(name, &[], &[]) {
             drop(lease);
         }
+    }
+
+    #[test]
+    fn segments_of_killed_writers_are_swept_and_no_others() {
+        if !shm::available() {
+            return;
+        }
+        // A process that existed and is gone: its pid names no process now.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let fake = |pid: u32, tag: &str, magic: bool| {
+            let name = format!("ddlf-{pid}-0-{tag}{:x}", std::process::id());
+            let mut bytes = vec![0u8; 4096];
+            if magic {
+                bytes[..8].copy_from_slice(&MAGIC.to_le_bytes());
+            }
+            std::fs::write(shm::path_of(&name).unwrap(), bytes).unwrap();
+            name
+        };
+        let orphan = fake(dead, "a", true);
+        let not_a_segment = fake(dead, "b", false); // a one-off transfer file: not the pool's to remove
+        let live_writer = fake(std::process::id(), "c", true); // no lock, but its process runs
+        let exists = |n: &str| shm::path_of(n).unwrap().exists();
+        let pool = Pool::new(8 << 20);
+        // Creating a segment sweeps first (so may a test running beside this one): the orphan goes.
+        let held = pool.write(&[&[7u8; 10]], 0).unwrap().name; // a live pool's segment, locked
+        assert!(!exists(&orphan));
+        let removed = sweep_orphans();
+        for kept in [&not_a_segment, &live_writer, &held] {
+            assert!(exists(kept), "{kept} was removed");
+            assert!(!removed.contains(kept));
+        }
+        shm::unlink(&not_a_segment);
+        shm::unlink(&live_writer);
+        pool.clear();
     }
 
     #[test]
