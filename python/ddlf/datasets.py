@@ -281,7 +281,7 @@ def parquet(
         if x.ndim == 1:
             x = x.reshape(-1, 1)
     elif all(b.ndim == 1 for b in blocks):
-        x = np.stack(blocks, axis=1).astype(np.result_type(*blocks) if dtype is None else dtype, copy=False)
+        x = np.stack(blocks, axis=1)  # of the columns' common type
     else:
         shaped = [n for n, b in zip(names, blocks) if b.ndim > 1]
         raise DatasetError(

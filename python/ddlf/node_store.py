@@ -93,17 +93,23 @@ class Mapped:
         fd, self.lock_fd = self.lock_fd, -1
         if fd < 0:
             return False
-        try:
-            if not remove:
-                return False
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False  # another worker still maps it: the last one out removes it
-            _remove(self.path)
-            return True
-        finally:
+        if not remove:
             os.close(fd)
+            return False
+        return _remove_if_unheld(fd, self.path)  # another worker that maps it keeps it: the last one out removes it
+
+
+def _remove_if_unheld(fd: int, path: str) -> bool:
+    """Remove entry ``path`` if nobody else holds its lock (``fd``, open on it); closes ``fd``. Whether removed."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    else:
+        _remove(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _remove(path: str) -> None:
@@ -235,14 +241,6 @@ def sweep() -> list[str]:
             fd = os.open(os.path.join(base, f), os.O_RDWR)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        try:
-            _remove(path)
+        if _remove_if_unheld(fd, path):
             removed.append(path)
-        finally:
-            os.close(fd)
     return removed

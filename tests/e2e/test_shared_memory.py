@@ -24,6 +24,18 @@ def ddlf_files() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("ddlf-")}
 
 
+def files_of(pid: str) -> list[str]:
+    """The shared-memory files that process ``pid`` wrote."""
+    return sorted(f for f in ddlf_files() if f.split("-")[1] == pid)
+
+
+def run_script(code: str) -> str:
+    """Run ``code`` in a fresh interpreter; its standard output (it must succeed)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
 
@@ -76,12 +88,9 @@ def test_no_segment_outlives_its_processes() -> None:
         "    assert float(back[1].sum()) == 4_000_000.0\n"
         "    print(os.getpid(), *[i['pid'] for i in c.worker_info()])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    pids = out.stdout.split()
+    pids = run_script(code).split()
     assert len(pids) == 3
-    left = [f for f in ddlf_files() if f.split("-")[1] in pids]
-    assert left == []
+    assert [f for pid in pids for f in files_of(pid)] == []
 
 
 def test_segments_of_a_killed_master_are_swept_by_the_next_one() -> None:
@@ -98,12 +107,12 @@ def test_segments_of_a_killed_master_are_swept_by_the_next_one() -> None:
         assert proc.stdout is not None
         pid = proc.stdout.readline().strip()
         assert pid.isdigit()
-        left = [f for f in ddlf_files() if f.split("-")[1] == pid]
+        left = files_of(pid)
         assert left, "the master's segment should exist while it runs"
     finally:
         proc.kill()
         proc.wait()
-    assert [f for f in ddlf_files() if f.split("-")[1] == pid] == left  # SIGKILL: nothing removed them
+    assert files_of(pid) == left  # SIGKILL: nothing removed them
     # The next master's first segment removes them first; its own segment serves its transfer.
     code = (
         "import os, numpy as np, ddlf\n"
@@ -112,10 +121,8 @@ def test_segments_of_a_killed_master_are_swept_by_the_next_one() -> None:
         "    mine = [f for f in os.listdir('/dev/shm') if f.startswith(f'ddlf-{os.getpid()}-')]\n"
         "    print(len(mine), float(c.get('v')[0].sum()))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["1", "2000000.0"]
-    assert not [f for f in ddlf_files() if f.split("-")[1] == pid]
+    assert run_script(code).split() == ["1", "2000000.0"]
+    assert not files_of(pid)
 
 
 def test_tcp_only_cluster_moves_the_same_values(shm_cluster: ddlf.Cluster) -> None:
