@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from . import serialization
+from . import datasets, serialization
 from .callbacks import Callback, ProgressBar
 from .cluster import Cluster
+from .datasets import EncodedImages
 from .history import History
 from .report import check_report_path, write_report
 from .settings import keras_backend_default
@@ -285,9 +286,15 @@ class IApp:
         return self._run(_train_async, cfg, validation_data, callbacks, initial_epoch, "async")
 
     def evaluate(self, x: Any, y: Any, batch_size: int = 256, **kwargs: Any) -> Any:
-        """Evaluate the master's model (``model.evaluate``), applying :meth:`preprocess` first."""
+        """Evaluate the master's model (``model.evaluate``), applying :meth:`preprocess` first. Encoded images
+        (:class:`ddlf.datasets.EncodedImages`) are decoded batch by batch, never all at once."""
+        verbose = kwargs.pop("verbose", 0)
+        if isinstance(x, EncodedImages):
+            batches = datasets.batches([x, y], batch_size=batch_size, preprocess=self.preprocess)
+            steps = -(-len(x) // batch_size)
+            return self.model.evaluate(batches, steps=steps, verbose=verbose, **kwargs)
         x, y = self.preprocess(x, y)
-        return self.model.evaluate(x, y, batch_size=batch_size, verbose=kwargs.pop("verbose", 0), **kwargs)
+        return self.model.evaluate(x, y, batch_size=batch_size, verbose=verbose, **kwargs)
 
     # -- internals --------------------------------------------------------------------------------------
 
@@ -310,8 +317,7 @@ class IApp:
 
     def validate(self, data: tuple[Any, Any]) -> dict[str, float]:
         """Evaluate the master's model on ``(x, y)`` (after :meth:`preprocess`): Keras's ``val_*`` logs."""
-        x, y = self.preprocess(*data)
-        out = self.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
+        out = self.evaluate(*data, batch_size=512, return_dict=True)
         return {f"val_{k}": float(v) for k, v in out.items()}
 
     def shipped(self, modules: set[str] | None = None) -> bytes:

@@ -1,8 +1,9 @@
 """Dataset loaders, and the worker-side dataset store.
 
 Loaders return numpy arrays: MNIST (IDX, gzip or raw), CIFAR-10 (binary version), ``.npy``/``.npz`` files
-(``.npy`` memory-mapped, so worker processes on one machine share one copy through the page cache) and arrays
-registered from Python.
+(``.npy`` memory-mapped, so worker processes on one machine share one copy through the page cache), Parquet tables
+and arrays registered from Python. Image folders and Parquet columns of encoded images load as
+:class:`EncodedImages`: the files' bytes, decoded batch by batch on the pipeline's Rust threads.
 
 Every loader takes a local path or a URL on shared storage: ``s3://bucket/mnist``, ``gs://...``,
 ``hdfs://namenode/...``, ``https://...``: anything `fsspec <https://filesystem-spec.readthedocs.io>`_ opens
@@ -248,16 +249,20 @@ def parquet(
     label: str | None = None,
     *,
     dtype: Any = None,
+    image_size: tuple[int, int] | None = None,
+    channels: int = 3,
+    flip: bool = False,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Arrays from a Parquet file or a directory of them (a Spark/pandas export), local or a URL.
 
     ``columns`` (default: every column but ``label``) are the features: numeric scalar columns are stacked into
     one ``(rows, len(columns))`` array (of their common type, or ``dtype``); a single column of fixed-size lists
-    (nested for more dimensions, as Arrow writes tensors) becomes a ``(rows, *shape)`` tensor. Returns ``(x, y)``
-    with ``label``, else ``x``. Missing values, lists of varying length, strings and binary columns are refused
-    with the column's name (decode images before exporting them, or store them as fixed-size lists). Needs
-    pyarrow (``pip install pyarrow``)."""
+    (nested for more dimensions, as Arrow writes tensors) becomes a ``(rows, *shape)`` tensor; a single binary
+    column of encoded JPEG/PNG images (or a struct with a ``bytes`` field, as Spark's and Hugging Face's image
+    columns are) becomes :class:`EncodedImages` of ``image_size`` (``(height, width)``, required for images),
+    ``channels`` and ``flip``. Returns ``(x, y)`` with ``label``, else ``x``. Missing values, lists of varying
+    length and strings are refused with the column's name. Needs pyarrow (``pip install pyarrow``)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -275,6 +280,16 @@ def parquet(
     names = [n for n in table.column_names if n != label] if columns is None else list(columns)
     if not names:
         raise DatasetError(f"{path}: no feature columns (columns: {table.column_names})")
+    encoded = [n for n in names if _binary(table.column(n).type)]
+    if encoded:
+        if len(names) != 1:
+            raise DatasetError(f"{path}: image column {encoded[0]!r} must be read alone (columns=[{encoded[0]!r}])")
+        if image_size is None:
+            raise DatasetError(
+                f"{path}: column {encoded[0]!r} holds encoded images: pass image_size=(height, width) to decode them"
+            )
+        images = _image_column(path, encoded[0], table.column(encoded[0]), image_size, channels, flip)
+        return images if label is None else (images, _column_array(path, label, table.column(label)))
     blocks = [_column_array(path, n, table.column(n)) for n in names]
     if len(blocks) == 1:
         x = blocks[0]
@@ -319,6 +334,188 @@ def _column_array(path: Any, name: str, column: Any) -> np.ndarray:
     if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
         raise DatasetError(f"{path}: column {name!r} is {t}, not numbers (decode or encode it before exporting)")
     return array.to_numpy(zero_copy_only=False).reshape(shape)
+
+
+def _binary(t: Any) -> bool:
+    """Whether an Arrow type holds encoded files: binary, or a struct with a binary ``bytes`` field."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(t):
+        i = t.get_field_index("bytes")
+        return i >= 0 and _binary(t.field(i).type)
+    return bool(pa.types.is_binary(t) or pa.types.is_large_binary(t))
+
+
+def _image_column(path: Any, name: str, column: Any, size: tuple[int, int], channels: int, flip: bool) -> EncodedImages:
+    """A binary Arrow column as encoded images, sharing the column's buffers where it can."""
+    import pyarrow as pa
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_struct(array.type):
+        array = array.field("bytes")
+    if array.null_count:
+        raise DatasetError(f"{path}: column {name!r} has {array.null_count} missing images")
+    _, offsets_buf, data_buf = array.buffers()[:3]
+    width = np.int64 if pa.types.is_large_binary(array.type) else np.int32
+    offsets = np.frombuffer(offsets_buf, dtype=width)[array.offset : array.offset + len(array) + 1]
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    first = int(offsets[0]) if len(offsets) else 0
+    return EncodedImages(
+        data[first : int(offsets[-1]) if len(offsets) else 0],
+        (offsets - first).astype(np.uint64),
+        size,
+        channels,
+        flip,
+    )
+
+
+# -- encoded images ---------------------------------------------------------------------------------------
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedImages:
+    """A column of encoded JPEG/PNG images: every file's bytes back to back in ``data`` (``uint8``), image ``i``
+    being ``data[offsets[i]:offsets[i + 1]]`` (``offsets``: ``n + 1`` of them, ``uint64``).
+
+    Kept encoded (a tenth of the decoded size for JPEG), it is decoded batch by batch on the pipeline's Rust
+    threads (:func:`batches`, and every training round): each image to ``size`` (``(height, width)``, resized
+    bilinearly when it differs) with ``channels`` (3: RGB, 1: grayscale), flipped left-right at random when
+    ``flip`` (training augmentation). Batches are ``uint8`` arrays of shape ``(rows, height, width, channels)``:
+    scale them in the model (``keras.layers.Rescaling(1 / 255)``) or in ``preprocess``. Indexing or
+    ``numpy.asarray`` decodes (without flips), so ``evaluate`` and ``predict`` take it as they take arrays.
+    ``classes``: the class names of an image folder, in label order.
+    """
+
+    data: np.ndarray
+    offsets: np.ndarray
+    size: tuple[int, int]
+    channels: int = 3
+    flip: bool = False
+    classes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        data, offsets = np.asanyarray(self.data), np.asarray(self.offsets)  # a memory map stays one
+        if data.dtype != np.uint8 or data.ndim != 1:
+            raise DatasetError(f"encoded images: data must be a 1-d uint8 array, not {data.dtype} {data.shape}")
+        if offsets.ndim != 1 or len(offsets) < 1 or offsets.dtype.kind not in "iu":
+            raise DatasetError("encoded images: offsets must be n + 1 integers for n images")
+        if offsets[0] != 0 or (np.diff(offsets.astype(np.int64)) < 0).any() or offsets[-1] > len(data):
+            raise DatasetError("encoded images: offsets must start at 0, never decrease and end within the data")
+        size = tuple(self.size)
+        if len(size) != 2 or not all(isinstance(s, (int, np.integer)) and 0 < s <= 16384 for s in size):
+            raise DatasetError(f"encoded images: size must be (height, width), each 1..16384, not {self.size!r}")
+        if self.channels not in (1, 3):
+            raise DatasetError(f"encoded images have 1 (grayscale) or 3 (RGB) channels, not {self.channels!r}")
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "offsets", np.ascontiguousarray(offsets, dtype=np.uint64))
+        object.__setattr__(self, "size", (int(size[0]), int(size[1])))
+        object.__setattr__(self, "classes", tuple(self.classes))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The decoded shape: ``(images, height, width, channels)``."""
+        return (len(self), *self.size, self.channels)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """Decoded images are ``uint8``."""
+        return np.dtype(np.uint8)
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (encoded), not decoded."""
+        return int(self.data.nbytes + self.offsets.nbytes)
+
+    def __ddlf_images__(self) -> tuple[np.ndarray, np.ndarray, tuple[int, int], int, bool]:
+        """What the Rust pipeline reads: ``(data, offsets, size, channels, flip)``."""
+        return self.data, self.offsets, self.size, self.channels, self.flip
+
+    def decode(self, indices: Any = None) -> np.ndarray:
+        """The images at ``indices`` (default: all), decoded without flips: ``uint8``, ``(n, height, width,
+        channels)``. A file that does not decode raises :class:`DatasetError` naming its row."""
+        from . import ops
+
+        idx = np.arange(len(self), dtype=np.uint32) if indices is None else np.asarray(indices)
+        try:
+            return ops.decode_images(self, idx)
+        except ValueError as exc:
+            raise DatasetError(f"encoded images: {exc}") from exc
+
+    def __getitem__(self, item: Any) -> np.ndarray:
+        if isinstance(item, (int, np.integer)):
+            i = int(item) + (len(self) if item < 0 else 0)
+            if not 0 <= i < len(self):
+                raise IndexError(f"image {item} out of range for {len(self)} images")
+            return self.decode([i])[0]
+        return self.decode(np.arange(len(self))[item])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.decode()
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"EncodedImages({len(self)} images, {self.nbytes / 1e6:.1f} MB encoded, size={self.size}, "
+            f"channels={self.channels}, flip={self.flip})"
+        )
+
+
+def image_folder(
+    path: str | os.PathLike[str],
+    size: tuple[int, int] = (256, 256),
+    *,
+    channels: int = 3,
+    flip: bool = False,
+    class_names: Sequence[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[EncodedImages, np.ndarray]:
+    """Images in one sub-folder per class (Keras' ``image_dataset_from_directory`` layout), local or a URL:
+    ``(images, labels)``, ``images`` an :class:`EncodedImages` of the files' bytes (not decoded here: batches are
+    decoded to ``size`` on the pipeline's threads), ``labels`` ``int32`` class indices in the order of
+    ``class_names`` (default: the sub-folders sorted by name; ``images.classes`` keeps them). Files ending in
+    ``.jpg``, ``.jpeg`` or ``.png`` count; other files are skipped. A file that is not an image is found when its
+    batch is decoded: :class:`DatasetError` naming its row."""
+    fs, root = _fs(str(path), storage_options) if is_url(path) else (None, os.fspath(path))
+    try:
+        if fs is None:
+            folders = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        else:
+            folders = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
+    except OSError as exc:
+        raise DatasetError(f"{path}: not a readable folder of class sub-folders: {exc}") from exc
+    names = list(class_names) if class_names is not None else folders
+    missing = sorted(set(names) - set(folders))
+    if missing:
+        raise DatasetError(f"{path}: no sub-folder for classes {missing} (found: {folders})")
+    files: list[tuple[str, int]] = []
+    for label, name in enumerate(names):
+        where = _join(root, name)
+        found = _walk(fs, where)
+        files += [(f, label) for f in sorted(found) if f.lower().endswith(IMAGE_EXTENSIONS)]
+    if not files:
+        raise DatasetError(f"{path}: no .jpg, .jpeg or .png files in the class sub-folders {names}")
+    blobs = [(fs.cat_file(f) if fs is not None else Path(f).read_bytes()) for f, _ in files]
+    offsets = np.zeros(len(blobs) + 1, dtype=np.uint64)
+    np.cumsum([len(b) for b in blobs], out=offsets[1:])
+    data = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+    labels = np.fromiter((label for _, label in files), dtype=np.int32, count=len(files))
+    return EncodedImages(data, offsets, size, channels, flip, tuple(names)), labels
+
+
+def _walk(fs: Any, where: str) -> list[str]:
+    """Every file under ``where`` (sub-folders included)."""
+    if fs is not None:
+        return [str(f) for f in fs.find(where)]
+    return [os.path.join(d, f) for d, _, fs_ in os.walk(where) for f in fs_]
 
 
 # -- feeding a training loop ------------------------------------------------------------------------------
@@ -383,19 +580,21 @@ class StoredDataset:
             "rows": len(arrays[0]) if arrays else 0,
             "arrays": [(tuple(a.shape), str(a.dtype)) for a in arrays],
             "load_seconds": self.load_seconds,
-            "memory_mapped": any(isinstance(a, np.memmap) for a in arrays),
+            "memory_mapped": any(isinstance(a.data if isinstance(a, EncodedImages) else a, np.memmap) for a in arrays),
             "node_shared": self.hold is not None,
             "shard": self.shard,
         }
 
 
-def _arrays(value: Any) -> list[np.ndarray]:
-    if isinstance(value, np.ndarray):
+def _arrays(value: Any) -> list[Any]:
+    """The arrays (and encoded images) of a dataset value."""
+    kinds = (np.ndarray, EncodedImages)
+    if isinstance(value, kinds):
         return [value]
     if isinstance(value, Mapping):
-        return [v for v in value.values() if isinstance(v, np.ndarray)]
+        return [v for v in value.values() if isinstance(v, kinds)]
     if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, np.ndarray)]
+        return [v for v in value if isinstance(v, kinds)]
     return []
 
 

@@ -50,21 +50,28 @@ def root() -> str | None:
     return os.path.join(base, f"ddlf-datasets-{os.getuid()}")
 
 
+def _plain(a: Any) -> bool:
+    return isinstance(a, np.ndarray) and not isinstance(a, np.memmap) and a.dtype.kind in "biufc"
+
+
 def shareable(value: Any) -> bool:
-    """Whether ``value`` is arrays the store can hold: an array, a tuple/list of arrays or a str-keyed mapping of
-    arrays, every one of plain numbers (no objects), in memory (a memory-mapped file is shared already)."""
-    if isinstance(value, np.ndarray):
-        arrays = [value]
+    """Whether ``value`` is arrays the store can hold: an array (or encoded images), a tuple/list of them or a
+    str-keyed mapping of them, every array of plain numbers (no objects), in memory (a memory-mapped file is
+    shared already)."""
+    from .datasets import EncodedImages
+
+    if isinstance(value, (np.ndarray, EncodedImages)):
+        items = [value]
     elif isinstance(value, (tuple, list)):
-        arrays = list(value)
+        items = list(value)
     elif isinstance(value, Mapping):
         if not all(isinstance(k, str) for k in value):
             return False
-        arrays = list(value.values())
+        items = list(value.values())
     else:
         return False
-    return bool(arrays) and all(
-        isinstance(a, np.ndarray) and not isinstance(a, np.memmap) and a.dtype.kind in "biufc" for a in arrays
+    return bool(items) and all(
+        _plain(a) or (isinstance(a, EncodedImages) and _plain(a.data) and _plain(a.offsets)) for a in items
     )
 
 
@@ -130,20 +137,39 @@ def _own_dir(path: str) -> None:
 
 
 def _write(value: Any, final: str) -> None:
+    from .datasets import EncodedImages
+
     tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
     _remove(tmp)
     os.mkdir(tmp, 0o700)
     try:
-        if isinstance(value, np.ndarray):
-            kind, names, arrays = "array", [], [value]
+        if isinstance(value, (np.ndarray, EncodedImages)):
+            kind, names, items = "array", [], [value]
         elif isinstance(value, Mapping):
-            kind, names, arrays = "dict", list(value), list(value.values())
+            kind, names, items = "dict", list(value), list(value.values())
         else:
-            kind, names, arrays = ("list" if isinstance(value, list) else "tuple"), [], list(value)
+            kind, names, items = ("list" if isinstance(value, list) else "tuple"), [], list(value)
+        arrays: list[np.ndarray] = []
+        described: list[dict[str, Any]] = []
+        for item in items:
+            if isinstance(item, EncodedImages):
+                described.append(
+                    {
+                        "images": [len(arrays), len(arrays) + 1],
+                        "size": list(item.size),
+                        "channels": item.channels,
+                        "flip": item.flip,
+                        "classes": list(item.classes),
+                    }
+                )
+                arrays += [item.data, item.offsets]
+            else:
+                described.append({"array": len(arrays)})
+                arrays.append(item)
         for i, a in enumerate(arrays):
             np.save(os.path.join(tmp, f"{i}.npy"), np.ascontiguousarray(a), allow_pickle=False)
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump({"kind": kind, "names": names, "count": len(arrays)}, f)
+            json.dump({"kind": kind, "names": names, "count": len(arrays), "items": described}, f)
         os.rename(tmp, final)
     except BaseException:
         _remove(tmp)
@@ -151,15 +177,24 @@ def _write(value: Any, final: str) -> None:
 
 
 def _read(path: str) -> Any:
+    from .datasets import EncodedImages
+
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
     arrays = [np.load(os.path.join(path, f"{i}.npy"), mmap_mode="r") for i in range(int(manifest["count"]))]
+    items: list[Any] = []
+    for d in manifest.get("items") or [{"array": i} for i in range(len(arrays))]:
+        if "images" in d:
+            data, offsets = (arrays[i] for i in d["images"])
+            items.append(EncodedImages(data, offsets, tuple(d["size"]), d["channels"], d["flip"], d["classes"]))
+        else:
+            items.append(arrays[d["array"]])
     kind = manifest["kind"]
     if kind == "array":
-        return arrays[0]
+        return items[0]
     if kind == "dict":
-        return dict(zip(manifest["names"], arrays))
-    return list(arrays) if kind == "list" else tuple(arrays)
+        return dict(zip(manifest["names"], items))
+    return list(items) if kind == "list" else tuple(items)
 
 
 def load(key: str, loader: Callable[[], Any]) -> tuple[Any, Mapped | None]:

@@ -102,9 +102,16 @@ def gather(array: np.ndarray, indices: np.ndarray | Sequence[int]) -> np.ndarray
     return _ddlf.gather(array, indices)
 
 
+def decode_images(images: object, indices: np.ndarray | Sequence[int], threads: int | None = None) -> np.ndarray:
+    """The encoded images (:class:`ddlf.datasets.EncodedImages`) at ``indices``, decoded and resized in Rust
+    without the GIL: ``uint8``, ``(len(indices), height, width, channels)``."""
+    return _ddlf.decode_images(images, indices, threads)
+
+
 __all__ = [
     "BatchPipeline",
     "axpy_",
+    "decode_images",
     "delta",
     "densify",
     "from_half",

@@ -10,6 +10,7 @@
 //! * [`shm_pool`]: shared-memory segments reused from transfer to transfer, released by their readers.
 //! * [`kernels`]: weighted averages, in-place updates, deltas and half-precision conversion of weight lists.
 //! * [`prefetch`]: batches of rows gathered ahead by a background thread.
+//! * [`images`]: encoded JPEG/PNG images decoded, resized and flipped into fixed-size rows (image datasets).
 //! * [`parallel`]: the merge kernels split across threads for large arrays.
 //! * [`memory`]: the allocator policy that keeps large transfer buffers' pages mapped between transfers.
 
@@ -17,6 +18,7 @@ pub mod arrays;
 pub mod auth;
 pub mod frame;
 pub mod gather;
+pub mod images;
 pub mod kernels;
 pub mod memory;
 pub mod parallel;

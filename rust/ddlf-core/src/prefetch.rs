@@ -1,6 +1,7 @@
 //! Batches gathered ahead by a background thread: the dataset's rows for each batch of an index partition, copied
 //! into fresh contiguous buffers while the consumer trains on the previous ones (MapRDD's overlap of sampling with
-//! computation). The thread never touches Python; the bindings wrap it as `BatchPipeline`.
+//! computation). A source of encoded images is decoded (and resized, and flipped) on the way, on up to
+//! [`EncodedRows`]' `threads` threads. The thread never touches Python; the bindings wrap it as `BatchPipeline`.
 
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -8,6 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::gather::gather_rows_to_vec;
+use crate::images::{check_offsets, decode_rows, ImageError, ImageSpec};
 
 /// Rows of one array, as raw memory the prefetcher reads.
 pub struct Rows {
@@ -43,6 +45,106 @@ impl Rows {
     }
 }
 
+/// A dataset of encoded images: every file back to back in one buffer, cut by `n + 1` offsets.
+pub struct EncodedRows {
+    data: Rows,
+    offsets: *const u64,
+    n: usize,
+    spec: ImageSpec,
+    threads: usize,
+    seed: u64,
+}
+
+// SAFETY: read only, and the contract of `EncodedRows::new` keeps both buffers valid and unchanged while the
+// prefetcher lives (as for `Rows`).
+unsafe impl Send for EncodedRows {}
+// SAFETY: as above; reads only.
+unsafe impl Sync for EncodedRows {}
+
+impl EncodedRows {
+    /// Checks the offsets (n + 1 of them, from 0, never decreasing, within the data) before anything reads them.
+    ///
+    /// # Safety
+    /// `data` as for [`Rows::new`]; `offsets` must point to `n_offsets` aligned, readable `u64` that stay valid
+    /// and unmodified until every [`Prefetcher`] given these rows is dropped.
+    pub unsafe fn new(
+        data: Rows,
+        offsets: *const u64,
+        n_offsets: usize,
+        spec: ImageSpec,
+        threads: usize,
+        seed: u64,
+    ) -> Result<Self, ImageError> {
+        if n_offsets == 0 || offsets.is_null() || !offsets.is_aligned() {
+            return Err(ImageError::Offsets(
+                "there must be n + 1 aligned offsets for n images".into(),
+            ));
+        }
+        // SAFETY: the caller's contract: `n_offsets` readable u64 (non-null and aligned: checked above).
+        let offs = unsafe { std::slice::from_raw_parts(offsets, n_offsets) };
+        let n = check_offsets(offs, data.bytes)?;
+        Ok(EncodedRows {
+            data,
+            offsets,
+            n,
+            spec,
+            threads: threads.max(1),
+            seed,
+        })
+    }
+
+    /// How many images there are.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// Whether there is no image.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    fn offsets(&self) -> &[u64] {
+        // SAFETY: checked non-null and aligned in `new`, `n + 1` of them readable by its contract.
+        unsafe { std::slice::from_raw_parts(self.offsets, self.n + 1) }
+    }
+
+    /// The images `rows` decoded into one buffer; `first_position` is where `rows[0]` is in the stream.
+    pub fn decode(&self, rows: &[u32], first_position: u64) -> Result<Vec<u8>, ImageError> {
+        decode_rows(
+            self.data.slice(),
+            self.offsets(),
+            rows,
+            &self.spec,
+            self.threads,
+            self.seed,
+            first_position,
+        )
+    }
+}
+
+/// What a batch is made from: rows of an array copied as they are, or encoded images decoded.
+pub enum Source {
+    Rows(Rows),
+    Images(EncodedRows),
+}
+
+impl Source {
+    fn batch(&self, chunk: &[u32], first_position: u64) -> Result<Vec<u8>, String> {
+        match self {
+            Source::Rows(r) => {
+                gather_rows_to_vec(r.slice(), r.row_bytes, chunk, 1).map_err(|e| e.to_string())
+            }
+            Source::Images(im) => im.decode(chunk, first_position).map_err(|e| e.to_string()),
+        }
+    }
+}
+
+impl From<Rows> for Source {
+    fn from(r: Rows) -> Self {
+        Source::Rows(r)
+    }
+}
+
 /// One gathered batch: a buffer per array, its row count, and the seconds the gather took.
 #[derive(Debug)]
 pub struct Batch {
@@ -74,7 +176,7 @@ impl Prefetcher {
     /// Start the thread. `drop_last` skips a short last batch. Indices are not checked here: a bad one ends the
     /// stream with [`PrefetchError::Gather`] (the bindings check them against the row count first).
     pub fn start(
-        sources: Vec<Rows>,
+        sources: Vec<Source>,
         indices: Vec<u32>,
         batch_size: usize,
         ahead: usize,
@@ -94,13 +196,9 @@ impl Prefetcher {
                 for b in 0..n_batches {
                     let chunk = &indices[b * batch_size..((b + 1) * batch_size).min(indices.len())];
                     let t0 = Instant::now();
-                    let gathered: Result<Vec<Vec<u8>>, String> = sources
-                        .iter()
-                        .map(|r| {
-                            gather_rows_to_vec(r.slice(), r.row_bytes, chunk, 1)
-                                .map_err(|e| e.to_string())
-                        })
-                        .collect();
+                    let first = (b * batch_size) as u64;
+                    let gathered: Result<Vec<Vec<u8>>, String> =
+                        sources.iter().map(|s| s.batch(chunk, first)).collect();
                     let msg = gathered.map(|buffers| Batch {
                         buffers,
                         rows: chunk.len(),
@@ -159,9 +257,9 @@ impl Drop for Prefetcher {
 mod tests {
     use super::*;
 
-    fn rows(data: &[u8], row_bytes: usize) -> Rows {
+    fn rows(data: &[u8], row_bytes: usize) -> Source {
         // SAFETY: `data` outlives every prefetcher in these tests.
-        unsafe { Rows::new(data.as_ptr(), data.len(), row_bytes) }
+        Source::Rows(unsafe { Rows::new(data.as_ptr(), data.len(), row_bytes) })
     }
 
     #[test]
@@ -200,6 +298,64 @@ mod tests {
             bad.next(Duration::from_secs(5)),
             Err(PrefetchError::Gather(_))
         ));
+    }
+
+    #[test]
+    fn image_sources_decode_each_batch_beside_plain_rows() {
+        use image::{ImageFormat, RgbImage};
+        let mut data = Vec::new();
+        let mut offsets = vec![0u64];
+        for k in 0..5u8 {
+            let img = RgbImage::from_fn(6, 4, |_, _| image::Rgb([k * 40, 1, 2]));
+            let mut file = Vec::new();
+            img.write_to(&mut std::io::Cursor::new(&mut file), ImageFormat::Png)
+                .unwrap();
+            data.extend_from_slice(&file);
+            offsets.push(data.len() as u64);
+        }
+        let labels: Vec<u8> = (10..15).collect();
+        let spec = ImageSpec::new(2, 3, 3, false).unwrap();
+        // SAFETY: `data` and `offsets` outlive the prefetcher.
+        let images = unsafe {
+            EncodedRows::new(
+                Rows::new(data.as_ptr(), data.len(), 1),
+                offsets.as_ptr(),
+                offsets.len(),
+                spec,
+                2,
+                0,
+            )
+        }
+        .unwrap();
+        assert_eq!(images.len(), 5);
+        let p = Prefetcher::start(
+            vec![Source::Images(images), rows(&labels, 1)],
+            vec![4, 1, 2],
+            2,
+            2,
+            false,
+        )
+        .unwrap();
+        let b = p.next(Duration::from_secs(5)).unwrap();
+        assert_eq!(b.buffers[0].len(), 2 * 2 * 3 * 3);
+        assert_eq!((b.buffers[0][0], b.buffers[0][18]), (160, 40)); // resized from 6x4, still flat
+        assert_eq!(b.buffers[1], vec![14, 11]);
+        let b = p.next(Duration::from_secs(5)).unwrap();
+        assert_eq!((b.rows, b.buffers[0][0]), (1, 80));
+        // Offsets that do not cut the data are refused before any read.
+        let bad = [0u64, 10, 5];
+        // SAFETY: as above.
+        let r = unsafe {
+            EncodedRows::new(
+                Rows::new(data.as_ptr(), data.len(), 1),
+                bad.as_ptr(),
+                3,
+                spec,
+                1,
+                0,
+            )
+        };
+        assert!(r.is_err());
     }
 
     #[test]

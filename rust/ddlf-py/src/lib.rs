@@ -60,6 +60,7 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::partition_for, m)?)?;
     m.add_function(wrap_pyfunction!(ops::split_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(ops::gather, m)?)?;
+    m.add_function(wrap_pyfunction!(pipeline::decode_images, m)?)?;
     m.add_function(wrap_pyfunction!(worker::serve_worker, m)?)?;
     m.add_function(wrap_pyfunction!(logging::init_logging, m)?)?;
     m.add_function(wrap_pyfunction!(logging::log_record, m)?)?;

@@ -3,22 +3,159 @@
 //! Given the dataset arrays (rows along the first axis), an index partition and a batch size, a prefetch thread
 //! (`ddlf_core::prefetch`) gathers the rows of each batch into fresh contiguous buffers, up to `prefetch` batches
 //! ahead. Python iterates the pipeline and receives numpy arrays built on those buffers without a copy.
+//!
+//! An input that describes itself with `__ddlf_images__()` (`ddlf.datasets.EncodedImages`) is a dataset of
+//! encoded JPEG/PNG files: its batches are decoded, resized and flipped on the prefetch side, on several threads,
+//! and arrive as `uint8` arrays of shape `(rows, height, width, channels)`.
 
 use std::time::{Duration, Instant};
 
-use ddlf_core::prefetch::{Batch, Prefetcher, Rows};
+use ddlf_core::images::ImageSpec;
+use ddlf_core::prefetch::{Batch, EncodedRows, Prefetcher, Rows, Source};
+use numpy::PyArray1;
 use pyo3::exceptions::{PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::ops::{indices_u32, value_error, RowSource};
 
+/// Threads that decode one batch of images: the machine's cores, at most 8.
+fn default_decode_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(8)
+}
+
+/// One input of a pipeline: an array whose rows are copied, or encoded images that are decoded.
+pub(crate) enum Input {
+    Array(RowSource),
+    Images {
+        data: RowSource,
+        offsets: RowSource,
+        spec: ImageSpec,
+    },
+}
+
+impl Input {
+    pub(crate) fn new(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if !obj.hasattr("__ddlf_images__")? {
+            return Ok(Input::Array(RowSource::new(obj)?));
+        }
+        let (data, offsets, (height, width), channels, flip): (
+            Bound<'_, PyAny>,
+            Bound<'_, PyAny>,
+            (usize, usize),
+            usize,
+            bool,
+        ) = obj.call_method0("__ddlf_images__")?.extract()?;
+        let np = obj.py().import("numpy")?;
+        let flat = |a: Bound<'_, PyAny>, dtype: &str| -> PyResult<RowSource> {
+            let a = np
+                .call_method1("ascontiguousarray", (a,))?
+                .call_method1("reshape", (-1,))?;
+            let kind: String = a.getattr("dtype")?.getattr("str")?.extract()?;
+            if kind != dtype {
+                return Err(PyValueError::new_err(format!(
+                    "encoded images need {dtype} arrays, not {kind}"
+                )));
+            }
+            RowSource::new(&a)
+        };
+        let spec = ImageSpec::new(height, width, channels, flip).map_err(value_error)?;
+        Ok(Input::Images {
+            data: flat(data, "|u1")?,
+            offsets: flat(offsets, "<u8")?,
+            spec,
+        })
+    }
+
+    /// How many rows (images) there are.
+    pub(crate) fn rows(&self) -> usize {
+        match self {
+            Input::Array(s) => s.rows(),
+            Input::Images { offsets, .. } => offsets.rows().saturating_sub(1),
+        }
+    }
+
+    /// The source the prefetch thread reads.
+    fn source(&self, threads: usize, seed: u64) -> PyResult<Source> {
+        Ok(match self {
+            Input::Array(s) => {
+                // SAFETY: `self` holds the array's buffer export, which keeps its memory alive and pinned; every
+                // owner of an `Input` drops the prefetcher (which joins its thread) before the `Input`.
+                Source::Rows(unsafe { Rows::new(s.ptr(), s.bytes(), s.row_bytes()) })
+            }
+            Input::Images {
+                data,
+                offsets,
+                spec,
+            } => {
+                // SAFETY: as above, for both exports; `offsets` is a C-contiguous `<u8` array (checked in `new`),
+                // and `EncodedRows::new` checks the pointer's alignment and every offset before any read.
+                let rows = unsafe {
+                    EncodedRows::new(
+                        Rows::new(data.ptr(), data.bytes(), 1),
+                        offsets.ptr() as *const u64,
+                        offsets.rows(),
+                        *spec,
+                        threads,
+                        seed,
+                    )
+                };
+                Source::Images(rows.map_err(value_error)?)
+            }
+        })
+    }
+
+    fn to_numpy<'py>(
+        &self,
+        py: Python<'py>,
+        data: Vec<u8>,
+        rows: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Input::Array(s) => s.to_numpy(py, data, rows),
+            Input::Images { spec, .. } => PyArray1::from_vec(py, data)
+                .into_any()
+                .call_method1("reshape", ((rows, spec.height, spec.width, spec.channels),)),
+        }
+    }
+}
+
+/// Decodes the images at `indices` of an encoded-image dataset (no flips): `uint8`, `(len(indices), height,
+/// width, channels)`. Without the GIL, on up to `threads` threads.
+#[pyfunction]
+#[pyo3(signature = (images, indices, threads = None))]
+pub fn decode_images<'py>(
+    py: Python<'py>,
+    images: Bound<'py, PyAny>,
+    indices: Bound<'py, PyAny>,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut input = Input::new(&images)?;
+    let Input::Images { spec, .. } = &mut input else {
+        return Err(PyValueError::new_err(
+            "decode_images takes encoded images (ddlf.datasets.EncodedImages)",
+        ));
+    };
+    spec.flip = false;
+    let idx = indices_u32(&indices)?;
+    // Declared after `input`, so dropped before it: the exports outlive every read.
+    let Source::Images(rows) = input.source(threads.unwrap_or_else(default_decode_threads), 0)?
+    else {
+        return Err(PyValueError::new_err("not encoded images"));
+    };
+    let out = py.detach(|| rows.decode(&idx, 0)).map_err(value_error)?;
+    input.to_numpy(py, out, idx.len())
+}
+
 /// An iterator over batches of a dataset partition, prefetched by a Rust thread.
 #[pyclass(module = "ddlf._ddlf")]
 pub struct BatchPipeline {
     // Declared before `sources`: dropped first, so its thread is joined before the exports are released.
     prefetcher: Option<Prefetcher>,
-    sources: Vec<RowSource>,
+    sources: Vec<Input>,
     served: usize,
     wait_seconds: f64,
     gather_seconds: f64,
@@ -26,16 +163,20 @@ pub struct BatchPipeline {
 }
 #[pymethods]
 impl BatchPipeline {
-    /// `arrays`: dataset arrays with the same number of rows; `indices`: the rows to visit, in order;
-    /// `batch_size`: rows per batch; `prefetch`: batches gathered ahead; `drop_last`: skip a short last batch.
+    /// `arrays`: dataset arrays (or encoded images) with the same number of rows; `indices`: the rows to visit, in
+    /// order; `batch_size`: rows per batch; `prefetch`: batches gathered ahead; `drop_last`: skip a short last
+    /// batch; `decode_threads`: threads decoding a batch of images (default: the cores, at most 8); `seed`: seeds
+    /// the images' random flips.
     #[new]
-    #[pyo3(signature = (arrays, indices, batch_size, prefetch = 2, drop_last = false))]
+    #[pyo3(signature = (arrays, indices, batch_size, prefetch = 2, drop_last = false, decode_threads = None, seed = 0))]
     fn new(
         arrays: Vec<Bound<'_, PyAny>>,
         indices: Bound<'_, PyAny>,
         batch_size: usize,
         prefetch: usize,
         drop_last: bool,
+        decode_threads: Option<usize>,
+        seed: u64,
     ) -> PyResult<Self> {
         if arrays.is_empty() {
             return Err(PyValueError::new_err("at least one array is needed"));
@@ -43,7 +184,7 @@ impl BatchPipeline {
         if batch_size == 0 {
             return Err(PyValueError::new_err("batch_size must be at least 1"));
         }
-        let sources: Vec<RowSource> = arrays.iter().map(RowSource::new).collect::<PyResult<_>>()?;
+        let sources: Vec<Input> = arrays.iter().map(Input::new).collect::<PyResult<_>>()?;
         let rows = sources[0].rows();
         for (i, s) in sources.iter().enumerate() {
             if s.rows() != rows {
@@ -59,12 +200,12 @@ impl BatchPipeline {
                 "index {bad} out of range for a dataset of {rows} rows"
             )));
         }
+        // The pipeline owns both the inputs and the prefetcher, and drops the prefetcher first (field order).
+        let threads = decode_threads.unwrap_or_else(default_decode_threads);
         let raw = sources
             .iter()
-            // SAFETY: `sources` holds the arrays' buffer exports, which keep their memory alive and pinned; the
-            // pipeline owns both and drops the prefetcher (which joins its thread) before the exports.
-            .map(|s| unsafe { Rows::new(s.ptr(), s.bytes(), s.row_bytes()) })
-            .collect();
+            .map(|s| s.source(threads, seed))
+            .collect::<PyResult<_>>()?;
         let prefetcher =
             Prefetcher::start(raw, idx, batch_size, prefetch, drop_last).map_err(value_error)?;
         Ok(BatchPipeline {
