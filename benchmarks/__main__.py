@@ -29,6 +29,7 @@ BENCHMARKS = {
     "outer": "benchmarks.outer",
     "smallmodel": "benchmarks.smallmodel",
     "nodestore": "benchmarks.nodestore",
+    "images": "benchmarks.images",
 }
 
 

@@ -15,6 +15,13 @@ if [ "${DDLF_TEST_TORCH:-1}" != 0 ] && ! .venv/bin/python -c "import torch" 2>/d
   .venv/bin/python -m pip install --quiet "torch>=2.1"
 fi
 
+# pyspark (with pandas, which its Arrow stages need) for the Spark supplier tests (tests/e2e/test_spark.py): about
+# 45 s and 500 MB here, for the tests only (`pip install pyspark` where ddlf.spark is used). Java comes from
+# install-system.sh. DDLF_TEST_SPARK=0 skips it (the Spark tests then skip, visibly).
+if [ "${DDLF_TEST_SPARK:-1}" != 0 ] && ! .venv/bin/python -c "import pyspark, pandas" 2>/dev/null; then
+  .venv/bin/python -m pip install --quiet "pyspark>=3.5" "pandas>=2.2,<3"
+fi
+
 PY_SOURCES=(python tests examples benchmarks scripts)
 
 echo "== lint"

@@ -252,13 +252,18 @@ def parquet(
     image_size: tuple[int, int] | None = None,
     channels: int = 3,
     flip: bool = False,
+    shard: tuple[int, int] | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Arrays from a Parquet file or a directory of them (a Spark/pandas export), local or a URL.
 
+    ``shard=(i, n)`` reads only shard ``i`` of ``n`` (for a sharded app's ``load_shard``): every ``n``-th part
+    file of a directory from the ``i``-th, or, with fewer part files than shards, the ``i``-th of ``n`` near-equal
+    row ranges.
+
     ``columns`` (default: every column but ``label``) are the features: numeric scalar columns are stacked into
-    one ``(rows, len(columns))`` array (of their common type, or ``dtype``); a single column of fixed-size lists
-    (nested for more dimensions, as Arrow writes tensors) becomes a ``(rows, *shape)`` tensor; a single binary
+    one ``(rows, len(columns))`` array (of their common type, or ``dtype``); a single column of lists of one length
+    (fixed-size or not, nested for more dimensions: Spark's arrays) becomes a ``(rows, *shape)`` tensor; a single binary
     column of encoded JPEG/PNG images (or a struct with a ``bytes`` field, as Spark's and Hugging Face's image
     columns are) becomes :class:`EncodedImages` of ``image_size`` (``(height, width)``, required for images),
     ``channels`` and ``flip``. Returns ``(x, y)`` with ``label``, else ``x``. Missing values, lists of varying
@@ -270,11 +275,30 @@ def parquet(
     import pyarrow as pa
 
     filesystem, where = (None, os.fspath(path)) if not is_url(path) else _fs(str(path), storage_options)
+    source: str | list[str] = where
     wanted = None if columns is None else [*columns, *([label] if label is not None and label not in columns else [])]
+    rows: tuple[int, int] | None = None
+    if shard is not None:
+        i, n = shard
+        if not (isinstance(n, int) and isinstance(i, int) and 0 <= i < n):
+            raise DatasetError(f"{path}: shard must be (i, n) with 0 <= i < n, not {shard!r}")
+        fs = filesystem or __import__("fsspec").filesystem("file")
+        parts = sorted(
+            f
+            for f in (fs.find(where) if fs.isdir(where) else [where])
+            if not f.rsplit("/", 1)[-1].startswith(("_", "."))
+        )
+        if len(parts) >= n:
+            source = parts[i::n]
+        else:
+            rows = (i, n)
     try:
-        table = pq.read_table(where, filesystem=filesystem, columns=wanted)
+        table = pq.read_table(source, filesystem=filesystem, columns=wanted)
     except (OSError, KeyError, pa.ArrowException) as exc:
         raise DatasetError(f"{path}: not a readable Parquet file or directory with those columns: {exc}") from exc
+    if rows is not None:
+        start, stop = (table.num_rows * k // rows[1] for k in (rows[0], rows[0] + 1))
+        table = table.slice(start, stop - start)
     if label is not None and label not in table.column_names:
         raise DatasetError(f"{path}: no label column {label!r} (columns: {table.column_names})")
     names = [n for n in table.column_names if n != label] if columns is None else list(columns)
@@ -311,26 +335,35 @@ def parquet(
 
 
 def _column_array(path: Any, name: str, column: Any) -> np.ndarray:
-    """One Arrow column as a numpy array: numbers as they are, fixed-size lists as extra dimensions."""
+    """One Arrow column as a numpy array: numbers as they are, lists of one length (fixed-size, or Spark's and
+    pandas' variable-size lists that all have the same length) as extra dimensions."""
     import pyarrow as pa
 
     if column.null_count:
         raise DatasetError(f"{path}: column {name!r} has {column.null_count} missing values")
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     shape = [len(array)]
-    while pa.types.is_fixed_size_list(array.type):
-        shape.append(array.type.list_size)
-        # Offsets into the child when the array is a slice; the child's own nulls are checked below.
-        start = array.offset * array.type.list_size
-        array = array.values.slice(start, len(array) * array.type.list_size)
+    while True:
+        if pa.types.is_fixed_size_list(array.type):
+            shape.append(array.type.list_size)
+            # Offsets into the child when the array is a slice; the child's own nulls are checked below.
+            start = array.offset * array.type.list_size
+            array = array.values.slice(start, len(array) * array.type.list_size)
+        elif pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+            # Spark and pandas write arrays as variable-size lists: a tensor when every list has one length.
+            lengths = np.diff(np.asarray(array.offsets))
+            if len(lengths) and (lengths != lengths[0]).any():
+                raise DatasetError(
+                    f"{path}: column {name!r} holds lists of varying length ({int(lengths.min())} to "
+                    f"{int(lengths.max())}); a tensor column needs lists of one length"
+                )
+            shape.append(int(lengths[0]) if len(lengths) else 0)
+            array = array.flatten()
+        else:
+            break
         if array.null_count:
             raise DatasetError(f"{path}: column {name!r} has missing values inside its lists")
     t = array.type
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        raise DatasetError(
-            f"{path}: column {name!r} holds lists of varying length; tensors must be fixed-size lists "
-            "(pyarrow: pa.list_(type, size); Spark: export arrays of one length)"
-        )
     if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
         raise DatasetError(f"{path}: column {name!r} is {t}, not numbers (decode or encode it before exporting)")
     return array.to_numpy(zero_copy_only=False).reshape(shape)
