@@ -6,7 +6,7 @@ persistent variables and functions to them, and call those functions from your s
 
 from __future__ import annotations
 
-from . import callbacks, datasets, errors, ops
+from . import callbacks, datasets, errors, ops, spark
 from ._ddlf import PROTOCOL_VERSION, __version__
 from ._executor import WorkerContext
 from .app import IApp
@@ -30,6 +30,7 @@ __all__ = [
     "datasets",
     "errors",
     "ops",
+    "spark",
     "sweep",
 ]
 __all__ += errors.__all__
