@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import report
+from .backends import fit_epochs
 
 
 def write_folder(root: str, images: int, side: int) -> int:
@@ -65,25 +66,6 @@ def model(size: int) -> Any:
     )
     m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return m
-
-
-class EpochTimes:
-    """A Keras callback's epoch wall times."""
-
-    def __init__(self) -> None:
-        import keras
-
-        times: list[float] = []
-
-        class Cb(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-                self.t0 = time.perf_counter()
-
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                times.append(time.perf_counter() - self.t0)
-
-        self.times = times
-        self.callback = Cb()
 
 
 def case(which: str, path: str, images: int, size: int, epochs: int, batch: int) -> dict[str, Any]:
@@ -143,9 +125,7 @@ def case(which: str, path: str, images: int, size: int, epochs: int, batch: int)
             times.append(time.perf_counter() - t0)
             waits.append(pipe.stats()["wait_seconds"])
     else:
-        timer = EpochTimes()
-        m.fit(train, steps_per_epoch=steps, epochs=epochs, verbose=0, callbacks=[timer.callback])
-        times = timer.times
+        times = fit_epochs(m, train, steps_per_epoch=steps, epochs=epochs, verbose=0)
     out["epoch_s"] = times
     out["steady_step_ms"] = report.median(times[1:]) / steps * 1e3
     if waits:
