@@ -282,10 +282,10 @@ def parquet(
         i, n = shard
         if not (isinstance(n, int) and isinstance(i, int) and 0 <= i < n):
             raise DatasetError(f"{path}: shard must be (i, n) with 0 <= i < n, not {shard!r}")
-        fs = filesystem or __import__("fsspec").filesystem("file")
+        is_dir = filesystem.isdir(where) if filesystem is not None else os.path.isdir(where)
         parts = sorted(
             f
-            for f in (fs.find(where) if fs.isdir(where) else [where])
+            for f in (_walk(filesystem, where) if is_dir else [where])
             if not f.rsplit("/", 1)[-1].startswith(("_", "."))
         )
         if len(parts) >= n:
@@ -314,11 +314,18 @@ def parquet(
             )
         images = _image_column(path, encoded[0], table.column(encoded[0]), image_size, channels, flip)
         return images if label is None else (images, _column_array(path, label, table.column(label)))
+    x = _features(path, table, names, dtype)
+    if label is None:
+        return x
+    return x, _column_array(path, label, table.column(label))
+
+
+def _features(path: Any, table: Any, names: Sequence[str], dtype: Any) -> np.ndarray:
+    """Feature columns of an Arrow table as one array: one column as its tensor (a scalar column as ``(rows,
+    1)``), several scalar columns stacked into ``(rows, len(names))``; cast to ``dtype`` if given."""
     blocks = [_column_array(path, n, table.column(n)) for n in names]
     if len(blocks) == 1:
-        x = blocks[0]
-        if x.ndim == 1:
-            x = x.reshape(-1, 1)
+        x = blocks[0] if blocks[0].ndim > 1 else blocks[0].reshape(-1, 1)
     elif all(b.ndim == 1 for b in blocks):
         x = np.stack(blocks, axis=1)  # of the columns' common type
     else:
@@ -327,11 +334,7 @@ def parquet(
             f"{path}: columns {shaped} are tensors: read a tensor column alone (columns=[{shaped[0]!r}]) or "
             "only scalar columns together"
         )
-    if dtype is not None:
-        x = x.astype(dtype, copy=False)
-    if label is None:
-        return x
-    return x, _column_array(path, label, table.column(label))
+    return x if dtype is None else x.astype(dtype, copy=False)
 
 
 def _column_array(path: Any, name: str, column: Any) -> np.ndarray:
@@ -639,12 +642,18 @@ class DatasetStore:
         self._lock = threading.Lock()
 
     def get_or_load(
-        self, key: str, loader: Callable[[], Any], shard: tuple[int, int] | None = None, share: bool = True
+        self,
+        key: str,
+        loader: Callable[[], Any],
+        shard: tuple[int, int] | None = None,
+        share: bool = True,
+        identity: bytes | None = None,
     ) -> tuple[StoredDataset, bool]:
         """The dataset under ``key``, loading it with ``loader()`` if absent. Returns ``(dataset, was_cached)``.
 
         With ``share`` the arrays go through the host's one copy (:mod:`ddlf.node_store`): the first worker on the
-        host to load them writes them there, every worker maps them read-only."""
+        host to load them writes them there, every worker maps them read-only. ``identity`` names the loader for
+        that copy (see :func:`ddlf.node_store.entry_name`)."""
         from . import node_store
 
         with self._lock:
@@ -652,7 +661,7 @@ class DatasetStore:
             if item is not None:
                 return item, True
             t0 = time.perf_counter()
-            value, hold = node_store.load(key, loader) if share else (loader(), None)
+            value, hold = node_store.load(key, loader, identity) if share else (loader(), None)
             try:
                 arrays = _arrays(value)
                 if not arrays:

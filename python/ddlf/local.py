@@ -52,6 +52,33 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="ddlf-parent-watch", daemon=True).start()
 
 
+def start_worker(
+    listen: str, name: str, ready_file: str, env: dict[str, str], args: list[str]
+) -> subprocess.Popen[bytes]:
+    """A ``ddlf-worker`` child process (this interpreter) listening on ``listen``; it writes its address to
+    ``ready_file`` once it serves (see :func:`wait_ready`)."""
+    cmd = [sys.executable, "-m", "ddlf.worker", "--listen", listen, "--name", name, "--ready-file", ready_file]
+    return subprocess.Popen(
+        [*cmd, *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C reaches the master, which then stops its workers
+    )
+
+
+def wait_ready(proc: subprocess.Popen[bytes], ready_file: str, timeout: float) -> str:
+    """The address a worker started by :func:`start_worker` serves on, once it does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(ready_file):
+            return Path(ready_file).read_text().strip()
+        code = proc.poll()
+        if code is not None:
+            raise WorkerStartError(f"local worker exited with code {code} before it was ready (see its stderr)")
+        time.sleep(0.01)
+    raise WorkerStartError(f"local worker did not start within {timeout:.0f} s")
+
+
 class LocalWorkers:
     """A set of daemon processes on loopback. Use through :meth:`ddlf.Cluster.local`."""
 
@@ -89,47 +116,25 @@ class LocalWorkers:
             for i in range(n_workers):
                 ready = os.path.join(self._dir, f"worker-{i}.addr")
                 ready_files.append(ready)
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "ddlf.worker",
-                    "--listen",
-                    listen[i] if listen else "127.0.0.1:0",
-                    "--name",
-                    f"local-{i}",
-                    "--ready-file",
-                    ready,
-                    *(extra_args or []),
-                    *(worker_args[i] if worker_args else []),
-                ]
-                if threads is not None:
-                    cmd += ["--threads", str(threads)]
                 self.processes.append(
-                    subprocess.Popen(
-                        cmd,
-                        env=child_env,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,  # Ctrl-C reaches the master, which then stops its workers
+                    start_worker(
+                        listen[i] if listen else "127.0.0.1:0",
+                        f"local-{i}",
+                        ready,
+                        child_env,
+                        [
+                            *(extra_args or []),
+                            *(worker_args[i] if worker_args else []),
+                            *(["--threads", str(threads)] if threads is not None else []),
+                        ],
                     )
                 )
-            self.addresses = [self._wait_ready(p, f, start_timeout) for p, f in zip(self.processes, ready_files)]
+            self.addresses = [wait_ready(p, f, start_timeout) for p, f in zip(self.processes, ready_files)]
         except BaseException:
             self.terminate()
             raise
         self._finalizer = weakref.finalize(self, _terminate_all, list(self.processes), self._dir)
         atexit.register(self._finalizer)
-
-    @staticmethod
-    def _wait_ready(proc: subprocess.Popen[bytes], ready_file: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if os.path.exists(ready_file):
-                return Path(ready_file).read_text().strip()
-            code = proc.poll()
-            if code is not None:
-                raise WorkerStartError(f"local worker exited with code {code} before it was ready (see its stderr)")
-            time.sleep(0.01)
-        raise WorkerStartError(f"local worker did not start within {timeout:.0f} s")
 
     def __enter__(self) -> LocalWorkers:
         return self

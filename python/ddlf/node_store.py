@@ -75,15 +75,20 @@ def shareable(value: Any) -> bool:
     )
 
 
-def entry_name(key: str, loader: Callable[[], Any]) -> str | None:
+def entry_name(key: str, loader: Callable[[], Any], identity: bytes | None = None) -> str | None:
     """The entry of ``key`` loaded by ``loader``, or ``None`` when the loader cannot be pickled (then the dataset
-    is not shared: two loaders that cannot be told apart must not meet under one name)."""
-    import cloudpickle
+    is not shared: two loaders that cannot be told apart must not meet under one name). ``identity``: bytes that
+    tell the loader apart already (a training run passes the digest of the app it received), instead of
+    pickling it again."""
+    if identity is not None:
+        blob = identity
+    else:
+        import cloudpickle
 
-    try:
-        blob = cloudpickle.dumps(loader)
-    except Exception:
-        return None
+        try:
+            blob = cloudpickle.dumps(loader)
+        except Exception:
+            return None
     digest = hashlib.sha256(key.encode() + b"\0" + blob).hexdigest()[:20]
     return f"{_SAFE.sub('_', key)[:80]}-{digest}"
 
@@ -197,13 +202,13 @@ def _read(path: str) -> Any:
     return list(items) if kind == "list" else tuple(items)
 
 
-def load(key: str, loader: Callable[[], Any]) -> tuple[Any, Mapped | None]:
+def load(key: str, loader: Callable[[], Any], identity: bytes | None = None) -> tuple[Any, Mapped | None]:
     """``loader()``'s value for ``key``, through this host's entry: mapped if another worker (or an earlier life of
     this one) wrote it, else loaded here, written, and mapped. Returns ``(value, hold)``; ``hold`` is ``None``
     when the value stays in this process (the store is off, the value is not plain arrays, or writing failed:
     then the loaded value is used as it is, and the failure is logged)."""
     base = root()
-    name = entry_name(key, loader) if base is not None else None
+    name = entry_name(key, loader, identity) if base is not None else None
     if base is None or name is None:
         return loader(), None
     try:

@@ -23,7 +23,6 @@ import secrets
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from .app import IApp
 from .cluster import Cluster
 from .datasets import DatasetError
 from .errors import WorkerStartError
+from .local import PARENT_ENV, start_worker, wait_ready
 
 PARTITION_ENV = "DDLF_SPARK_PARTITION"
 """Set for a hosted worker: the directory of its partition's ``.npy`` files."""
@@ -90,14 +90,9 @@ class SparkApp(IApp):
 
 
 def _table_arrays(table: Any, features: Sequence[str], label: str | None, dtype: Any) -> dict[str, np.ndarray]:
-    from .datasets import _column_array
+    from .datasets import _column_array, _features
 
-    blocks = [_column_array("partition", n, table.column(n)) for n in features]
-    if len(blocks) == 1:
-        x = blocks[0] if blocks[0].ndim > 1 else blocks[0].reshape(-1, 1)
-    else:
-        x = np.stack(blocks, axis=1)
-    out = {"x": x.astype(dtype, copy=False) if dtype is not None else x}
+    out = {"x": _features("partition", table, features, dtype)}
     if label is not None:
         out["y"] = _column_array("partition", label, table.column(label))
     return out
@@ -132,19 +127,13 @@ def _serve_partition(
         if table is not None:
             for name, a in _table_arrays(table, features, label, dtype).items():
                 np.save(os.path.join(where, f"{name}.npy"), a, allow_pickle=False)
-        ready = os.path.join(where, "ready")
-        env = {**os.environ, "DDLF_TOKEN": token, PARTITION_ENV: where}
+        # The worker exits with its task's Python (``die_with_parent``), even if Spark kills that with SIGKILL.
+        env = {**os.environ, "DDLF_TOKEN": token, PARTITION_ENV: where, PARENT_ENV: str(os.getpid())}
         env.setdefault("DDLF_LOG", "warn")
         listen = "127.0.0.1:0" if host in ("localhost", "127.0.0.1") else "0.0.0.0:0"
-        cmd = [sys.executable, "-m", "ddlf.worker", "--listen", listen, "--name", f"spark-{pid}"]
-        proc = subprocess.Popen([*cmd, "--ready-file", ready, *worker_args], env=env, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + start_timeout
-        while not os.path.exists(ready):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise WorkerStartError(f"the ddlf worker of Spark partition {pid} did not start")
-            time.sleep(0.02)
-        with open(ready) as f:
-            port = f.read().strip().rsplit(":", 1)[1]
+        ready = os.path.join(where, "ready")
+        proc = start_worker(listen, f"spark-{pid}", ready, env, list(worker_args))
+        port = wait_ready(proc, ready, start_timeout).rsplit(":", 1)[1]
         with socket.create_connection(driver, timeout=30) as conn:
             hello = {"partition": pid, "address": f"{host}:{port}", "rows": rows}
             conn.sendall(json.dumps(hello).encode() + b"\n")

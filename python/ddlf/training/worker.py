@@ -11,6 +11,7 @@ once; a new run past it is refused with an error naming the runs there, unless o
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ class Session:
     y: Any
     rows: int
     n_shards: int = 0  # 0: the whole dataset on every worker
+    identity: bytes = b""  # digest of the app as received: names its dataset's copy on the host (node_store)
     residual: list[np.ndarray] | None = None  # top-k error feedback: what earlier rounds did not send
     # exchange="allreduce": (round, weights before it, weights after it) of the last round reduced here
     reduced: tuple[int, list[np.ndarray], list[np.ndarray]] | None = None
@@ -89,11 +91,16 @@ def shard_key(app: Any, shard: int, n_shards: int) -> str:
     return f"{app.dataset_key}/shard-{shard}-of-{n_shards}"
 
 
-def _load(app: Any, shard: int | None, n_shards: int) -> tuple[Any, bool]:
+def _load(app: Any, identity: bytes, shard: int | None, n_shards: int) -> tuple[Any, bool]:
+    """The app's dataset (or one shard of it) through the worker's store; ``identity``, the digest of the app as
+    received, names the host's copy (no second pickle of the app here)."""
     if shard is None:
-        return STORE.get_or_load(app.dataset_key, app.load_dataset)
+        return STORE.get_or_load(app.dataset_key, app.load_dataset, identity=identity)
     return STORE.get_or_load(
-        shard_key(app, shard, n_shards), lambda: app.load_shard(shard, n_shards), shard=(shard, n_shards)
+        shard_key(app, shard, n_shards),
+        lambda: app.load_shard(shard, n_shards),
+        shard=(shard, n_shards),
+        identity=identity,
     )
 
 
@@ -147,14 +154,15 @@ def setup(worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | N
     worker_seed = seed + 1000 * (worker.id + 1)
     set_random_seed(worker_seed)
     n_shards = worker.n_workers if app.sharded else 0
-    item, cached = _load(app, worker.id if n_shards else None, n_shards)
+    identity = hashlib.sha256(app_blob).digest()
+    item, cached = _load(app, identity, worker.id if n_shards else None, n_shards)
     x, y = _split_xy(item.value)
     model = app.create_model()
     if hasattr(model, "set_rng_state"):
         set_random_seed(worker_seed)  # torch may have been imported by create_model itself
     _admit(worker, run_id)
     model, stepper, key = warm.lend(model)  # an earlier run's traced model, holding this one's initial state
-    _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards, stepper=stepper, warm_key=key)
+    _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards, stepper=stepper, warm_key=key, identity=identity)
     _publish()
     log.info("training run %s (%s) set up: %d rows, %d runs here", run_id, type(app).__name__, len(x), len(_SESSIONS))
     return {
@@ -301,7 +309,7 @@ def _rows(
     too) and its rows: ``indices``, or the slice ``seeded`` names of a permutation regenerated here."""
     x, y, rows = session.x, session.y, session.rows
     if session.n_shards and shard is not None:
-        item, _ = _load(session.app, shard, session.n_shards)
+        item, _ = _load(session.app, session.identity, shard, session.n_shards)
         x, y = _split_xy(item.value)
         rows = len(x)
     if seeded is not None:

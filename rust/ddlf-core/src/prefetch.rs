@@ -139,12 +139,6 @@ impl Source {
     }
 }
 
-impl From<Rows> for Source {
-    fn from(r: Rows) -> Self {
-        Source::Rows(r)
-    }
-}
-
 /// One gathered batch: a buffer per array, its row count, and the seconds the gather took.
 #[derive(Debug)]
 pub struct Batch {

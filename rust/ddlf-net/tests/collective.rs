@@ -27,11 +27,14 @@ fn spec(daemons: &[Daemon], group: u128, rank: usize, streams: usize) -> RingSpe
         addresses: daemons.iter().map(|d| d.local_addr().to_string()).collect(),
         streams,
         timeout: Duration::from_secs(5),
-        liveness: Duration::from_secs(4),
+        liveness: LIVENESS,
         tls: None,
         local: None,
     }
 }
+
+/// The liveness bound of the rings in these tests.
+const LIVENESS: Duration = Duration::from_secs(4);
 
 /// Every rank reduces `rounds` times on one ring; returns each rank's results.
 fn reduce_all(
@@ -41,15 +44,7 @@ fn reduce_all(
     token: &str,
     len: usize,
 ) -> Vec<Result<Vec<f32>, String>> {
-    reduce_all_with(
-        daemons,
-        group,
-        streams,
-        token,
-        len,
-        Duration::from_secs(4),
-        None,
-    )
+    reduce_all_with(daemons, group, streams, token, len, LIVENESS, None)
 }
 
 /// [`reduce_all`] with a liveness bound and, for TLS daemons, the authority each rank trusts.
@@ -332,26 +327,6 @@ fn tls_daemons(n: usize, token: &str, cert: &[u8], key: &[u8]) -> Vec<Daemon> {
         .collect()
 }
 
-/// Every rank reduces on TLS daemons, trusting `ca` (see [`reduce_all`]); returns each rank's result.
-fn reduce_tls(
-    daemons: &[Daemon],
-    group: u128,
-    streams: usize,
-    token: &str,
-    ca: Option<&[u8]>,
-    len: usize,
-) -> Vec<Result<Vec<f32>, String>> {
-    reduce_all_with(
-        daemons,
-        group,
-        streams,
-        token,
-        len,
-        Duration::from_secs(4),
-        ca,
-    )
-}
-
 #[test]
 fn tls_daemons_reduce_over_encrypted_peer_links_and_refuse_the_rest() {
     let (ca, cert, key, other_ca) = certificates();
@@ -361,17 +336,17 @@ fn tls_daemons_reduce_over_encrypted_peer_links_and_refuse_the_rest() {
         let want: Vec<f32> = (0..len)
             .map(|i| (0..3).map(|r| (r * 10 + i % 7 + 2) as f32).sum())
             .collect();
-        for out in reduce_tls(&ds, group, streams, "tls-token", Some(&ca), len) {
+        for out in reduce_all_with(&ds, group, streams, "tls-token", len, LIVENESS, Some(&ca)) {
             assert_eq!(out.unwrap(), want, "streams={streams}");
         }
     }
     // Plaintext links to a TLS daemon: its handshake fails on them, nothing is admitted.
-    for out in reduce_tls(&ds, 23, 1, "tls-token", None, 10) {
+    for out in reduce_all_with(&ds, 23, 1, "tls-token", 10, LIVENESS, None) {
         let err = out.unwrap_err();
         assert!(err.contains("a TLS daemon"), "{err}");
     }
     // A certificate the ring does not trust is refused by the opening rank.
-    for out in reduce_tls(&ds, 24, 1, "tls-token", Some(&other_ca), 10) {
+    for out in reduce_all_with(&ds, 24, 1, "tls-token", 10, LIVENESS, Some(&other_ca)) {
         let err = out.unwrap_err();
         assert!(err.contains("certificate"), "{err}");
     }
@@ -384,7 +359,7 @@ fn tls_daemons_reduce_over_encrypted_peer_links_and_refuse_the_rest() {
                 .load(std::sync::atomic::Ordering::Relaxed)
         })
         .sum();
-    for out in reduce_tls(&ds, 25, 1, "wrong-token", Some(&ca), 10) {
+    for out in reduce_all_with(&ds, 25, 1, "wrong-token", 10, LIVENESS, Some(&ca)) {
         let err = out.unwrap_err();
         assert!(err.contains("token"), "{err}");
     }
@@ -398,9 +373,11 @@ fn tls_daemons_reduce_over_encrypted_peer_links_and_refuse_the_rest() {
         .sum();
     assert!(after > before);
     // The daemons still serve a good ring afterwards.
-    assert!(reduce_tls(&ds, 26, 1, "tls-token", Some(&ca), 10)
-        .iter()
-        .all(Result::is_ok));
+    assert!(
+        reduce_all_with(&ds, 26, 1, "tls-token", 10, LIVENESS, Some(&ca))
+            .iter()
+            .all(Result::is_ok)
+    );
 }
 
 /// Hierarchical ranks over `hosts` (each a list of daemon indices; the first is the host's leader): every rank's
