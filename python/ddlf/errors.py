@@ -11,6 +11,8 @@ The Rust extension builds these classes by type: :data:`_CLASSES` maps each ``dd
 
 from __future__ import annotations
 
+import linecache
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -107,11 +109,31 @@ class CheckpointError(DdlfError, OSError):
         return str(self.strerror)
 
 
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in ')
+
+
+def _with_source(traceback: str) -> str:
+    """A formatted remote traceback with the source lines its worker could not show (the script's files are not
+    on a remote host) filled from this process's copy of the file, when it has one."""
+    lines = traceback.splitlines(keepends=True)
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        out.append(line)
+        frame = _FRAME.match(line)
+        if frame is None or (i + 1 < len(lines) and lines[i + 1].startswith("    ")):
+            continue
+        source = linecache.getline(frame["file"], int(frame["line"])).strip()
+        if source:
+            out.append(f"    {source}\n")
+    return "".join(out)
+
+
 class RemoteError(DdlfError):
     """User code raised an exception on a worker.
 
     ``remote_type`` is the remote exception's qualified type name, ``remote_message`` its message and
-    ``remote_traceback`` the formatted remote traceback. The worker keeps serving.
+    ``remote_traceback`` the formatted remote traceback (source lines the worker's host lacks are filled from the
+    master's files). The worker keeps serving.
     """
 
     def __init__(
@@ -131,7 +153,7 @@ class RemoteError(DdlfError):
         """``"user"``: user code raised; ``"bad_request"``: the worker could not decode the request's value."""
         self.remote_type = remote_type
         self.remote_message = remote_message
-        self.remote_traceback = remote_traceback
+        self.remote_traceback = _with_source(remote_traceback)
         self.request_id = request_id
         """The request's id: the worker's log lines about it (``cluster.logs(worker)``) carry ``id=<request_id>``."""
 

@@ -19,8 +19,9 @@ import hashlib
 import io
 import pickle
 import weakref
+from collections import ChainMap
 from collections.abc import Callable, Sequence
-from types import FunctionType, ModuleType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
 import cloudpickle
@@ -46,8 +47,25 @@ def _note(obj: Any, modules: set[str] | None) -> None:
         modules.add(name.partition(".")[0])
 
 
+def _code_with_filename(rebuild: Callable[..., CodeType], args: tuple[Any, ...], filename: str) -> CodeType:
+    """Rebuild a code object as cloudpickle reduced it, under the file name it had where it was defined."""
+    return rebuild(*args).replace(co_filename=filename)
+
+
+def _reduce_code(code: CodeType) -> tuple[Any, ...]:
+    """cloudpickle's reduction of a code object, keeping ``co_filename``.
+
+    cloudpickle >= 3.1.3 names every code object ``<dynamic-code>``, which leaves a remote traceback without the
+    file and its source lines; the name travels beside cloudpickle's own reduction instead."""
+    rebuild, args = cloudpickle.Pickler.dispatch_table[CodeType](code)[:2]
+    return _code_with_filename, (rebuild, args, code.co_filename)
+
+
 class _ValuePickler(cloudpickle.Pickler):
-    """cloudpickle's pickler (``__main__``, lambdas and closures by value), noting local modules."""
+    """cloudpickle's pickler (``__main__``, lambdas and closures by value), noting local modules and keeping the
+    file names of the code it sends (remote tracebacks name them and show their lines)."""
+
+    dispatch_table = ChainMap({CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file: Any, buffer_callback: Any, modules: set[str] | None) -> None:
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)

@@ -193,6 +193,25 @@ def test_remote_exception_carries_type_message_traceback_and_worker(cluster: ddl
     assert cluster.run(lambda: "alive") == ["alive", "alive"]
 
 
+def test_remote_traceback_shows_lines_only_the_master_has(cluster: ddlf.Cluster) -> None:
+    # A notebook cell: its source lives in the master's linecache, never in a file the worker could read.
+    import linecache
+
+    source = "def cell_fn(worker):\n    return {}['missing key']\n"
+    name = "<ipython-input-7-ddlf>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace: dict = {}
+    exec(compile(source, name, "exec"), namespace)
+    try:
+        with pytest.raises(ddlf.RemoteError) as info:
+            cluster.run_on(0, namespace["cell_fn"])
+    finally:
+        linecache.cache.pop(name, None)
+    assert info.value.remote_type == "KeyError"
+    assert f"File \"{name}\", line 2, in cell_fn\n    return {{}}['missing key']" in info.value.remote_traceback
+    assert cluster.run(lambda: "alive") == ["alive", "alive"]
+
+
 def test_unpicklable_result_is_a_clear_error(cluster: ddlf.Cluster) -> None:
     with pytest.raises(ddlf.SerializationError, match="cannot be pickled"):
         cluster.run(lambda: __import__("threading").Lock())

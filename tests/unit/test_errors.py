@@ -67,3 +67,27 @@ def test_connection_errors_stay_catchable_as_their_class() -> None:
     assert list(g.exceptions) == errs and g.worker_id == 0
     g = group([ddlf.DeadlineExceeded("a"), ddlf.WorkerUnavailable("b")])
     assert type(g).__mro__[1] is ddlf.WorkerUnavailable
+
+
+def test_a_remote_traceback_gets_the_source_lines_its_worker_lacked(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("def step(worker):\n    return 1 / worker.zero\n")
+    remote = (
+        "Traceback (most recent call last):\n"
+        f'  File "{script}", line 2, in step\n'
+        '  File "/elsewhere/helpers.py", line 7, in shown\n'
+        "    already_shown()\n"
+        '  File "/not/on/this/host.py", line 3, in gone\n'
+        "ZeroDivisionError: division by zero\n"
+    )
+    err = ddlf.RemoteError("worker 0 raised", remote_type="ZeroDivisionError", remote_traceback=remote)
+    assert err.remote_traceback == (
+        "Traceback (most recent call last):\n"
+        f'  File "{script}", line 2, in step\n'
+        "    return 1 / worker.zero\n"
+        '  File "/elsewhere/helpers.py", line 7, in shown\n'
+        "    already_shown()\n"
+        '  File "/not/on/this/host.py", line 3, in gone\n'
+        "ZeroDivisionError: division by zero\n"
+    )
+    assert "return 1 / worker.zero" in str(err)

@@ -51,6 +51,25 @@ def test_classes_and_functions_of_main_travel_by_value() -> None:
     assert value["f"]() == 42
 
 
+def test_code_sent_by_value_keeps_its_file_name_for_remote_tracebacks() -> None:
+    # cloudpickle >= 3.1.3 renames all code "<dynamic-code>"; a worker's traceback would name no file and show no line.
+    def outer(x):
+        def inner():
+            raise ValueError(x)
+
+        return inner
+
+    data, buffers = serialization.dumps(outer(3))
+    back = serialization.loads(data, [b.raw() for b in buffers])
+    assert back.__code__.co_filename == __file__
+    assert back.__code__.co_firstlineno == outer(3).__code__.co_firstlineno
+    with pytest.raises(ValueError) as info:
+        back()
+    frame = info.traceback[-1]
+    assert frame.path == __file__ or str(frame.path) == __file__
+    assert "raise ValueError(x)" in str(frame.statement)
+
+
 def test_unpicklable_values_are_refused_with_what_to_send_instead() -> None:
     import threading
 
