@@ -30,6 +30,7 @@ BENCHMARKS = {
     "smallmodel": "benchmarks.smallmodel",
     "nodestore": "benchmarks.nodestore",
     "images": "benchmarks.images",
+    "outofcore": "benchmarks.outofcore",
 }
 
 

@@ -135,6 +135,29 @@ def test_batch_pipeline_yields_the_gathered_batches() -> None:
     assert isinstance(single[0], np.ndarray) and single[-1].shape == (2, 8)
 
 
+def test_batch_pipeline_reads_a_file_mapping_not_in_the_cache(tmp_path) -> None:
+    # A dataset larger than memory: a mapped .npy whose pages are on disk only. The pipeline marks the mapping
+    # for random access and reads the next batches' pages ahead; the batches are the same as numpy's.
+    import os
+
+    from ddlf import datasets
+
+    x = rng().integers(0, 255, (20_000, 300), dtype=np.uint8)  # 300 B rows: several per page, some across two
+    np.save(tmp_path / "x.npy", x)
+    fd = os.open(tmp_path / "x.npy", os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    mapped = datasets.npy(tmp_path / "x.npy")
+    idx = ops.permutation(len(x), 3, 0)
+    batches = list(ops.BatchPipeline([mapped], idx, 96, prefetch=2))
+    np.testing.assert_array_equal(np.concatenate(batches), x[idx])
+    # Read in order afterwards (the mapping's default access is back), and a second pipeline agrees.
+    np.testing.assert_array_equal(np.asarray(mapped), x)
+    again = list(ops.BatchPipeline([mapped], idx[:500], 96, prefetch=2))
+    np.testing.assert_array_equal(np.concatenate(again), x[idx[:500]])
+
+
 def test_batch_pipeline_bad_inputs() -> None:
     x = np.zeros((10, 2), np.float32)
     with pytest.raises(ValueError, match="out of range"):

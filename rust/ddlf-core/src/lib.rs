@@ -1,6 +1,7 @@
 //! ddlf's pure-Rust core: everything that needs neither Python nor a network, so that it is testable with
 //! `cargo test` alone.
 //!
+//! * [`advice`]: paging advice for mapped datasets read at random (no read-around, the next batches read ahead).
 //! * [`arrays`]: weight lists as typed arrays: the checks and dtype dispatch of the array kernels.
 //! * [`auth`]: shared-token checks in constant time.
 //! * [`frame`]: values split into chunks for streaming and assembled back, with limits checked first.
@@ -14,6 +15,7 @@
 //! * [`parallel`]: the merge kernels split across threads for large arrays.
 //! * [`memory`]: the allocator policy that keeps large transfer buffers' pages mapped between transfers.
 
+pub mod advice;
 pub mod arrays;
 pub mod auth;
 pub mod frame;

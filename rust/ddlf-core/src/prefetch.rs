@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::advice::{resident, set_access, will_need, Access};
 use crate::gather::gather_rows_to_vec;
 use crate::images::{check_offsets, decode_rows, ImageError, ImageSpec};
 
@@ -129,6 +130,37 @@ pub enum Source {
 }
 
 impl Source {
+    /// The memory the source reads: the rows, or the encoded bytes.
+    fn region(&self) -> &[u8] {
+        match self {
+            Source::Rows(r) => r.slice(),
+            Source::Images(im) => im.data.slice(),
+        }
+    }
+
+    /// Ask for the pages of `chunk`'s rows ahead of time (see [`crate::advice`]). Indices out of range are
+    /// skipped here; the gather reports them.
+    fn read_ahead(&self, chunk: &[u32]) {
+        match self {
+            Source::Rows(r) => will_need(
+                r.slice(),
+                chunk
+                    .iter()
+                    .map(|&i| (i as usize * r.row_bytes, r.row_bytes)),
+            ),
+            Source::Images(im) => {
+                let offsets = im.offsets();
+                will_need(
+                    im.data.slice(),
+                    chunk.iter().filter(|&&i| (i as usize) < im.n).map(|&i| {
+                        let (a, b) = (offsets[i as usize], offsets[i as usize + 1]);
+                        (a as usize, b.saturating_sub(a) as usize)
+                    }),
+                )
+            }
+        }
+    }
+
     fn batch(&self, chunk: &[u32], first_position: u64) -> Result<Vec<u8>, String> {
         match self {
             Source::Rows(r) => {
@@ -187,8 +219,26 @@ impl Prefetcher {
         let thread = std::thread::Builder::new()
             .name("ddlf-prefetch".into())
             .spawn(move || {
+                let chunk_of =
+                    |b: usize| &indices[b * batch_size..((b + 1) * batch_size).min(indices.len())];
+                // Pages of the next `read_ahead` batches are requested before they are gathered: a mapped file
+                // larger than memory is read by queued requests, not one fault at a time. Memory already
+                // resident gets no advice (see `crate::advice`).
+                let read_ahead = ahead.max(1) + 2;
+                let advised: Vec<&Source> =
+                    sources.iter().filter(|s| !resident(s.region())).collect();
+                for s in &advised {
+                    set_access(s.region(), Access::Random);
+                }
+                for b in 0..read_ahead.min(n_batches) {
+                    advised.iter().for_each(|s| s.read_ahead(chunk_of(b)));
+                }
                 for b in 0..n_batches {
-                    let chunk = &indices[b * batch_size..((b + 1) * batch_size).min(indices.len())];
+                    if b + read_ahead < n_batches {
+                        let next = chunk_of(b + read_ahead);
+                        advised.iter().for_each(|s| s.read_ahead(next));
+                    }
+                    let chunk = chunk_of(b);
                     let t0 = Instant::now();
                     let first = (b * batch_size) as u64;
                     let gathered: Result<Vec<Vec<u8>>, String> =
@@ -199,8 +249,11 @@ impl Prefetcher {
                         gather_seconds: t0.elapsed().as_secs_f64(),
                     });
                     if tx.send(msg).is_err() {
-                        return; // the prefetcher was dropped
+                        break; // the prefetcher was dropped
                     }
+                }
+                for s in &advised {
+                    set_access(s.region(), Access::Normal);
                 }
             })?;
         Ok(Prefetcher {

@@ -1,0 +1,197 @@
+//! Paging advice for the memory a prefetcher reads. A dataset larger than memory is a file mapping whose pages
+//! come from disk on first touch; read in a shuffled order, the kernel's default read-around (up to 128 KiB per
+//! fault) reads mostly rows nobody asked for and, under a memory budget, evicts them before they are used. The
+//! prefetcher marks its sources [`Access::Random`] (a fault reads its own page only) and asks for the pages of the
+//! next batches' rows ahead of time ([`will_need`]: the reads are queued together and proceed while the current
+//! batches are gathered and trained on). Memory that is wholly resident when a pipeline starts (the heap,
+//! `/dev/shm`, a small file already cached: [`resident`]) gets no advice, which there would cost a system call per
+//! row and change nothing.
+
+/// How a source's pages are going to be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// The kernel's default: read-around on faults.
+    Normal,
+    /// In a random order: a fault reads its own page only.
+    Random,
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf reads a constant of the system; no memory is passed.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 {
+        size as usize
+    } else {
+        4096
+    }
+}
+
+/// `madvise` over the whole pages that cover `[start, start + len)`. Only advice that never changes what the
+/// memory holds is given (see the callers), so a span that reaches into a neighbouring allocation on the same
+/// page, or memory that is not a mapping at all (the kernel answers ENOMEM), is harmless: errors are ignored.
+fn advise(start: usize, len: usize, page: usize, advice: libc::c_int) {
+    if len == 0 {
+        return;
+    }
+    if !matches!(
+        advice,
+        libc::MADV_NORMAL | libc::MADV_RANDOM | libc::MADV_WILLNEED
+    ) {
+        return;
+    }
+    let first = start & !(page - 1);
+    let end = (start + len).div_ceil(page) * page;
+    // SAFETY: `advice` is MADV_NORMAL, MADV_RANDOM or MADV_WILLNEED (checked above): hints that change neither
+    // the contents nor the validity of any mapping, whatever range they are given; the range is page-aligned as
+    // madvise requires.
+    unsafe {
+        libc::madvise(first as *mut libc::c_void, end - first, advice);
+    }
+}
+
+/// Whether every page of `region` is in memory now (`mincore`). False when the kernel cannot tell (not a
+/// mapping): the caller then advises, which is harmless.
+pub fn resident(region: &[u8]) -> bool {
+    if region.is_empty() {
+        return true;
+    }
+    let page = page_size();
+    let first = region.as_ptr() as usize & !(page - 1);
+    let end = (region.as_ptr() as usize + region.len()).div_ceil(page) * page;
+    let mut pages = vec![0u8; (end - first) / page];
+    // SAFETY: `first` is page-aligned as mincore requires, and `pages` holds one byte for each page of
+    // `[first, end)`, the most mincore writes; mincore only reads the page tables.
+    let rc = unsafe {
+        libc::mincore(
+            first as *mut libc::c_void,
+            end - first,
+            pages.as_mut_ptr().cast(),
+        )
+    };
+    rc == 0 && pages.iter().all(|p| p & 1 == 1)
+}
+
+/// Mark `region` as read in the order `access` says.
+pub fn set_access(region: &[u8], access: Access) {
+    let advice = match access {
+        Access::Normal => libc::MADV_NORMAL,
+        Access::Random => libc::MADV_RANDOM,
+    };
+    advise(region.as_ptr() as usize, region.len(), page_size(), advice);
+}
+
+/// The page spans that the byte ranges `(offset, len)` of a region starting at `base` cover, sorted, with
+/// overlapping and adjacent spans merged: `(first_page, end_page)` in page numbers.
+pub fn page_spans(
+    base: usize,
+    ranges: impl Iterator<Item = (usize, usize)>,
+    page: usize,
+) -> Vec<(usize, usize)> {
+    let mut spans: Vec<(usize, usize)> = ranges
+        .filter(|&(_, len)| len > 0)
+        .map(|(offset, len)| ((base + offset) / page, (base + offset + len).div_ceil(page)))
+        .collect();
+    spans.sort_unstable();
+    let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
+    for (first, end) in spans {
+        match merged.last_mut() {
+            Some(last) if first <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((first, end)),
+        }
+    }
+    merged
+}
+
+/// Ask the kernel to start reading the pages of the byte ranges `(offset, len)` of `region` now (ranges outside
+/// the region are clipped). Returns at once; the reads complete in the background.
+pub fn will_need(region: &[u8], ranges: impl Iterator<Item = (usize, usize)>) {
+    let page = page_size();
+    let size = region.len();
+    let clipped = ranges
+        .filter(|&(offset, _)| offset < size)
+        .map(|(offset, len)| (offset, len.min(size - offset)));
+    for (first, end) in page_spans(region.as_ptr() as usize, clipped, page) {
+        advise(
+            first * page,
+            (end - first) * page,
+            page,
+            libc::MADV_WILLNEED,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_cover_every_range_merge_neighbours_and_sort() {
+        let page = 4096;
+        // Two rows on page 0, one crossing pages 2-3, one on page 3 (merged), one alone on page 9.
+        let ranges = [
+            (9 * page + 5, 10),
+            (100, 50),
+            (2 * page + 4000, 200),
+            (3 * page + 10, 5),
+            (0, 10),
+        ];
+        assert_eq!(
+            page_spans(0, ranges.into_iter(), page),
+            vec![(0, 1), (2, 4), (9, 10)]
+        );
+        // A base that is not page-aligned shifts the pages.
+        assert_eq!(
+            page_spans(page - 1, [(0, 2)].into_iter(), page),
+            vec![(0, 2)]
+        );
+        // Empty ranges are dropped; adjacent spans merge.
+        assert_eq!(
+            page_spans(0, [(0, 0), (0, page), (page, page)].into_iter(), page),
+            vec![(0, 2)]
+        );
+    }
+
+    #[test]
+    fn touched_heap_memory_is_resident_and_an_untouched_file_page_is_not() {
+        let data = vec![7u8; 3 * 4096 + 5];
+        assert!(resident(&data));
+        assert!(resident(&[]));
+        let path = std::env::temp_dir().join(format!("ddlf-advice-{}", std::process::id()));
+        std::fs::write(&path, vec![1u8; 64 * 4096]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        file.sync_all().unwrap();
+        // SAFETY: the file is private to this test and not modified while mapped.
+        let map = unsafe { memmap2::Mmap::map(&file).unwrap() };
+        // Drop the file's pages from the cache, then fault one in: the mapping is partly resident.
+        // SAFETY: fadvise on an open descriptor; no memory is passed.
+        unsafe {
+            libc::posix_fadvise(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+                0,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
+        set_access(&map, Access::Random);
+        let _ = std::hint::black_box(map[0]);
+        let cached = resident(&map);
+        std::fs::remove_file(&path).unwrap();
+        // tmpfs keeps its pages whatever the advice: only a drop that took is checked further.
+        if !cached {
+            assert!(resident(&map[..4096]));
+        }
+    }
+
+    #[test]
+    fn advice_on_mapped_heap_and_unmapped_memory_changes_nothing() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        set_access(&data, Access::Random);
+        will_need(
+            &data,
+            [(0, 10), (50_000, 4000), (99_990, 1000), (200_000, 5)].into_iter(),
+        );
+        set_access(&data, Access::Normal);
+        assert!(data.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        will_need(&[], [(0, 10)].into_iter());
+    }
+}
