@@ -31,6 +31,7 @@ BENCHMARKS = {
     "nodestore": "benchmarks.nodestore",
     "images": "benchmarks.images",
     "outofcore": "benchmarks.outofcore",
+    "spark": "benchmarks.spark_dataframe",
 }
 
 

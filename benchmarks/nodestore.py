@@ -13,7 +13,8 @@ in every worker, as before), in the same run. Reported for each:
   set of daemons (another script) that finds the host's copy and only maps it;
 - **supply**: each worker gathers one epoch of shuffled 128-row batches through the Rust prefetch pipeline (as
   training does), all workers at once; median GB/s per worker, next to one numpy copy of the same bytes in
-  this process (the memory anchor of the same run).
+  this process (the memory anchor of the same run); and from the host's one copy, the curve with 1, 2 and 4
+  workers gathering at once.
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ def one_mode(mode: str, path: str, key: str, workers: int, size: int) -> dict[st
         out["ratio"] = out["memory"] / size
         out["supply_gbs"] = report.median(c.run(supply, key, 128, timeout=600))
         if mode == "on":
+            # The supply curve: 1, 2, 4... of the workers gathering at once from the host's one copy.
+            counts = sorted({n for n in (1, 2, 4, workers) if n <= workers})
+            out["curve"] = {n: c.call(supply, (key, 128), {}, workers=list(range(n)), timeout=600) for n in counts}
+        if mode == "on":
             with ddlf.Cluster.local(workers, threads=1, preload=None) as again:
                 t0 = time.perf_counter()
                 described = again.load_dataset(key, loader, timeout=600)
@@ -170,6 +175,24 @@ def main(argv: list[str] | None = None) -> None:
                         f"{r['supply_gbs'] / memcpy:.2f}",
                     ]
                     for r in results
+                ],
+            ),
+            "",
+            "Supply from the host's one copy with 1, 2, ... workers gathering at the same time (each its own "
+            f"shuffled epoch; {os.cpu_count()} cores on this machine):",
+            "",
+            report.table(
+                ["workers at once", "median GB/s per worker", "all workers GB/s", "per worker / memcpy"],
+                [
+                    [
+                        str(n),
+                        f"{report.median(v):.2f}",
+                        f"{sum(v):.2f}",
+                        f"{report.median(v) / memcpy:.2f}",
+                    ]
+                    for r in results
+                    if "curve" in r
+                    for n, v in r["curve"].items()
                 ],
             ),
         ]

@@ -49,7 +49,7 @@ def install_ddlf(python: Path) -> None:
     """Build ddlf from this tree (release wheel, from the build cache) and install it into ``python``'s
     environment, replacing any earlier build, so the run measures this tree's code."""
     maturin = Path(sys.executable).with_name("maturin")
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[1]  # the repository root
     with tempfile.TemporaryDirectory() as out:
         print(f"building ddlf for {python}", flush=True)
         subprocess.run(
