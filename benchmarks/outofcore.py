@@ -91,8 +91,8 @@ class Budget:
         name = f"ddlf-bench-outofcore-{os.getpid()}"
         v1 = "/sys/fs/cgroup/memory"
         if os.path.isdir(v1):
-            self.path, self.limit_file, self.peak_file = os.path.join(v1, name), "memory.limit_in_bytes", None
-            self.peak_file = "memory.max_usage_in_bytes"
+            self.path = os.path.join(v1, name)
+            self.limit_file, self.peak_file = "memory.limit_in_bytes", "memory.max_usage_in_bytes"
         elif os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
             self.path, self.limit_file, self.peak_file = f"/sys/fs/cgroup/{name}", "memory.max", "memory.peak"
         else:
