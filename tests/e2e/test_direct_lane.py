@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -198,3 +199,61 @@ def test_bad_lane_settings_are_refused_clearly() -> None:
         )
         assert out.returncode == 2, out.stderr
         assert words in out.stderr
+
+
+def test_large_lane_requests_to_several_workers_go_out_at_once() -> None:
+    """3 MB to each of two workers (over the 1 MiB that puts each lane's request on its own thread): each gets its
+    own value; a stopped worker fails the call by the heartbeat while the other answers; Ctrl-C ends the wait."""
+    daemons = [Daemon(), Daemon()]
+    try:
+        c = ddlf.Cluster([d.address for d in daemons], "test-token", heartbeat_interval=0.5, heartbeat_timeout=1.5)
+        assert all(info["direct_lane"] for info in c.worker_info())
+        values = [np.random.default_rng(k).random(400_000) for k in range(2)]  # 3.2 MB each
+        c.scatter("w", values)
+        for got, want in zip(c.get("w"), values):
+            np.testing.assert_array_equal(got, want)
+        for got in c.run(_ident, values[0]):
+            np.testing.assert_array_equal(got, values[0])
+
+        daemons[1].proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.warns(RuntimeWarning, match="lost"), pytest.raises(ddlf.WorkerUnavailable, match="heartbeat"):
+                c.run(_ident, values[1])
+            assert time.monotonic() - t0 < 1.5 + 0.5 + 2.0
+            np.testing.assert_array_equal(c.run_on(0, _ident, values[1]), values[1])  # the other one still serves
+        finally:
+            daemons[1].proc.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: c.recover() == [1] or not c.lost_workers, 10)
+        c.close()
+
+        code = textwrap.dedent(
+            f"""
+            import os, signal, numpy as np, ddlf
+            c = ddlf.Cluster({[d.address for d in daemons]!r}, "test-token", heartbeat_interval=30)
+            c.run(lambda: 1)
+            os.kill({daemons[1].proc.pid}, signal.SIGSTOP)
+            print("calling", flush=True)
+            try:
+                c.run(lambda x: len(x), np.ones(400_000))
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            """
+        )
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "calling"
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGINT)
+            out, _ = p.communicate(timeout=10)
+            assert "interrupted" in out
+            assert time.monotonic() - t0 < 2
+        finally:
+            p.kill()
+            daemons[1].proc.send_signal(signal.SIGCONT)
+        with ddlf.Cluster([d.address for d in daemons], "test-token") as again:
+            assert again.run(lambda: 2) == [2, 2]
+    finally:
+        for d in daemons:
+            d.stop()

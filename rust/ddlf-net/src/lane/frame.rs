@@ -37,8 +37,13 @@ pub const MAX_LANE_REQUEST: usize = 8 << 20;
 /// Whether a request with this value goes on a lane: its bytes on the wire (pickle and inline buffers; buffers in
 /// shared memory travel as a reference) are at most [`MAX_LANE_REQUEST`].
 pub fn fits_lane(value: Option<&Value>) -> bool {
-    value.is_none_or(|v| {
-        v.pickle.len() + v.buffers.iter().map(|b| b.len()).sum::<usize>() <= MAX_LANE_REQUEST
+    value_bytes(value) <= MAX_LANE_REQUEST
+}
+
+/// A value's bytes on a lane: its pickle and inline buffers.
+pub fn value_bytes(value: Option<&Value>) -> usize {
+    value.map_or(0, |v| {
+        v.pickle.len() + v.buffers.iter().map(|b| b.len()).sum::<usize>()
     })
 }
 

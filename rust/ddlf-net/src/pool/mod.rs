@@ -18,7 +18,8 @@ pub mod outgoing;
 
 use std::future::Future;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -29,7 +30,22 @@ pub use outgoing::{write_shm, Outgoing, POOL_THRESHOLD, SHM_THRESHOLD};
 
 use crate::client::{ClientConfig, WorkerConn};
 use crate::error::NetError;
-use crate::lane::{deadline_wait, fits_lane, LaneCall};
+use crate::lane::{deadline_wait, fits_lane, value_bytes, LaneCall, MASTER_POLL};
+
+/// Lane requests of at least this many bytes (all targets together) go out on a thread per lane, so the copies
+/// overlap; smaller ones are written one after another by the calling thread (a thread costs more than they do).
+pub const LANES_AT_ONCE_BYTES: usize = 1 << 20;
+
+/// Tasks of one call, aborted if the call is dropped before they finish.
+struct AbortOnDrop<T>(Vec<tokio::task::JoinHandle<T>>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
 
 /// How often a waiting call checks its [`Interrupt`].
 pub const INTERRUPT_POLL: Duration = Duration::from_millis(50);
@@ -177,8 +193,11 @@ impl Pool {
         // is in flight: keepalive pings are answered and sent (the daemon drops a connection whose master stops
         // answering them; with small calls on the direct lanes, gRPC can sit unused for minutes). The calling
         // thread still polls its own call inside `block_on`; small calls skip this runtime altogether.
+        // Calls to several workers run as tasks on it, one per worker: with one runtime thread, sending 100 MB to
+        // two workers took twice as long as to one (each byte is framed, written and read back on that thread).
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
+            .worker_threads(threads)
             .thread_name("ddlf-client")
             .enable_all()
             .build()
@@ -391,7 +410,7 @@ impl Pool {
         }
         async fn timed(
             worker: usize,
-            c: &WorkerConn,
+            c: Arc<WorkerConn>,
             req: CallRequest,
             timeout: Option<Duration>,
         ) -> Answer {
@@ -400,16 +419,32 @@ impl Pool {
             let result = c.call(req, timeout).await;
             Answer::new(worker, result, start.elapsed().as_secs_f64(), id)
         }
+        // One task per worker, so the runtime's threads frame, write and read the workers' bytes at once. Dropped
+        // unfinished (Ctrl-C), the guard aborts them, as dropping the futures did.
+        let mut tasks = AbortOnDrop(
+            targets
+                .iter()
+                .zip(conns)
+                .zip(requests)
+                .map(|((&w, c), req)| self.rt.spawn(timed(w, Arc::clone(c), req, timeout)))
+                .collect(),
+        );
         self.wait(
             async move {
-                let answers = join_all(
-                    targets
-                        .iter()
-                        .zip(conns)
-                        .zip(requests)
-                        .map(|((&w, c), req)| timed(w, c, req, timeout)),
-                )
-                .await;
+                let joined = join_all(tasks.0.iter_mut()).await;
+                let answers: Vec<Answer> = joined
+                    .into_iter()
+                    .zip(targets.iter().zip(conns))
+                    .map(|(joined, (&worker, conn))| {
+                        joined.unwrap_or_else(|e| {
+                            let failed = Err(NetError::Unavailable {
+                                address: conn.address().to_string(),
+                                reason: format!("the call's task ended without an answer: {e}"),
+                            });
+                            Answer::new(worker, failed, 0.0, 0)
+                        })
+                    })
+                    .collect();
                 // A worker that answered is alive: a lane of its that broke earlier is worth opening again.
                 for (c, a) in conns.iter().zip(&answers) {
                     if !matches!(a.outcome, Outcome::Failed(_)) {
@@ -435,6 +470,10 @@ impl Pool {
         interrupt: Interrupt<'_>,
     ) -> Result<Vec<Answer>, PoolError> {
         let deadline = timeout.map(|t| (Instant::now() + t, t));
+        let bytes: usize = requests.iter().map(|r| value_bytes(r.value.as_ref())).sum();
+        if lanes.len() > 1 && bytes >= LANES_AT_ONCE_BYTES {
+            return self.over_lanes_at_once(targets, conns, lanes, requests, deadline, interrupt);
+        }
         let mut interrupted = false;
         let check = |interrupted: &mut bool| -> io::Result<()> {
             if !*interrupted && interrupt().is_err() {
@@ -482,6 +521,86 @@ impl Pool {
             true => Err(PoolError::Interrupted),
             false => Ok(answers),
         }
+    }
+
+    /// [`Self::over_lanes`] for large requests: each lane's request is written and its reply read on a thread of its
+    /// own, so the copies into and out of the sockets overlap (on one thread, a second worker's 4 MB waited for the
+    /// first's). The calling thread waits for the answers and polls `interrupt` (only it sees Ctrl-C); an interrupt
+    /// or a passed deadline ends every lane's wait at its next poll.
+    fn over_lanes_at_once(
+        &self,
+        targets: &[usize],
+        conns: &[Arc<WorkerConn>],
+        lanes: Vec<LaneCall<'_>>,
+        requests: Vec<CallRequest>,
+        deadline: Option<(Instant, Duration)>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<Vec<Answer>, PoolError> {
+        let interrupted = AtomicBool::new(false);
+        let n = lanes.len();
+        let mut answers: Vec<Option<Answer>> = (0..n).map(|_| None).collect();
+        std::thread::scope(|s| {
+            let (tx, rx) = std::sync::mpsc::channel::<(usize, Answer)>();
+            for (i, (mut lane, req)) in lanes.into_iter().zip(requests).enumerate() {
+                let (tx, interrupted, worker) = (tx.clone(), &interrupted, targets[i]);
+                let conn = &conns[i..i + 1];
+                let spawned = std::thread::Builder::new()
+                    .name("ddlf-lane".into())
+                    .spawn_scoped(s, move || {
+                        let (id, start) = (req.request_id, Instant::now());
+                        let mut beats = Beats::new(1, self.config.keepalive_interval);
+                        let mut wait = deadline_wait(deadline, || {
+                            if interrupted.load(Ordering::Relaxed) {
+                                return Err(io::ErrorKind::Interrupted.into());
+                            }
+                            beats.watch(self, conn, 0, 1)
+                        });
+                        let result = lane
+                            .send(req, deadline, &mut wait)
+                            .and_then(|()| lane.receive(deadline, &mut wait));
+                        let _ = tx.send((
+                            i,
+                            Answer::new(worker, result, start.elapsed().as_secs_f64(), id),
+                        ));
+                    });
+                if let Err(e) = spawned {
+                    // No thread to be had: this worker's call fails, the others go on.
+                    let failed = Err(NetError::Unavailable {
+                        address: conns[i].address().to_string(),
+                        reason: format!("no thread to send on its direct lane: {e}"),
+                    });
+                    answers[i] = Some(Answer::new(worker, failed, 0.0, 0));
+                }
+            }
+            drop(tx);
+            loop {
+                match rx.recv_timeout(MASTER_POLL) {
+                    Ok((i, answer)) => answers[i] = Some(answer),
+                    Err(RecvTimeoutError::Timeout) => {
+                        if interrupt().is_err() {
+                            interrupted.store(true, Ordering::Relaxed);
+                        }
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+        });
+        if interrupted.into_inner() {
+            return Err(PoolError::Interrupted);
+        }
+        Ok(answers
+            .into_iter()
+            .zip(targets.iter().zip(conns))
+            .map(|(a, (&worker, conn))| {
+                a.unwrap_or_else(|| {
+                    let failed = Err(NetError::Unavailable {
+                        address: conn.address().to_string(),
+                        reason: "its direct lane's thread ended without an answer".into(),
+                    });
+                    Answer::new(worker, failed, 0.0, 0)
+                })
+            })
+            .collect())
     }
 
     /// Heartbeats over gRPC to `conns` at once, each within the keepalive timeout (blocking): why each that failed
