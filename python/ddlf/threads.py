@@ -18,10 +18,12 @@ _VARIABLES = (
 
 
 def thread_env(threads: int) -> dict[str, str]:
-    """Environment variables that cap BLAS/OpenMP, TensorFlow, torch and XLA (JAX) pools at ``threads``."""
+    """Environment variables that cap BLAS/OpenMP, TensorFlow, torch, XLA (JAX) and ddlf's image-decoding pools
+    at ``threads``."""
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     env = {name: str(threads) for name in _VARIABLES}
+    env["DDLF_THREADS"] = str(threads)  # ddlf's own pools: image decoding on the prefetch threads
     ours = ("--xla_cpu_multi_thread_eigen=", "intra_op_parallelism_threads=")
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(ours)]
     extra = [

@@ -19,12 +19,15 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::ops::{indices_u32, value_error, RowSource};
 
-/// Threads that decode one batch of images: the machine's cores, at most 8.
+/// Threads that decode one batch of images: the process's thread budget when it has one (`DDLF_THREADS`, which a
+/// worker started with `threads=` gets: local workers split the cores), otherwise the machine's cores; at most 8.
 fn default_decode_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .min(8)
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let budget = std::env::var("DDLF_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0);
+    budget.unwrap_or(cores).min(cores).min(8)
 }
 
 /// One input of a pipeline: an array whose rows are copied, or encoded images that are decoded.
@@ -165,7 +168,7 @@ pub struct BatchPipeline {
 impl BatchPipeline {
     /// `arrays`: dataset arrays (or encoded images) with the same number of rows; `indices`: the rows to visit, in
     /// order; `batch_size`: rows per batch; `prefetch`: batches gathered ahead; `drop_last`: skip a short last
-    /// batch; `decode_threads`: threads decoding a batch of images (default: the cores, at most 8); `seed`: seeds
+    /// batch; `decode_threads`: threads decoding a batch of images (default: the worker's thread budget or the cores, at most 8); `seed`: seeds
     /// the images' random flips.
     #[new]
     #[pyo3(signature = (arrays, indices, batch_size, prefetch = 2, drop_last = false, decode_threads = None, seed = 0))]
