@@ -254,6 +254,7 @@ def parquet(
     flip: bool = False,
     shard: tuple[int, int] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Arrays from a Parquet file or a directory of them (a Spark/pandas export), local or a URL.
 
@@ -267,7 +268,13 @@ def parquet(
     column of encoded JPEG/PNG images (or a struct with a ``bytes`` field, as Spark's and Hugging Face's image
     columns are) becomes :class:`EncodedImages` of ``image_size`` (``(height, width)``, required for images),
     ``channels`` and ``flip``. Returns ``(x, y)`` with ``label``, else ``x``. Missing values, lists of varying
-    length and strings are refused with the column's name. Needs pyarrow (``pip install pyarrow``)."""
+    length and strings are refused with the column's name. Needs pyarrow (``pip install pyarrow``).
+
+    ``cache_dir`` (a folder on a local disk): for data larger than memory. The first call converts the data there
+    one batch of rows at a time (its memory does not grow with the dataset) into ``.npy`` files, and every call
+    returns them memory-mapped: the workers of a host share one copy through the page cache, rows are read from
+    disk as the epochs visit them (prefetched by the pipeline's thread), and the next script skips the conversion
+    while the source files are unchanged (see :mod:`ddlf.disk_cache`)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -278,20 +285,24 @@ def parquet(
     source: str | list[str] = where
     wanted = None if columns is None else [*columns, *([label] if label is not None and label not in columns else [])]
     rows: tuple[int, int] | None = None
-    if shard is not None:
-        i, n = shard
+    if shard is not None or cache_dir is not None:
+        i, n = shard if shard is not None else (0, 1)
         if not (isinstance(n, int) and isinstance(i, int) and 0 <= i < n):
             raise DatasetError(f"{path}: shard must be (i, n) with 0 <= i < n, not {shard!r}")
-        is_dir = filesystem.isdir(where) if filesystem is not None else os.path.isdir(where)
-        parts = sorted(
-            f
-            for f in (_walk(filesystem, where) if is_dir else [where])
-            if not f.rsplit("/", 1)[-1].startswith(("_", "."))
-        )
+        try:
+            is_dir = filesystem.isdir(where) if filesystem is not None else os.path.isdir(where)
+            found = _walk(filesystem, where) if is_dir else [where]
+        except OSError as exc:
+            raise DatasetError(f"{path}: {exc}") from exc
+        parts = sorted(f for f in found if not f.rsplit("/", 1)[-1].startswith(("_", ".")))
         if len(parts) >= n:
             source = parts[i::n]
         else:
             rows = (i, n)
+    if cache_dir is not None:
+        files = source if isinstance(source, list) else parts
+        images = (image_size, channels, flip)
+        return _parquet_to_disk(path, filesystem, files, wanted, columns, label, dtype, images, rows, cache_dir)
     try:
         table = pq.read_table(source, filesystem=filesystem, columns=wanted)
     except (OSError, KeyError, pa.ArrowException) as exc:
@@ -299,11 +310,21 @@ def parquet(
     if rows is not None:
         start, stop = (table.num_rows * k // rows[1] for k in (rows[0], rows[0] + 1))
         table = table.slice(start, stop - start)
+    x, y = _table_arrays(path, table, columns, label, dtype, (image_size, channels, flip))
+    return x if label is None else (x, y)
+
+
+def _table_arrays(
+    path: Any, table: Any, columns: Sequence[str] | None, label: str | None, dtype: Any, images: Any
+) -> tuple[Any, np.ndarray | None]:
+    """The features (an array, or :class:`EncodedImages`) and the label (or ``None``) of an Arrow table."""
+    image_size, channels, flip = images
     if label is not None and label not in table.column_names:
         raise DatasetError(f"{path}: no label column {label!r} (columns: {table.column_names})")
     names = [n for n in table.column_names if n != label] if columns is None else list(columns)
     if not names:
         raise DatasetError(f"{path}: no feature columns (columns: {table.column_names})")
+    y = None if label is None else _column_array(path, label, table.column(label))
     encoded = [n for n in names if _binary(table.column(n).type)]
     if encoded:
         if len(names) != 1:
@@ -312,12 +333,69 @@ def parquet(
             raise DatasetError(
                 f"{path}: column {encoded[0]!r} holds encoded images: pass image_size=(height, width) to decode them"
             )
-        images = _image_column(path, encoded[0], table.column(encoded[0]), image_size, channels, flip)
-        return images if label is None else (images, _column_array(path, label, table.column(label)))
-    x = _features(path, table, names, dtype)
-    if label is None:
-        return x
-    return x, _column_array(path, label, table.column(label))
+        return _image_column(path, encoded[0], table.column(encoded[0]), image_size, channels, flip), y
+    return _features(path, table, names, dtype), y
+
+
+def _parquet_to_disk(
+    path: Any,
+    filesystem: Any,
+    files: list[str],
+    wanted: list[str] | None,
+    columns: Sequence[str] | None,
+    label: str | None,
+    dtype: Any,
+    images: tuple[Any, int, bool],
+    rows: tuple[int, int] | None,
+    cache_dir: str | os.PathLike[str],
+) -> Any:
+    """:func:`parquet` through :mod:`ddlf.disk_cache`: converted once, returned memory-mapped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from . import disk_cache
+
+    def open_part(f: str) -> Any:
+        try:
+            return pq.ParquetFile(f if filesystem is None else filesystem.open(f, "rb"))
+        except (OSError, pa.ArrowException) as exc:
+            raise DatasetError(f"{path}: {f} is not a readable Parquet file: {exc}") from exc
+
+    if not files:
+        raise DatasetError(f"{path}: no Parquet files")
+    total = sum(open_part(f).metadata.num_rows for f in files)
+    start, stop = (0, total) if rows is None else (total * rows[0] // rows[1], total * (rows[0] + 1) // rows[1])
+    describe = {
+        "files": disk_cache.file_stamps(filesystem, files),
+        "columns": None if columns is None else list(columns),
+        "label": label,
+        "dtype": None if dtype is None else np.dtype(dtype).str,
+        "rows": [start, stop],
+        "images": [images[0] and list(images[0]), images[1], images[2]],
+    }
+
+    def tables() -> Iterator[Any]:
+        seen = 0
+        for f in files:
+            try:
+                for batch in open_part(f).iter_batches(batch_size=disk_cache.BATCH_ROWS, columns=wanted):
+                    lo, hi = max(start - seen, 0), min(stop - seen, batch.num_rows)
+                    seen += batch.num_rows
+                    if hi > lo:
+                        yield pa.Table.from_batches([batch.slice(lo, hi - lo)])
+            except (OSError, KeyError, pa.ArrowException) as exc:
+                raise DatasetError(f"{path}: {f}: not readable with those columns: {exc}") from exc
+
+    def to_arrays(table: Any) -> dict[str, Any]:
+        x, y = _table_arrays(path, table, columns, label, dtype, images)
+        out: dict[str, Any] = {"x": ("images", x.data, x.offsets) if isinstance(x, EncodedImages) else x}
+        return out if y is None else {**out, "y": y}
+
+    got = disk_cache.convert(cache_dir, describe, tables(), stop - start, to_arrays)
+    x = got["x"]
+    if isinstance(x, tuple):
+        x = EncodedImages(x[1], x[2], images[0], images[1], images[2])
+    return x if label is None else (x, got["y"])
 
 
 def _features(path: Any, table: Any, names: Sequence[str], dtype: Any) -> np.ndarray:

@@ -99,7 +99,10 @@ def test_the_last_clean_exit_removes_the_hosts_copy(tmp_path) -> None:
     assert not entries(key)
 
 
-def test_training_reads_a_parquet_export_through_the_hosts_copy(tmp_path) -> None:
+@pytest.mark.parametrize("on_disk", [False, True], ids=["host-copy", "cache-dir"])
+def test_training_reads_a_parquet_export_through_the_hosts_copy(tmp_path, on_disk: bool) -> None:
+    """Loaded into the host's one copy, or (``cache_dir``, for data larger than memory) converted once on local
+    disk and mapped by both workers."""
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     rng = np.random.default_rng(0)
@@ -115,9 +118,10 @@ def test_training_reads_a_parquet_export_through_the_hosts_copy(tmp_path) -> Non
     class Exported(ddlf.IApp):
         dataset_key = f"node-store-parquet-{os.getpid()}"
         path = str(export)
+        cache = str(tmp_path / "cache") if on_disk else None
 
         def load_dataset(self):
-            return ddlf.datasets.parquet(self.path, label="label")
+            return ddlf.datasets.parquet(self.path, label="label", cache_dir=self.cache)
 
         def create_model(self):
             import keras
@@ -131,6 +135,8 @@ def test_training_reads_a_parquet_export_through_the_hosts_copy(tmp_path) -> Non
         want = (float(np.sum(x, dtype=np.float64)), int(np.sum(x[:, 0] > 0)), False)
         assert c.run(checksum_of, Exported.dataset_key) == [want, want]  # the export, row for row
         held = [d for w in c.datasets() for d in w if d["key"] == Exported.dataset_key]
-        assert len(held) == 2 and all(d["node_shared"] and d["rows"] == 2000 for d in held)
+        assert len(held) == 2 and all(d["node_shared"] is not on_disk and d["rows"] == 2000 for d in held)
+        if on_disk:  # one conversion, mapped by both workers
+            assert len([e for e in os.listdir(Exported.cache) if not e.endswith(".lock")]) == 1
         assert held[0]["arrays"] == [((2000, 20), "float32"), ((2000,), "float32")]
         assert h.history["accuracy"][-1] > 0.9

@@ -169,6 +169,11 @@ def test_parquet_image_columns_load_as_encoded_images(tmp_path) -> None:
         x, y = parquet(str(path), columns=["image"], label="label", image_size=(8, 10))
         assert isinstance(x, EncodedImages) and len(x) == 9 and y.tolist() == labels.tolist()
         assert all(np.array_equal(d, p) for d, p in zip(x.decode(), pixels))
+    # Converted to local disk (larger than memory): the files' bytes mapped, offsets running on across parts.
+    cache = tmp_path / "cache"
+    x, y = parquet(str(tmp_path / "export"), columns=["image"], label="label", image_size=(8, 10), cache_dir=cache)
+    assert isinstance(x.data, np.memmap) and len(x) == 9 and y.tolist() == labels.tolist()
+    assert all(np.array_equal(d, p) for d, p in zip(x.decode(), pixels))
     with pytest.raises(DatasetError, match="image_size"):
         parquet(str(tmp_path / "flat.parquet"), label="label")
     pq.write_table(

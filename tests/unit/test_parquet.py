@@ -98,3 +98,79 @@ def test_missing_files_columns_and_labels_are_clear(tmp_path, table_path: str) -
         datasets.parquet(str(tmp_path / "text.parquet"))
     with pytest.raises(DatasetError, match="are tensors"):
         datasets.parquet(table_path, label="y")  # every column: scalars and a tensor together
+
+
+def _export(root, parts: int, rows: int) -> np.ndarray:
+    """A Spark-style export of ``parts`` part files with several row groups each: rows ``k`` have features
+    ``[k, -k]`` and label ``k % 3``. Returns the features in file order."""
+    root.mkdir(exist_ok=True)
+    feats = []
+    for i in range(parts):
+        k = np.arange(i * rows, (i + 1) * rows)
+        f = np.stack([k, -k], axis=1).astype(np.float32)
+        feats.append(f)
+        table = pa.table({"f": pa.array(list(f), pa.list_(pa.float32())), "y": pa.array(k % 3, pa.int64())})
+        pq.write_table(table, str(root / f"part-{i:05d}.parquet"), row_group_size=max(1, rows // 3))
+    (root / "_SUCCESS").write_text("")
+    return np.concatenate(feats)
+
+
+def test_cache_dir_converts_once_in_batches_and_maps_the_result(tmp_path, monkeypatch) -> None:
+    from ddlf import disk_cache
+
+    monkeypatch.setattr(disk_cache, "BATCH_ROWS", 7)  # many batches, cutting row groups and files
+    want = _export(tmp_path / "export", parts=3, rows=20)
+    cache = tmp_path / "cache"
+    x, y = datasets.parquet(str(tmp_path / "export"), columns=["f"], label="y", cache_dir=cache)
+    assert isinstance(x, np.memmap) and isinstance(y, np.memmap)
+    assert x.shape == (60, 2) and x.dtype == np.float32 and y.dtype == np.int64
+    np.testing.assert_array_equal(x, want)
+    np.testing.assert_array_equal(y, np.arange(60) % 3)
+    in_memory = datasets.parquet(str(tmp_path / "export"), columns=["f"], label="y")
+    np.testing.assert_array_equal(np.sort(in_memory[0][:, 0]), x[:, 0])
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    made = (entry / "x.npy").stat().st_mtime_ns
+
+    # The same call again (the next script, another worker) maps the entry without converting.
+    monkeypatch.setattr(disk_cache, "_write", lambda *a: pytest.fail("converted again"))
+    x2, _ = datasets.parquet(str(tmp_path / "export"), columns=["f"], label="y", cache_dir=cache)
+    np.testing.assert_array_equal(x2, want)
+    assert (entry / "x.npy").stat().st_mtime_ns == made
+
+    # Shards of a cached export are their own entries: every n-th part file, as without the cache.
+    monkeypatch.undo()
+    s1, _ = datasets.parquet(str(tmp_path / "export"), columns=["f"], label="y", shard=(1, 3), cache_dir=cache)
+    np.testing.assert_array_equal(s1, want[20:40])
+    few, _ = datasets.parquet(str(tmp_path / "export"), columns=["f"], label="y", shard=(2, 4), cache_dir=cache)
+    np.testing.assert_array_equal(few, want[30:45])  # fewer parts than shards: the 3rd of 4 row ranges
+    np.testing.assert_array_equal(few, datasets.parquet(str(tmp_path / "export"), columns=["f"], shard=(2, 4)))
+
+    # A changed source is converted anew, never served stale.
+    _export(tmp_path / "export", parts=1, rows=5)
+    for p in (tmp_path / "export").glob("part-0000[12].parquet"):
+        p.unlink()
+    x3, y3 = datasets.parquet(str(tmp_path / "export"), columns=["f"], label="y", cache_dir=cache)
+    assert x3.shape == (5, 2) and y3.tolist() == [0, 1, 2, 0, 1]
+
+
+def test_cache_dir_refuses_what_it_cannot_convert_and_leaves_nothing_behind(tmp_path) -> None:
+    root = tmp_path / "export"
+    _export(root, parts=1, rows=6)
+    pq.write_table(  # a second part whose features are float64: no common type without dtype=
+        pa.table({"f": pa.array([[1.0, 2.0]], pa.list_(pa.float64())), "y": pa.array([0])}),
+        str(root / "part-00001.parquet"),
+    )
+    cache = tmp_path / "cache"
+    with pytest.raises(DatasetError, match="pass dtype="):
+        datasets.parquet(str(root), columns=["f"], label="y", cache_dir=cache)
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+    x, _ = datasets.parquet(str(root), columns=["f"], label="y", dtype=np.float32, cache_dir=cache)
+    assert x.shape == (7, 2) and x.dtype == np.float32 and x[-1].tolist() == [1.0, 2.0]
+    with pytest.raises(DatasetError, match="no label column 'nope'"):
+        datasets.parquet(str(root), label="nope", cache_dir=cache)
+    with pytest.raises(DatasetError, match=r"no Parquet files|not a readable"):
+        datasets.parquet(str(tmp_path / "missing"), cache_dir=cache)
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"f": pa.array([], pa.float32())}), str(empty))
+    with pytest.raises(DatasetError, match="no rows"):
+        datasets.parquet(str(empty), cache_dir=cache)
