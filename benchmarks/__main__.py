@@ -31,6 +31,7 @@ BENCHMARKS = {
     "nodestore": "benchmarks.nodestore",
     "images": "benchmarks.images",
     "outofcore": "benchmarks.outofcore",
+    "demo": "benchmarks.demo",
     "spark": "benchmarks.spark_dataframe",
 }
 

@@ -100,7 +100,12 @@ def run(default_mode: str, description: str) -> None:
         loss, acc = app.evaluate(x_test, y_test)
         if args.save:
             app.model.save(args.save)
+    import keras
+
     print(f"train loss per epoch: {[round(v, 4) for v in history.history['loss']]}")
+    print(
+        f"seconds per epoch: {[round(s, 2) for s in history.epoch_seconds]}  (Keras backend: {keras.backend.backend()})"
+    )
     print(
         f"test accuracy: {acc:.4f}  test loss: {loss:.4f}  ({args.mode}, {args.workers} workers, "
         f"{args.epochs} epochs, {time.perf_counter() - t0:.1f} s in all)"
