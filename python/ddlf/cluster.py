@@ -51,11 +51,10 @@ class Cluster:
             authority: a path to a PEM file, or the PEM bytes. ``tls_domain``: the name their certificates are
             checked against (default: each address's host).
         direct_lane: besides its gRPC connection, open a direct lane to each plaintext daemon: a second TCP
-            connection on the same port that carries small calls (requests up to 8 MiB on the wire; values in
-            shared memory count as their reference) as plain frames, read
-            and answered by the worker's interpreter thread itself, with no HTTP/2 and no hand-over between
-            threads: about half the latency of a gRPC call (see BENCHMARKS.md). Large values, TLS, heartbeats
-            and calls made while another thread uses the lane go over gRPC. ``False``: everything over gRPC.
+            connection on the same port that carries calls as plain frames, read and answered by the worker's
+            interpreter thread itself, with no HTTP/2 and no hand-over between threads: about half the latency
+            of a gRPC call, and large values written and read in place (see BENCHMARKS.md). TLS, heartbeats and
+            calls made while another thread uses the lane go over gRPC. ``False``: everything over gRPC.
         lane_spin_us: microseconds a call on a lane spins (non-blocking reads, yielding the CPU) for its reply
             before it sleeps; a reply within it costs no wake-up (default: ``DDLF_LANE_SPIN_US``, else 100;
             0 sleeps at once). ``Cluster.local`` gives its daemons the same setting.

@@ -1,5 +1,5 @@
-"""Direct lanes: small calls travel as plain frames read by the worker's interpreter thread; large values,
-concurrent callers and masters that opt out use gRPC. Either way the results, errors and faults are the same."""
+"""Direct lanes: calls travel as plain frames read by the worker's interpreter thread; concurrent callers and
+masters that opt out use gRPC. Either way the results, errors and faults are the same."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_lane_and_grpc_give_the_same_values_small_and_large(both) -> None:
     lane, grpc = both
     small = {"a": [1, 2.5, "x"], "arr": np.arange(10, dtype=np.float32)}
     mid = np.random.default_rng(0).random(400_000)  # 3.2 MB: a small CNN's weights, on the lane
-    large = np.random.default_rng(0).random(1_200_000)  # 9.6 MB: over the lane's 8 MiB request limit, gRPC
+    large = np.random.default_rng(0).random(1_200_000)  # 9.6 MB: more than the sockets' buffers hold
     for c in both:
         out = c.run(_ident, small)[0]
         assert out["a"] == small["a"]
@@ -131,7 +131,7 @@ def test_a_large_lane_request_to_a_stopped_worker_fails_within_the_heartbeat_bou
     """An 8 MB request does not fit the sockets' buffers: its write waits on a stopped worker, and the master's
     heartbeat, not the (absent) deadline, ends the wait."""
     c = ddlf.Cluster([daemon.address], daemon.token, heartbeat_interval=0.5, heartbeat_timeout=1.5)
-    big = np.ones(1_000_000)  # 8 MB, under the lane's limit
+    big = np.ones(1_000_000)  # 8 MB: more than the sockets' buffers hold
     np.testing.assert_array_equal(c.run(_ident, big)[0], big)
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
@@ -158,7 +158,7 @@ def test_grpc_stays_healthy_while_only_the_lane_is_used() -> None:
             assert c.run(_ident, 1) == [1]
             time.sleep(0.01)
         assert c.status()[0]["requests_served"] > 10  # status is gRPC only
-        big = np.arange(300_000, dtype=np.float64)  # 2.4 MB: over gRPC
+        big = np.arange(300_000, dtype=np.float64)  # 2.4 MB
         np.testing.assert_array_equal(c.run(_ident, big)[0], big)
         assert not c.lost_workers and not c.events
         c.close()
@@ -167,7 +167,7 @@ def test_grpc_stays_healthy_while_only_the_lane_is_used() -> None:
 
 
 def test_values_in_shared_memory_ride_the_lane_as_a_reference(daemon: Daemon) -> None:
-    # 9.6 MB over the lane's 8 MiB limit inline, but through shared memory only its reference is on the wire.
+    # 9.6 MB, but through shared memory only its reference is on the wire.
     big = np.random.default_rng(1).random(1_200_000)
     with ddlf.Cluster([daemon.address], daemon.token, shared_memory=True) as c:
         info = c.worker_info()[0]

@@ -30,8 +30,8 @@ use crate::state::WorkerState;
 /// interpreter thread is the one waiting, so this is short; a master never pauses inside a frame.
 const STALL: Duration = Duration::from_secs(10);
 
-/// The most bytes of a refused request the daemon reads and discards to keep its lane in step (a master sends at
-/// most `ddlf_net::lane::MAX_LANE_REQUEST` on a lane); past it the lane is closed after the refusal.
+/// The most bytes of a refused request the daemon reads and discards to keep its lane in step; past it the lane is
+/// closed after the refusal (the master opens it again).
 const DRAIN_LIMIT: u64 = 16 << 20;
 
 /// Check a new lane's hello and, if it passes, `deliver` the lane to the interpreter thread (false: it is

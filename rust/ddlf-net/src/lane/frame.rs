@@ -26,21 +26,7 @@ pub const MAX_MESSAGE: usize = 16 << 20;
 /// The largest hello or welcome.
 const MAX_HANDSHAKE: usize = 64 << 10;
 
-/// Requests up to this size on the wire (pickle plus inline buffers; buffers in shared memory do not count) take
-/// the lane; larger ones stream over gRPC, whose chunking and flow control suit bulk data. A lane request is
-/// written whole by the master's thread: one larger than the sockets' buffers waits there while the worker's
-/// interpreter is busy with an earlier call, so the master pings the worker while it waits (a stopped worker
-/// fails the call within the heartbeat timeout). Mid-size weight lists (a small CNN's 4 MB) cost about twice the
-/// raw socket over gRPC and about what the raw socket does on the lane (`BENCHMARKS.md`, *Tensor data plane*).
-pub const MAX_LANE_REQUEST: usize = 8 << 20;
-
-/// Whether a request with this value goes on a lane: its bytes on the wire (pickle and inline buffers; buffers in
-/// shared memory travel as a reference) are at most [`MAX_LANE_REQUEST`].
-pub fn fits_lane(value: Option<&Value>) -> bool {
-    value_bytes(value) <= MAX_LANE_REQUEST
-}
-
-/// A value's bytes on a lane: its pickle and inline buffers.
+/// A value's bytes on a lane: its pickle and inline buffers (buffers in shared memory travel as a reference).
 pub fn value_bytes(value: Option<&Value>) -> usize {
     value.map_or(0, |v| {
         v.pickle.len() + v.buffers.iter().map(|b| b.len()).sum::<usize>()
@@ -442,16 +428,15 @@ mod tests {
     }
 
     #[test]
-    fn what_fits_a_lane_is_counted_on_the_wire() {
+    fn a_values_bytes_on_a_lane_are_its_pickle_and_inline_buffers() {
         let inline = |n: usize| Value {
             pickle: Bytes::from(vec![0u8; 100]),
             buffers: vec![Bytes::from(vec![0u8; n])],
             shm: None,
         };
-        assert!(fits_lane(None));
-        assert!(fits_lane(Some(&inline(MAX_LANE_REQUEST - 100))));
-        assert!(!fits_lane(Some(&inline(MAX_LANE_REQUEST))));
-        // A gigabyte in shared memory is a reference on the wire: it rides the lane.
+        assert_eq!(value_bytes(None), 0);
+        assert_eq!(value_bytes(Some(&inline(5000))), 5100);
+        // A gigabyte in shared memory is a reference on the wire: only its pickle counts.
         let shared = Value {
             pickle: Bytes::from_static(b"p"),
             buffers: vec![],
@@ -462,7 +447,7 @@ mod tests {
                 pooled: true,
             }),
         };
-        assert!(fits_lane(Some(&shared)));
+        assert_eq!(value_bytes(Some(&shared)), 1);
         // Its reference travels in the frame's message and is joined back to the parts read after it.
         let parts = Value {
             pickle: shared.pickle.clone(),

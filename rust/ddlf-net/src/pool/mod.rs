@@ -3,8 +3,11 @@
 //! A call goes to many workers at once and comes back as one typed [`Answer`] per worker, so a failure of one
 //! worker never hides the answers of the others. The pool decides, per call:
 //!
-//! * **the path**: small requests ride the direct lanes when every target's lane is free (the calling thread
-//!   writes and reads the frames itself); anything else goes over gRPC on the pool's runtime;
+//! * **the path**: requests of any size ride the direct lanes when every target's lane is free (the calling
+//!   thread writes and reads the frames itself, or a thread per lane for large ones, so they overlap); anything
+//!   else (a lane busy or broken, TLS daemons) goes over gRPC on the pool's runtime. Lanes write buffers from
+//!   where they lie and read them into their final allocation: 100 MB took 0.53x the time it took over gRPC's
+//!   chunked stream (`BENCHMARKS.md`, *Tensor data plane*);
 //! * **shared memory**: a large value for workers on this machine is written once into a pooled segment that
 //!   they all map (see [`outgoing`]); a segment a worker may not have taken is retired;
 //! * **liveness**: a wait on a lane pings the worker over gRPC every keepalive interval, so a stopped worker is
@@ -30,7 +33,7 @@ pub use outgoing::{write_shm, Outgoing, POOL_THRESHOLD, SHM_THRESHOLD};
 
 use crate::client::{ClientConfig, WorkerConn};
 use crate::error::NetError;
-use crate::lane::{deadline_wait, fits_lane, value_bytes, LaneCall, MASTER_POLL};
+use crate::lane::{deadline_wait, value_bytes, LaneCall, MASTER_POLL};
 
 /// Lane requests of at least this many bytes (all targets together) go out on a thread per lane, so the copies
 /// overlap; smaller ones are written one after another by the calling thread (a thread costs more than they do).
@@ -401,12 +404,10 @@ impl Pool {
         timeout: Option<Duration>,
         interrupt: Interrupt<'_>,
     ) -> Result<Vec<Answer>, PoolError> {
-        if requests.iter().all(|r| fits_lane(r.value.as_ref())) {
-            // Every target must have its lane free; otherwise the call goes over gRPC, all of it.
-            let lanes: Vec<LaneCall<'_>> = conns.iter().map_while(|c| c.lane()).collect();
-            if lanes.len() == conns.len() {
-                return self.over_lanes(targets, conns, lanes, requests, timeout, interrupt);
-            }
+        // Every target must have its lane free; otherwise the call goes over gRPC, all of it.
+        let lanes: Vec<LaneCall<'_>> = conns.iter().map_while(|c| c.lane()).collect();
+        if lanes.len() == conns.len() {
+            return self.over_lanes(targets, conns, lanes, requests, timeout, interrupt);
         }
         async fn timed(
             worker: usize,
