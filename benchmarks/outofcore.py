@@ -156,6 +156,16 @@ def run(budget: Budget | None, args: tuple[Any, ...], fn: str = "steps") -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def budgeted(limit: int, args: tuple[Any, ...], fn: str = "steps") -> tuple[dict[str, Any], int]:
+    """:func:`run` in a fresh memory cgroup of ``limit`` bytes: its result and the cgroup's peak memory."""
+    budget = Budget(limit)
+    try:
+        budget.reset_peak()
+        return run(budget, args, fn), budget.peak()
+    finally:
+        budget.close()
+
+
 def drop_cache(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -226,28 +236,24 @@ def main(argv: list[str] | None = None) -> None:
         # Held in memory: the reference loop, on the 1x rows, no budget.
         ref = run(None, (x_path, y_path, rows_of[scales[0]], args.batch, warm, args.steps, True))
         rows = []
-        base = None
+        base = 0.0
+
+        def row(label: str, r: dict[str, Any], peak: int) -> list[str]:
+            return [
+                label,
+                f"{r['step_s'] * 1e3:.2f}",
+                f"{r['step_s'] / base:.2f}x",
+                f"{r['step_s'] / ref['step_s']:.2f}x",
+                f"{100 * r['blocked']:.1f}%",
+                f"{r['read_per_step'] / 1e3:.0f}",
+                f"{peak / 2**20:.0f}",
+            ]
+
         for scale in scales:
             drop_cache(x_path)
-            budget = Budget(budget_bytes)
-            try:
-                budget.reset_peak()
-                r = run(budget, (x_path, y_path, rows_of[scale], args.batch, warm, args.steps, False))
-                peak = budget.peak()
-            finally:
-                budget.close()
+            r, peak = budgeted(budget_bytes, (x_path, y_path, rows_of[scale], args.batch, warm, args.steps, False))
             base = base or r["step_s"]
-            rows.append(
-                [
-                    f"{scale}x ({rows_of[scale] * (ROW + 1) / 1e6:,.0f} MB, {rows_of[scale]:,} rows)",
-                    f"{r['step_s'] * 1e3:.2f}",
-                    f"{r['step_s'] / base:.2f}x",
-                    f"{r['step_s'] / ref['step_s']:.2f}x",
-                    f"{100 * r['blocked']:.1f}%",
-                    f"{r['read_per_step'] / 1e3:.0f}",
-                    f"{peak / 2**20:.0f}",
-                ]
-            )
+            rows.append(row(f"{scale}x ({rows_of[scale] * (ROW + 1) / 1e6:,.0f} MB, {rows_of[scale]:,} rows)", r, peak))
             print(rows[-1], file=sys.stderr)
         parquet_note = ""
         if args.parquet:
@@ -255,33 +261,11 @@ def main(argv: list[str] | None = None) -> None:
             # same budget (its memory must not grow with the data), then trained from the converted files.
             top = max(scales)
             export = write_parquet(directory, x_path, y_path)
-            budget = Budget(budget_bytes)
-            try:
-                budget.reset_peak()
-                conv = run(budget, (export, os.path.join(directory, "cache")), fn="convert")
-                conv_peak = budget.peak()
-            finally:
-                budget.close()
+            conv, conv_peak = budgeted(budget_bytes, (export, os.path.join(directory, "cache")), fn="convert")
             drop_cache(conv["x"])
-            budget = Budget(budget_bytes)
-            try:
-                budget.reset_peak()
-                r = run(budget, (conv["x"], conv["y"], rows_of[top], args.batch, warm, args.steps, False))
-                peak = budget.peak()
-            finally:
-                budget.close()
+            r, peak = budgeted(budget_bytes, (conv["x"], conv["y"], rows_of[top], args.batch, warm, args.steps, False))
+            rows.append(row(f"{top}x from Parquet (`cache_dir`)", r, peak))
             mb = conv["rows"] * (ROW + 1) / 1e6
-            rows.append(
-                [
-                    f"{top}x from Parquet (`cache_dir`)",
-                    f"{r['step_s'] * 1e3:.2f}",
-                    f"{r['step_s'] / base:.2f}x",
-                    f"{r['step_s'] / ref['step_s']:.2f}x",
-                    f"{100 * r['blocked']:.1f}%",
-                    f"{r['read_per_step'] / 1e3:.0f}",
-                    f"{peak / 2**20:.0f}",
-                ]
-            )
             parquet_note = (
                 f"The last row reads the {top}x rows from a Parquet export (part files of 262,144 rows, the features "
                 f"a fixed-size list column): `datasets.parquet(..., cache_dir=)` converted it to `.npy` files in "

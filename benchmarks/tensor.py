@@ -39,6 +39,7 @@ def round_trips(repeats: int) -> list[list[str]]:
     rows = []
     with Cluster.local(2, threads=1, shared_memory=True) as shm:
         tcp = Cluster(shm.addresses, shm.token, shared_memory=False)
+        grpc = Cluster(shm.addresses, shm.token, shared_memory=False, direct_lane=False)
         shm.add_function(_echo, "echo")
         echoes = [RawEcho(), RawEcho()]
         senders = ThreadPoolExecutor(2)
@@ -56,6 +57,8 @@ def round_trips(repeats: int) -> list[list[str]]:
             contenders = {
                 "tcp1": lambda w=w: tcp.run_on(0, "echo", w),
                 "tcp2": lambda w=w: tcp.run("echo", w),
+                "grpc1": lambda w=w: grpc.run_on(0, "echo", w),
+                "grpc2": lambda w=w: grpc.run("echo", w),
                 "shm1": lambda w=w: shm.run_on(0, "echo", w),
                 "shm2": lambda w=w: shm.run("echo", w),
             }
@@ -82,6 +85,8 @@ def round_trips(repeats: int) -> list[list[str]]:
                 ("raw2", "raw Python socket, 2 receivers at once (a sending thread each)", 4 * nbytes),
                 ("tcp1", "ddlf over TCP, 1 worker", 2 * nbytes),
                 ("tcp2", "ddlf over TCP, 2 workers at once", 4 * nbytes),
+                ("grpc1", "ddlf over gRPC only (`direct_lane=False`), 1 worker", 2 * nbytes),
+                ("grpc2", "ddlf over gRPC only (`direct_lane=False`), 2 workers at once", 4 * nbytes),
                 ("shm1", "ddlf shared memory, 1 worker", 2 * nbytes),
                 ("shm2", "ddlf shared memory, 2 workers at once", 4 * nbytes),
             ):
@@ -99,6 +104,7 @@ def round_trips(repeats: int) -> list[list[str]]:
             echo.close()
         senders.shutdown()
         tcp.close()
+        grpc.close()
     return rows
 
 
@@ -164,12 +170,12 @@ def main(argv: list[str] | None = None) -> None:
             "### Weight-list round trips (medians of interleaved repeats)",
             "",
             "A ddlf round trip is `cluster.run_on(0, 'echo', weights)` (or `cluster.run` for all workers): the list "
-            "goes to the worker, is unpickled there on the received memory, and comes back. 'over TCP' streams it "
-            "through gRPC on loopback (`shared_memory=False`); 'shared memory' writes it once into a segment of the "
-            "sender's /dev/shm pool that every local worker reads in place (reply likewise) (`shared_memory=True`, "
-            "opt-in). The raw socket moves the same bytes to an "
-            "echo process and back on loopback (for 2 workers at once: two echo processes, one sending thread "
-            "each; the 2-worker rows are compared with that); memcpy copies them once.",
+            "goes to the worker, is unpickled there on the received memory, and comes back. 'over TCP' sends it "
+            "on the direct lane on loopback (`shared_memory=False`; 'over gRPC only' turns the lane off and streams "
+            "it in chunks); 'shared memory' writes it once into a segment of the sender's /dev/shm pool that every "
+            "local worker reads in place (reply likewise) (`shared_memory=True`, opt-in). The raw socket moves the "
+            "same bytes to an echo process and back on loopback (for 2 workers at once: two echo processes, one "
+            "sending thread each; the 2-worker rows are compared with that); memcpy copies them once.",
             "",
             report.table(["payload", "path", "ms", "GB/s moved", "time vs raw socket"], rt),
             "",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -68,6 +69,23 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+def ctrl_c_interrupts(code: str, within: float = 2.0) -> None:
+    """Run ``code`` in a fresh interpreter: it prints ``calling`` before a call that blocks and ``interrupted`` when
+    ``KeyboardInterrupt`` ends it. Press Ctrl-C half a second after ``calling`` and check that the call ended
+    within ``within`` seconds."""
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "calling"
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=10)
+        assert "interrupted" in out
+        assert time.monotonic() - t0 < within
+    finally:
+        p.kill()
 
 
 class Daemon:

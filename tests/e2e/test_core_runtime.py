@@ -16,7 +16,7 @@ import pytest
 import ddlf
 from ddlf import _ddlf
 
-from ..conftest import Daemon, pid_alive, wait_until
+from ..conftest import Daemon, ctrl_c_interrupts, pid_alive, wait_until
 
 # -- variables -----------------------------------------------------------------------------------------
 
@@ -448,14 +448,7 @@ def test_ctrl_c_interrupts_a_waiting_master(daemon: Daemon) -> None:
             print("interrupted", flush=True)
         """
     )
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "calling"
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=10)
-    assert "interrupted" in out
-    assert time.monotonic() - t0 < 2
+    ctrl_c_interrupts(code)
 
 
 # -- local clusters: no orphans -------------------------------------------------------------------------
