@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import io
 import pickle
+import sys
 import weakref
 from collections import ChainMap
 from collections.abc import Callable, Sequence
@@ -61,6 +62,15 @@ def _reduce_code(code: CodeType) -> tuple[Any, ...]:
     return _code_with_filename, (rebuild, args, code.co_filename)
 
 
+def _script_by_value() -> None:
+    """In a process started by multiprocessing's spawn or forkserver, the script runs as ``__mp_main__``, which
+    cloudpickle would pickle by reference like any module (and no worker has it): send it by value, as
+    ``__main__``."""
+    mp_main = sys.modules.get("__mp_main__")
+    if mp_main is not None:
+        cloudpickle.register_pickle_by_value(mp_main)  # a set of names: idempotent
+
+
 class _ValuePickler(cloudpickle.Pickler):
     """cloudpickle's pickler (``__main__``, lambdas and closures by value), noting local modules and keeping the
     file names of the code it sends (remote tracebacks name them and show their lines)."""
@@ -77,6 +87,7 @@ class _ValuePickler(cloudpickle.Pickler):
 
 
 def _by_value(obj: Any, modules: set[str] | None, buffers: list[pickle.PickleBuffer] | None) -> bytes:
+    _script_by_value()
     out = io.BytesIO()
     _ValuePickler(out, None if buffers is None else buffers.append, modules).dump(obj)
     return out.getvalue()

@@ -51,6 +51,42 @@ def test_classes_and_functions_of_main_travel_by_value() -> None:
     assert value["f"]() == 42
 
 
+def test_a_script_run_by_multiprocessing_spawn_travels_by_value(tmp_path) -> None:
+    # Under spawn (or forkserver) the child runs the script as __mp_main__: its classes and functions are as much
+    # the script's as __main__'s, and no worker can import them.
+    script = tmp_path / "sweep.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing as mp, sys
+            from ddlf import serialization
+
+            class Config:
+                lr = 0.5
+
+            def loader():
+                return 41 + 1
+
+            def child(q):
+                data, _ = serialization.dumps({"cfg": Config(), "f": loader})
+                q.put(data)
+
+            if __name__ == "__main__":
+                ctx = mp.get_context("spawn")
+                q = ctx.Queue()
+                p = ctx.Process(target=child, args=(q,))
+                p.start()
+                sys.stdout.buffer.write(q.get(timeout=60))
+                p.join()
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, check=True, timeout=120)
+    value = serialization.loads(out.stdout)
+    assert type(value["cfg"]).__name__ == "Config" and value["cfg"].lr == 0.5
+    assert value["f"]() == 42
+
+
 def test_code_sent_by_value_keeps_its_file_name_for_remote_tracebacks() -> None:
     # cloudpickle >= 3.1.3 renames all code "<dynamic-code>"; a worker's traceback would name no file and show no line.
     def outer(x):
