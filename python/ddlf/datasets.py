@@ -357,7 +357,10 @@ def _parquet_to_disk(
 
     def open_part(f: str) -> Any:
         try:
-            return pq.ParquetFile(f if filesystem is None else filesystem.open(f, "rb"))
+            # Read as a stream, in batches of a few MB (disk_cache.batch_rows): a conversion's memory then stays
+            # flat whatever the table's or its row groups' size.
+            source = f if filesystem is None else filesystem.open(f, "rb")
+            return pq.ParquetFile(source, pre_buffer=False, buffer_size=1 << 20)
         except (OSError, pa.ArrowException) as exc:
             raise DatasetError(f"{path}: {f} is not a readable Parquet file: {exc}") from exc
 
@@ -378,7 +381,9 @@ def _parquet_to_disk(
         seen = 0
         for f in files:
             try:
-                for batch in open_part(f).iter_batches(batch_size=disk_cache.BATCH_ROWS, columns=wanted):
+                part = open_part(f)
+                size = disk_cache.batch_rows(part.metadata)
+                for batch in part.iter_batches(batch_size=size, columns=wanted, use_threads=False):
                     lo, hi = max(start - seen, 0), min(stop - seen, batch.num_rows)
                     seen += batch.num_rows
                     if hi > lo:

@@ -2,8 +2,9 @@
 than memory.
 
 ``ddlf.datasets.parquet(..., cache_dir=DIR)`` comes here. The conversion streams: it holds one batch of rows at a
-time and writes into ``.npy`` files preallocated at their final size (encoded images: their bytes appended to one
-file, their offsets kept as an ``.npy``), so its memory does not grow with the dataset. The result is returned
+time, appends it to ``.npy`` files whose header already states the final shape (encoded images: their bytes to one
+file, their offsets kept as an ``.npy``), and writes what it wrote back to disk and out of the page cache every
+32 MiB, so its memory does not grow with the dataset, page cache included. The result is returned
 memory-mapped, so the training loop's index-only epochs read rows from the page cache, prefetched by the
 pipeline's thread (``ddlf_core::advice``) when they are not resident.
 
@@ -28,8 +29,21 @@ from typing import Any
 
 import numpy as np
 
-#: Rows read from Parquet at a time.
+#: The most rows read from Parquet at a time.
 BATCH_ROWS = 16_384
+
+#: About how many bytes of rows (uncompressed) are read at a time: decoding a batch of a list column takes about ten
+#: times its values' bytes in Arrow (repetition and definition levels per element), so batches are cut by size.
+BATCH_BYTES = 2 << 20
+
+
+def batch_rows(metadata: Any) -> int:
+    """Rows per batch for a Parquet file with this metadata: :data:`BATCH_BYTES` of its rows, 64 to
+    :data:`BATCH_ROWS`."""
+    rows = sum(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
+    size = sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
+    per_row = max(1, size // max(1, rows))
+    return min(BATCH_ROWS, max(64, BATCH_BYTES // per_row))
 
 
 def entry_name(describe: dict[str, Any]) -> str:
@@ -101,11 +115,46 @@ def convert(
         raise DatasetError(f"{final}: a converted dataset that cannot be read ({exc}); remove the folder") from exc
 
 
+class _Sink:
+    """One output file written front to back with ``write`` (not a memory map: dirty mapped pages are not throttled
+    and, under a memory limit, were what ran a conversion out of memory). Every :data:`WRITE_BACK` bytes it writes
+    them to disk and drops them from the page cache, so the conversion's memory stays flat."""
+
+    def __init__(self, path: str, header: dict[str, Any] | None = None) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115 - closed by close()
+        if header is not None:
+            np.lib.format.write_array_header_2_0(self.file, header)
+        self.synced = 0
+        self.dtype = None if header is None else np.dtype(header["descr"])
+        self.shape = None if header is None else tuple(header["shape"][1:])
+
+    def write(self, a: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(a).data)
+        if self.file.tell() - self.synced >= WRITE_BACK:
+            self._write_back()
+
+    def _write_back(self) -> None:
+        self.file.flush()
+        fd, end = self.file.fileno(), self.file.tell()
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, end, os.POSIX_FADV_DONTNEED)
+        self.synced = end
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self._write_back()
+            self.file.close()
+
+
+#: Bytes a conversion writes to each file before it writes them back and drops them from the page cache.
+WRITE_BACK = 32 << 20
+
+
 def _write(tmp: str, batches: Iterator[Any], rows: int, to_arrays: Any) -> None:
     """Stream ``batches`` into files under ``tmp``."""
     from .datasets import DatasetError
 
-    out: dict[str, np.memmap] = {}
+    out: dict[str, _Sink] = {}
     offsets_parts: list[np.ndarray] = [np.zeros(1, np.uint64)]
     image_bytes = 0
     at = 0
@@ -120,22 +169,27 @@ def _write(tmp: str, batches: Iterator[Any], rows: int, to_arrays: Any) -> None:
                 if isinstance(a, tuple):  # encoded images: ("images", data, offsets)
                     _, data, offsets = a
                     if data_file is None:
-                        data_file = files.enter_context(open(os.path.join(tmp, "data.bin"), "wb"))
-                    data_file.write(np.ascontiguousarray(data).data)
+                        data_file = _Sink(os.path.join(tmp, "data.bin"))
+                        files.callback(data_file.close)
+                    data_file.write(data)
                     offsets_parts.append(offsets[1:].astype(np.uint64) + np.uint64(image_bytes))
                     image_bytes += int(offsets[-1])
                     continue
                 if name not in out:
-                    path = os.path.join(tmp, f"{name}.npy")
-                    out[name] = np.lib.format.open_memmap(path, mode="w+", dtype=a.dtype, shape=(rows, *a.shape[1:]))
-                    files.callback(out[name].flush)
+                    header = {
+                        "descr": np.lib.format.dtype_to_descr(a.dtype),
+                        "fortran_order": False,
+                        "shape": (rows, *a.shape[1:]),
+                    }
+                    out[name] = _Sink(os.path.join(tmp, f"{name}.npy"), header)
+                    files.callback(out[name].close)
                 dst = out[name]
-                if a.shape[1:] != dst.shape[1:] or a.dtype != dst.dtype:
+                if a.shape[1:] != dst.shape or a.dtype != dst.dtype:
                     raise DatasetError(
                         f"column(s) {name!r}: rows of {a.dtype} {a.shape[1:]} after rows of {dst.dtype} "
-                        f"{dst.shape[1:]} (parts of different types: pass dtype= to cast them all)"
+                        f"{dst.shape} (parts of different types: pass dtype= to cast them all)"
                     )
-                dst[at : at + k] = a
+                dst.write(a)
             at += k
         if at != rows:
             raise DatasetError(f"the source has {at} rows, its metadata says {rows}")
