@@ -31,22 +31,25 @@ def read_idx(path: str):
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
+def paper_cnn_layers(layers):
+    """The paper's CNN after its 28x28x1 input: Conv32-Pool-Conv64-Pool-Dropout-Dense10 (``layers``: Keras'
+    ``layers`` module)."""
+    return [
+        layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+        layers.MaxPooling2D(pool_size=(2, 2)),
+        layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
+        layers.MaxPooling2D(pool_size=(2, 2)),
+        layers.Flatten(),
+        layers.Dropout(0.5),
+        layers.Dense(10, activation="softmax"),
+    ]
+
+
 def paper_cnn():
     from tensorflow import keras
     from tensorflow.keras import layers
 
-    model = keras.Sequential(
-        [
-            keras.Input(shape=(28, 28, 1)),
-            layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
-            layers.MaxPooling2D(pool_size=(2, 2)),
-            layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
-            layers.MaxPooling2D(pool_size=(2, 2)),
-            layers.Flatten(),
-            layers.Dropout(0.5),
-            layers.Dense(10, activation="softmax"),
-        ]
-    )
+    model = keras.Sequential([keras.Input(shape=(28, 28, 1)), *paper_cnn_layers(layers)])
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import report
+from .elephas_job import paper_cnn_layers
 from .vs_elephas import ELEPHAS_REQUIREMENTS, ensure_venv, install_ddlf
 
 MNIST = "examples/data/mnist"
@@ -43,20 +44,8 @@ BATCH, WORKERS = 64, 2
 def _model(keras: Any) -> Any:
     from keras import layers
 
-    model = keras.Sequential(
-        [
-            keras.Input(shape=(784,)),
-            layers.Reshape((28, 28, 1)),
-            layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
-            layers.MaxPooling2D(pool_size=(2, 2)),
-            layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
-            layers.MaxPooling2D(pool_size=(2, 2)),
-            layers.Flatten(),
-            layers.Dropout(0.5),
-            layers.Dense(10, activation="softmax"),
-        ]
-    )
-    return model
+    # The Spark frame holds 784-vectors: the paper's CNN behind a reshape.
+    return keras.Sequential([keras.Input(shape=(784,)), layers.Reshape((28, 28, 1)), *paper_cnn_layers(layers)])
 
 
 def _session() -> Any:

@@ -301,7 +301,7 @@ class Cluster:
 
     def worker_info(self) -> list[dict[str, Any]]:
         """What each worker reported at connect time (version, protocol_version, pid, hostname, name, instance),
-        with ``shared_memory`` (large buffers go through /dev/shm) and ``direct_lane`` (small calls have a direct
+        with ``shared_memory`` (large buffers go through /dev/shm) and ``direct_lane`` (calls have a direct
         lane open now) for this master's connection."""
         return list(self._client.worker_info())
 

@@ -396,7 +396,7 @@ def _parquet_to_disk(
         out: dict[str, Any] = {"x": ("images", x.data, x.offsets) if isinstance(x, EncodedImages) else x}
         return out if y is None else {**out, "y": y}
 
-    got = disk_cache.convert(cache_dir, describe, tables(), stop - start, to_arrays)
+    got = disk_cache.convert(cache_dir, describe, tables(), stop - start, to_arrays, source=str(path))
     x = got["x"]
     if isinstance(x, tuple):
         x = EncodedImages(x[1], x[2], images[0], images[1], images[2])

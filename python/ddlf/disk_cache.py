@@ -83,36 +83,51 @@ def convert(
     batches: Iterator[Any],
     rows: int,
     to_arrays: Any,
+    source: str = "the source",
 ) -> dict[str, Any]:
-    """The entry for ``describe`` under ``cache_dir``, converting it first if it is not there: ``batches`` yields
+    """The entry for ``describe`` under ``cache_dir``, converting it first if it is not there (``source`` names
+    the data in errors): ``batches`` yields
     Arrow tables (at most :data:`BATCH_ROWS` rows each, ``rows`` in all) and ``to_arrays`` turns one into
     ``{"x": array | ("images", data, offsets), "y": array?}``. Returns the entry's arrays, memory-mapped: numpy
     arrays, or for images ``("images", data, offsets)``."""
     from .datasets import DatasetError
 
     if rows == 0:
-        raise DatasetError("the source has no rows")
+        raise DatasetError(f"{source}: no rows")
     base = os.fspath(cache_dir)
-    os.makedirs(base, exist_ok=True)
     final = os.path.join(base, entry_name(describe))
-    if not os.path.isdir(final):
-        with _exclusive(final + ".lock"):
-            if not os.path.isdir(final):  # another worker may have finished it while this one waited
-                tmp = f"{final}.tmp-{os.getpid()}"
-                shutil.rmtree(tmp, ignore_errors=True)
-                os.makedirs(tmp)
-                try:
-                    _write(tmp, batches, rows, to_arrays)
-                    with open(os.path.join(tmp, "source.json"), "w") as f:
-                        json.dump(describe, f, indent=1, default=str)
-                    os.rename(tmp, final)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
+    try:
+        os.makedirs(base, exist_ok=True)
+        if not os.path.isdir(final):
+            with _exclusive(final + ".lock"):
+                if not os.path.isdir(final):  # another worker may have finished it while this one waited
+                    _convert_into(final, describe, batches, rows, to_arrays, source)
+    except OSError as exc:  # not a folder, not writable, full
+        raise DatasetError(
+            f"{source}: cannot convert into cache_dir {base!r} ({exc}): it must be a writable folder on a local "
+            "disk with room for the dataset"
+        ) from None
     try:
         return _read(final)
     except (OSError, ValueError) as exc:
         raise DatasetError(f"{final}: a converted dataset that cannot be read ({exc}); remove the folder") from exc
+
+
+def _convert_into(
+    final: str, describe: dict[str, Any], batches: Iterator[Any], rows: int, to_arrays: Any, source: str
+) -> None:
+    """Write the entry in a temporary folder next to ``final`` and rename it: it appears whole or not at all."""
+    tmp = f"{final}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        _write(tmp, batches, rows, to_arrays, source)
+        with open(os.path.join(tmp, "source.json"), "w") as f:
+            json.dump(describe, f, indent=1, default=str)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 class _Sink:
@@ -150,7 +165,7 @@ class _Sink:
 WRITE_BACK = 32 << 20
 
 
-def _write(tmp: str, batches: Iterator[Any], rows: int, to_arrays: Any) -> None:
+def _write(tmp: str, batches: Iterator[Any], rows: int, to_arrays: Any, source: str) -> None:
     """Stream ``batches`` into files under ``tmp``."""
     from .datasets import DatasetError
 
@@ -164,7 +179,7 @@ def _write(tmp: str, batches: Iterator[Any], rows: int, to_arrays: Any) -> None:
             arrays = to_arrays(table)
             k = table.num_rows
             if at + k > rows:
-                raise DatasetError(f"the source has more rows than its metadata says ({rows})")
+                raise DatasetError(f"{source}: more rows than its metadata says ({rows})")
             for name, a in arrays.items():
                 if isinstance(a, tuple):  # encoded images: ("images", data, offsets)
                     _, data, offsets = a
@@ -186,13 +201,13 @@ def _write(tmp: str, batches: Iterator[Any], rows: int, to_arrays: Any) -> None:
                 dst = out[name]
                 if a.shape[1:] != dst.shape or a.dtype != dst.dtype:
                     raise DatasetError(
-                        f"column(s) {name!r}: rows of {a.dtype} {a.shape[1:]} after rows of {dst.dtype} "
+                        f"{source}: column(s) {name!r}: rows of {a.dtype} {a.shape[1:]} after rows of {dst.dtype} "
                         f"{dst.shape} (parts of different types: pass dtype= to cast them all)"
                     )
                 dst.write(a)
             at += k
         if at != rows:
-            raise DatasetError(f"the source has {at} rows, its metadata says {rows}")
+            raise DatasetError(f"{source}: {at} rows, its metadata says {rows}")
         if data_file is not None:
             np.save(os.path.join(tmp, "offsets.npy"), np.concatenate(offsets_parts))
 

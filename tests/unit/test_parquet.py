@@ -170,6 +170,9 @@ def test_cache_dir_refuses_what_it_cannot_convert_and_leaves_nothing_behind(tmp_
         datasets.parquet(str(root), label="nope", cache_dir=cache)
     with pytest.raises(DatasetError, match=r"no Parquet files|not a readable"):
         datasets.parquet(str(tmp_path / "missing"), cache_dir=cache)
+    (tmp_path / "a-file").write_text("")  # a cache_dir that cannot hold anything: named, with what it must be
+    with pytest.raises(DatasetError, match=r"export: cannot convert into cache_dir .*a-file.*writable folder"):
+        datasets.parquet(str(root), columns=["f"], label="y", dtype=np.float32, cache_dir=tmp_path / "a-file")
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"f": pa.array([], pa.float32())}), str(empty))
     with pytest.raises(DatasetError, match="no rows"):

@@ -44,7 +44,7 @@ pub struct ClientConfig {
     pub shared_memory: bool,
     /// Talk TLS, trusting this certificate authority.
     pub tls: Option<ClientTls>,
-    /// Also open a direct lane to each worker (plaintext daemons only) for small calls.
+    /// Also open a direct lane to each worker (plaintext daemons only) for calls (any size).
     pub direct_lane: bool,
     /// How long a lane call spins for its reply before it blocks (see `lane::default_spin`).
     pub lane_spin: Duration,
@@ -112,7 +112,7 @@ pub struct WorkerConn {
     limits: FrameLimits,
     /// Large buffers may go through shared memory (the worker opened our probe file at connect).
     shared_memory: bool,
-    /// The direct lane for small calls, when one could be opened.
+    /// The direct lane, when one could be opened.
     lane: Option<Arc<Lane>>,
 }
 

@@ -194,8 +194,8 @@ impl Pool {
         }
         // The gRPC connections live on a runtime thread of their own, so they are serviced even while no call
         // is in flight: keepalive pings are answered and sent (the daemon drops a connection whose master stops
-        // answering them; with small calls on the direct lanes, gRPC can sit unused for minutes). The calling
-        // thread still polls its own call inside `block_on`; small calls skip this runtime altogether.
+        // answering them; with calls on the direct lanes, gRPC can sit unused for minutes). The calling
+        // thread still polls its own call inside `block_on`; calls on the lanes skip this runtime altogether.
         // Calls to several workers run as tasks on it, one per worker: with one runtime thread, sending 100 MB to
         // two workers took twice as long as to one (each byte is framed, written and read back on that thread).
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
