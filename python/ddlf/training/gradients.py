@@ -148,6 +148,64 @@ def local_mask(model: Any) -> list[bool]:
 
 # -- Keras ---------------------------------------------------------------------------------------------------
 
+GROUP_STEPS = 16
+"""Model averaging's rounds run up to this many whole steps in one compiled call (as Keras's
+``steps_per_execution``): a small model's step costs less than the framework's call into it (measured for a
+100k-parameter MLP on TensorFlow: 2.6 ms a step one call each, 1.0 ms in calls of 16)."""
+GROUP_BYTES = 8 << 20
+"""...and only while the gathered batches of one call take at most this many bytes (large batches gain nothing)."""
+
+
+def _joins(stack: np.ndarray | None, a: np.ndarray) -> bool:
+    return stack is not None and stack.shape[1:] == a.shape and stack.dtype == a.dtype
+
+
+class _Grouped:
+    """Gathers a round's batches into a stack of :data:`GROUP_STEPS` for ``many(xs, ys, n)``, one compiled call
+    that steps through the first ``n`` in order (``n`` is an argument of the call, not of its compilation: one
+    compiled loop serves full stacks and the round's last, partial one). ``one(x, y)`` steps a batch that cannot
+    join a stack (not a numpy array, or too large to gain from it). The steps and their order are those of one
+    call each."""
+
+    def __init__(self, one: Any, many: Any) -> None:
+        self._one, self._many = one, many
+        self._xs: np.ndarray | None = None
+        self._ys: np.ndarray | None = None
+        self._n = 0
+
+    def add(self, x: Any, y: Any) -> None:
+        if type(x) is not np.ndarray or type(y) is not np.ndarray:
+            self.flush()
+            self._one(x, y)
+            return
+        xs, ys = self._xs, self._ys
+        if not (_joins(xs, x) and _joins(ys, y)):
+            self.flush()
+            k = min(GROUP_STEPS, GROUP_BYTES // max(1, x.nbytes + y.nbytes))
+            if k < 2:
+                self._one(x, y)
+                return
+            # A new stack each time: the framework may still read the last one (JAX dispatches asynchronously).
+            xs = self._xs = np.empty((k, *x.shape), x.dtype)
+            ys = self._ys = np.empty((k, *y.shape), y.dtype)
+        assert xs is not None and ys is not None
+        xs[self._n] = x
+        ys[self._n] = y
+        self._n += 1
+        if self._n == len(xs):
+            self.flush()
+
+    def flush(self) -> None:
+        """Step the gathered batches now."""
+        xs, ys, n = self._xs, self._ys, self._n
+        self._xs = self._ys = None
+        self._n = 0
+        if n:
+            self._many(xs, ys, n)
+
+
+# -- Keras ---------------------------------------------------------------------------------------------------
+
 
 class _KerasStepper(Stepper):
     def __init__(self, model: Any) -> None:
@@ -158,6 +216,12 @@ class _KerasStepper(Stepper):
         if not self.trainable:
             raise ValueError('averaging="gradients": the model has no trainable weights')
         self.base_lr: float | None = None
+        self._grouped: _Grouped | None = None  # whole steps gathered for one compiled call (TensorFlow, JAX)
+
+    def _flush(self) -> None:
+        """Run the gathered whole steps before anything else touches the model's state."""
+        if self._grouped is not None:
+            self._grouped.flush()
 
     def _loss(self, x: Any, y: Any, y_pred: Any) -> Any:
         model = self.model
@@ -182,9 +246,11 @@ class _KerasStepper(Stepper):
             self.model.optimizer.build(self.trainable)
 
     def end(self) -> dict[str, float]:
+        self._flush()
         return {k: float(v) for k, v in self.model.get_metrics_result().items()}
 
     def set_learning_rate_factor(self, factor: float) -> None:
+        self._flush()
         optimizer = self.model.optimizer
         check_scalable(self.model)
         if self.base_lr is None:
@@ -220,7 +286,14 @@ class _TensorFlowStepper(_KerasStepper):
         def step(x: Any, y: Any) -> None:
             model.train_step((x, y))
 
+        @tf.function(reduce_retracing=True, jit_compile=jit)
+        def steps(xs: Any, ys: Any, n: Any) -> None:
+            for i in tf.range(n):
+                model.train_step((xs[i], ys[i]))
+
         self._gradients, self._apply, self._step = gradients, apply, step
+        # n as a tensor: a Python int would trace the loop again for each count
+        self._grouped = _Grouped(step, lambda xs, ys, n: steps(xs, ys, tf.constant(n, tf.int32)))
         self._built = False
 
     def _ready(self, x: Any, y: Any) -> None:
@@ -230,13 +303,16 @@ class _TensorFlowStepper(_KerasStepper):
 
     def step(self, x: Any, y: Any) -> None:
         self._ready(x, y)
-        self._step(x, y)
+        assert self._grouped is not None
+        self._grouped.add(x, y)
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
         self._ready(x, y)
+        self._flush()
         return [g.numpy() for g in self._gradients(x, y)]
 
     def apply(self, gradients: list[np.ndarray]) -> None:
+        self._flush()
         self._apply([self._tf.convert_to_tensor(g) for g in gradients])
 
 
@@ -262,11 +338,20 @@ class _JaxStepper(_KerasStepper):
 
         def step(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any) -> Any:
             _logs, (tv, ntv, ov, mv) = model.train_step((tv, ntv, ov, mv), (x, y))
-            return tv, ntv, mv, ov
+            return [list(tv), list(ntv), list(mv), list(ov)]
+
+        def steps(tv: Any, ntv: Any, mv: Any, ov: Any, xs: Any, ys: Any, n: Any) -> Any:
+            def body(i: Any, state: Any) -> Any:
+                tv, ntv, mv, ov = state
+                return step(tv, ntv, mv, ov, xs[i], ys[i])
+
+            return jax.lax.fori_loop(0, n, body, [list(tv), list(ntv), list(mv), list(ov)])
 
         self._gradients = jax.jit(gradients)
         self._apply = jax.jit(apply)
         self._step = jax.jit(step)
+        self._steps = jax.jit(steps)
+        self._grouped = _Grouped(self._step_one, self._step_many)
         self._state: list[list[Any]] | None = None
         self._open = False
 
@@ -285,21 +370,34 @@ class _JaxStepper(_KerasStepper):
         return self._state
 
     def step(self, x: Any, y: Any) -> None:
-        state = self._ready(x, y)
-        self._state = [list(group) for group in self._step(*state, x, y)]
+        self._ready(x, y)
+        assert self._grouped is not None
+        self._grouped.add(x, y)
+
+    def _step_one(self, x: Any, y: Any) -> None:
+        assert self._state is not None
+        self._state = [list(group) for group in self._step(*self._state, x, y)]
+
+    def _step_many(self, xs: Any, ys: Any, n: int) -> None:
+        assert self._state is not None
+        # n as an array: a Python int would compile the loop again for each count
+        self._state = [list(group) for group in self._steps(*self._state, xs, ys, np.int32(n))]
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        self._flush()
         tv, ntv, mv, ov = state = self._ready(x, y)
         grads, ntv, mv = self._gradients(tv, ntv, mv, ov, x, y)
         state[1], state[2] = ntv, mv
         return [np.asarray(g) for g in grads]
 
     def apply(self, gradients: list[np.ndarray]) -> None:
+        self._flush()
         tv, _ntv, _mv, ov = state = self._ready(None, None)  # None: no batch here yet this round
         tv, ov = self._apply(ov, gradients, tv)
         state[0], state[3] = list(tv), list(ov)
 
     def end(self) -> dict[str, float]:
+        self._flush()
         if self._state is not None:
             for group, values in zip(self._variables(), self._state):
                 for v, value in zip(group, values):
