@@ -5,7 +5,7 @@ A :class:`Stepper` computes a batch's gradients (and updates the model's loss an
 the model's own optimizer. One stepper per backend:
 
 * Keras on TensorFlow: two ``tf.function``\\ s (gradients under a ``GradientTape``; ``apply_gradients``), traced
-  once per run.
+  once per run; model averaging's whole steps run :data:`GROUP_STEPS` to a call.
 * Keras on JAX: two jitted, stateless functions over the model's state (as Keras's JAX trainer keeps it), the
   state written back to the Keras variables at the end of each round.
 * Keras on PyTorch: eager, as Keras's torch trainer.
@@ -149,9 +149,11 @@ def local_mask(model: Any) -> list[bool]:
 # -- Keras ---------------------------------------------------------------------------------------------------
 
 GROUP_STEPS = 16
-"""Model averaging's rounds run up to this many whole steps in one compiled call (as Keras's
-``steps_per_execution``): a small model's step costs less than the framework's call into it (measured for a
-100k-parameter MLP on TensorFlow: 2.6 ms a step one call each, 1.0 ms in calls of 16)."""
+"""On TensorFlow, model averaging's rounds run up to this many whole steps in one ``tf.function`` call (as Keras's
+``steps_per_execution``): a small model's step costs less than the call into it (measured for a 100k-parameter MLP:
+2.6 ms a step one call each, 1.0 ms in calls of 16; the paper's CNN and a small transformer gain 3-8%). Not on JAX,
+whose calls are dispatched asynchronously: there the same loop (``lax.fori_loop`` or ``scan``) made the CNN's epoch
+8x slower on CPU and added seconds of compiling."""
 GROUP_BYTES = 8 << 20
 """...and only while the gathered batches of one call take at most this many bytes (large batches gain nothing)."""
 
@@ -185,7 +187,8 @@ class _Grouped:
             if k < 2:
                 self._one(x, y)
                 return
-            # A new stack each time: the framework may still read the last one (JAX dispatches asynchronously).
+            # A new stack each time: the framework may keep a reference to the last one (TensorFlow can alias a
+            # numpy array's memory).
             xs = self._xs = np.empty((k, *x.shape), x.dtype)
             ys = self._ys = np.empty((k, *y.shape), y.dtype)
         assert xs is not None and ys is not None
@@ -216,7 +219,7 @@ class _KerasStepper(Stepper):
         if not self.trainable:
             raise ValueError('averaging="gradients": the model has no trainable weights')
         self.base_lr: float | None = None
-        self._grouped: _Grouped | None = None  # whole steps gathered for one compiled call (TensorFlow, JAX)
+        self._grouped: _Grouped | None = None  # whole steps gathered for one compiled call (TensorFlow)
 
     def _flush(self) -> None:
         """Run the gathered whole steps before anything else touches the model's state."""
@@ -338,20 +341,11 @@ class _JaxStepper(_KerasStepper):
 
         def step(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any) -> Any:
             _logs, (tv, ntv, ov, mv) = model.train_step((tv, ntv, ov, mv), (x, y))
-            return [list(tv), list(ntv), list(mv), list(ov)]
-
-        def steps(tv: Any, ntv: Any, mv: Any, ov: Any, xs: Any, ys: Any, n: Any) -> Any:
-            def body(i: Any, state: Any) -> Any:
-                tv, ntv, mv, ov = state
-                return step(tv, ntv, mv, ov, xs[i], ys[i])
-
-            return jax.lax.fori_loop(0, n, body, [list(tv), list(ntv), list(mv), list(ov)])
+            return tv, ntv, mv, ov
 
         self._gradients = jax.jit(gradients)
         self._apply = jax.jit(apply)
         self._step = jax.jit(step)
-        self._steps = jax.jit(steps)
-        self._grouped = _Grouped(self._step_one, self._step_many)
         self._state: list[list[Any]] | None = None
         self._open = False
 
@@ -370,34 +364,21 @@ class _JaxStepper(_KerasStepper):
         return self._state
 
     def step(self, x: Any, y: Any) -> None:
-        self._ready(x, y)
-        assert self._grouped is not None
-        self._grouped.add(x, y)
-
-    def _step_one(self, x: Any, y: Any) -> None:
-        assert self._state is not None
-        self._state = [list(group) for group in self._step(*self._state, x, y)]
-
-    def _step_many(self, xs: Any, ys: Any, n: int) -> None:
-        assert self._state is not None
-        # n as an array: a Python int would compile the loop again for each count
-        self._state = [list(group) for group in self._steps(*self._state, xs, ys, np.int32(n))]
+        state = self._ready(x, y)
+        self._state = [list(group) for group in self._step(*state, x, y)]
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
-        self._flush()
         tv, ntv, mv, ov = state = self._ready(x, y)
         grads, ntv, mv = self._gradients(tv, ntv, mv, ov, x, y)
         state[1], state[2] = ntv, mv
         return [np.asarray(g) for g in grads]
 
     def apply(self, gradients: list[np.ndarray]) -> None:
-        self._flush()
         tv, _ntv, _mv, ov = state = self._ready(None, None)  # None: no batch here yet this round
         tv, ov = self._apply(ov, gradients, tv)
         state[0], state[3] = list(tv), list(ov)
 
     def end(self) -> dict[str, float]:
-        self._flush()
         if self._state is not None:
             for group, values in zip(self._variables(), self._state):
                 for v, value in zip(group, values):
