@@ -12,10 +12,13 @@ import textwrap
 import pytest
 
 import ddlf
-from ddlf.settings import installed_keras_backend
+from ddlf.settings import installed_keras_backend, installed_keras_backends
 
 from ..conftest import MNIST_DIR
 from .test_training import SmallMnist
+
+MASTER = os.environ["KERAS_BACKEND"]  # this process's backend (tests/conftest.py sets the suite's)
+OTHER = next((b for b in installed_keras_backends() if b != MASTER), None)
 
 _SCRIPT = textwrap.dedent(
     """
@@ -54,7 +57,7 @@ def _train_in_fresh_process(tmp_path, backend: str | None) -> dict:
     env["KERAS_HOME"] = str(tmp_path)  # no keras.json of the user's
     if backend:
         env["KERAS_BACKEND"] = backend
-    code = f"MNIST_DIR = {MNIST_DIR!r}\n{_SCRIPT}"  # no test module imported: tests/conftest.py picks JAX
+    code = f"MNIST_DIR = {MNIST_DIR!r}\n{_SCRIPT}"  # no conftest here: ddlf's default applies
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -71,19 +74,19 @@ def test_the_users_backend_wins_on_master_and_workers(tmp_path) -> None:
     assert out == {"master": "jax", "workers": ["jax", "jax"], "samples": 600}
 
 
-@pytest.mark.skipif(installed_keras_backend() != "tensorflow", reason="needs a second backend (TensorFlow)")
+@pytest.mark.skipif(OTHER is None, reason="needs a second Keras backend")
 def test_a_worker_already_on_another_backend_refuses_with_the_fix() -> None:
-    # This test's master runs Keras on JAX (tests/conftest.py); its worker loads Keras on TensorFlow first.
-    def load_keras_on_tensorflow():
-        os.environ["KERAS_BACKEND"] = "tensorflow"
+    # The master runs the suite's backend; its worker loads Keras on another one first.
+    def load_keras_on(backend):
+        os.environ["KERAS_BACKEND"] = backend
         import keras
 
         return keras.backend.backend()
 
     with ddlf.Cluster.local(1, preload=None) as cluster:  # (a preload would load the master's backend)
-        assert cluster.run(load_keras_on_tensorflow) == ["tensorflow"]
+        assert cluster.run(load_keras_on, OTHER) == [OTHER]
         app = SmallMnist(cluster)
-        with pytest.raises(ddlf.RemoteError, match=r"runs Keras on 'tensorflow'.*KERAS_BACKEND=jax"):
+        with pytest.raises(ddlf.RemoteError, match=rf"runs Keras on '{OTHER}'.*KERAS_BACKEND={MASTER}"):
             app.train(epochs=1, verbose=0)
         assert cluster.run(lambda: "still serving") == ["still serving"]
 
@@ -98,8 +101,8 @@ def test_local_daemons_preload_keras_on_the_masters_backend() -> None:
 
         return keras.backend.backend()
 
-    with ddlf.Cluster.local(2, preload="keras") as cluster:  # this process runs JAX (tests/conftest.py)
-        assert wait_for(lambda: cluster.run(loaded) == ["jax", "jax"], timeout=60)
+    with ddlf.Cluster.local(2, preload="keras") as cluster:  # the suite's backend (tests/conftest.py)
+        assert wait_for(lambda: cluster.run(loaded) == [MASTER, MASTER], timeout=60)
     with ddlf.Cluster.local(1, preload=None) as cluster:
         assert cluster.run(loaded) == [None]
 
