@@ -40,7 +40,8 @@ class Stepper:
         raise NotImplementedError
 
     def step(self, x: Any, y: Any) -> None:
-        """One whole training step on a batch (model averaging: nothing in between)."""
+        """One whole training step on a batch (model averaging: nothing in between). A stepper may gather several
+        and run them together, in order, at the latest by :meth:`end`."""
         self.apply(self.gradients(x, y))
 
     def end(self) -> dict[str, float]:
@@ -146,7 +147,7 @@ def local_mask(model: Any) -> list[bool]:
     return [id(v) not in trained and np.dtype(v.dtype).kind == "f" for v in model.weights]
 
 
-# -- Keras ---------------------------------------------------------------------------------------------------
+# -- whole steps gathered for one compiled call (Keras on TensorFlow) -------------------------------------------
 
 GROUP_STEPS = 16
 """On TensorFlow, model averaging's rounds run up to this many whole steps in one ``tf.function`` call (as Keras's
@@ -219,12 +220,10 @@ class _KerasStepper(Stepper):
         if not self.trainable:
             raise ValueError('averaging="gradients": the model has no trainable weights')
         self.base_lr: float | None = None
-        self._grouped: _Grouped | None = None  # whole steps gathered for one compiled call (TensorFlow)
 
     def _flush(self) -> None:
-        """Run the gathered whole steps before anything else touches the model's state."""
-        if self._grouped is not None:
-            self._grouped.flush()
+        """Run the whole steps gathered so far (TensorFlow) before anything else reads or changes the model's
+        state."""
 
     def _loss(self, x: Any, y: Any, y_pred: Any) -> Any:
         model = self.model
@@ -294,7 +293,7 @@ class _TensorFlowStepper(_KerasStepper):
             for i in tf.range(n):
                 model.train_step((xs[i], ys[i]))
 
-        self._gradients, self._apply, self._step = gradients, apply, step
+        self._gradients, self._apply = gradients, apply
         # n as a tensor: a Python int would trace the loop again for each count
         self._grouped = _Grouped(step, lambda xs, ys, n: steps(xs, ys, tf.constant(n, tf.int32)))
         self._built = False
@@ -306,8 +305,10 @@ class _TensorFlowStepper(_KerasStepper):
 
     def step(self, x: Any, y: Any) -> None:
         self._ready(x, y)
-        assert self._grouped is not None
         self._grouped.add(x, y)
+
+    def _flush(self) -> None:
+        self._grouped.flush()
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
         self._ready(x, y)
