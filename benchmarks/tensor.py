@@ -4,6 +4,7 @@ the merge kernels against numpy; bytes on the wire with each compression option.
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,10 @@ from .baselines import RawEcho
 
 def _echo(x):
     return x
+
+
+def _preloaded() -> None:
+    import keras  # noqa: F401  (waits on the import lock until the worker's background preload is done)
 
 
 def _weights(total_mb: float, n_arrays: int) -> list[np.ndarray]:
@@ -35,12 +40,13 @@ def _median_time(fn, repeats: int) -> float:
     return report.median(times)
 
 
-def round_trips(repeats: int) -> list[list[str]]:
+def round_trips(repeats: int, small_repeats: int) -> list[list[str]]:
     rows = []
     with Cluster.local(2, threads=1, shared_memory=True) as shm:
         tcp = Cluster(shm.addresses, shm.token, shared_memory=False)
         grpc = Cluster(shm.addresses, shm.token, shared_memory=False, direct_lane=False)
         shm.add_function(_echo, "echo")
+        shm.run(_preloaded)
         echoes = [RawEcho(), RawEcho()]
         senders = ThreadPoolExecutor(2)
 
@@ -48,36 +54,39 @@ def round_trips(repeats: int) -> list[list[str]]:
             """The raw floor for two receivers at once: one sending thread per echo process."""
             list(senders.map(lambda k: echoes[k].round_trip_buffer(view, into[k]), (0, 1)))
 
-        for label, total_mb, n_arrays in (("100 MB (10 x 10 MB)", 100.0, 10), ("small CNN, 4 MB (20 arrays)", 4.0, 20)):
+        payloads = (
+            ("100 MB (10 x 10 MB)", 100.0, 10, repeats),
+            ("small CNN, 4 MB (20 arrays)", 4.0, 20, small_repeats),
+        )
+        for label, total_mb, n_arrays, n_repeats in payloads:
             w = _weights(total_mb, n_arrays)
             nbytes = sum(a.nbytes for a in w)
             flat = np.concatenate(w)
             into = [bytearray(nbytes), bytearray(nbytes)]
             dst = np.empty_like(flat)
+            view = memoryview(flat).cast("B")
             contenders = {
+                "raw": lambda v=view, i=into: echoes[0].round_trip_buffer(v, i[0]),
+                "raw2": lambda v=view, i=into: raw_both(v, i),
                 "tcp1": lambda w=w: tcp.run_on(0, "echo", w),
                 "tcp2": lambda w=w: tcp.run("echo", w),
                 "grpc1": lambda w=w: grpc.run_on(0, "echo", w),
                 "grpc2": lambda w=w: grpc.run("echo", w),
                 "shm1": lambda w=w: shm.run_on(0, "echo", w),
                 "shm2": lambda w=w: shm.run("echo", w),
+                "memcpy": lambda d=dst, f=flat: np.copyto(d, f),
             }
-            samples: dict[str, list[float]] = {k: [] for k in ("raw", "raw2", "memcpy", *contenders)}
+            samples: dict[str, list[float]] = {k: [] for k in contenders}
             for fn in contenders.values():
                 fn()
-            for _ in range(repeats):  # interleaved
-                view = memoryview(flat).cast("B")
-                samples["raw"].append(echoes[0].round_trip_buffer(view, into[0]))
-                t0 = time.perf_counter()
-                raw_both(view, into)
-                samples["raw2"].append(time.perf_counter() - t0)
-                for key, fn in contenders.items():
+            order = list(contenders)
+            shuffle = random.Random(0)
+            for _ in range(n_repeats):  # interleaved, in a new order each time: no path always follows the same one
+                shuffle.shuffle(order)
+                for key in order:
                     t0 = time.perf_counter()
-                    fn()
+                    contenders[key]()
                     samples[key].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                np.copyto(dst, flat)
-                samples["memcpy"].append(time.perf_counter() - t0)
             raw = {1: report.median(samples["raw"]), 2: report.median(samples["raw2"])}
             for key, name, moved in (
                 ("memcpy", "numpy memcpy (one copy, one way)", nbytes),
@@ -152,18 +161,25 @@ def wire_bytes() -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks tensor", description=__doc__)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="interleaved repeats of the 100 MB round trips")
+    p.add_argument(
+        "--small-repeats",
+        type=int,
+        default=35,
+        help="interleaved repeats of the 4 MB round trips (a few ms each: the noise of this VM needs more samples)",
+    )
     p.add_argument("--merge-lists", type=int, default=8)
     p.add_argument("--merge-mb", type=float, default=100.0)
     args = p.parse_args(argv)
-    rt = round_trips(args.repeats)
+    rt = round_trips(args.repeats, args.small_repeats)
     mk = merge_kernels(max(3, args.repeats // 2), args.merge_lists, args.merge_mb)
     wb = wire_bytes()
     body = "\n".join(
         [
             "## Tensor data plane",
             "",
-            f"Command: `python -m benchmarks tensor --repeats {args.repeats} --merge-lists {args.merge_lists} "
+            f"Command: `python -m benchmarks tensor --repeats {args.repeats} --small-repeats {args.small_repeats} "
+            f"--merge-lists {args.merge_lists} "
             f"--merge-mb {args.merge_mb:g}`  ",
             f"Machine: {report.machine()}",
             "",
@@ -175,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
             "it in chunks); 'shared memory' writes it once into a segment of the sender's /dev/shm pool that every "
             "local worker reads in place (reply likewise) (`shared_memory=True`, opt-in). The raw socket moves the "
             "same bytes to an echo process and back on loopback (for 2 workers at once: two echo processes, one "
-            "sending thread each; the 2-worker rows are compared with that); memcpy copies them once.",
+            "sending thread each; the 2-worker rows are compared with that); memcpy copies them once. The workers "
+            "start as `Cluster.local` starts them (Keras preloaded in the background); measuring begins once that "
+            "import is done, so a TensorFlow import on the same 2 cores is not timed as the data plane.",
             "",
             report.table(["payload", "path", "ms", "GB/s moved", "time vs raw socket"], rt),
             "",
