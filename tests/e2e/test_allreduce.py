@@ -290,11 +290,16 @@ def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training
         assert len(h.history["loss"]) == 2
         lost = [e for e in h.events if e["event"] == "lost"]
         assert [e["worker"] for e in lost] == [1]
+        # Found by the master's heartbeat, not by the ring's stall timeout: nominally interval + timeout + one
+        # reconnection attempt (3.5 s; measured alone 3.47 s). The slack is for scheduling on a loaded 2-core
+        # machine (the full suite once took 5.68 s here); it stays far below the 300 s the ring would wait.
+        assert lost[0]["reason"].startswith("heartbeat failed"), lost[0]
+        bound = 0.5 + 2.0 + 1.0 + 4.0
         detect = lost[0]["time"] - when["t"]
-        assert 0 <= detect < 2.0 + 0.5 + 3.0, detect  # heartbeat timeout + interval + one round's slack
+        assert 0 <= detect < bound, detect
         redo = [e for e in h.events if e["event"] == "allreduce_redo"]
         assert redo and redo[0]["survivors"] == [0, 2], h.events
-        assert redo[0]["time"] - when["t"] < 2.0 + 0.5 + 3.0, (redo[0], when)
+        assert redo[0]["time"] - when["t"] < bound, (redo[0], when)
         assert sum(s.samples for s in h.stats if s.epoch == 1) == FaultApp.rows
         # The survivors' ring, formed anew, works outside training too, and the woken worker rejoins.
         os.kill(victim, signal.SIGCONT)

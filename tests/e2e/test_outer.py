@@ -11,7 +11,7 @@ import ddlf
 from ddlf.callbacks import LambdaCallback
 
 from .test_faults import FaultApp
-from .test_gradients import Replicas
+from .test_gradients import Linear, Replicas
 
 KW = {"epochs": 2, "batch_size": 32, "averaging_frequency": 10, "seed": 5, "verbose": 0}
 OUTER = {"outer_optimizer": "nesterov", "outer_learning_rate": 0.7, "outer_momentum": 0.9}
@@ -22,21 +22,28 @@ def _off(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 def test_ring_and_master_exchange_agree_and_the_step_changes_the_result() -> None:
+    # A smooth model (tanh, plain SGD, no dropout), so that the exchanges' rounding difference stays rounding. With
+    # ReLU and Adam it need not: on TensorFlow the dropout MLP's hidden unit 55 sat at its threshold in the first
+    # round of epoch 2, the 1e-7 difference switched it on for one path only, and Adam turned that into steps of
+    # the learning rate's size (3.8e-4 apart after the round; indices, step counts and dropout seeds identical).
+    kw = {"epochs": 4, "batch_size": 32, "averaging_frequency": 2, "seed": 5, "verbose": 0}
     with ddlf.Cluster.local(3, threads=1) as c:
-        plain = FaultApp(c)
-        plain.train(**KW)
-        master = FaultApp(c)
-        hm = master.train(**KW, **OUTER)
-        ring = FaultApp(c)
+        plain = Linear(c)
+        plain.train(**kw)
+        master = Linear(c)
+        hm = master.train(**kw, **OUTER)
+        ring = Linear(c)
         held = Replicas(c)
-        ring.train(**KW, exchange="allreduce", callbacks=[held], **OUTER)
+        ring.train(**kw, exchange="allreduce", callbacks=[held], **OUTER)
         assert hm.params["outer_optimizer"] == "nesterov"
+        assert len({(s.epoch, s.round) for s in hm.stats}) >= 12  # enough rounds for the momentum to matter
         # Every member applied the same step to the same average with the same momentum: identical bits.
         assert len(held.held) == 3 and held.identical()
-        # The ring sums in another order than the master: float32 rounding apart, amplified a little by momentum.
-        assert _off(master.model.get_weights(), ring.model.get_weights()) < 1e-4
-        # And the outer step is really applied: far from plain averaging.
-        assert _off(master.model.get_weights(), plain.model.get_weights()) > 1e-2
+        # The ring sums in another order than the master: float32 rounding apart, amplified a little by momentum
+        # (measured 1.2e-6 on TensorFlow, 8e-7 on JAX).
+        assert _off(master.model.get_weights(), ring.model.get_weights()) < 1e-5
+        # And the outer step is really applied: far from plain averaging (measured 0.38).
+        assert _off(master.model.get_weights(), plain.model.get_weights()) > 1e-1
         assert np.isfinite(hm.history["loss"]).all() and hm.history["loss"][-1] < hm.history["loss"][0]
 
 
