@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
+# Each section's header says how long the run has taken so far (CI's whole run should stay near 25 minutes).
+section() { echo "== $1 (at $((SECONDS / 60))m$((SECONDS % 60))s)"; }
 
 scripts/install.sh
 scripts/install-system.sh
@@ -24,24 +26,24 @@ fi
 
 PY_SOURCES=(python tests examples benchmarks scripts)
 
-echo "== lint"
+section "lint"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 .venv/bin/ruff check "${PY_SOURCES[@]}"
 .venv/bin/ruff format --check "${PY_SOURCES[@]}"
 
-echo "== types"
+section "types"
 # The hand-written stub of the Rust extension must match the module that was built.
 .venv/bin/python -m mypy.stubtest ddlf._ddlf --allowlist python/stubtest-allowlist.txt
 .venv/bin/mypy python/ddlf
 
-echo "== cargo test"
+section "cargo test"
 # ddlf-py is the extension module (linked against the interpreter at import time): it is exercised by pytest. The
 # master's dispatch policy (ddlf_net::pool) has its loopback tests here.
 cargo test --workspace --exclude ddlf-py
 
-echo "== pytest: unit"
+section "pytest: unit"
 .venv/bin/python -m pytest tests/unit -q
 
-echo "== pytest: end to end and network namespaces"
+section "pytest: end to end and network namespaces"
 .venv/bin/python -m pytest tests/e2e tests/netns "$@"
