@@ -166,6 +166,26 @@ def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch
         assert cluster.run(lambda: "alive") == ["alive"]
 
 
+# What a worker has loaded (a lambda, so that it travels by value: a reference to this module would import torch).
+_loaded = lambda: tuple(m in __import__("sys").modules for m in ("torch", "torch._dynamo", "tensorflow"))  # noqa: E731
+
+
+def test_workers_load_torchs_compiler_only_for_a_torch_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddlf.frameworks import clash_possible
+
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    # A Keras run on TensorFlow (its app's module does not import torch): torch stays out of the worker.
+    with ddlf.Cluster.local(1, preload=None) as cluster:
+        SmallMnist(cluster).train(epochs=1, batch_size=64, verbose=0)
+        assert cluster.run(_loaded) == [(False, False, True)]
+    # A TorchModel run: the master says so, and the worker loads torch's compiler before anything loads
+    # TensorFlow (where the order matters: triton installed).
+    with ddlf.Cluster.local(1, preload=None) as cluster:
+        TorchMnist(cluster).train(epochs=1, batch_size=64, verbose=0)
+        torch_in, compiler_in, _ = cluster.run(_loaded)[0]
+        assert torch_in and compiler_in == clash_possible()
+
+
 class TorchLinear(ddlf.IApp):
     """The gradient tests' synthetic task with a torch MLP and plain SGD (nothing random per step)."""
 

@@ -153,6 +153,40 @@ def test_importing_ddlf_has_no_side_effects() -> None:
     assert out.stdout.split() == ["None", "False"]
 
 
+def _seeding_in_a_fresh_interpreter(prelude: str, call: str) -> list[str]:
+    """Run ``prelude``, then ``call`` (a seeding), in a fresh interpreter on Keras's TensorFlow backend; returns which
+    of torch, torch's compiler and TensorFlow are loaded after it, in that order."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import sys\n{prelude}\nfrom ddlf.training.common import set_random_seed\n{call}\n"
+        "print(*(m in sys.modules for m in ('torch', 'torch._dynamo', 'tensorflow')))"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return out.stdout.split()
+
+
+def test_a_keras_run_on_tensorflow_does_not_load_torch() -> None:
+    pytest.importorskip("tensorflow")
+    # Seeding a Keras run loads TensorFlow; torch stays out (importing its compiler costs 3.3 s and ~900 MB of
+    # mappings per process where torch and triton are installed beside TensorFlow).
+    assert _seeding_in_a_fresh_interpreter("", "set_random_seed(1)") == ["False", "False", "True"]
+    assert _seeding_in_a_fresh_interpreter("", "set_random_seed(1, torch=False)") == ["False", "False", "True"]
+
+
+def test_a_torch_run_loads_torchs_compiler_before_tensorflow() -> None:
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("torch")
+    from ddlf.frameworks import clash_possible
+
+    expected = ["True", "True" if clash_possible() else "False", "True"]
+    # A script that imported torch (a TorchModel's module), or a run the master says is a torch one.
+    assert _seeding_in_a_fresh_interpreter("import torch", "set_random_seed(1)") == expected
+    assert _seeding_in_a_fresh_interpreter("", "set_random_seed(1, torch=True)") == expected
+
+
 def test_the_failure_policy_decides_by_kind() -> None:
     default = FailurePolicy()
     assert default.decide(ddlf.WorkerUnavailable("x")) == "continue"

@@ -130,24 +130,39 @@ class TrainConfig:
         return 1.0 + (workers - 1) * min(1.0, max(0.0, progress) / self.warmup_epochs)
 
 
-def set_random_seed(seed: int) -> None:
-    """Seed Python's, numpy's and Keras's generators, and torch's when torch is loaded (a TorchModel's dropout)."""
+def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
+    """Seed Python's, numpy's and Keras's generators, and torch's when torch is loaded (a TorchModel's dropout).
+
+    ``torch``: whether this process trains with PyTorch (a ``TorchModel``, or Keras on its torch backend); by
+    default, whether the script has imported torch already or Keras runs on torch."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    from ..frameworks import load_torch_compiler_first
+    if torch is None:
+        torch = uses_torch()
+    if torch:
+        from ..frameworks import load_torch_compiler_first
 
-    # keras.utils.set_random_seed imports TensorFlow whenever it is installed (to seed tf.data), whatever the
-    # backend: where torch and triton are installed too, torch's compiler must be in first (ddlf.frameworks).
-    load_torch_compiler_first()
+        # keras.utils.set_random_seed imports TensorFlow whenever it is installed (to seed tf.data), whatever the
+        # backend: where torch and triton are installed too, torch's compiler must be in first (ddlf.frameworks).
+        # Only then: it costs 3.3 s and about 900 MB of mappings, which a Keras run on TensorFlow does not need.
+        load_torch_compiler_first()
     try:
         import keras
     except ImportError:  # a torch-only installation
         pass
     else:
         keras.utils.set_random_seed(seed)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(seed)
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        loaded.manual_seed(seed)
+
+
+def uses_torch() -> bool:
+    """Whether this process trains with PyTorch, as far as can be told before its model is built: the script
+    imported torch (a ``TorchModel``'s module is defined with it), or Keras runs on its torch backend."""
+    from ..settings import keras_backend_in_use
+
+    return "torch" in sys.modules or keras_backend_in_use() == "torch"
 
 
 def nbytes(arrays: Any) -> int:

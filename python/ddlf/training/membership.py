@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from ..errors import WorkerUnavailable
+from ..models import TorchModel
 from ..settings import keras_backend_in_use
 from . import worker as remote
 
@@ -37,6 +38,8 @@ class Members:
         self.modules: set[str] = set()  # local modules the app refers to: shipped before each setup
         self.blob = app.shipped(self.modules)
         self.backend = keras_backend_in_use()  # workers run the master's Keras backend
+        # Workers load PyTorch's compiler before TensorFlow only for a run that needs it (ddlf.frameworks).
+        self.torch = isinstance(app.model, TorchModel) or self.backend == "torch"
         self.only = set(workers) if workers is not None else None  # a subset of the cluster's workers
         self.rows = 0  # rows every worker must hold (whole-dataset runs), once the first ones are set up
         self.ready: dict[str, int] = {}  # address -> daemon instance set up for this run
@@ -74,7 +77,7 @@ class Members:
                     c._ship(self.modules, None)
                 outcomes = c.call(
                     remote.setup,
-                    (self.run_id, self.blob, self.seed, self.backend),
+                    (self.run_id, self.blob, self.seed, self.backend, self.torch),
                     workers=need,
                     return_exceptions=True,
                 )

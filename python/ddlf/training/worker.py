@@ -141,10 +141,18 @@ def _split_xy(value: Any) -> tuple[Any, Any]:
     raise TypeError("load_dataset must return (x, y) or {'x': ..., 'y': ...}")
 
 
-def setup(worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | None = None) -> dict[str, Any]:
-    """Load (or reuse) the app's dataset and build its model on this worker, on the master's Keras ``backend``."""
+def setup(
+    worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | None = None, torch: bool | None = None
+) -> dict[str, Any]:
+    """Load (or reuse) the app's dataset and build its model on this worker, on the master's Keras ``backend``.
+    ``torch``: the master's model is a ``TorchModel`` or Keras runs on torch (None: as far as this worker can tell,
+    :func:`~ddlf.training.common.uses_torch`)."""
     import cloudpickle
 
+    if torch:
+        from ..frameworks import load_torch_compiler_first
+
+        load_torch_compiler_first()  # before anything loads TensorFlow: the app's unpickling may
     if backend:
         follow_keras_backend(backend)
     else:
@@ -152,14 +160,14 @@ def setup(worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | N
     app = cloudpickle.loads(app_blob)
     t0 = time.perf_counter()
     worker_seed = seed + 1000 * (worker.id + 1)
-    set_random_seed(worker_seed)
+    set_random_seed(worker_seed, torch=torch)
     n_shards = worker.n_workers if app.sharded else 0
     identity = hashlib.sha256(app_blob).digest()
     item, cached = _load(app, identity, worker.id if n_shards else None, n_shards)
     x, y = _split_xy(item.value)
     model = app.create_model()
     if hasattr(model, "set_rng_state"):
-        set_random_seed(worker_seed)  # torch may have been imported by create_model itself
+        set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
     _admit(worker, run_id)
     model, stepper, key = warm.lend(model)  # an earlier run's traced model, holding this one's initial state
     _SESSIONS[run_id] = Session(app, model, x, y, len(x), n_shards, stepper=stepper, warm_key=key, identity=identity)
