@@ -46,4 +46,4 @@ section "pytest: unit"
 .venv/bin/python -m pytest tests/unit -q
 
 section "pytest: end to end and network namespaces"
-.venv/bin/python -m pytest tests/e2e tests/netns "$@"
+.venv/bin/python -m pytest tests/e2e tests/netns --durations=15 "$@"
