@@ -157,12 +157,16 @@ def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
         loaded.manual_seed(seed)
 
 
-def uses_torch() -> bool:
-    """Whether this process trains with PyTorch, as far as can be told before its model is built: the script
-    imported torch (a ``TorchModel``'s module is defined with it), or Keras runs on its torch backend."""
+def uses_torch(model: Any = None) -> bool:
+    """Whether a run trains with PyTorch: Keras runs on its torch backend, or ``model`` is a ``TorchModel``; before
+    the model is built (``model=None``), as far as can be told: the script imported torch (a ``TorchModel``'s
+    module is defined with it)."""
+    from ..models import TorchModel
     from ..settings import keras_backend_in_use
 
-    return "torch" in sys.modules or keras_backend_in_use() == "torch"
+    if keras_backend_in_use() == "torch":
+        return True
+    return isinstance(model, TorchModel) if model is not None else "torch" in sys.modules
 
 
 def nbytes(arrays: Any) -> int:

@@ -12,9 +12,9 @@ import time
 from typing import Any
 
 from ..errors import WorkerUnavailable
-from ..models import TorchModel
 from ..settings import keras_backend_in_use
 from . import worker as remote
+from .common import uses_torch
 
 
 class Members:
@@ -39,7 +39,7 @@ class Members:
         self.blob = app.shipped(self.modules)
         self.backend = keras_backend_in_use()  # workers run the master's Keras backend
         # Workers load PyTorch's compiler before TensorFlow only for a run that needs it (ddlf.frameworks).
-        self.torch = isinstance(app.model, TorchModel) or self.backend == "torch"
+        self.torch = uses_torch(app.model)
         self.only = set(workers) if workers is not None else None  # a subset of the cluster's workers
         self.rows = 0  # rows every worker must hold (whole-dataset runs), once the first ones are set up
         self.ready: dict[str, int] = {}  # address -> daemon instance set up for this run
