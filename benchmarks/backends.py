@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ddlf.settings import KERAS_BACKENDS, installed_keras_backends
+from ddlf.frameworks.keras_backend import KERAS_BACKENDS, installed_keras_backends
 
 from . import report
 

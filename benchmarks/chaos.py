@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddlf.callbacks import LambdaCallback
-from ddlf.cluster import Cluster
-from ddlf.local import LocalWorkers
+from ddlf.cluster.cluster import Cluster
+from ddlf.cluster.local import LocalWorkers
 from ddlf.training import checkpoint
+from ddlf.training.callbacks import LambdaCallback
 
 from . import report
 from .faults import DenseMnist, prepare

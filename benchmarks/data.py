@@ -9,8 +9,9 @@ import time
 
 import numpy as np
 
-from ddlf import datasets, ops, serialization
-from ddlf.cluster import Cluster
+from ddlf import data as datasets
+from ddlf import ops, serialization
+from ddlf.cluster.cluster import Cluster
 
 from . import report
 
@@ -138,7 +139,7 @@ def step_time_isolated(scales: list[int], batch: int, steps: int) -> list[list[s
     import subprocess
     import sys
 
-    from ddlf.threads import thread_env
+    from ddlf.process import thread_env
 
     code = (
         "import json, sys; from benchmarks.data import step_time; "

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:
         print(json.dumps(fit_case(args.epochs, args.batch)))
         return
-    from ddlf.settings import installed_keras_backends
+    from ddlf.frameworks.keras_backend import installed_keras_backends
 
     t_start = time.perf_counter()
     backends = installed_keras_backends()

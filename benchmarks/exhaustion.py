@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from ddlf import datasets
-from ddlf.cluster import Cluster
+from ddlf import data as datasets
+from ddlf.cluster.cluster import Cluster
+from ddlf.cluster.local import LocalWorkers
 from ddlf.errors import CheckpointError, MemoryBudgetExceeded
-from ddlf.local import LocalWorkers
 from ddlf.training import checkpoint
 
 from . import report

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from ddlf import datasets
-from ddlf.app import IApp
-from ddlf.callbacks import LambdaCallback
-from ddlf.cluster import Cluster
-from ddlf.local import LocalWorkers
+from ddlf import data as datasets
+from ddlf.cluster.cluster import Cluster
+from ddlf.cluster.local import LocalWorkers
+from ddlf.training.app import IApp
+from ddlf.training.callbacks import LambdaCallback
 
 from . import report
 

@@ -111,7 +111,7 @@ def case(which: str, path: str, images: int, size: int, epochs: int, batch: int)
     m = model(size)
     if which == "ddlf-loop":
         # What a ddlf worker runs in each training round: the model's traced step over the Rust pipeline.
-        from ddlf.training.gradients import stepper_for
+        from ddlf.training.replica.steppers import stepper_for
 
         stepper = stepper_for(m)
         times: list[float] = []

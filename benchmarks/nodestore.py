@@ -1,4 +1,4 @@
-"""One copy of a dataset per host (``ddlf.node_store``) against a copy per worker: memory, load time, supply rate.
+"""One copy of a dataset per host (``ddlf.data.node_store``) against a copy per worker: memory, load time, supply rate.
 
     .venv/bin/python -m benchmarks nodestore [--mb 400] [--workers 4]
 
@@ -52,7 +52,7 @@ def rss_anon(pid: int) -> int:
 
 def touch(key: str) -> float:
     """Run on a worker: read every byte of the dataset (so its pages are resident in this process)."""
-    from ddlf.datasets import STORE
+    from ddlf.data.store import STORE
 
     return float(sum(float(np.sum(a, dtype=np.float64)) for a in STORE.get(key).value))
 
@@ -60,7 +60,7 @@ def touch(key: str) -> float:
 def supply(key: str, batch_size: int) -> float:
     """Run on a worker: GB/s of one epoch of shuffled batches gathered by the prefetch pipeline."""
     from ddlf import ops
-    from ddlf.datasets import STORE
+    from ddlf.data.store import STORE
 
     arrays = list(STORE.get(key).value)
     rows = len(arrays[0])
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"memcpy {memcpy:.2f} GB/s")
     body = "\n".join(
         [
-            "## One copy per host (`ddlf.node_store`)",
+            "## One copy per host (`ddlf.data.node_store`)",
             "",
             f"`python -m benchmarks nodestore --mb {args.mb:.0f} --workers {args.workers}` · {report.machine()} · "
             f"{time.perf_counter() - t_start:.0f} s",

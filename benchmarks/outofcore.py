@@ -51,7 +51,8 @@ def _read_bytes() -> int:
 
 def steps(x_path: str, y_path: str, rows: int, batch: int, warm: int, timed: int, in_memory: bool) -> dict[str, Any]:
     """Run in the measured process: ``warm`` untimed then ``timed`` timed steps on the first ``rows`` rows."""
-    from ddlf import datasets, ops
+    from ddlf import data as datasets
+    from ddlf import ops
 
     x, y = datasets.npy(x_path)[:rows], datasets.npy(y_path)[:rows]
     if in_memory:
@@ -85,7 +86,7 @@ def steps(x_path: str, y_path: str, rows: int, batch: int, warm: int, timed: int
 
 def convert(parquet_dir: str, cache_dir: str) -> dict[str, Any]:
     """Run in the measured process: the Parquet export converted to ``.npy`` files by ``datasets.parquet``."""
-    from ddlf import datasets
+    from ddlf import data as datasets
 
     t0 = time.perf_counter()
     x, y = datasets.parquet(parquet_dir, columns=["x"], label="y", cache_dir=cache_dir)
@@ -140,7 +141,7 @@ class Budget:
 
 
 def run(budget: Budget | None, args: tuple[Any, ...], fn: str = "steps") -> dict[str, Any]:
-    from ddlf.threads import thread_env
+    from ddlf.process import thread_env
 
     code = f"import json; from benchmarks.outofcore import {fn}; print(json.dumps({fn}(*{args!r})))"
     out = subprocess.run(

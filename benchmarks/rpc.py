@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from ddlf.cluster import Cluster
+from ddlf.cluster.cluster import Cluster
 
 from . import report
 from .baselines import RawEcho

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from ddlf.settings import installed_keras_backends
+from ddlf.frameworks.keras_backend import installed_keras_backends
 
 from . import report
 from .backends import DATA, fit_epochs

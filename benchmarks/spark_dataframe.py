@@ -70,7 +70,7 @@ def _frame(spark: Any) -> Any:
     import pandas as pd
     from pyspark.ml.functions import array_to_vector
 
-    from ddlf import datasets
+    from ddlf import data as datasets
 
     (x, y), _ = datasets.mnist(MNIST)
     x = (x.reshape(len(x), -1).astype(np.float32) / 255.0).astype(np.float64)
@@ -84,7 +84,7 @@ def _frame(spark: Any) -> Any:
 def _test_set() -> tuple[Any, Any]:
     import numpy as np
 
-    from ddlf import datasets
+    from ddlf import data as datasets
 
     _, (xt, yt) = datasets.mnist(MNIST)
     return xt.reshape(len(xt), -1).astype(np.float32) / 255.0, yt

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 import ddlf
-from ddlf.sweep import _Asha
+from ddlf.tune.asha import _Asha
 
 from . import report
 
@@ -134,7 +134,7 @@ def run_ray(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from ddlf.threads import thread_env
+    from ddlf.process import thread_env
 
     x, y, xv, yv = data(args.rows, args.val_rows)
     env = {**thread_env(threads), "KERAS_BACKEND": os.environ.get("KERAS_BACKEND", "tensorflow")}
@@ -231,7 +231,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--contender", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from ddlf.threads import cpu_count
+    from ddlf.process import cpu_count
 
     threads = max(1, cpu_count() // args.workers)
     if args.contender:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ddlf import ops
-from ddlf.cluster import Cluster
+from ddlf.cluster.cluster import Cluster
 
 from . import report
 from .baselines import RawEcho

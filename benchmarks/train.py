@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ddlf.cluster import Cluster
+from ddlf.cluster.cluster import Cluster
 
 from . import report
 

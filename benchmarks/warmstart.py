@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
             raise SystemExit(done.stderr[-3000:])
         results.setdefault(case, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
     backend = subprocess.run(
-        [sys.executable, "-c", "from ddlf.settings import keras_backend_default as k; print(k())"],
+        [sys.executable, "-c", "from ddlf.frameworks.keras_backend import keras_backend_default as k; print(k())"],
         capture_output=True,
         text=True,
     ).stdout.strip()
@@ -113,7 +113,7 @@ The paper's CNN, 2 local workers, the first {args.rows:,} MNIST rows. "Ready" is
 the dataset is in every worker's store and every worker has built its model. "Warm" is a new app on the same
 cluster (dataset cached, Keras loaded): median of 3. The epoch columns are a 3-epoch run on the warm cluster: the
 first epoch includes the framework's tracing and compiling. "Second train()" is another 3-epoch run of a new app
-with the same model on the same cluster: each worker lends it the first run's traced model (`ddlf.training.warm`),
+with the same model on the same cluster: each worker lends it the first run's traced model (`training.replica.warm`),
 so its first epoch has nothing to trace. Medians of 2 fresh processes per row, interleaved.
 
 {table}

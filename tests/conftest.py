@@ -26,8 +26,8 @@ os.environ.setdefault("DDLF_PRELOAD", "")
 def pytest_configure(config: pytest.Config) -> None:
     """The pytest process imports TensorFlow (Keras's data utilities do, when it is installed) and later PyTorch's
     compiler (test_torch.py): that order aborts where triton is installed, so load the compiler first
-    (ddlf.frameworks). Here, not at import: workers that unpickle a test's function import this module too."""
-    from ddlf.frameworks import load_torch_compiler_first
+    (ddlf.frameworks.loading). Here, not at import: workers that unpickle a test's function import this module too."""
+    from ddlf.frameworks.loading import load_torch_compiler_first
 
     load_torch_compiler_first()
 

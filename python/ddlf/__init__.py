@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from . import callbacks, datasets, errors, ops, spark
 from ._ddlf import PROTOCOL_VERSION, __version__
-from ._executor import WorkerContext
-from .app import IApp
 from .cluster import Cluster
-from .errors import *  # noqa: F403 - every error class, listed in errors.__all__
-from .history import History
-from .sweep import SweepResult, Trial, sweep
+from .errors import *  # noqa: F403 - every error class and warning, listed in errors.__all__
+from .training.app import IApp
+from .training.history import History
 from .training.policy import FailurePolicy
+from .tune import SweepResult, Trial, sweep
+from .worker.executor import WorkerContext
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -222,6 +222,51 @@ class CollectiveError(DdlfError):
         self.peer_address = peer_address
 
 
+class DatasetError(DdlfError, ValueError):
+    """A dataset file is missing, malformed or inconsistent. The message names the file."""
+
+
+class ConfigError(DdlfError, ValueError):
+    """A cluster file that cannot be used; the message names the file and line."""
+
+
+class LaunchError(DdlfError):
+    """A worker could not be started or did not come up as expected (``ddlf up``)."""
+
+
+class TooManyRuns(DdlfError, RuntimeError):
+    """The daemon holds ``max_runs`` training runs already; none of them is idle long enough to evict."""
+
+
+# -- warnings -------------------------------------------------------------------------------------------------
+
+
+class DdlfWarning(Warning):
+    """Base class of every warning ddlf issues: ``warnings.filterwarnings("ignore", category=ddlf.DdlfWarning)``
+    silences them all, a subclass one kind."""
+
+
+class WorkerLostWarning(DdlfWarning, RuntimeWarning):
+    """A worker stopped answering; training goes on without it (``history.events`` records it) and takes it back
+    when it returns."""
+
+
+class ReplyRefusedWarning(DdlfWarning, RuntimeWarning):
+    """A worker's reply to a round was malformed or not finite and was left out of the round."""
+
+
+class NonFiniteGradientsWarning(DdlfWarning, RuntimeWarning):
+    """A worker's gradients held NaN or infinity; those batches were left out of their steps."""
+
+
+class WireOverflowWarning(DdlfWarning, RuntimeWarning):
+    """An update overflowed float16 on the ring and was skipped on every worker."""
+
+
+class ConfigWarning(DdlfWarning, UserWarning):
+    """An option that works but is probably not what was meant."""
+
+
 class WorkerErrors:
     """Marks the error of a call that failed on several workers: :attr:`exceptions` holds each worker's error, in
     worker order, and the error itself carries the first one's attributes (``worker_id``, ``address``, ...).
@@ -327,18 +372,28 @@ __all__ = [
     "BadWorkerReply",
     "CheckpointError",
     "CollectiveError",
+    "ConfigError",
+    "ConfigWarning",
+    "DatasetError",
     "DdlfError",
+    "DdlfWarning",
     "DeadlineExceeded",
     "InsecureConfiguration",
+    "LaunchError",
     "MemoryBudgetExceeded",
+    "NonFiniteGradientsWarning",
     "NonFiniteUpdate",
     "NotFoundError",
     "ProtocolError",
     "RemoteError",
+    "ReplyRefusedWarning",
     "RequestRejected",
     "SerializationError",
+    "TooManyRuns",
+    "WireOverflowWarning",
     "WorkerErrorGroup",
     "WorkerErrors",
+    "WorkerLostWarning",
     "WorkerRestarted",
     "WorkerStartError",
     "WorkerUnavailable",

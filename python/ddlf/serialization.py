@@ -8,7 +8,7 @@ What is defined in the script travels by value: the C pickler is tried first (pl
 stream that refers to ``__main__`` (a dataclass instance, a loader function passed as an argument) or a value it
 cannot pickle by reference (lambdas, closures) is pickled again by ``cloudpickle``, the script's classes and
 functions by value. Classes and functions of *local* modules (beside the script, see
-:mod:`ddlf.upload`) stay references; ``dumps(..., modules=set())`` collects their modules, which the cluster ships
+:mod:`ddlf.shipping`) stay references; ``dumps(..., modules=set())`` collects their modules, which the cluster ships
 to the workers before the value.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import cloudpickle
 
 from .errors import SerializationError
-from .upload import is_local, local_module_patterns, names_module
+from .shipping import is_local, local_module_patterns, names_module
 
 PROTOCOL = 5
 _MAIN_MARKER = b"_main__"  # in "__main__" and "__mp_main__"

@@ -136,7 +136,7 @@ def test_half_precision_on_the_wire_is_refused_for_what_it_cannot_carry(four: dd
 
 
 def _reduce(arrays, spec, op, wire):
-    from ddlf.collective import reduce_arrays
+    from ddlf.worker.collective import reduce_arrays
 
     reduce_arrays(arrays, spec, op, wire)
     return arrays
@@ -277,7 +277,7 @@ def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training
     """A ``SIGSTOP``\\ ped member keeps its sockets open (its kernel even answers TCP keepalives): its neighbours
     find it by probing its daemon, within the cluster's heartbeat timeout, not after the ring's 300 s stall
     timeout; the master redoes the round without it, and it rejoins once woken."""
-    local = ddlf.local.LocalWorkers(3, threads=1)
+    local = ddlf.cluster.local.LocalWorkers(3, threads=1)
     try:
         c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=2.0)
         assert c.timeout is None  # so the ring waits up to 300 s for a slow member: only probing ends it sooner
@@ -315,7 +315,7 @@ def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training
 
 
 def test_allreduce_with_a_stopped_worker_fails_fast_and_names_it() -> None:
-    local = ddlf.local.LocalWorkers(3, threads=1)
+    local = ddlf.cluster.local.LocalWorkers(3, threads=1)
     try:
         c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=2.0)
         c.scatter("t", [np.ones(1000, np.float32)] * 3)

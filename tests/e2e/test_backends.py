@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 import ddlf
-from ddlf.settings import installed_keras_backend, installed_keras_backends
+from ddlf.frameworks.keras_backend import installed_keras_backend, installed_keras_backends
 
 from ..conftest import MNIST_DIR
 from .test_training import SmallMnist

@@ -45,7 +45,7 @@ def _corrupt(mode: str, reply: Any) -> Any:
 
 def _misbehave(mode: str | None) -> None:
     """On the worker: wrap its training chunk so its replies are corrupted in ``mode`` (``None``: behave)."""
-    import ddlf.training.worker as remote
+    import ddlf.training.replica as remote
 
     if not hasattr(remote, "_honest_train_chunk"):
         honest = remote.train_chunk
@@ -111,7 +111,7 @@ def test_nonfinite_raise_stops_the_run(pair: ddlf.Cluster) -> None:
         assert info.value.worker_id == 1
     finally:
         pair.call(_misbehave, (None,), workers=[1])
-    assert pair.run(ddlf.training.worker.runs) == [[], []]  # torn down on both workers
+    assert pair.run(ddlf.training.replica.runs) == [[], []]  # torn down on both workers
     with pytest.raises(ValueError, match="nonfinite"):
         SmallMnist(pair).train(epochs=1, nonfinite="ignore", verbose=0)
 

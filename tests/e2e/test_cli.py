@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf.config import ConfigError, load
+from ddlf.cluster.cluster_file import ConfigError, load
 
 from ..conftest import Daemon
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 import ddlf
-from ddlf.training import worker as remote
+from ddlf.training import replica as remote
 
 from ..conftest import MNIST_DIR, REPO, Daemon
 from .test_training import SmallMnist

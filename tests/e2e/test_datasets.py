@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf import datasets
-from ddlf.datasets import DatasetError
+from ddlf import data as datasets
+from ddlf.errors import DatasetError
 
 from ..conftest import MNIST_DIR
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import ddlf
-from ddlf.config import kubernetes_addresses, load
+from ddlf.cluster.cluster_file import kubernetes_addresses, load
 
 from ..conftest import REPO, wait_until
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf.callbacks import LambdaCallback
+from ddlf.training.callbacks import LambdaCallback
 
 from ..conftest import MNIST_DIR, REPO, Daemon, pid_alive, wait_until
 from .test_training import SmallMnist
@@ -117,7 +117,7 @@ def test_kill_9_one_of_three_workers_mid_epoch(mode: str, test_set) -> None:
 
 
 def test_a_stopped_worker_is_declared_lost_within_the_heartbeat_timeout(test_set) -> None:
-    local = ddlf.local.LocalWorkers(3, threads=1)
+    local = ddlf.cluster.local.LocalWorkers(3, threads=1)
     try:
         c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=1.5)
         victim = local.pids()[1]

@@ -45,7 +45,7 @@ def test_bad_gpu_choices_are_refused_before_anything_starts(monkeypatch: pytest.
 
 
 def test_worker_gpu_flag_and_status_show_the_device() -> None:
-    from ddlf.status_table import status_rows, table
+    from ddlf.cli.status_table import status_rows, table
 
     with ddlf.Cluster.local(1, preload=None, worker_args=["--gpu", "none"]) as cluster:
         assert cluster.run(_visible) == [""]

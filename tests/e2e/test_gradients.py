@@ -8,8 +8,8 @@ import pytest
 
 import ddlf
 from ddlf import ops
-from ddlf.callbacks import LambdaCallback
 from ddlf.errors import NonFiniteUpdate
+from ddlf.training.callbacks import LambdaCallback
 
 from ..conftest import Daemon
 from .test_faults import _kill_at_round
@@ -91,7 +91,7 @@ class Replicas(LambdaCallback):
         self.held: list[list[np.ndarray]] = []
 
     def _fetch(self, r: int, logs: dict) -> None:
-        from ddlf.training import worker as remote
+        from ddlf.training import replica as remote
 
         if not self.run_id:  # the only run these tests have on their workers
             live = [w for w in range(len(self.cluster)) if w not in self.cluster.lost_workers]
@@ -169,7 +169,7 @@ def test_scaled_learning_rate_equals_one_process_at_n_times_the_rate() -> None:
 
 
 def _learning_rate(run_id: str) -> float:
-    from ddlf.training.worker import _session
+    from ddlf.training.replica.sessions import _session
 
     return float(np.asarray(_session(run_id).model.optimizer.learning_rate))
 

@@ -14,7 +14,7 @@ import pytest
 
 import ddlf
 from ddlf.errors import MemoryBudgetExceeded, RequestRejected
-from ddlf.memory_budget import parse_size
+from ddlf.worker.memory_budget import parse_size
 
 from ..conftest import Daemon
 

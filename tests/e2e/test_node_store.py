@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf import node_store
+from ddlf.data import node_store
 
 pytestmark = pytest.mark.skipif(node_store.root() is None, reason="needs /dev/shm")
 
@@ -29,7 +29,7 @@ def make_loader(log_path: str, rows: int):
 
 
 def checksum(key: str) -> tuple[float, int, bool]:
-    from ddlf.datasets import STORE
+    from ddlf.data.store import STORE
 
     x, y = STORE.get(key).value
     return float(np.sum(x, dtype=np.float64)), int(np.sum(y, dtype=np.int64)), bool(x.flags.writeable)
@@ -42,7 +42,7 @@ def loads(log: str) -> int:
 
 
 def checksum_of(key: str) -> tuple[float, int, bool]:
-    from ddlf.datasets import STORE
+    from ddlf.data.store import STORE
 
     x, y = STORE.get(key).value
     return float(np.sum(x, dtype=np.float64)), int(np.sum(y)), bool(x.flags.writeable)

@@ -103,8 +103,8 @@ def test_report_renders_in_headless_chromium(trained) -> None:
 
 
 def test_report_of_a_run_with_a_lost_worker_shows_it(tmp_path: Path) -> None:
-    from ddlf.history import History, RoundStats
-    from ddlf.report import write_report
+    from ddlf.report.training import write_report
+    from ddlf.training.history import History, RoundStats
 
     h = History(params={"mode": "sync", "workers": 2, "samples": 100, "batch_size": 10})
     h.record_epoch({"loss": 1.0, "accuracy": 0.5}, 1.0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf.callbacks import LambdaCallback
+from ddlf.training.callbacks import LambdaCallback
 
 from .test_faults import FaultApp
 from .test_gradients import Linear, Replicas
@@ -56,7 +56,7 @@ def test_learning_rate_one_without_momentum_is_model_averaging() -> None:
 
 
 def test_a_worker_that_joins_the_ring_adopts_the_momentum() -> None:
-    from ddlf.local import LocalWorkers
+    from ddlf.cluster.local import LocalWorkers
 
     with ddlf.Cluster.local(2, threads=1) as c, LocalWorkers(1, threads=1, token=c.token) as extra:
         app = FaultApp(c)

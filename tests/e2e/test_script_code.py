@@ -78,9 +78,9 @@ def test_script_values_functions_and_neighbour_modules_reach_the_workers(tmp_pat
 
             # As on a remote host, where the script's directory does not exist: the master reads its modules
             # (what it ships), then they disappear from this host, so the workers can only use the shipped copies.
-            import os, shutil, ddlf.upload
+            import os, shutil, ddlf.shipping
             for name in ("util", "helper", "pkgmod"):
-                ddlf.upload.Shipment.files(name)
+                ddlf.shipping.Shipment.files(name)
             here = os.path.dirname(os.path.abspath(__file__))
             shutil.rmtree(os.path.join(here, "pkgmod"))
             os.remove(os.path.join(here, "helper.py"))
@@ -190,10 +190,10 @@ def test_a_module_over_the_shipping_limit_is_refused_by_name_and_upload_module_s
         "bighelper.py": "DATA = " + repr("x" * 4096) + "\ndef f():\n    return 5\n",
         "main.py": """
             import json
-            import ddlf, ddlf.upload
+            import ddlf, ddlf.shipping
             import bighelper
 
-            ddlf.upload.SHIP_LIMIT = 1024  # bighelper.py is over 4 KiB
+            ddlf.shipping.SHIP_LIMIT = 1024  # bighelper.py is over 4 KiB
             out = {}
             with ddlf.Cluster.local(1) as cluster:
                 try:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf.datasets import DatasetError
+from ddlf.data import store
+from ddlf.errors import DatasetError
 
 from ..conftest import MNIST_DIR
 
@@ -86,5 +87,5 @@ def test_workers_train_on_a_dataset_read_from_s3(cluster: ddlf.Cluster, s3: dict
     h = app.train(epochs=2, batch_size=32, verbose=0)
     assert sum(s.samples for s in h.stats) == 2 * 3000
     assert h.history["accuracy"][-1] > 0.75
-    held = cluster.call(ddlf.datasets._remote_describe)
+    held = cluster.call(store.describe)
     assert all(any(d["key"] == "mnist-s3-test" for d in worker) for worker in held)

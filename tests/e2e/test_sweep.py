@@ -70,7 +70,7 @@ def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, v
     assert {tuple(t.workers) for t in result.trials} <= {(0,), (1,)}
     rows = result.table()
     assert len(rows) == len(CONFIGS) and all("val_accuracy" in r for r in rows)
-    assert cluster.run(ddlf.training.worker.runs) == [[], []]  # no run left on the workers
+    assert cluster.run(ddlf.training.replica.runs) == [[], []]  # no run left on the workers
     # The sweep's page: a row and a bar per trial, the best trial's metric on a card, the numbers beside it.
     page = (tmp_path / "sweep.html").read_text()
     assert re.findall(r"<tr class='(\w+)'>", page) == statuses

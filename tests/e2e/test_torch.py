@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf.models import TorchModel
+from ddlf.frameworks import loading
+from ddlf.frameworks.torch_model import TorchModel
 
 from ..conftest import MNIST_DIR
 from .test_training import SmallMnist
@@ -128,14 +129,14 @@ def test_torch_model_trains_async(cluster: ddlf.Cluster, test_set) -> None:
     assert sum(s.samples for s in h.stats) == 3 * 3000
 
 
-@pytest.mark.skipif(not __import__("ddlf.frameworks").frameworks.clash_possible(), reason="needs TF, torch, triton")
+@pytest.mark.skipif(not loading.clash_possible(), reason="needs TF, torch, triton")
 def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch: pytest.MonkeyPatch) -> None:
     # Self-contained on purpose: a reference to this module would import tests/conftest.py on the worker, which
     # loads PyTorch's compiler first itself.
     def torch_model():
         import torch
 
-        from ddlf.models import TorchModel
+        from ddlf.frameworks.torch_model import TorchModel
 
         net = torch.nn.Linear(2, 2)
         return type(TorchModel(net, lambda p: torch.optim.Adam(p), torch.nn.MSELoss(), metrics=())).__name__
@@ -171,7 +172,7 @@ _loaded = lambda: tuple(m in __import__("sys").modules for m in ("torch", "torch
 
 
 def test_workers_load_torchs_compiler_only_for_a_torch_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddlf.frameworks import clash_possible
+    from ddlf.frameworks.loading import clash_possible
 
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
     # A Keras run on TensorFlow (its app's module does not import torch): torch stays out of the worker.
@@ -229,7 +230,7 @@ def test_torch_model_gradient_averaging_equals_one_process(bucket_cap_mb: float 
 def test_buckets_follow_backward_order_and_launch_in_order() -> None:
     """The unit of overlap, without a ring: buckets cut in reverse parameter order, launched strictly in order
     (each while backward still runs, the last after it), weights carried per bucket, NaN left out per bucket."""
-    from ddlf.training.buckets import Buckets
+    from ddlf.training.replica.buckets import Buckets
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))

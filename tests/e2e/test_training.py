@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
+from ddlf.training.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
 
 from ..conftest import MNIST_DIR
 

@@ -45,7 +45,7 @@ class WiderMnist(SmallMnist):
 
 
 def _kept() -> list[int]:
-    from ddlf.training import warm
+    from ddlf.training.replica import warm
 
     return sorted(id(model) for model, _ in warm._KEPT.values())
 

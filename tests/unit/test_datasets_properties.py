@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddlf import datasets, ops
-from ddlf.datasets import DatasetError
+from ddlf import data as datasets
+from ddlf import ops
+from ddlf.errors import DatasetError
 
 from .test_ops_properties import DTYPES, LAYOUTS, make
 

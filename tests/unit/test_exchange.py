@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ddlf.collective import RingPlan, Rings, check_op
-from ddlf.training.common import TrainConfig
+from ddlf.cluster.rings import RingPlan, Rings
+from ddlf.ring_spec import check_op
 from ddlf.training.exchange import choose
+from ddlf.training.options import TrainConfig
 
 
 class FakeCluster:

@@ -1,5 +1,5 @@
 """On TensorFlow, model averaging's rounds step small batches several to a compiled call
-(ddlf.training.gradients._Grouped): the same steps, in the same order, as one call each."""
+(ddlf.training.replica.steppers._Grouped): the same steps, in the same order, as one call each."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from ddlf.settings import installed_keras_backends
-from ddlf.training import gradients
-from ddlf.training.gradients import _Grouped
+from ddlf.frameworks.keras_backend import installed_keras_backends
+from ddlf.training.replica import steppers as gradients
+from ddlf.training.replica.steppers import _Grouped
 
 
 class Recorder:
@@ -105,7 +105,7 @@ _COMPARE = r"""
 import json
 import numpy as np
 import keras
-from ddlf.training import gradients
+from ddlf.training.replica import steppers as gradients
 
 def make():
     keras.utils.set_random_seed(1)

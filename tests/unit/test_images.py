@@ -9,8 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from ddlf import node_store, ops
-from ddlf.datasets import DatasetError, EncodedImages, image_folder, parquet
+from ddlf import ops
+from ddlf.data import node_store
+from ddlf.data.images import EncodedImages, image_folder
+from ddlf.data.parquet import parquet
+from ddlf.errors import DatasetError
 
 Image = pytest.importorskip("PIL.Image")
 

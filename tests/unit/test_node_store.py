@@ -1,4 +1,4 @@
-"""The host's one copy of a dataset (ddlf.node_store), without daemons: in a temporary root."""
+"""The host's one copy of a dataset (ddlf.data.node_store), without daemons: in a temporary root."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from ddlf import node_store
-from ddlf.datasets import DatasetStore
+from ddlf.data import node_store
+from ddlf.data.store import DatasetStore
 
 
 @pytest.fixture(autouse=True)

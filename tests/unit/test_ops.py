@@ -140,7 +140,7 @@ def test_batch_pipeline_reads_a_file_mapping_not_in_the_cache(tmp_path) -> None:
     # for random access and reads the next batches' pages ahead; the batches are the same as numpy's.
     import os
 
-    from ddlf import datasets
+    from ddlf import data as datasets
 
     x = rng().integers(0, 255, (20_000, 300), dtype=np.uint8)  # 300 B rows: several per page, some across two
     np.save(tmp_path / "x.npy", x)

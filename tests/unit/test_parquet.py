@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddlf import datasets
-from ddlf.datasets import DatasetError
+from ddlf import data as datasets
+from ddlf.errors import DatasetError
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -116,7 +116,7 @@ def _export(root, parts: int, rows: int) -> np.ndarray:
 
 
 def test_cache_dir_converts_once_in_batches_and_maps_the_result(tmp_path, monkeypatch) -> None:
-    from ddlf import disk_cache
+    from ddlf.data import parquet_cache as disk_cache
 
     monkeypatch.setattr(disk_cache, "BATCH_ROWS", 7)  # many batches, cutting row groups and files
     want = _export(tmp_path / "export", parts=3, rows=20)

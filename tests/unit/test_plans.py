@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddlf.training.common import TrainConfig
+from ddlf.training.options import TrainConfig
 from ddlf.training.plan import SHARD_SEED_STRIDE, ShardPlan, SlicePlan, chunks, shard_layout
 
 

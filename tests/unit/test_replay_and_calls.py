@@ -11,20 +11,14 @@ import pytest
 
 import ddlf
 from ddlf import serialization
-from ddlf._calls import decode
-from ddlf.recovery import ReplayLog, broken
-from ddlf.settings import (
-    MAX_LANE_SPIN_US,
-    check_lane_spin_us,
-    check_seconds,
-    follow_keras_backend,
-    installed_keras_backend,
-    keras_backend_default,
-    read_pem,
-)
-from ddlf.training.common import TrainConfig
+from ddlf.cluster.calls import decode
+from ddlf.cluster.recovery import ReplayLog, broken
+from ddlf.frameworks.keras_backend import follow_keras_backend, installed_keras_backend, keras_backend_default
+from ddlf.settings import MAX_LANE_SPIN_US, check_lane_spin_us, check_seconds, read_pem
+from ddlf.training.messages import WorkerResult
+from ddlf.training.options import TrainConfig
 from ddlf.training.policy import FailurePolicy
-from ddlf.training.run import WorkerResult, weighted_logs
+from ddlf.training.run import weighted_logs
 
 
 def test_the_replay_log_keeps_push_order_and_moves_repushes_last() -> None:
@@ -147,7 +141,7 @@ def test_importing_ddlf_has_no_side_effects() -> None:
     import subprocess
     import sys
 
-    code = "import os, ddlf; print(os.environ.get('KERAS_BACKEND'), ddlf.settings._prepared)"
+    code = "import os, ddlf, ddlf.process; print(os.environ.get('KERAS_BACKEND'), ddlf.process._prepared)"
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["None", "False"]
@@ -160,7 +154,7 @@ def _seeding_in_a_fresh_interpreter(prelude: str, call: str) -> list[str]:
     import sys
 
     code = (
-        f"import sys\n{prelude}\nfrom ddlf.training.common import set_random_seed\n{call}\n"
+        f"import sys\n{prelude}\nfrom ddlf.frameworks.seeding import set_random_seed\n{call}\n"
         "print(*(m in sys.modules for m in ('torch', 'torch._dynamo', 'tensorflow')))"
     )
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -179,7 +173,7 @@ def test_a_keras_run_on_tensorflow_does_not_load_torch() -> None:
 def test_a_torch_run_loads_torchs_compiler_before_tensorflow() -> None:
     pytest.importorskip("tensorflow")
     pytest.importorskip("torch")
-    from ddlf.frameworks import clash_possible
+    from ddlf.frameworks.loading import clash_possible
 
     expected = ["True", "True" if clash_possible() else "False", "True"]
     # A script that imported torch (a TorchModel's module), or a run the master says is a torch one.

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from ddlf.errors import BadWorkerReply, NonFiniteUpdate
-from ddlf.training.replies import check_reply, check_states, finite
-from ddlf.training.run import WorkerResult
+from ddlf.training.messages import WorkerResult, finite
+from ddlf.training.replies import check_reply, check_states
 
 LIKE = [np.zeros((4, 3), np.float32), np.zeros(3, np.float32)]
 

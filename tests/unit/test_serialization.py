@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf import serialization, upload
+from ddlf import serialization
+from ddlf import shipping as upload
 
 
 def test_plain_data_and_installed_classes_take_the_c_pickler_unchanged() -> None:
@@ -195,7 +196,7 @@ def test_files_digest_tells_versions_apart() -> None:
 def test_torch_compiler_after_tensorflow_is_refused_with_the_fix(monkeypatch) -> None:
     import types
 
-    from ddlf import frameworks
+    from ddlf.frameworks import loading as frameworks
 
     monkeypatch.setattr(frameworks, "installed", lambda name: True)
     monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tensorflow"))

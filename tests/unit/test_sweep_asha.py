@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ddlf.sweep import SweepResult, Trial, _Asha
+from ddlf.tune.asha import _Asha
+from ddlf.tune.result import SweepResult, Trial
 
 
 def test_rungs_grow_by_the_reduction_factor() -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ddlf.history import History
-from ddlf.sweep import SweepResult, Trial
-from ddlf.sweep_report import render_sweep_report
+from ddlf.report.sweep import render_sweep_report
+from ddlf.training.history import History
+from ddlf.tune.result import SweepResult, Trial
 
 
 def _history(values: list[float]) -> History:

@@ -25,13 +25,15 @@ import numpy as np
 
 from .. import ops
 from ..errors import BadWorkerReply, WorkerUnavailable
-from ..history import History, RoundStats
-from . import worker as remote
-from .common import TrainConfig, nbytes
+from . import replica as remote
+from .history import History, RoundStats
 from .membership import Members
+from .messages import WorkerResult
+from .numerics import nbytes
+from .options import TrainConfig
 from .plan import Chunk, chunks, shard_layout
 from .replies import check_reply
-from .run import TrainingRun, WorkerResult
+from .run import TrainingRun
 
 DEFAULT_CHUNK_BATCHES = 10
 SUPERVISE_EVERY = 0.2  # seconds between the supervisor's looks at the workers

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..history import History, RoundStats
+from .history import History, RoundStats
 
 FILENAME = "ddlf-checkpoint.pkl"
 FORMAT = 1

@@ -34,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from ..collective import host_of
+from ..cluster.rings import host_of
 from ..errors import BadWorkerReply, NonFiniteUpdate, RemoteError, WorkerUnavailable
-from . import worker as remote
+from . import replica as remote
+from .messages import WorkerResult, weights_var
 from .plan import assigned_rows
 from .replies import check_reply
-from .run import TrainingRun, WorkerResult
+from .run import TrainingRun
 
 EXCHANGES = ("master", "allreduce", "auto")
 
@@ -141,7 +142,7 @@ class RingExchange:
             if fresh:
                 if start is None:
                     start = self.weights()
-                sent = cluster.set(remote.weights_var(cfg.run_id), start, workers=fresh, return_exceptions=True)
+                sent = cluster.set(weights_var(cfg.run_id), start, workers=fresh, return_exceptions=True)
                 send_s = cluster.last_call_timings()
                 for w, ok in zip(fresh, sent):
                     if isinstance(ok, BaseException):

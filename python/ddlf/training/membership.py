@@ -12,9 +12,9 @@ import time
 from typing import Any
 
 from ..errors import WorkerUnavailable
-from ..settings import keras_backend_in_use
-from . import worker as remote
-from .common import uses_torch
+from ..frameworks.keras_backend import keras_backend_in_use
+from ..frameworks.seeding import uses_torch
+from . import replica as remote
 
 
 class Members:
@@ -38,7 +38,7 @@ class Members:
         self.modules: set[str] = set()  # local modules the app refers to: shipped before each setup
         self.blob = app.shipped(self.modules)
         self.backend = keras_backend_in_use()  # workers run the master's Keras backend
-        # Workers load PyTorch's compiler before TensorFlow only for a run that needs it (ddlf.frameworks).
+        # Workers load PyTorch's compiler before TensorFlow only for a run that needs it (ddlf.frameworks.loading).
         self.torch = uses_torch(app.model)
         self.only = set(workers) if workers is not None else None  # a subset of the cluster's workers
         self.rows = 0  # rows every worker must hold (whole-dataset runs), once the first ones are set up

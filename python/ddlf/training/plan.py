@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from .common import TrainConfig
+from .options import TrainConfig
 
 SHARD_SEED_STRIDE = 1_000_003
 """Shard ``s`` of a run with seed ``seed`` is shuffled from seed ``seed * SHARD_SEED_STRIDE + s``."""

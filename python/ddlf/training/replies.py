@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadWorkerReply, NonFiniteUpdate
-from .common import decode_payload
-from .run import WorkerResult
+from .messages import WorkerResult, finite
+from .numerics import decode_payload
 
 HALF = ("float16", "bfloat16")
 
@@ -110,16 +110,6 @@ def _check_weights(
             raise bad("half-precision weights of mixed dtypes")
         return decode_payload(list(raw))
     return [np.ascontiguousarray(a) for a in raw]
-
-
-def finite(a: np.ndarray) -> bool:
-    """Whether every element of float array ``a`` is finite (other dtypes always are): one pass summing in
-    float64, where a finite float32 tensor cannot overflow; the exact check only when the sum is not finite."""
-    if a.dtype.kind != "f" or a.size == 0:
-        return True
-    if a.dtype.itemsize <= 4 and math.isfinite(float(np.add.reduce(a, axis=None, dtype=np.float64))):
-        return True
-    return bool(np.isfinite(a).all())
 
 
 def check_states(results: list[WorkerResult]) -> list[tuple[WorkerResult, str]]:

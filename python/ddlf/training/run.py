@@ -10,48 +10,25 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import BadWorkerReply, NonFiniteUpdate
-from ..history import History, RoundStats
+from ..errors import (
+    BadWorkerReply,
+    NonFiniteGradientsWarning,
+    NonFiniteUpdate,
+    ReplyRefusedWarning,
+    WireOverflowWarning,
+)
 from . import checkpoint
-from . import worker as remote
-from .common import TrainConfig
+from . import replica as remote
+from .history import History, RoundStats
 from .membership import Members
+from .messages import WorkerResult
+from .options import TrainConfig
 from .policy import FailurePolicy
-
-
-@dataclass
-class WorkerResult:
-    """What one worker's training chunk returned (``training.worker.train_chunk``)."""
-
-    worker: int
-    samples: int
-    weights: list[Any]
-    """Its weights, or its delta (compressed: half precision, or top-k ``(indices, values)`` pairs); empty when
-    the workers averaged among themselves (``exchange="allreduce"``)."""
-    compute_seconds: float
-    data_wait_seconds: float
-    logs: dict[str, float] = field(default_factory=dict)
-    optimizer_state: list[np.ndarray] | None = None
-    payload: list[np.ndarray] = field(default_factory=list)
-    """``weights`` decoded (float32, shaped like the model's), set by :func:`~.replies.check_reply` once the
-    reply passed its checks (empty for an all-reduce round: the workers averaged among themselves)."""
-
-    @classmethod
-    def from_reply(cls, worker: int, reply: dict[str, Any]) -> WorkerResult:
-        return cls(
-            worker=worker,
-            samples=int(reply["samples"]),
-            weights=list(reply.get("weights", [])),
-            compute_seconds=float(reply["compute_seconds"]),
-            data_wait_seconds=float(reply["data_wait_seconds"]),
-            logs=dict(reply.get("logs", {})),
-            optimizer_state=reply.get("optimizer_state"),
-        )
 
 
 def weighted_logs(results: list[WorkerResult]) -> dict[str, float]:
@@ -92,7 +69,7 @@ class TrainingRun:
         it held non-finite values and the run says ``nonfinite="raise"``."""
         if isinstance(exc, NonFiniteUpdate) and self.cfg.nonfinite == "raise":
             raise exc
-        warnings.warn(f"{exc}; its reply is left out of this round", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"{exc}; its reply is left out of this round", ReplyRefusedWarning, stacklevel=2)
         self.members.note("reply_refused", worker=exc.worker_id, reason=str(exc), error=type(exc).__name__)
 
     def nonfinite_gradients(self, worker: int, batches: int) -> None:
@@ -102,7 +79,7 @@ class TrainingRun:
         what = f"worker {worker} computed non-finite gradients (NaN or infinity) on {batches} batch(es)"
         if self.cfg.nonfinite == "raise":
             raise NonFiniteUpdate(f"{what}: its model diverged, or its data holds NaN", worker_id=worker)
-        warnings.warn(f"{what}; they were left out of their steps", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"{what}; they were left out of their steps", NonFiniteGradientsWarning, stacklevel=2)
         self.members.note("nonfinite_gradients", worker=worker, batches=batches)
 
     def wire_overflow(self, steps: int) -> None:
@@ -111,7 +88,7 @@ class TrainingRun:
         warnings.warn(
             f'{steps} update(s) overflowed compression="float16" on the ring and were skipped on every worker; '
             'compression="bfloat16" has float32\'s range',
-            RuntimeWarning,
+            WireOverflowWarning,
             stacklevel=2,
         )
         self.members.note("wire_overflow", updates=steps)

@@ -1,0 +1,7 @@
+"""``python -m ddlf.cli``: the same as the ``ddlf`` command."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""The ``ddlf`` command: ``ddlf worker`` (the daemon), ``ddlf status`` (a table of workers), ``ddlf logs`` (a
+worker's recent log lines), ``ddlf up`` / ``ddlf down`` (start / stop a cluster.toml's workers over SSH),
+``ddlf demo`` (the README's local MNIST run). The benchmarks run from a checkout: ``python -m benchmarks NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..cluster import cluster_file as cluster_config
+from ..errors import DdlfError
+from .status_table import status_rows, table
+
+
+def _targets(args: argparse.Namespace, command: str) -> tuple[list[str], dict[str, Any]] | None:
+    """Worker addresses and connection settings from the command line and/or ``--config``."""
+    if args.config:
+        cfg = cluster_config.load(args.config)
+        addresses = cfg.workers + list(args.addresses)
+        kw = cfg.cluster_kwargs()
+        for key in ("connect_timeout", "timeout"):
+            kw.pop(key, None)
+        return addresses, kw
+    if not args.addresses:
+        print(f"ddlf {command}: give worker addresses or --config cluster.toml", file=sys.stderr)
+        return None
+    return list(args.addresses), {"token": os.environ.get("DDLF_TOKEN") or None}
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    found = _targets(args, "status")
+    if found is None:
+        return 2
+    addresses, kw = found
+    rows = status_rows(addresses, kw, args.timeout)
+    print(table(rows))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    """Print each worker's last lines (headed by its address when there are several)."""
+    from ..cluster.cluster import Cluster
+
+    if args.lines < 0:
+        print(f"ddlf logs: -n must be 0 (all) or more, not {args.lines}", file=sys.stderr)
+        return 2
+    found = _targets(args, "logs")
+    if found is None:
+        return 2
+    addresses, kw = found
+    failed = False
+    for address in addresses:
+        if len(addresses) > 1:
+            print(f"==> {address} <==")
+        try:
+            with Cluster([address], connect_timeout=args.timeout, timeout=args.timeout, **kw) as c:
+                print("\n".join(c.logs(0, args.lines, timeout=args.timeout)))
+        except DdlfError as exc:
+            print(f"ddlf logs: {address}: {getattr(exc, 'reason', None) or exc}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    script = os.path.join(os.getcwd(), "examples", "mnist_sync.py")
+    if not os.path.exists(script):
+        print("ddlf demo: run it from the ddlf repository (it needs examples/ and examples/data)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, script, *args.rest])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ddlf``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        from ..worker.main import main as worker_main
+
+        return worker_main(argv[1:])
+    p = argparse.ArgumentParser(prog="ddlf", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("worker", help="run a worker daemon (same as ddlf-worker; see ddlf worker --help)")
+    st = sub.add_parser("status", help="a table of workers: version, uptime, memory, what they hold and run")
+    st.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    st.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
+    st.add_argument("--timeout", type=float, default=3.0, help="seconds allowed per worker (default 3)")
+    lg = sub.add_parser("logs", help="a worker daemon's recent log lines (requests with their ids, errors)")
+    lg.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    lg.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
+    lg.add_argument("-n", "--lines", type=int, default=100, help="how many of the last lines (0: all kept)")
+    lg.add_argument("--timeout", type=float, default=3.0, help="seconds allowed per worker (default 3)")
+    upp = sub.add_parser("up", help="start the workers of a cluster.toml over ssh, check versions, show status")
+    upp.add_argument("config", help="cluster.toml (workers, token_file, [launch] ssh settings)")
+    upp.add_argument("--timeout", type=float, default=30.0, help="seconds for ssh and for workers to answer")
+    dn = sub.add_parser("down", help="stop the workers of a cluster.toml")
+    dn.add_argument("config", help="cluster.toml")
+    dn.add_argument("--timeout", type=float, default=10.0, help="seconds allowed per worker")
+    demo = sub.add_parser("demo", help="train the paper's CNN on MNIST with 2 local workers")
+    demo.add_argument("rest", nargs=argparse.REMAINDER, help="options for examples/mnist_sync.py")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "status":
+            return _cmd_status(args)
+        if args.command == "logs":
+            return _cmd_logs(args)
+        if args.command in ("up", "down"):
+            from . import launch
+
+            cfg = cluster_config.load(args.config)
+            try:
+                return (launch.up if args.command == "up" else launch.down)(cfg, timeout=args.timeout)
+            except launch.LaunchError as exc:
+                print(f"ddlf {args.command}: {exc}", file=sys.stderr)
+                return 1
+        return _cmd_demo(args)
+    except cluster_config.ConfigError as exc:
+        print(f"ddlf: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

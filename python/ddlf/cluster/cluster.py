@@ -1,0 +1,774 @@
+"""The master's handle on a set of worker daemons: persistent variables and functions, calls, status.
+
+A :class:`Cluster` connects to daemons that are already running (``Cluster([...addresses], token=...)``) or
+starts its own on this machine (``Cluster.local(n)``). Values and functions pushed to workers stay there until
+deleted, cleaned or shut down, even after this script ends. Every blocking method has an ``*_async`` twin that
+can be awaited from asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
+from typing import Any
+
+from .. import _ddlf, serialization
+from ..data import store
+from ..errors import DdlfError, SerializationError, raise_for
+from ..frameworks.keras_backend import keras_backend_in_use
+from ..process import prepare_process
+from ..ring_spec import check_op, check_wire
+from ..settings import check_lane_spin_us, module_list, read_pem
+from ..shipping import Shipment, files_digest, local_closure, module_files
+from ..worker import collective as worker_collective
+from .aio import add_async_twins
+from .calls import Calls, ClosedClient, Encoded, FunctionRef
+from .local import LocalWorkers
+from .recovery import Recovery
+from .rings import RingPlan, Rings, shares_hosts
+
+log = logging.getLogger("ddlf")
+
+OPS = _ddlf.OPS
+
+
+class Cluster:
+    """Connections to worker daemons, in a fixed worker order (worker ``i`` is ``addresses[i]``).
+
+    Args:
+        addresses: ``host:port`` of each worker daemon.
+        token: the shared token (default: the ``DDLF_TOKEN`` environment variable).
+        connect_timeout: seconds allowed to connect to each worker and check its version.
+        timeout: default deadline in seconds for every call (``None``: no deadline; a dead worker is still
+            detected by heartbeats within about 15 s). Each method also takes its own ``timeout=``.
+        shared_memory: opt in to passing values of 1 MiB or more to workers on this machine through a segment of
+            this process's shared-memory pool (``/dev/shm``) that they all map, written once, instead of the
+            socket. Workers elsewhere, or that cannot see our ``/dev/shm``, use TCP; so does everything when
+            ``/dev/shm`` is full. Off by default (see BENCHMARKS.md).
+        heartbeat_interval, heartbeat_timeout: every connection sends an HTTP/2 PING each ``heartbeat_interval``
+            seconds, answered by the daemon's network thread even while its Python is busy; a worker that leaves
+            one unanswered for ``heartbeat_timeout`` seconds (process stopped, host gone, link down) is declared
+            lost and every call waiting on it fails with :class:`~ddlf.errors.WorkerUnavailable`. A killed daemon
+            is noticed at once (its socket closes).
+        tls_ca: talk TLS to the daemons (started with ``--tls-cert/--tls-key``), trusting this certificate
+            authority: a path to a PEM file, or the PEM bytes. ``tls_domain``: the name their certificates are
+            checked against (default: each address's host).
+        direct_lane: besides its gRPC connection, open a direct lane to each plaintext daemon: a second TCP
+            connection on the same port that carries calls as plain frames, read and answered by the worker's
+            interpreter thread itself, with no HTTP/2 and no hand-over between threads: about half the latency
+            of a gRPC call, and large values written and read in place (see BENCHMARKS.md). TLS, heartbeats and
+            calls made while another thread uses the lane go over gRPC. ``False``: everything over gRPC.
+        lane_spin_us: microseconds a call on a lane spins (non-blocking reads, yielding the CPU) for its reply
+            before it sleeps; a reply within it costs no wake-up (default: ``DDLF_LANE_SPIN_US``, else 100;
+            0 sleeps at once). ``Cluster.local`` gives its daemons the same setting.
+
+    Fault handling (:mod:`ddlf.cluster.recovery`): a worker whose connection breaks is marked lost (a warning names it,
+    and :attr:`events` records it). A daemon restarted at the same address is re-provisioned automatically the
+    next time it is reached: its worker context is set and everything pushed through this cluster (variables,
+    functions, ``exec`` code, uploaded modules, datasets loaded or put) is replayed in order, then the call is
+    retried.
+
+    Errors: a call that fails on one worker raises that worker's error; on several, a
+    :class:`~ddlf.errors.WorkerErrorGroup` of them (see :mod:`ddlf.errors`).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        token: str | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        timeout: float | None = None,
+        shared_memory: bool = False,
+        heartbeat_interval: float = 2.0,
+        heartbeat_timeout: float = 10.0,
+        tls_ca: str | os.PathLike[str] | bytes | None = None,
+        tls_domain: str | None = None,
+        direct_lane: bool = True,
+        lane_spin_us: int | None = None,
+        _local: LocalWorkers | None = None,
+    ) -> None:
+        if isinstance(addresses, str):
+            addresses = [addresses]
+        if token is None:
+            token = os.environ.get("DDLF_TOKEN") or None
+        if lane_spin_us is not None:
+            lane_spin_us = check_lane_spin_us(lane_spin_us)
+        prepare_process()
+        self._local = _local
+        ca_pem = read_pem(tls_ca, "tls_ca")
+        self._client = _ddlf.Client(
+            list(addresses),
+            token,
+            connect_timeout,
+            heartbeat_interval,
+            heartbeat_timeout,
+            shared_memory=shared_memory,
+            tls_ca=ca_pem,
+            tls_domain=tls_domain,
+            direct_lane=direct_lane,
+            lane_spin_us=lane_spin_us,
+        )
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.uses_tls = tls_ca is not None
+        self._tls = (ca_pem, tls_domain) if ca_pem is not None else None
+        self._rings = Rings()
+        self._closed = False
+        self._calls = Calls(self._client)
+        self._recovery = Recovery(self, [int(i["instance"]) for i in self._client.worker_info()])
+        self._replay = self._recovery.replay
+        self._pickled = serialization.PickledFunctions()
+        self._shipped: dict[str, str] = {}  # local module -> digest shipped to the workers (see _ship)
+        self._ship_done: set[frozenset[str]] = set()  # module sets already shipped with their imports
+        self._set_context()
+
+    # -- construction and lifetime ----------------------------------------------------------------------
+
+    @classmethod
+    def local(
+        cls,
+        n_workers: int | None = None,
+        *,
+        threads: int | None = None,
+        timeout: float | None = None,
+        start_timeout: float = 60.0,
+        worker_args: Sequence[str] = (),
+        shared_memory: bool = False,
+        direct_lane: bool = True,
+        lane_spin_us: int | None = None,
+        preload: str | Sequence[str] | None = "default",
+        gpus: str | Sequence[int | str] | None = None,
+    ) -> Cluster:
+        """Start ``n_workers`` daemons on free loopback ports and connect to them.
+
+        The daemons get a fresh random token and stop when the cluster is closed, when the ``with`` block is
+        left, at interpreter exit, or when this process dies. ``threads`` caps each worker's math-library
+        thread pools (default: the machine's cores divided among the workers).
+
+        ``preload``: modules each daemon imports in the background as soon as it listens, while this script goes
+        on (``ddlf-worker --preload``). The default, ``"keras"``, loads Keras on this process's backend
+        (``KERAS_BACKEND``, else ddlf's default, which this sets for the workers) when Keras is installed, so a
+        first ``train()`` does not wait for the framework to import. ``None``: nothing. ``"default"``:
+        ``DDLF_PRELOAD`` if set (comma-separated modules; empty: nothing), else ``"keras"``.
+
+        ``gpus``: one worker per GPU, each seeing only its own (``ddlf-worker --gpu``): ``"auto"`` for every GPU
+        this process may use (``CUDA_VISIBLE_DEVICES``, else all that ``nvidia-smi`` lists), or a list of ids.
+        ``n_workers`` then defaults to the number of GPUs (and must equal it if given). Default: 2 workers, no
+        GPU assignment.
+        """
+        per_worker: list[list[str]] | None = None
+        if gpus is not None:
+            from ..devices import choose_gpus
+
+            ids = choose_gpus(gpus)
+            if n_workers is not None and n_workers != len(ids):
+                raise ValueError(f"n_workers={n_workers} but gpus gives {len(ids)} GPUs {ids}: one worker per GPU")
+            n_workers = len(ids)
+            per_worker = [["--gpu", gpu] for gpu in ids]
+        if n_workers is None:
+            n_workers = 2
+        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+            # (checked here, not only by LocalWorkers: the thread split below divides by it)
+            raise ValueError(f"n_workers must be a whole number of at least 1, got {n_workers!r}")
+        if threads is None:
+            from ..process import cpu_count
+
+            threads = max(1, cpu_count() // n_workers)
+        args = list(worker_args)
+        env = {}
+        if preload == "default":
+            preload = os.environ.get("DDLF_PRELOAD", "keras")
+        modules = module_list(preload) if isinstance(preload, str) else list(preload or [])
+        if "keras" in modules:
+            from ..frameworks.loading import installed
+
+            if not installed("keras"):
+                modules.remove("keras")
+            else:
+                env["KERAS_BACKEND"] = keras_backend_in_use()  # the workers load what this process runs
+        if modules and not any(a == "--preload" or a.startswith("--preload=") for a in args):
+            args += ["--preload", ",".join(modules)]
+        if lane_spin_us is not None:
+            args += ["--lane-spin-us", str(check_lane_spin_us(lane_spin_us))]
+        local = LocalWorkers(
+            n_workers, threads=threads, start_timeout=start_timeout, extra_args=args, worker_args=per_worker, env=env
+        )
+        try:
+            return cls(
+                local.addresses,
+                local.token,
+                timeout=timeout,
+                shared_memory=shared_memory,
+                direct_lane=direct_lane,
+                lane_spin_us=lane_spin_us,
+                _local=local,
+            )
+        except BaseException:
+            local.terminate()
+            raise
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], **overrides: Any) -> Cluster:
+        """Connect to the workers listed in a ``cluster.toml`` (see :mod:`ddlf.cluster.cluster_file`); keyword arguments
+        override the file's settings."""
+        from .cluster_file import load
+
+        cfg = load(path)
+        return cls(cfg.workers, **{**cfg.cluster_kwargs(), **overrides})
+
+    @classmethod
+    def from_kubernetes(
+        cls,
+        service: str = "ddlf-workers",
+        namespace: str | None = None,
+        replicas: int | None = None,
+        *,
+        port: int = 7070,
+        statefulset: str | None = None,
+        cluster_domain: str = "cluster.local",
+        **kwargs: Any,
+    ) -> Cluster:
+        """Connect to the workers of a StatefulSet behind a headless Service (``deploy/kubernetes``), by their
+        stable DNS names ``<statefulset>-<i>.<service>.<namespace>.svc.<cluster_domain>:<port>``. ``namespace``
+        defaults to ``DDLF_K8S_NAMESPACE``, then the pod's own namespace, then ``default``; ``replicas=None``
+        counts the pods whose names resolve. The token comes from ``token=`` or ``DDLF_TOKEN``."""
+        from .cluster_file import kubernetes_addresses
+
+        addresses = kubernetes_addresses(
+            service, namespace, replicas, port=port, statefulset=statefulset, cluster_domain=cluster_domain
+        )
+        return cls(addresses, **kwargs)
+
+    def close(self) -> None:
+        """Disconnect; for a :meth:`local` cluster, also stop its daemons. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        client, self._client = self._client, ClosedClient()  # type: ignore[assignment]
+        self._calls = Calls(self._client)
+        try:
+            if self._local is not None:
+                client.shutdown(list(range(len(client))), 2.0)
+        finally:
+            # Dropping the connections lets the daemons' graceful shutdown finish at once.
+            del client
+            if self._local is not None:
+                self._local.wait(3.0)
+                self._local.terminate()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self._client)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        kind = "local " if self._local is not None else ""
+        return f"<ddlf.Cluster {kind}workers={self.addresses}>"
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """What happened to workers: ``{"time", "event": "lost"|"rejoined"|"restarted"|"added"|"removed",
+        "worker", "address", "reason"}``, oldest first."""
+        return self._recovery.events
+
+    def instance(self, worker: int) -> int:
+        """The id of the daemon instance this cluster provisioned as worker ``worker``: a new id at the same
+        address means its daemon restarted (and was re-provisioned). Training uses it to set workers up again."""
+        return self._recovery.instances[worker]
+
+    @property
+    def n_workers(self) -> int:
+        """Number of workers."""
+        return len(self._client)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Worker addresses, in worker order."""
+        return list(self._client.addresses)
+
+    @property
+    def token(self) -> str | None:
+        """The token of a :meth:`local` cluster (pass it to a second script to connect to the same daemons)."""
+        return self._local.token if self._local is not None else None
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        """What each worker reported at connect time (version, protocol_version, pid, hostname, name, instance),
+        with ``shared_memory`` (large buffers go through /dev/shm) and ``direct_lane`` (calls have a direct
+        lane open now) for this master's connection."""
+        return list(self._client.worker_info())
+
+    # -- variables ----------------------------------------------------------------------------------------
+
+    def set(
+        self,
+        name: str,
+        value: Any,
+        *,
+        workers: Iterable[int] | None = None,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any] | None:
+        """Store ``value`` under ``name`` on every worker (serialized once, sent to all concurrently).
+        ``return_exceptions=True``: returns each worker's outcome (None, or its exception) instead of raising."""
+        targets = self._targets(workers)
+        encoded = self._encode(value)
+        outcomes = self._recovery.invoke(OPS["SET_VAR"], name, "", targets, [encoded], timeout)
+        if return_exceptions:
+            if workers is None:
+                self._replay.record("var", name, encoded)
+            return outcomes
+        raise_for(outcomes)
+        if workers is None:
+            self._replay.record("var", name, encoded)
+        else:
+            addresses = self.addresses
+            self._replay.record_on(name, {addresses[i]: encoded for i in targets})
+        return None
+
+    def scatter(self, name: str, values: Sequence[Any], *, timeout: float | None = None) -> None:
+        """Store ``values[i]`` under ``name`` on worker ``i``."""
+        self._check_per_worker(values, "values")
+        encoded = [self._encode(v) for v in values]
+        targets = list(range(len(self)))
+        raise_for(self._recovery.invoke(OPS["SET_VAR"], name, "", targets, encoded, timeout))
+        self._replay.record("var", name, {self.addresses[i]: e for i, e in zip(targets, encoded)})
+
+    def get(self, name: str, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> list[Any]:
+        """The value of ``name`` on each worker."""
+        return self._call(OPS["GET_VAR"], name, "", None, workers, timeout)
+
+    def delete(self, name: str, *, workers: Iterable[int] | None = None, timeout: float | None = None) -> None:
+        """Delete variable ``name`` on every worker."""
+        self._call(OPS["DEL_VAR"], name, "", None, workers, timeout)
+        if workers is None:
+            self._replay.forget("var", name)
+        else:
+            addresses = self.addresses
+            self._replay.forget_on(name, {addresses[i] for i in self._targets(workers)})
+
+    def variables(self, *, timeout: float | None = None) -> list[list[str]]:
+        """Names of the variables each worker holds."""
+        return self._call(OPS["LIST_VARS"], "", "", None, None, timeout)
+
+    # -- functions ----------------------------------------------------------------------------------------
+
+    def add_function(self, fn: Callable[..., Any], name: str | None = None, *, timeout: float | None = None) -> str:
+        """Push ``fn`` to every worker (once: a function already there is not sent again). Returns its name.
+
+        A function whose first parameter is named ``worker`` receives the worker context (``.id``,
+        ``.n_workers``, ``.vars``). Functions from ``__main__``, closures and lambdas travel by value.
+        """
+        if not callable(fn):
+            raise TypeError(f"expected a function, got {type(fn).__name__}")
+        return self._ensure_function(fn, timeout, name)[0]
+
+    def remove_function(self, name: str, *, timeout: float | None = None) -> None:
+        """Remove function ``name`` from every worker."""
+        try:
+            self._call(OPS["REMOVE_FUNCTION"], name, "", None, None, timeout)
+        finally:
+            for known in self._recovery.known:
+                known.pop(name, None)
+            self._replay.forget("fn", name)
+
+    def functions(self, *, timeout: float | None = None) -> list[list[str]]:
+        """Names of the functions each worker holds."""
+        return self._call(OPS["LIST_FUNCTIONS"], "", "", None, None, timeout)
+
+    def run(self, fn: FunctionRef, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every worker; returns the results in worker order.
+
+        ``fn`` is a pushed function's name, or a function object (pushed first if the workers lack it).
+        ``timeout`` is ddlf's deadline, not passed to ``fn``; use :meth:`call` to pass a ``timeout`` argument.
+        """
+        return self.call(fn, args, kwargs, timeout=timeout)
+
+    def run_on(self, worker: int, fn: FunctionRef, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call ``fn(*args, **kwargs)`` on worker ``worker`` only; returns its result."""
+        return self.call(fn, args, kwargs, workers=[worker], timeout=timeout)[0]
+
+    def run_each(
+        self,
+        fn: FunctionRef,
+        args: Sequence[Sequence[Any]],
+        kwargs: Sequence[dict[str, Any]] | None = None,
+        *,
+        workers: Sequence[int] | None = None,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Call ``fn(*args[i], **kwargs[i])`` on the ``i``-th worker (of ``workers``, default all); returns the
+        results in that order. ``return_exceptions=True``: a failed worker's entry is its exception instead of
+        the whole call raising (as ``asyncio.gather`` does)."""
+        targets = self._targets(workers)
+        if len(args) != len(targets):
+            raise ValueError(f"args has {len(args)} entries for {len(targets)} workers: give one per worker")
+        kw = list(kwargs) if kwargs is not None else [{} for _ in args]
+        if len(kw) != len(targets):
+            raise ValueError(f"kwargs has {len(kw)} entries for {len(targets)} workers: give one per worker")
+        name, digest = self._ensure_function(fn, timeout, targets=targets)
+        values = [(tuple(a), dict(k)) for a, k in zip(args, kw)]
+        return self._call(
+            OPS["RUN"], name, digest, values, targets, timeout, fn=fn, return_exceptions=return_exceptions, each=True
+        )
+
+    def call(
+        self,
+        fn: FunctionRef,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        workers: Iterable[int] | None = None,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """The general form of :meth:`run`: explicit ``args``/``kwargs``, an optional subset of workers, and
+        ``return_exceptions`` (see :meth:`run_each`)."""
+        targets = self._targets(workers)
+        name, digest = self._ensure_function(fn, timeout, targets=targets)
+        value = (tuple(args), dict(kwargs or {}))
+        return self._call(OPS["RUN"], name, digest, value, targets, timeout, fn=fn, return_exceptions=return_exceptions)
+
+    def allreduce(
+        self,
+        name: str,
+        op: str = "mean",
+        *,
+        workers: Iterable[int] | None = None,
+        streams: int = 1,
+        timeout: float | None = None,
+        compression: str | None = None,
+        hierarchical: bool | None = None,
+    ) -> None:
+        """Reduce the worker variable ``name`` (a numpy array, or a list or tuple of them: float32 or float64,
+        the same shapes on every worker) across the workers, in place: afterwards every worker holds the
+        element-wise ``"mean"`` (or ``"sum"``). The workers exchange the data among themselves over a ring
+        (each sends and receives ``2(n-1)/n`` times the variable, whatever ``n``); nothing of it passes through
+        the master.
+
+        ``streams``: parallel links per neighbour (for links one TCP stream cannot fill). ``timeout``: how long
+        a worker waits for the others to join, default the cluster's ``timeout`` or 300 s. A worker that dies
+        or is cut off fails the call on every worker (its neighbours notice within ``heartbeat_timeout``),
+        raising :class:`~ddlf.errors.WorkerUnavailable` for it and the survivors' ``CollectiveError``\\ s; the
+        variable is then unchanged on the survivors. Rings are kept between calls on the same workers (their
+        links stay open) and formed anew after a failure.
+
+        ``compression="float16"|"bfloat16"``: float32 arrays travel at half precision (half the bytes on every
+        link; sums stay float32 and every worker ends with the same bits; float16 overflows past 65504, bfloat16
+        keeps float32's range with 8 bits of mantissa).
+
+        ``hierarchical``: workers on one host reduce through shared memory and only one per host joins the ring
+        between hosts (see :meth:`ring`; default: when some host runs more than one of them).
+        """
+        check_op(op)
+        check_wire(compression)
+        plan = self.ring(workers, streams=streams, timeout=timeout, hierarchical=hierarchical)
+        args = [(name, plan.spec(w), op, compression) for w in plan.workers]
+        try:
+            self.run_each(worker_collective.allreduce_variable, args, workers=list(plan.workers), timeout=timeout)
+        except BaseException:
+            self.retire_ring(plan)  # spent on the workers: the next call forms a new ring
+            raise
+
+    def ring(
+        self,
+        workers: Iterable[int] | None = None,
+        *,
+        streams: int = 1,
+        timeout: float | None = None,
+        hierarchical: bool | None = None,
+    ) -> RingPlan:
+        """The ring of ``workers`` (default all), in that order: kept between calls while it works. Pass
+        ``ring.spec(w)`` to worker ``w``'s own function, which reduces with ``ddlf.collective.reduce_arrays``;
+        after a failed reduction, :meth:`retire_ring` it. ``timeout``: how long a worker waits for the others to
+        join, default the cluster's ``timeout`` or 300 s; a neighbour that stops answering is noticed within
+        ``heartbeat_timeout``. On a cluster that uses TLS the workers' peer links do too: each checks its
+        neighbour's certificate against the master's ``tls_ca`` (for ``tls_domain`` if given, else the
+        neighbour's host), as the master checks theirs.
+
+        ``hierarchical`` (default: when some host runs more than one of the workers): the workers on one host
+        (the same host in their addresses) sum through shared memory, only the first of each host joins the ring
+        between hosts, and the result fans back out through shared memory; loopback TCP carries nothing. Every
+        worker still ends with the same bits. ``False``: one flat ring of every worker."""
+        targets = self._targets(workers)
+        addresses = [self.addresses[w] for w in targets]
+        if hierarchical is None:
+            hierarchical = shares_hosts(addresses)
+        return self._rings.plan(
+            targets,
+            [self.addresses[w] for w in targets],
+            [self.instance(w) for w in targets],
+            streams=streams,
+            timeout=timeout or self.timeout or 300.0,
+            liveness=max(1.0, self.heartbeat_timeout),
+            tls=self._tls,
+            hierarchical=bool(hierarchical),
+        )
+
+    def retire_ring(self, ring: RingPlan) -> None:
+        """Forget a ring that failed (its workers closed its links): the next :meth:`ring` of those workers is a
+        new one."""
+        self._rings.retire(ring)
+
+    def exec(self, code: str, *, timeout: float | None = None) -> None:
+        """Run a code segment on every worker; the names it defines persist in the worker's globals
+        (functions defined there can then be called by name with :meth:`run`)."""
+        self._call(OPS["EXEC"], "", "", code, None, timeout)
+        self._replay.record("exec", "", code)
+
+    def upload_module(self, module: ModuleType | str | os.PathLike[str], *, timeout: float | None = None) -> str:
+        """Ship a local module or package (a module object, or a path to a ``.py`` file or a package directory)
+        to every worker, where it becomes importable. Returns the module name."""
+        name, files = module_files(module)
+        self._upload(name, files_digest(files), files, self._targets(None), timeout)
+        self._replay.record("module", name, files)
+        self._shipped[name] = "uploaded"  # the user's choice wins over automatic shipping
+        self._ship_done.clear()
+        return name
+
+    def clean(self, *, timeout: float | None = None) -> None:
+        """Drop every variable, function and exec global on every worker."""
+        self._call(OPS["CLEAN"], "", "", None, None, timeout)
+        for known in self._recovery.known:
+            known.clear()
+        self._replay.clean()
+
+    # -- datasets ---------------------------------------------------------------------------------------------
+
+    def load_dataset(
+        self, key: str, loader: Callable[[], Any], *, timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Have every worker load ``loader()`` into its dataset store under ``key``, unless it already holds
+        ``key`` (then nothing is loaded). Returns each worker's description, with ``cached`` telling which."""
+        out = self.call(store.load, (key, loader), timeout=timeout)
+        self._replay.record("dataset", key, ("load", loader))
+        return out
+
+    def put_dataset(self, key: str, value: Any, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Send arrays (an array, or a tuple of arrays with the same number of rows) to every worker's store."""
+        out = self.call(store.put, (key, value), timeout=timeout)
+        self._replay.record("dataset", key, ("put", value))
+        return out
+
+    def datasets(self, *, timeout: float | None = None) -> list[list[dict[str, Any]]]:
+        """What each worker's dataset store holds: key, rows, arrays, bytes, load time, memory-mapped."""
+        return self.call(store.describe, timeout=timeout)
+
+    def drop_dataset(self, key: str, *, timeout: float | None = None) -> list[bool]:
+        """Free dataset ``key`` on every worker; returns whether each worker held it."""
+        out = self.call(store.drop, (key,), timeout=timeout)
+        self._replay.forget("dataset", key)
+        return out
+
+    # -- health -------------------------------------------------------------------------------------------
+
+    def ping(self, *, timeout: float | None = 10.0) -> list[float]:
+        """Round-trip seconds to each worker (answered without the worker's Python thread)."""
+        beats = raise_for(self._client.heartbeat(list(range(len(self))), timeout))
+        return [rtt for rtt, _instance in beats]
+
+    def status(self, *, timeout: float | None = 10.0) -> list[dict[str, Any]]:
+        """Each worker's status: version, uptime, memory, what it is running, request counters."""
+        return raise_for(self._client.status(list(range(len(self))), timeout))
+
+    def logs(self, worker: int, n: int = 100, *, timeout: float | None = 10.0) -> list[str]:
+        """The last ``n`` lines (``n=0``: all it keeps, up to 10,000) of a worker daemon's log, oldest first: a
+        line per request (with its id and function, at ``DDLF_LOG_KEEP`` level ``debug``, the default), every
+        warning and error, and what user code logged with Python's ``logging``. Answered without the worker's
+        Python thread, so it works while a function runs. A ``RemoteError``'s ``request_id`` finds its lines."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        n = min(n, 2**32 - 1)  # the daemon keeps 10,000 lines at most anyway
+        lines, _dropped = raise_for(self._client.logs(self._targets([worker]), n, timeout))[0]
+        return lines
+
+    def shutdown(self, *, timeout: float | None = 10.0) -> None:
+        """Stop every worker daemon (their state is lost)."""
+        raise_for(self._client.shutdown(list(range(len(self))), timeout))
+        if self._local is not None:
+            self._local.wait(5.0)
+
+    # -- membership and faults ------------------------------------------------------------------------------
+
+    @property
+    def lost_workers(self) -> list[int]:
+        """Indices of the workers whose connection broke and that have not been reached again since."""
+        lost = self._recovery.lost
+        return [i for i, a in enumerate(self.addresses) if a in lost]
+
+    @property
+    def live_workers(self) -> list[int]:
+        """Indices of the workers not marked lost."""
+        lost = self._recovery.lost
+        return [i for i, a in enumerate(self.addresses) if a not in lost]
+
+    def check(self, *, timeout: float = 2.0) -> list[dict[str, Any]]:
+        """Heartbeat every worker now: unreachable ones are marked lost; lost ones that answer again, and
+        daemons that restarted, are re-provisioned. Returns the events this check caused."""
+        return self._recovery.check(timeout)
+
+    def recover(self, *, timeout: float = 2.0) -> list[int]:
+        """Try to reconnect every lost worker now (re-provisioning those whose daemon restarted). Returns the
+        indices of the workers that came back."""
+        return self._recovery.recover(timeout)
+
+    def add_worker(self, address: str, *, timeout: float | None = None) -> int:
+        """Connect to one more daemon and provision it with everything pushed so far. Returns its index (the
+        last). Every worker's ``n_workers`` changes; training picks the worker up at its next round."""
+        return self._recovery.add(address, timeout or self.connect_timeout)
+
+    def remove_worker(self, worker: int | str, *, shutdown: bool = False) -> str:
+        """Stop using a worker (by index or address); the workers after it move down by one. Its daemon keeps
+        running (and keeps its state) unless ``shutdown=True``. Returns its address."""
+        if isinstance(worker, str):
+            if worker not in self.addresses:
+                raise ValueError(f"no worker at {worker!r}: the cluster's workers are {self.addresses}")
+            worker = self.addresses.index(worker)
+        return self._recovery.remove(self._targets([int(worker)])[0], shutdown=shutdown)
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _targets(self, workers: Iterable[int] | None) -> list[int]:
+        if self._closed:
+            raise DdlfError("this cluster is closed")
+        if workers is None:
+            return list(range(len(self)))
+        targets = [int(w) for w in workers]
+        for w in targets:
+            if not 0 <= w < len(self):
+                raise IndexError(f"worker {w} out of range: the cluster has {len(self)} workers")
+        return targets
+
+    def _check_per_worker(self, values: Sequence[Any], what: str) -> None:
+        if len(values) != len(self):
+            raise ValueError(f"{what} has {len(values)} entries for {len(self)} workers: give one per worker")
+
+    def _send(
+        self,
+        op: int,
+        name: str,
+        digest: str,
+        targets: list[int],
+        encoded: list[Encoded],
+        timeout: float | None,
+    ) -> list[Any]:
+        """One request per target, without recovery (see :mod:`ddlf.cluster.calls`)."""
+        return self._calls.send(op, name, digest, targets, encoded, self.timeout if timeout is None else timeout)
+
+    def last_call_timings(self) -> dict[int, tuple[float, float]]:
+        """For the calling thread's last call: ``{worker: (worker_seconds, call_seconds)}``, the seconds the
+        worker's interpreter spent on it and the seconds from sending the request to having the whole reply. The
+        difference is transfer and queueing (the training report's "communication")."""
+        return dict(self._calls.last_timings)
+
+    def _call(
+        self,
+        op: int,
+        name: str,
+        digest: str,
+        value: Any,
+        workers: Iterable[int] | None,
+        timeout: float | None,
+        *,
+        fn: FunctionRef | None = None,
+        return_exceptions: bool = False,
+        each: bool = False,
+    ) -> list[Any]:
+        """One request per target: ``value`` goes to every target (serialized once), or with ``each=True`` it is
+        a list holding one value per target."""
+        targets = self._targets(workers)
+        encoded = [self._encode(v) for v in value] if each else [self._encode(value)]
+        outcomes = self._recovery.invoke(op, name, digest, targets, encoded, timeout, fn)
+        return outcomes if return_exceptions else raise_for(outcomes)
+
+    def _encode(self, value: Any) -> Encoded:
+        """Pickle a value for the workers, first shipping the local modules it refers to."""
+        modules: set[str] = set()
+        encoded = serialization.dumps(value, modules=modules)
+        if modules:
+            self._ship(modules, None)
+        return encoded
+
+    def _ship(self, modules: Iterable[str], timeout: float | None) -> None:
+        """Make the local modules (beside the script) that code or values sent to workers refer to importable on
+        every worker, with the local modules they import in turn: each version once (the workers skip a version
+        they hold), replayed to a daemon that restarts. See :mod:`ddlf.shipping`."""
+        asked = frozenset(modules)
+        if asked in self._ship_done:
+            return  # the common case: every call of a pushed function refers to the same modules
+        for name in local_closure(asked):
+            if name in self._shipped and self._shipped[name] == "uploaded":
+                continue
+            try:
+                digest, files = Shipment.files(name)
+            except ValueError as exc:
+                raise SerializationError(str(exc)) from None
+            if self._shipped.get(name) == digest:
+                continue
+            options = {"prefer_native": True, "origin": Shipment.origin(name)}
+            # First ask, without the files: a worker on this host (or with the module installed) has them.
+            targets = self.live_workers
+            held = self._upload(name, digest, ({}, {**options, "probe": True}), targets, timeout)
+            need = [t for t, ok in zip(targets, held) if not ok]
+            shipment = (files, options)
+            if need:
+                log.info("ddlf: shipping local module %r (%d files) to workers %s", name, len(files), need)
+                self._upload(name, digest, shipment, need, timeout)
+            self._replay.record("module", name, shipment)
+            self._shipped[name] = digest
+        self._ship_done.add(asked)
+
+    def _upload(self, name: str, digest: str, payload: Any, targets: list[int], timeout: float | None) -> list[Any]:
+        # Module sources are plain bytes: encoded directly, never looked into for modules to ship.
+        encoded = serialization.dumps(payload)
+        return raise_for(self._recovery.invoke(OPS["UPLOAD_MODULE"], name, digest, targets, [encoded], timeout))
+
+    def _set_context(self) -> None:
+        n = len(self)
+        targets = self.live_workers
+        contexts = [{"worker_id": i, "n_workers": n} for i in targets]
+        self._call(OPS["CONTEXT"], "", "", contexts, targets, None, each=True)
+
+    def _push(self, name: str, digest: str, blob: bytes, targets: list[int], timeout: float | None) -> None:
+        raise_for(self._send(OPS["ADD_FUNCTION"], name, digest, targets, [(blob, [])], timeout))
+        for i in targets:
+            self._recovery.known[i][name] = digest
+        self._replay.record("fn", name, (digest, blob))
+
+    def _ensure_function(
+        self,
+        fn: FunctionRef,
+        timeout: float | None,
+        name: str | None = None,
+        targets: list[int] | None = None,
+    ) -> tuple[str, str]:
+        """Name and digest of ``fn``, pushed first to the targets not known to hold this version."""
+        if isinstance(fn, str):
+            return fn, ""
+        fname, digest, blob, modules = self._pickled.get(fn, name)
+        if modules:
+            self._ship(modules, timeout)
+        pool = range(len(self)) if targets is None else targets
+        known = self._recovery.known
+        missing = [i for i in pool if known[i].get(fname) != digest]
+        if missing:
+            self._push(fname, digest, blob, missing, timeout)
+        return fname, digest
+
+
+add_async_twins(Cluster)
+
+__all__ = ["Cluster"]

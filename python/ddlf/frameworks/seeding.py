@@ -1,0 +1,49 @@
+"""Seeding every framework a run uses (Python, numpy, Keras, torch), and telling whether a run uses torch."""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import numpy as np
+
+from .keras_backend import keras_backend_in_use
+
+
+def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
+    """Seed Python's, numpy's and Keras's generators, and torch's when torch is loaded (a TorchModel's dropout).
+
+    ``torch``: whether this process trains with PyTorch (a ``TorchModel``, or Keras on its torch backend); by
+    default, whether the script has imported torch already or Keras runs on torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    if torch is None:
+        torch = uses_torch()
+    if torch:
+        from .loading import load_torch_compiler_first
+
+        # keras.utils.set_random_seed imports TensorFlow whenever it is installed (to seed tf.data), whatever the
+        # backend: where torch and triton are installed too, torch's compiler must be in first (frameworks.loading).
+        # Only then: it costs 3.3 s and about 900 MB of mappings, which a Keras run on TensorFlow does not need.
+        load_torch_compiler_first()
+    try:
+        import keras
+    except ImportError:  # a torch-only installation
+        pass
+    else:
+        keras.utils.set_random_seed(seed)
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        loaded.manual_seed(seed)
+
+
+def uses_torch(model: Any = None) -> bool:
+    """Whether a run trains with PyTorch: Keras runs on its torch backend, or ``model`` is a ``TorchModel``; before
+    the model is built (``model=None``), as far as can be told: the script imported torch (a ``TorchModel``'s
+    module is defined with it)."""
+    from .torch_model import TorchModel
+
+    if keras_backend_in_use() == "torch":
+        return True
+    return isinstance(model, TorchModel) if model is not None else "torch" in sys.modules

@@ -1,0 +1,323 @@
+"""Rounds on the ring: the workers average weights (model averaging) or gradients (every step) among themselves."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ... import ops
+from ...worker.collective import reduce_scratch
+from ..messages import Seeded, finite, weights_var
+from ..outer import Nesterov, OuterSpec
+from .rounds import _rows, train_chunk
+from .sessions import Session, _session, log
+from .state import _optimizer_built, _optimizer_state, _set_optimizer_state
+from .steppers import local_mask
+
+
+def _start_weights(worker: Any, session: Session, run_id: str, round_no: int, fresh: bool) -> list[np.ndarray]:
+    """Where an all-reduce round starts: the master's broadcast (``fresh``: a new member), the weights before
+    this round (a redo after a failed all-reduce), or the result of the last round reduced here."""
+    if fresh:
+        return list(worker.vars[weights_var(run_id)])
+    reduced = session.reduced
+    if reduced is None or reduced[0] not in (round_no, round_no - 1):
+        have = "none" if reduced is None else f"round {reduced[0]}"
+        raise LookupError(f"run {run_id}: no reduced weights for round {round_no} here (have {have})")
+    return reduced[1] if reduced[0] == round_no else reduced[2]
+
+
+def _reduce_floats(
+    arrays: list[np.ndarray], samples: float, spec: dict[str, Any], wire: str | None = None, unit: float = 1.0
+) -> list[np.ndarray]:
+    """The samples-weighted average over the ring's ranks of every float array: ``sum(samples_i * a_i) /
+    sum(samples_i)``. Per float dtype, the arrays are scaled straight into one buffer (the only copy), with the
+    sample count as its last element, reduced where it lies, and divided in place; the results are views of it.
+    Other arrays (integer step counters) stay as they are here. See :func:`_weighted_mean` for ``wire``."""
+    return _weighted_mean(arrays, samples, spec, wire, unit)[0]
+
+
+def _weighted_mean(
+    arrays: list[np.ndarray], samples: float, spec: dict[str, Any], wire: str | None = None, unit: float = 1.0
+) -> tuple[list[np.ndarray], float]:
+    """:func:`_reduce_floats`, and the ranks' total of ``samples`` (0: no rank had any, and the arrays are
+    returned as they were).
+
+    ``wire="float16"|"bfloat16"``: float32 arrays travel at half precision (sums in float32). The weights are then
+    ``samples / unit`` (``unit``: the same on every rank, so that a weight is about 1 and a weighted value stays as
+    small as the value itself: float16 ends at 65504)."""
+
+    out = list(arrays)
+    total = 0.0
+    weight = samples / unit
+    for kind in (np.float32, np.float64):
+        idx = [i for i, a in enumerate(arrays) if a.dtype == kind]
+        if not idx:
+            continue
+        sizes = [arrays[i].size for i in idx]
+        flat = np.empty(sum(sizes) + 1, dtype=kind)
+        views, at = [], 0
+        for i, n in zip(idx, sizes):
+            view = flat[at : at + n].reshape(arrays[i].shape)
+            np.multiply(arrays[i], kind(weight), out=view)
+            views.append(view)
+            at += n
+        flat[-1] = weight
+        reduce_scratch(flat, spec, "sum", wire=wire if kind == np.float32 else None)
+        total = float(flat[-1]) * unit
+        if total <= 0:
+            return list(arrays), 0.0  # no rank trained a row: nothing to average
+        flat[:-1] *= kind(1.0 / flat[-1])
+        for i, view in zip(idx, views):
+            out[i] = view
+    return out, total
+
+
+def train_reduce(
+    worker: Any,
+    run_id: str,
+    indices: np.ndarray | None,
+    batch_size: int,
+    *,
+    round_no: int,
+    ring: dict[str, Any],
+    fresh: bool = False,
+    average_optimizer_state: bool = False,
+    compression: str | None = None,
+    round_rows: int = 1,
+    prefetch: int = 2,
+    seeded: Seeded | None = None,
+    shard: int | None = None,
+    slow_seconds_per_batch: float = 0.0,
+    outer: tuple[str, float, float] | None = None,
+    adopt_outer: str | None = None,
+) -> dict[str, Any]:
+    """One synchronous round with ``exchange="allreduce"``: train the rows, then average the weights (weighted by
+    the samples each trained) with the round's other workers over the ring, worker to worker. Returns samples,
+    logs and timings, never the weights. A failed all-reduce raises ``CollectiveError`` and leaves this worker
+    able to redo the round from the weights it started it with.
+
+    ``compression="float16"|"bfloat16"``: the ring averages the float32 *changes* of the round (small values,
+    half precision on the wire, sums in float32), weighted by samples over ``round_rows`` (the rows of the whole
+    round), and every member adds the same average to the same start. Weights that are not finite after training
+    are left out of the average (weight 0) and reported (``nonfinite_weights``).
+
+    ``outer``: ``(name, learning_rate, momentum)`` of the outer optimizer (:mod:`.outer`), applied by every member
+    to the same average with the same momentum; ``adopt_outer``: some members are new and first take the momentum
+    of the ``"others"`` (the members that are not new), or, all being new, of ``"any"`` member that holds one
+    (restored from a checkpoint). A redo of the round starts again from the momentum this worker started it with."""
+
+    session = _session(run_id)
+    redo = not fresh and session.reduced is not None and session.reduced[0] == round_no
+    start = _start_weights(worker, session, run_id, round_no, fresh)
+    held = session.outer is not None and session.outer.momentum is not None
+    if outer is not None:
+        if session.outer is None:
+            session.outer = Nesterov(OuterSpec(*outer))
+        session.outer.spec = OuterSpec(*outer)
+        if redo:
+            session.outer.load(session.outer_start)
+        session.outer_start = session.outer.state()
+    result = train_chunk(
+        worker,
+        run_id,
+        indices,
+        batch_size,
+        weights=start,
+        seeded=seeded,
+        prefetch=prefetch,
+        slow_seconds_per_batch=slow_seconds_per_batch,
+        shard=shard,
+    )
+    new = [np.asarray(w) for w in result.pop("weights")]
+    samples = int(result["samples"])
+    weight = float(samples)
+    if not all(finite(w) for w in new):
+        # Averaged in, NaN would reach every member: this worker's round is left out.
+        log.warning("run %s: non-finite weights after round %d: left out of the average", run_id, round_no)
+        new, weight = [np.array(w) for w in start], 0.0
+        result["nonfinite_weights"] = True
+    if compression is None:
+        averaged = _reduce_floats(new, weight, ring)
+    else:
+        halves = [a.dtype == np.float32 for a in new]
+        moved = [np.subtract(a, s) if h else a for a, s, h in zip(new, start, halves)]
+        mean = _reduce_floats(moved, weight, ring, wire=compression, unit=max(1, round_rows))
+        averaged = [np.add(s, m) if h else m for s, m, h in zip(start, mean, halves)]
+        if not all(finite(a) for a in averaged):
+            # float16 overflowed on the wire (identically on every member): the round's change is dropped.
+            log.warning("run %s: round %d's average overflowed %s: not applied", run_id, round_no, compression)
+            averaged = list(start)
+            result["wire_overflow_steps"] = 1
+    model = session.model
+    if session.outer is not None and outer is not None:
+        trained = [not m for m in local_mask(model)]
+        momentum = session.outer.ensure(averaged, trained)
+        if adopt_outer is not None:
+            holder = held if adopt_outer == "any" else not fresh
+            session.outer.load(_adopt(momentum, holder, ring))
+        averaged = session.outer.step(start, averaged, trained)
+    if average_optimizer_state and _optimizer_built(model):
+        # At full precision: Adam's second moments underflow float16 (and a zero there makes a huge step).
+        _set_optimizer_state(model, _reduce_floats(_optimizer_state(model), weight, ring))
+    # The model takes the averaged weights when the next round starts from them (train_chunk sets them).
+    session.reduced = (round_no, start, averaged)
+    session.last_used = time.monotonic()
+    return result
+
+
+def _adopt(state: list[np.ndarray], holder: bool, spec: dict[str, Any]) -> list[np.ndarray]:
+    """The optimizer state of the ring's holders (who all hold the same), for every member: a new member (not a
+    holder) takes it. Integer arrays (step counters) travel as float64, exactly."""
+    wide = [a.astype(np.float64) if a.dtype.kind in "iub" else np.asarray(a) for a in state]
+    mean, total = _weighted_mean(wide, 1.0 if holder else 0.0, spec)
+    if total <= 0:
+        return state
+    return [np.rint(m).astype(a.dtype) if a.dtype.kind in "iub" else m for m, a in zip(mean, state)]
+
+
+def train_gradients(
+    worker: Any,
+    run_id: str,
+    indices: np.ndarray | None,
+    batch_size: int,
+    *,
+    round_no: int,
+    ring: dict[str, Any],
+    steps: int,
+    fresh: bool = False,
+    adopt: bool = False,
+    learning_rate_factor: tuple[float, float] | None = None,
+    compression: str | None = None,
+    bucket_cap_mb: float | None = None,
+    prefetch: int = 2,
+    seeded: Seeded | None = None,
+    shard: int | None = None,
+    slow_seconds_per_batch: float = 0.0,
+) -> dict[str, Any]:
+    """One synchronous round with ``averaging="gradients"``: ``steps`` optimizer steps in lockstep with the ring's
+    other workers. Each step this worker computes the gradients of its next batch, the ring averages them (weighted
+    by each batch's rows; a worker out of batches adds zeros with weight 0), and every worker applies the same
+    average with the same optimizer state, so the replicas stay identical. At the end the untrained weights
+    (BatchNorm statistics) are averaged too.
+
+    ``adopt``: some members are new (``fresh``): first every member takes the optimizer state of the others.
+    ``learning_rate_factor``: ``(first, last)`` multiples of the compiled learning rate, interpolated over the
+    steps (the linear warm-up). ``compression="float16"|"bfloat16"``: float32 gradients travel at half precision
+    (each weighted by its batch's share of ``batch_size``, so a weighted gradient is no larger than the gradient);
+    a step whose average overflowed float16 is skipped on every member alike (``wire_overflow_steps``). A redo of
+    a failed round starts again from the weights and optimizer state this worker started it with.
+    ``bucket_cap_mb``: where the backend allows (PyTorch), exchange the gradients in buckets of about this size
+    while the backward pass runs (:mod:`.buckets`); ``None``: in one buffer after it. Returns samples, logs and
+    timings (``reduce_seconds``: the time steps waited for the exchange after their backward), never the
+    weights."""
+
+    session = _session(run_id)
+    redo = not fresh and session.reduced is not None and session.reduced[0] == round_no
+    start = _start_weights(worker, session, run_id, round_no, fresh)
+    model = session.model
+    stepper = session.steps()
+    t0 = time.perf_counter()
+    x, y, indices = _rows(session, indices, seeded, shard)
+    model.set_weights(start)
+    if redo and session.optimizer_start is not None:
+        _set_optimizer_state(model, session.optimizer_start)
+    if adopt:
+        stepper.build_optimizer()
+        _set_optimizer_state(model, _adopt(_optimizer_state(model), not fresh, ring))
+    session.optimizer_start = _optimizer_state(model) if _optimizer_built(model) else None
+    model.reset_metrics()
+    stepper.begin()
+    pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=prefetch)
+    batches = iter(pipeline)
+    preprocess = session.app.preprocess
+    factor = None
+    reduce_s = 0.0
+    nonfinite = overflowed = 0
+    buckets = stepper.buckets(int(bucket_cap_mb * 2**20)) if bucket_cap_mb else None
+    if buckets is not None:
+        from ...worker.collective import reduce_scratch
+
+        def reduce(flat: np.ndarray) -> None:
+            reduce_scratch(flat, ring, "sum", wire=compression)
+
+    try:
+        for step in range(steps):
+            if learning_rate_factor is not None:
+                first, last = learning_rate_factor
+                f = first + (last - first) * step / max(1, steps - 1)
+                if f != factor:
+                    stepper.set_learning_rate_factor(f)
+                    factor = f
+            batch = next(batches, None)
+            if buckets is not None:
+                # Overlapped: the buckets go to the ring while backward runs; only the wait after it counts.
+                run, n = None, 0
+                if batch is not None:
+                    bx, by = preprocess(*batch)
+                    n = len(by)
+
+                    def run(bx: Any = bx, by: Any = by) -> None:
+                        stepper.backward(bx, by)
+                        if slow_seconds_per_batch:
+                            time.sleep(slow_seconds_per_batch)
+
+                averaged, totals, bad = buckets.exchange(run, n / batch_size, reduce)
+                reduce_s += buckets.waited
+                total = max(totals) * batch_size
+                if bad:
+                    log.warning("run %s: non-finite gradients on a batch of %d rows: left out of the step", run_id, n)
+                    nonfinite += 1
+            elif batch is None:
+                grads, n = stepper.zeros(), 0
+            else:
+                bx, by = preprocess(*batch)
+                grads, n = stepper.gradients(bx, by), len(by)
+                if slow_seconds_per_batch:
+                    time.sleep(slow_seconds_per_batch)
+                if not all(finite(g) for g in grads):
+                    # Averaged in, NaN would reach every replica: this batch is left out of the step.
+                    log.warning("run %s: non-finite gradients on a batch of %d rows: left out of the step", run_id, n)
+                    grads, n = stepper.zeros(), 0
+                    nonfinite += 1
+            if buckets is None:
+                t_reduce = time.perf_counter()
+                averaged, total = _weighted_mean(grads, float(n), ring, wire=compression, unit=batch_size)
+                reduce_s += time.perf_counter() - t_reduce
+            if compression is not None and total > 0 and not all(finite(a) for a in averaged):
+                overflowed += 1  # the same bits on every member: all skip this step
+                continue
+            if total > 0:
+                stepper.apply(averaged)
+    finally:
+        logs = stepper.end()
+    stats = pipeline.stats()
+    samples = int(stats["rows"])
+    new = model.get_weights()
+    untrained = [i for i, m in enumerate(local_mask(model)) if m]
+    if untrained:
+        averaged = _reduce_floats([np.asarray(new[i]) for i in untrained], samples, ring)
+        for i, a in zip(untrained, averaged):
+            new[i] = a
+    session.reduced = (round_no, start, new)
+    session.last_used = time.monotonic()
+    return {
+        "samples": samples,
+        "logs": logs,
+        "compute_seconds": time.perf_counter() - t0,
+        "data_wait_seconds": float(stats["wait_seconds"]),
+        "reduce_seconds": reduce_s,
+        "steps": steps,
+        "nonfinite_batches": nonfinite,
+        "wire_overflow_steps": overflowed,
+    }
+
+
+def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray]:
+    """The weights of the last round reduced here (what every member of the ring holds after it)."""
+    reduced = _session(run_id).reduced
+    if reduced is None or (round_no is not None and reduced[0] != round_no):
+        raise LookupError(f"run {run_id}: no reduced weights for round {round_no} here")
+    return reduced[2]

@@ -1,0 +1,120 @@
+"""Collectives among workers: ring all-reduce, worker to worker, without the master carrying the data.
+
+The master forms a :class:`RingPlan` (a group id and the workers' addresses in ring order; :class:`Rings` keeps
+one per set of workers, ``Cluster.ring`` hands it out) and asks every member to reduce; each worker's part runs
+here, on its interpreter thread, and hands the arrays to the Rust ring
+(``ddlf._ddlf.Ring``: reduce-scatter then all-gather over direct peer links, the GIL released). A worker keeps
+its ring's links between reductions (:data:`MAX_RINGS` rings at most, the oldest closed first), so a training run
+pays for connecting once. A ring that fails once is spent; the master retires it (``Cluster.retire_ring``) and the
+next request for those workers forms a new one.
+
+Users call :meth:`ddlf.Cluster.allreduce`; training uses the same rings with ``exchange="allreduce"``. In their
+own worker functions, users reduce with :func:`reduce_arrays` and the spec of ``cluster.ring(...)``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from .. import _ddlf
+from ..ring_spec import check_op, check_wire
+
+MAX_RINGS = 16
+"""Rings a worker keeps open at once (each holds two links per stream)."""
+
+
+_RINGS: OrderedDict[str, _ddlf.Ring] = OrderedDict()
+
+
+def ring(spec: dict[str, Any]) -> _ddlf.Ring:
+    """This worker's ring for ``spec``: the open one, or a new one (closing the oldest past :data:`MAX_RINGS`)."""
+    group = spec["group"]
+    r = _RINGS.get(group)
+    if r is None:
+        r = _ddlf.Ring(
+            group,
+            spec["rank"],
+            list(spec["addresses"]),
+            streams=spec.get("streams", 1),
+            timeout=spec.get("timeout", 300.0),
+            liveness=spec.get("liveness", 10.0),
+            tls_ca=spec.get("tls_ca"),
+            tls_domain=spec.get("tls_domain"),
+            local_index=spec.get("local_index"),
+            local_addresses=spec.get("local_addresses"),
+            total=spec.get("total"),
+        )
+        _RINGS[group] = r
+        while len(_RINGS) > MAX_RINGS:
+            _RINGS.popitem(last=False)
+    else:
+        _RINGS.move_to_end(group)
+    return r
+
+
+def forget(group: str) -> None:
+    """Close this worker's links of ``group`` (the master retired the ring)."""
+    _RINGS.pop(group, None)
+
+
+def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mean", wire: str | None = None) -> None:
+    """All-reduce ``arrays`` in place with the ring's other members: float32 and float64 arrays (one ring pass
+    per dtype, each at its own precision). Arrays that are not C-contiguous and writable are replaced in the list
+    by reduced copies. On failure (``ddlf.errors.CollectiveError``) the ring is closed and the arrays are
+    unchanged. ``wire="float16"|"bfloat16"``: float32 arrays travel at half precision (half the bytes; sums in
+    float32, every member ends with the same bits; float16 overflows past 65504); float64 ones as themselves."""
+    check_op(op)
+    check_wire(wire)
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"allreduce: item {i} is {type(a).__name__}, not a numpy array")
+        if a.dtype not in (np.float32, np.float64):
+            raise TypeError(f"allreduce: array {i} is {a.dtype}; only float32 and float64 arrays are reduced")
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            arrays[i] = np.array(a, order="C", copy=True)
+    groups = [[i for i, a in enumerate(arrays) if a.dtype == kind] for kind in (np.float32, np.float64)]
+    groups = [g for g in groups if g]
+    # Several passes: reduce copies and write them back only once every pass succeeded (all or nothing).
+    work = arrays if len(groups) <= 1 else [a.copy() for a in arrays]
+    r = ring(spec)
+    try:
+        for g in groups or [[]]:
+            half = wire if g and work[g[0]].dtype == np.float32 else None
+            r.allreduce_([work[i] for i in g], op, wire=half)
+    except BaseException:
+        forget(spec["group"])
+        raise
+    if work is not arrays:
+        for a, w in zip(arrays, work):
+            a[...] = w
+
+
+def reduce_scratch(flat: np.ndarray, spec: dict[str, Any], op: str = "sum", wire: str | None = None) -> None:
+    """All-reduce one contiguous float32 or float64 buffer where it lies, with no copy; its contents are
+    undefined after a failure (for buffers made for the reduction, as training's). ``wire``: as in
+    :func:`reduce_arrays` (float32 only)."""
+    r = ring(spec)
+    try:
+        r.allreduce_([flat], check_op(op), atomic=False, wire=check_wire(wire))
+    except BaseException:
+        forget(spec["group"])
+        raise
+
+
+def allreduce_variable(worker: Any, name: str, spec: dict[str, Any], op: str, wire: str | None = None) -> None:
+    """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
+    tuple of arrays) in place with the ring's other members."""
+    if name not in worker.vars:
+        raise KeyError(f"no variable named {name!r} on this worker")
+    value = worker.vars[name]
+    single = isinstance(value, np.ndarray)
+    if not single and not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"allreduce: variable {name!r} holds {type(value).__name__}; expected a numpy array or a list of them"
+        )
+    arrays = [value] if single else list(value)
+    reduce_arrays(arrays, spec, op, wire)
+    worker.vars[name] = arrays[0] if single else (tuple(arrays) if isinstance(value, tuple) else arrays)

@@ -1,0 +1,136 @@
+"""The package's layout holds what docs/ARCHITECTURE.md says: no import circle (function-local imports included,
+``TYPE_CHECKING`` blocks excepted: they never run), and the master's code and the daemon's code apart."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "python"
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if package else parts)] = (path, package)
+    return out
+
+
+MODULES = _modules()
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node except those under ``if TYPE_CHECKING:``."""
+    out: list[ast.AST] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        out.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _imports(module: str) -> set[str]:
+    """The ddlf modules ``module`` imports when it runs (its own parent packages left out: Python imports those
+    first whatever a module says)."""
+    path, package = MODULES[module]
+    base = module.split(".") if package else module.split(".")[:-1]
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base[: len(base) - (node.level - 1)]
+                target = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                if f"{target}.{alias.name}" in MODULES:
+                    found.add(f"{target}.{alias.name}")
+                elif target in MODULES and not f"{module}.".startswith(f"{target}."):
+                    found.add(target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in MODULES)
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _cycles() -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_the_package() -> None:
+    # The checks below mean something only if the graph is the package's: its main modules and their edges.
+    assert {"ddlf.cluster.cluster", "ddlf.worker.executor", "ddlf.training.replica.sessions"} <= set(GRAPH)
+    assert "ddlf.data.store" in GRAPH["ddlf.cluster.cluster"]
+    assert "ddlf.training.replica" in GRAPH["ddlf.worker.executor"]  # a function-local import counts
+
+
+def test_no_import_circle() -> None:
+    assert _cycles() == []
+
+
+# Which parts may not import which: (importer prefix, imported prefix, why).
+NEVER = [
+    ("ddlf.worker", "ddlf.cluster", "the daemon never runs the master's code"),
+    ("ddlf.training.replica", "ddlf.cluster", "a replica runs in the daemon"),
+    ("ddlf.data", "ddlf.cluster", "loaders and stores run on workers"),
+    ("ddlf.data", "ddlf.training", "datasets know nothing of training"),
+    ("ddlf.cluster", "ddlf.training", "the connection knows nothing of training"),
+    ("ddlf.frameworks", "ddlf.training", "framework adapters sit below training"),
+    ("ddlf.frameworks", "ddlf.cluster", "framework adapters sit below the connection"),
+    *[
+        ("ddlf.training.replica", f"ddlf.training.{m}", "the worker's side imports only the contract (messages)")
+        for m in ("app", "synchronous", "asynchronous", "exchange", "run", "membership", "replies", "plan")
+    ],
+]
+
+
+@pytest.mark.parametrize(("importer", "imported", "why"), NEVER)
+def test_the_two_programs_stay_apart(importer: str, imported: str, why: str) -> None:
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, targets in GRAPH.items()
+        if m == importer or m.startswith(f"{importer}.")
+        for t in targets
+        if t == imported or t.startswith(f"{imported}.")
+    )
+    assert bad == [], why
