@@ -96,13 +96,15 @@ def run_case(task: str, case: str, n: int, seed: int, frequency: int) -> dict[st
         def create_model(self) -> Any:
             return build(task)
 
-    kw: dict[str, Any] = {"averaging_frequency": frequency} if case == "weights" else {"averaging": "gradients"}
-    if case == "gradients-scaled":
-        kw["scale_learning_rate"] = True
+    strategy: ddlf.ModelAveraging | ddlf.GradientAveraging = (
+        ddlf.ModelAveraging(every=frequency)
+        if case == "weights"
+        else ddlf.GradientAveraging(scale_learning_rate=case == "gradients-scaled")
+    )
     with ddlf.Cluster.local(n) as cluster:
         app = Task(cluster)
         app.train(epochs=0, verbose=0)
-        h = app.train(epochs=epochs, batch_size=batch, seed=seed, verbose=0, **kw)
+        h = app.train(epochs=epochs, batch_size=batch, strategy=strategy, run=ddlf.RunConfig(seed=seed), verbose=0)
         _, acc = app.evaluate(xt, yt)
     return {"accuracy": float(acc), "seconds": report.median(h.epoch_seconds[1:] or h.epoch_seconds)}
 

@@ -131,12 +131,12 @@ def run_case(model: str, mode: str, rows: int, epochs: int, batch: int) -> dict[
         seconds = fit_epochs(net, shape_inputs(model, x), y, batch_size=batch, epochs=epochs, verbose=0)
         _, acc = net.evaluate(shape_inputs(model, xt), yt, verbose=0)
     else:
-        from ddlf import Cluster
+        import ddlf
 
-        with Cluster.local(2) as cluster:
+        with ddlf.Cluster.local(2) as cluster:
             app = _make_app(model, rows)(cluster)
             app.train(epochs=0, verbose=0)  # load the dataset (not timed: the single-process case has it too)
-            h = app.train(epochs=epochs, batch_size=batch, averaging_frequency=50, verbose=0)
+            h = app.train(epochs=epochs, batch_size=batch, verbose=0, strategy=ddlf.ModelAveraging(every=50))
             seconds = list(h.epoch_seconds)
             _, acc = app.evaluate(xt, yt)  # the app preprocesses
     return {"seconds": seconds, "accuracy": float(acc)}

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ddlf
 from ddlf.cluster.cluster import Cluster
 from ddlf.cluster.local import LocalWorkers
 from ddlf.training import checkpoint
@@ -38,10 +39,10 @@ from . import report
 from .faults import DenseMnist, prepare
 
 WORKERS = 4
-MODES = {  # label -> train() keywords
-    "sync, master exchange": {"mode": "sync"},
-    "sync, ring all-reduce": {"mode": "sync", "exchange": "allreduce"},
-    "async": {"mode": "async"},
+MODES = {  # label -> train() strategy
+    "sync, master exchange": ddlf.ModelAveraging(every=20),
+    "sync, ring all-reduce": ddlf.ModelAveraging(every=20, exchange=ddlf.Ring()),
+    "async": ddlf.Asynchronous(chunk=20),
 }
 RUN_NAMES = ("master", "ring", "async")  # --runs names of MODES, in order
 BAND_POINTS = 1.0  # the accuracy band around the undisturbed run, in percentage points
@@ -125,12 +126,10 @@ def _run(label: str, kw: dict[str, Any], epochs: int, test: Any, chaos: bool, se
             h = app.train(
                 epochs=epochs,
                 batch_size=64,
-                averaging_frequency=20,
+                strategy=kw,
                 verbose=0,
-                seed=1,
-                checkpoint_dir=ckpt,
+                run=ddlf.RunConfig(seed=1, checkpoint_dir=ckpt),
                 callbacks=[LambdaCallback(on_epoch_end=check_checkpoint)],
-                **kw,
             )
             seconds = time.perf_counter() - t0
             acc = float(app.evaluate(*test)[1])

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+import ddlf
 from ddlf import data as datasets
 from ddlf.cluster.cluster import Cluster
 from ddlf.cluster.local import LocalWorkers
@@ -92,10 +93,10 @@ def _full_disk(data_dir: str) -> list[str]:
     mnt = work / "disk"
     mnt.mkdir()
     with LocalWorkers(2, threads=1) as w, Cluster(w.addresses, w.token) as c:
-        kw = {"batch_size": 64, "seed": 1, "verbose": 0, "averaging_frequency": 20}
+        kw = {"batch_size": 64, "verbose": 0, "strategy": ddlf.ModelAveraging(every=20)}
         app = DenseMnist(c)
         app.data_dir = data_dir
-        app.train(epochs=1, checkpoint_dir=work / "probe", **kw)
+        app.train(epochs=1, run=ddlf.RunConfig(seed=1, checkpoint_dir=work / "probe"), **kw)
         size = checkpoint.path_in(work / "probe").stat().st_size
         room = int(size * 1.5) // 4096 * 4096 + 4096
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(mnt)], check=True)
@@ -104,7 +105,7 @@ def _full_disk(data_dir: str) -> list[str]:
             app.data_dir = data_dir
             t0 = time.perf_counter()
             try:
-                app.train(epochs=3, checkpoint_dir=mnt, **kw)
+                app.train(epochs=3, run=ddlf.RunConfig(seed=1, checkpoint_dir=mnt), **kw)
                 what = "no error (unexpected)"
             except CheckpointError as exc:
                 what = f"`CheckpointError` (errno {exc.errno}): {exc}"

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+import ddlf
 from ddlf import data as datasets
 from ddlf.cluster.cluster import Cluster
 from ddlf.cluster.local import LocalWorkers
@@ -73,12 +74,13 @@ def _at_round(at: int, action: Any) -> tuple[LambdaCallback, dict[str, float]]:
     return LambdaCallback(on_round_end=on_round_end), when
 
 
-def _train(addresses: list[str], token: str | None, mode: str, epochs: int, test: Any, cbs: list[Any], **kw: Any):
+def _train(addresses: list[str], token: str | None, mode: str, epochs: int, test: Any, cbs: list[Any]):
     with Cluster(addresses, token, heartbeat_interval=0.5, heartbeat_timeout=1.5) as c:
         app = DenseMnist(c)
         app.data_dir = DenseMnist.data_dir  # an instance attribute travels to the workers with the app
-        h = app.train(epochs=epochs, batch_size=64, mode=mode, averaging_frequency=20, verbose=0, seed=1,
-                      callbacks=cbs, **kw)  # fmt: skip
+        strategy = ddlf.Asynchronous(chunk=20) if mode == "async" else ddlf.ModelAveraging(every=20)
+        h = app.train(epochs=epochs, batch_size=64, strategy=strategy, verbose=0, run=ddlf.RunConfig(seed=1),
+                      callbacks=cbs)  # fmt: skip
         return h, float(app.evaluate(*test)[1])
 
 

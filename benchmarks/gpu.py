@@ -111,11 +111,11 @@ def run_case(model: str, mode: str, rows: int, epochs: int, batch: int) -> dict[
             def create_model(self) -> Any:
                 return build(model)
 
-        averaging = "gradients" if mode == "ddlf-gradients" else "weights"
+        strategy = ddlf.GradientAveraging() if mode == "ddlf-gradients" else ddlf.ModelAveraging()
         with ddlf.Cluster.local(gpus="auto") as cluster:
             app = GpuApp(cluster)
             app.train(epochs=0, verbose=0)  # load the dataset (not timed: the single-process case has it in memory)
-            h = app.train(epochs=epochs, batch_size=batch, averaging=averaging, verbose=0)
+            h = app.train(epochs=epochs, batch_size=batch, strategy=strategy, verbose=0)
             seconds = list(h.epoch_seconds)
             if xt is not None:
                 _, acc = app.evaluate(xt, yt)

@@ -89,7 +89,10 @@ def train_wide_mlp(spec: dict[str, Any], **kw: Any) -> tuple[Any, int]:
         app.rows = spec["rounds"] * len(cluster) * AVG_FREQ * BATCH
         app.dataset_key = f"{WideMlp.dataset_key}-{app.rows}"
         weights_bytes = sum(w.nbytes for w in app.create_model().get_weights())
-        h = app.train(epochs=1, batch_size=BATCH, averaging_frequency=AVG_FREQ, verbose=0, **kw)
+        exchange = ddlf.ThroughMaster(compression=kw.get("compression"))
+        h = app.train(
+            epochs=1, batch_size=BATCH, strategy=ddlf.ModelAveraging(every=AVG_FREQ, exchange=exchange), verbose=0
+        )
     return h, weights_bytes
 
 
@@ -218,7 +221,7 @@ def _markdown(table: list[tuple[str, str | None, dict[str, Any]]], scaling: list
         "What to pick: on a fast LAN the round is compute-bound and compression buys little; as bandwidth drops "
         "the weights on the wire dominate, and float16 halves and top-k (1%) nearly removes the upload (the "
         "download, the averaged weights, stays dense). Latency costs a fixed few round trips per round, so it "
-        "matters only when rounds are short: raise `averaging_frequency` on high-latency links.",
+        "matters only when rounds are short: raise `ModelAveraging(every=)` on high-latency links.",
     ]
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ from typing import Any
 from . import report
 from .averaging import build, data, prepare
 
-CASES = {  # label -> (averaging_frequency, outer optimizer)
+CASES = {  # label -> (batches per round, outer optimizer)
     "every 10 batches": (10, None),
     "every 100 batches": (100, None),
     "every 100 batches, Nesterov outer step": (100, "nesterov"),
@@ -53,7 +53,11 @@ def run_case(label: str, n: int, epochs: int, seed: int) -> dict[str, Any]:
         app = Cnn(cluster)
         app.train(epochs=0, verbose=0)
         h = app.train(
-            epochs=epochs, batch_size=32, seed=seed, verbose=0, averaging_frequency=frequency, outer_optimizer=outer
+            epochs=epochs,
+            batch_size=32,
+            verbose=0,
+            strategy=ddlf.ModelAveraging(every=frequency, outer=ddlf.Nesterov() if outer == "nesterov" else None),
+            run=ddlf.RunConfig(seed=seed),
         )
         _, acc = app.evaluate(xt, yt)
     wire = sum(s.bytes_sent + s.bytes_received for s in h.stats)

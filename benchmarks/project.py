@@ -117,7 +117,7 @@ def markdown(
         f"compression it is about {floor:,.0f} s per epoch at {gbits[0]:g} Gbit/s whatever the cluster size, and "
         "compute only shrinks under it. Compressing the upload (float16, top-k) lowers that floor, the dense "
         "download of the averaged weights does not shrink; beyond it, fewer rounds (a larger "
-        '`averaging_frequency`) or the ring (`exchange="allreduce"`: its rows and projection are in the next '
+        "`ModelAveraging.every`) or the ring (`ddlf.Ring`: its rows and projection are in the next "
         "section) is what scales.",
     ]
     return "\n".join(lines)

@@ -15,11 +15,18 @@ from typing import Any
 from . import report
 from .backends import _data, build, fit_epochs, shape_inputs
 
-VARIANTS = {
-    "master": {"exchange": "master"},
-    "allreduce": {"exchange": "allreduce"},
-    "gradients": {"averaging": "gradients"},
-}
+VARIANTS = ("master", "allreduce", "gradients")
+
+
+def _strategy(variant: str, every: int) -> Any:
+    """The ``train`` strategy of a variant, averaging (or checking in) every ``every`` batches."""
+    import ddlf
+
+    if variant == "allreduce":
+        return ddlf.ModelAveraging(every=every, exchange=ddlf.Ring())
+    if variant == "gradients":
+        return ddlf.GradientAveraging(check_in_every=every)
+    return ddlf.ModelAveraging(every=every)
 
 
 def run_case(variant: str, workers: int, rows: int, epochs: int, batch: int, frequency: int) -> dict[str, Any]:
@@ -40,8 +47,7 @@ def run_case(variant: str, workers: int, rows: int, epochs: int, batch: int, fre
     with ddlf.Cluster.local(workers, threads=max(1, cores // workers)) as cluster:
         app = _make_app("cnn", rows)(cluster)
         app.train(epochs=0, verbose=0)
-        kw = dict(VARIANTS[variant])
-        h = app.train(epochs=epochs, batch_size=batch, averaging_frequency=frequency, verbose=0, **kw)
+        h = app.train(epochs=epochs, batch_size=batch, strategy=_strategy(variant, frequency), verbose=0)
         _, acc = app.evaluate(xt, yt)
     return {"seconds": list(h.epoch_seconds), "accuracy": float(acc)}
 

@@ -76,7 +76,8 @@ def run_case(mode: str, rows: int, epochs: int, batch: int) -> dict[str, Any]:
     with ddlf.Cluster.local(2) as cluster:
         app = SmallMlp(cluster)
         app.train(epochs=0, verbose=0)  # load the dataset (not timed: the single process has it in memory too)
-        h = app.train(epochs=epochs, batch_size=batch, mode=mode, averaging_frequency=50, verbose=0)
+        strategy = ddlf.Asynchronous(chunk=50) if mode == "async" else ddlf.ModelAveraging(every=50)
+        h = app.train(epochs=epochs, batch_size=batch, strategy=strategy, verbose=0)
         _, acc = app.evaluate(xt, yt)
     compute: list[float] = []
     for e in range(epochs):

@@ -10,7 +10,9 @@ import time
 
 import numpy as np
 
+import ddlf
 from ddlf.cluster.cluster import Cluster
+from ddlf.training.options import SLOW_WORKER_ENV
 
 from . import report
 
@@ -65,9 +67,10 @@ def main(argv: list[str] | None = None) -> None:
 
         # Accuracy.
         acc_rows = []
-        for mode, kw in (("sync", {"averaging_frequency": args.avg}), ("async", {})):
+        strategies = {"sync": ddlf.ModelAveraging(every=args.avg), "async": ddlf.Asynchronous()}
+        for mode, strategy in strategies.items():
             app = mc.MnistApp(cluster)
-            h = app.train(epochs=args.epochs, batch_size=args.batch, mode=mode, verbose=0, **kw)
+            h = app.train(epochs=args.epochs, batch_size=args.batch, strategy=strategy, verbose=0)
             _, acc = app.evaluate(x_test, y_test)
             acc_rows.append(
                 [mode, f"{100 * acc:.2f}%", f"{report.median(h.epoch_seconds):.1f}", f"{sum(h.epoch_seconds):.0f}"]
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         ddlf_s, single_s = [], []
         for _ in range(2):
             app = mc.MnistApp(cluster)
-            h = app.train(epochs=1, batch_size=args.batch, averaging_frequency=args.avg, verbose=0)
+            h = app.train(epochs=1, batch_size=args.batch, verbose=0, strategy=ddlf.ModelAveraging(every=args.avg))
             ddlf_s.append(h.epoch_seconds[0])
             single_s.append(_single_process_epoch(mc, x, y, args.batch, 0))
         d, s1 = report.median(ddlf_s), report.median(single_s)
@@ -105,13 +108,11 @@ def main(argv: list[str] | None = None) -> None:
 
         # Slowed worker: sync waits for it every round, async does not.
         slow_rows = []
-        for mode in ("sync", "async"):
+        os.environ[SLOW_WORKER_ENV] = f"1:{args.slow_ms / 1000}"  # worker 1 sleeps per batch in these runs
+        for mode, strategy in strategies.items():
             app = mc.MnistApp(cluster)
             t0 = time.perf_counter()
-            kw = {"averaging_frequency": args.avg} if mode == "sync" else {}
-            app.train(
-                epochs=2, batch_size=args.batch, mode=mode, verbose=0, _slow_worker=(1, args.slow_ms / 1000), **kw
-            )
+            app.train(epochs=2, batch_size=args.batch, strategy=strategy, verbose=0)
             wall = time.perf_counter() - t0
             _, acc = app.evaluate(x_test, y_test)
             slow_rows.append([mode, f"{wall:.0f}", f"{100 * acc:.2f}%"])
@@ -126,16 +127,17 @@ def main(argv: list[str] | None = None) -> None:
             "",
         ]
 
+        del os.environ[SLOW_WORKER_ENV]
+
         # Compression.
         comp_rows = []
         for comp in (None, "float16", "topk"):
             app = mc.MnistApp(cluster)
+            exchange = ddlf.ThroughMaster(compression=ddlf.TopK(0.05) if comp == "topk" else comp)
             h = app.train(
                 epochs=2,
                 batch_size=args.batch,
-                averaging_frequency=args.avg,
-                compression=comp,
-                topk_ratio=0.05,
+                strategy=ddlf.ModelAveraging(every=args.avg, exchange=exchange),
                 verbose=0,
             )
             _, acc = app.evaluate(x_test, y_test)
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     for threads in (1, max(2, os.cpu_count() or 2)):
         with Cluster.local(2, threads=threads) as cluster:
             app = mc.MnistApp(cluster)
-            h = app.train(epochs=1, batch_size=args.batch, averaging_frequency=args.avg, verbose=0)
+            h = app.train(epochs=1, batch_size=args.batch, verbose=0, strategy=ddlf.ModelAveraging(every=args.avg))
             thr_rows.append([f"threads={threads} per worker", f"{h.epoch_seconds[0]:.1f}"])
     out += [
         "### Math-library threads per worker (2 workers on this machine)",

@@ -78,7 +78,7 @@ def _ddlf_job(mode: str, epochs: int, batch: int, workers: int) -> None:
         start = time.perf_counter() - t0
         app = mc.MnistApp(cluster)
         t_fit = time.perf_counter()
-        app.train(epochs=epochs, batch_size=batch, mode=mode, verbose=0)
+        app.train(epochs=epochs, batch_size=batch, strategy=ddlf.Asynchronous() if mode == "async" else None, verbose=0)
         fit = time.perf_counter() - t_fit
         _, acc = app.evaluate(x_test, y_test)
     print(json.dumps({"start": start, "fit": fit, "accuracy": float(acc)}), flush=True)

@@ -75,7 +75,8 @@ def main() -> None:
     t0 = time.perf_counter()
     with ddlf.Cluster.local(n_workers=args.workers) as cluster:
         app = Cifar10App(cluster)
-        app.train(epochs=args.epochs, batch_size=args.batch_size, mode=args.mode, averaging_frequency=50)
+        strategy = ddlf.Asynchronous(chunk=50) if args.mode == "async" else ddlf.ModelAveraging(every=50)
+        app.train(epochs=args.epochs, batch_size=args.batch_size, strategy=strategy)
         loss, acc = app.evaluate(x_test, y_test)
     print(f"test accuracy: {acc:.4f}  test loss: {loss:.4f}  ({time.perf_counter() - t0:.1f} s in all)")
 

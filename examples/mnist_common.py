@@ -84,18 +84,21 @@ def run(default_mode: str, description: str) -> None:
         if args.limit:
             app.limit = args.limit
             app.dataset_key = f"mnist-v1-first-{args.limit}"  # never confused with the full set in a cache
-        averaging = args.averaging_frequency
-        if averaging is None and args.mode == "sync":
-            averaging = 50  # what reached 99% test accuracy in 10 epochs (BENCHMARKS.md)
+        compression = ddlf.TopK() if args.compression == "topk" else args.compression
+        strategy: ddlf.ModelAveraging | ddlf.Asynchronous
+        if args.mode == "async":
+            strategy = ddlf.Asynchronous(chunk=args.averaging_frequency or 10, compression=compression)
+        else:
+            # every 50 batches: what reached 99% test accuracy in 10 epochs (BENCHMARKS.md)
+            exchange = ddlf.ThroughMaster(compression=compression)
+            strategy = ddlf.ModelAveraging(every=args.averaging_frequency or 50, exchange=exchange)
         history = app.train(
             epochs=args.epochs,
             batch_size=args.batch_size,
-            mode=args.mode,
-            compression=args.compression,
-            averaging_frequency=averaging or None,
             validation_data=(x_test, y_test),
-            report=args.report,
             callbacks=[ddlf.callbacks.TensorBoard(args.tensorboard)] if args.tensorboard else [],
+            strategy=strategy,
+            run=ddlf.RunConfig(report=args.report),
         )
         loss, acc = app.evaluate(x_test, y_test)
         if args.save:

@@ -13,10 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ddlf
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-import ddlf  # noqa: E402
 from chromium import screenshot  # noqa: E402
 from mnist_common import MnistApp, test_data  # noqa: E402
 
@@ -39,9 +40,9 @@ def main() -> None:
         app.train(
             epochs=4,
             batch_size=64,
-            averaging_frequency=25,
             validation_data=(x_test[:2000], y_test[:2000]),
-            report=work / "report.html",
+            strategy=ddlf.ModelAveraging(every=25),
+            run=ddlf.RunConfig(report=work / "report.html"),
         )
         screenshot(work / "report.html", OUT / "report.png", width=1200, height=1250)
         command = ["ddlf", "status", *cluster.addresses, "127.0.0.1:1"]

@@ -12,17 +12,43 @@ from .cluster import Cluster
 from .errors import *  # noqa: F403 - every error class and warning, listed in errors.__all__
 from .training.app import IApp
 from .training.history import History
+from .training.options import (
+    Asynchronous,
+    AutoExchange,
+    DataConfig,
+    DynSGD,
+    GradientAveraging,
+    ModelAveraging,
+    Nesterov,
+    Ring,
+    RunConfig,
+    ThroughMaster,
+    TopK,
+    TrainConfig,
+)
 from .training.policy import FailurePolicy
 from .tune import SweepResult, Trial, sweep
 from .worker.executor import WorkerContext
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "Asynchronous",
+    "AutoExchange",
     "Cluster",
+    "DataConfig",
+    "DynSGD",
     "FailurePolicy",
+    "GradientAveraging",
     "History",
     "IApp",
+    "ModelAveraging",
+    "Nesterov",
+    "Ring",
+    "RunConfig",
     "SweepResult",
+    "ThroughMaster",
+    "TopK",
+    "TrainConfig",
     "Trial",
     "WorkerContext",
     "__version__",

@@ -162,14 +162,14 @@ def test_a_peer_link_with_a_wrong_token_is_refused_and_the_worker_keeps_serving(
 def test_tls_clusters_allreduce_and_train_over_tls_peer_links(tmp_path) -> None:
     """On TLS daemons (which admit only TLS peer links: see ``rust/ddlf-net/tests/collective.rs``) the ring runs
     inside TLS, checked against the master's authority, and learns what the master exchange learns."""
-    from ddlf.training.exchange import choose
+    from ddlf.training.exchange import resolve
 
     certs = make_certs(tmp_path / "certs")
     daemons = [Daemon("--tls-cert", str(certs["server"]), "--tls-key", str(certs["key"])) for _ in range(3)]
     try:
         addresses = [d.address for d in daemons]
         with ddlf.Cluster(addresses, token=daemons[0].token, tls_ca=certs["ca"]) as c:
-            assert c.uses_tls and choose("allreduce", c, [0, 1, 2], None) == "allreduce"
+            assert c.uses_tls and resolve(ddlf.Ring(), c, [0, 1, 2]) == ddlf.Ring()
             c.scatter("t", [np.full(100_003, i, np.float32) for i in range(3)])
             # One host: a flat ring, so that every link is a TLS peer link.
             c.allreduce("t", "sum", hierarchical=False)
@@ -186,9 +186,15 @@ def test_tls_clusters_allreduce_and_train_over_tls_peer_links(tmp_path) -> None:
             d.stop()
 
 
-def _train(c: ddlf.Cluster, exchange: str, **kw):
+def _train(c: ddlf.Cluster, exchange: str, compression: str | None = None, hierarchical: bool | None = None, **kw):
     app = FaultApp(c)
-    h = app.train(epochs=2, batch_size=32, averaging_frequency=10, seed=5, exchange=exchange, verbose=0, **kw)
+    how = (
+        ddlf.Ring(hierarchical=hierarchical, compression=compression)
+        if exchange == "allreduce"
+        else ddlf.ThroughMaster(compression=compression)
+    )
+    strategy = ddlf.ModelAveraging(every=10, exchange=how)
+    h = app.train(epochs=2, batch_size=32, strategy=strategy, run=ddlf.RunConfig(seed=5), verbose=0, **kw)
     return app, h
 
 
@@ -233,23 +239,36 @@ def test_a_worker_with_nonfinite_weights_is_left_out_of_the_ring_average() -> No
     with ddlf.Cluster.local(2, threads=1) as c:
         app = Nan(c)
         with pytest.warns(RuntimeWarning, match="weights are not finite"):
-            h = app.train(epochs=1, batch_size=16, seed=0, exchange="allreduce", averaging_frequency=5, verbose=0)
+            h = app.train(
+                epochs=1,
+                batch_size=16,
+                verbose=0,
+                strategy=ddlf.ModelAveraging(every=5, exchange=ddlf.Ring()),
+                run=ddlf.RunConfig(seed=0),
+            )
         refused = [e for e in h.events if e["event"] == "reply_refused"]
         assert refused and refused[0]["error"] == "NonFiniteUpdate", h.events
         assert all(np.isfinite(w).all() for w in app.model.get_weights())
         with pytest.raises(NonFiniteUpdate):
-            app.train(epochs=1, batch_size=16, seed=0, exchange="allreduce", nonfinite="raise", verbose=0)
+            app.train(
+                epochs=1,
+                batch_size=16,
+                verbose=0,
+                strategy=ddlf.ModelAveraging(exchange=ddlf.Ring()),
+                run=ddlf.RunConfig(seed=0, nonfinite="raise"),
+            )
         assert c.ping()
 
 
 def test_exchange_is_checked_before_training_starts(four: ddlf.Cluster) -> None:
     app = FaultApp(four)
-    with pytest.raises(ValueError, match="is for mode='sync'"):
-        app.train(epochs=1, mode="async", exchange="allreduce", verbose=0)
-    with pytest.raises(ValueError, match="exchange must be"):
-        app.train(epochs=1, exchange="ring", verbose=0)
-    with pytest.raises(ValueError, match="topk"):
-        app.train(epochs=1, exchange="allreduce", compression="topk", verbose=0)
+    # Invalid combinations cannot be written: each option object refuses them when it is made.
+    with pytest.raises(TypeError, match="exchange must be"):
+        ddlf.ModelAveraging(exchange="ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Ring\.compression"):
+        ddlf.Ring(compression=ddlf.TopK())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="strategy must be"):
+        app.train(epochs=1, strategy=ddlf.Ring(), verbose=0)  # type: ignore[arg-type]
     assert four.ping()  # nothing started, every worker serves
 
 

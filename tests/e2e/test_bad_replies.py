@@ -89,7 +89,7 @@ def test_a_bad_sync_reply_is_refused_and_training_goes_on(pair: ddlf.Cluster, te
     try:
         app = SmallMnist(pair)
         with pytest.warns(RuntimeWarning, match="worker 1 sent"):
-            h = app.train(epochs=2, batch_size=32, averaging_frequency=20, verbose=0)
+            h = app.train(epochs=2, batch_size=32, verbose=0, strategy=ddlf.ModelAveraging(every=20))
     finally:
         pair.call(_misbehave, (None,), workers=[1])
     refused = _refused(h)
@@ -107,13 +107,13 @@ def test_nonfinite_raise_stops_the_run(pair: ddlf.Cluster) -> None:
     pair.call(_misbehave, ("nan",), workers=[1])
     try:
         with pytest.raises(ddlf.NonFiniteUpdate, match="worker 1 sent non-finite") as info:
-            SmallMnist(pair).train(epochs=1, batch_size=32, nonfinite="raise", verbose=0)
+            SmallMnist(pair).train(epochs=1, batch_size=32, verbose=0, run=ddlf.RunConfig(nonfinite="raise"))
         assert info.value.worker_id == 1
     finally:
         pair.call(_misbehave, (None,), workers=[1])
     assert pair.run(ddlf.training.replica.runs) == [[], []]  # torn down on both workers
     with pytest.raises(ValueError, match="nonfinite"):
-        SmallMnist(pair).train(epochs=1, nonfinite="ignore", verbose=0)
+        SmallMnist(pair).train(epochs=1, verbose=0, run=ddlf.RunConfig(nonfinite="ignore"))
 
 
 @pytest.mark.parametrize("mode", ["shape", "nan"])
@@ -122,7 +122,7 @@ def test_a_bad_async_reply_is_refused_too(pair: ddlf.Cluster, test_set: Any, mod
     try:
         app = SmallMnist(pair)
         with pytest.warns(RuntimeWarning, match="worker 1 sent"):
-            h = app.train(epochs=2, batch_size=32, mode="async", verbose=0)
+            h = app.train(epochs=2, batch_size=32, verbose=0, strategy=ddlf.Asynchronous())
     finally:
         pair.call(_misbehave, (None,), workers=[1])
     assert _refused(h) and all(e["worker"] == 1 for e in _refused(h))
@@ -131,5 +131,5 @@ def test_a_bad_async_reply_is_refused_too(pair: ddlf.Cluster, test_set: Any, mod
 
 
 def test_a_well_behaved_run_refuses_nothing(pair: ddlf.Cluster) -> None:
-    h = SmallMnist(pair).train(epochs=1, batch_size=32, averaging_frequency=20, verbose=0)
+    h = SmallMnist(pair).train(epochs=1, batch_size=32, verbose=0, strategy=ddlf.ModelAveraging(every=20))
     assert not _refused(h)

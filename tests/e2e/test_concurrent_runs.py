@@ -42,9 +42,8 @@ MASTER = textwrap.dedent(
         h = app.train(
             epochs=spec["epochs"],
             batch_size=32,
-            mode=spec["mode"],
-            averaging_frequency=10,
-            seed=spec["seed"],
+            strategy=ddlf.Asynchronous(chunk=10) if spec["mode"] == "async" else ddlf.ModelAveraging(every=10),
+            run=ddlf.RunConfig(seed=spec["seed"]),
             verbose=0,
         )
         _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
@@ -170,7 +169,9 @@ def test_worker_subsets_train_from_two_threads_of_one_master(cluster: ddlf.Clust
     def train(w: int, app_cls: type[SmallMnist]) -> None:
         try:
             app = app_cls(cluster)
-            h = app.train(epochs=3, batch_size=32, workers=[w], seed=w, verbose=0, callbacks=[StatusProbe(w)])
+            h = app.train(
+                epochs=3, batch_size=32, verbose=0, callbacks=[StatusProbe(w)], run=ddlf.RunConfig(workers=[w], seed=w)
+            )
             out[w] = (h, app.evaluate(xt[:2000], yt[:2000])[1])
         except BaseException as exc:  # reported by the main thread
             out[w] = exc
@@ -196,8 +197,8 @@ def test_worker_subsets_train_from_two_threads_of_one_master(cluster: ddlf.Clust
 def test_bad_worker_subsets_are_refused(cluster: ddlf.Cluster) -> None:
     app = SmallMnist(cluster)
     with pytest.raises(IndexError, match="out of range"):
-        app.train(epochs=1, workers=[5], verbose=0)
+        app.train(epochs=1, verbose=0, run=ddlf.RunConfig(workers=[5]))
     with pytest.raises(ValueError, match="empty"):
-        app.train(epochs=1, workers=[], verbose=0)
+        app.train(epochs=1, verbose=0, run=ddlf.RunConfig(workers=[]))
     with pytest.raises(TypeError, match="worker indices"):
-        app.train(epochs=1, workers="0", verbose=0)
+        app.train(epochs=1, verbose=0, run=ddlf.RunConfig(workers="0"))

@@ -48,16 +48,16 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
 def test_checkpoint_on_a_full_disk_fails_clearly_and_keeps_the_previous(
     cluster: ddlf.Cluster, tmp_path: Path, small_tmpfs: Callable[[int], Path]
 ) -> None:
-    kw = {"batch_size": 64, "seed": 5, "verbose": 0, "averaging_frequency": 10}
+    kw = {"batch_size": 64, "verbose": 0, "strategy": ddlf.ModelAveraging(every=10)}
     # How large one checkpoint of this run is (one epoch), on an ordinary disk.
     probe = SmallMnist(cluster)
-    probe.train(epochs=1, checkpoint_dir=tmp_path / "probe", **kw)
+    probe.train(epochs=1, run=ddlf.RunConfig(seed=5, checkpoint_dir=tmp_path / "probe"), **kw)
     size = checkpoint.path_in(tmp_path / "probe").stat().st_size
     # Room for one checkpoint and a half: epoch 1's fits; epoch 2's temporary file beside it does not.
     disk = small_tmpfs(int(size * 1.5) // 4096 * 4096 + 4096)
     app = SmallMnist(cluster)
     with pytest.raises(CheckpointError) as info:
-        app.train(epochs=3, checkpoint_dir=disk, **kw)
+        app.train(epochs=3, run=ddlf.RunConfig(seed=5, checkpoint_dir=disk), **kw)
     err = info.value
     assert isinstance(err, OSError) and isinstance(err, ddlf.errors.DdlfError)
     assert err.errno == 28  # ENOSPC
@@ -71,7 +71,7 @@ def test_checkpoint_on_a_full_disk_fails_clearly_and_keeps_the_previous(
     room.mkdir()
     (room / checkpoint.FILENAME).write_bytes((disk / checkpoint.FILENAME).read_bytes())
     resumed = SmallMnist(cluster)
-    h = resumed.train(epochs=3, checkpoint_dir=room, resume=True, **kw)
+    h = resumed.train(epochs=3, run=ddlf.RunConfig(seed=5, checkpoint_dir=room, resume=True), **kw)
     assert len(h.history["loss"]) == 3 and np.isfinite(h.history["loss"]).all()
     assert checkpoint.load(room)["epochs_done"] == 3
 

@@ -73,7 +73,8 @@ def _kill_at_round(pid: int, at: int, sig: int = signal.SIGKILL) -> tuple[Lambda
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_9_one_of_three_workers_mid_epoch(mode: str, test_set) -> None:
-    kw = dict(epochs=5, batch_size=32, mode=mode, averaging_frequency=10, verbose=0, seed=3)
+    strategy = ddlf.Asynchronous(chunk=10) if mode == "async" else ddlf.ModelAveraging(every=10)
+    kw = dict(epochs=5, batch_size=32, strategy=strategy, verbose=0, run=ddlf.RunConfig(seed=3))
     lr = 3e-3 if mode == "sync" else 1e-3
     acc_ref = None
     if mode == "sync":
@@ -124,7 +125,7 @@ def test_a_stopped_worker_is_declared_lost_within_the_heartbeat_timeout(test_set
         app = FaultApp(c)
         cb, when = _kill_at_round(victim, 2, signal.SIGSTOP)
         with pytest.warns(RuntimeWarning, match="worker 1 .* lost"):
-            h = app.train(epochs=1, batch_size=32, mode="sync", averaging_frequency=10, verbose=0, callbacks=[cb])
+            h = app.train(epochs=1, batch_size=32, verbose=0, callbacks=[cb], strategy=ddlf.ModelAveraging(every=10))
         lost = [e for e in h.events if e["event"] == "lost"]
         assert [e["worker"] for e in lost] == [1]
         detect = lost[0]["time"] - when["t"]
@@ -197,9 +198,12 @@ def test_a_killed_worker_restarted_mid_training_rejoins(test_set) -> None:
         app = FaultApp(c)
         with pytest.warns(RuntimeWarning, match="worker 1 .* lost"):
             h = app.train(
-                epochs=4, batch_size=32, mode="sync", averaging_frequency=5, verbose=0,
+                epochs=4,
+                batch_size=32,
+                verbose=0,
                 callbacks=[LambdaCallback(on_round_end=on_round_end)],
-            )  # fmt: skip
+                strategy=ddlf.ModelAveraging(every=5),
+            )
         events = [e["event"] for e in h.events if e.get("worker") == 1]
         assert events[:3] == ["lost", "restarted", "joined"], h.events
         joined = next(e for e in h.events if e["event"] == "joined")
@@ -232,9 +236,12 @@ def test_workers_added_and_removed_during_training() -> None:
 
         app = FaultApp(c)
         h = app.train(
-            epochs=2, batch_size=32, mode="sync", averaging_frequency=5, verbose=0,
+            epochs=2,
+            batch_size=32,
+            verbose=0,
             callbacks=[LambdaCallback(on_round_end=on_round_end)],
-        )  # fmt: skip
+            strategy=ddlf.ModelAveraging(every=5),
+        )
         assert len(h.history["loss"]) == 2
         assert [e["event"] for e in h.events if e["event"] in ("added", "removed", "joined")] == [
             "added",
@@ -253,13 +260,13 @@ def test_workers_added_and_removed_during_training() -> None:
 
 
 def test_sync_resume_from_checkpoint_reaches_the_same_weights(cluster: ddlf.Cluster, tmp_path: Path) -> None:
-    kw = dict(batch_size=32, mode="sync", averaging_frequency=20, verbose=0, seed=7)
+    kw = dict(batch_size=32, strategy=ddlf.ModelAveraging(every=20), verbose=0)
     straight = FaultApp(cluster)
-    straight.train(epochs=3, checkpoint_dir=tmp_path / "a", **kw)
+    straight.train(epochs=3, run=ddlf.RunConfig(seed=7, checkpoint_dir=tmp_path / "a"), **kw)
     first = FaultApp(cluster)
-    first.train(epochs=2, checkpoint_dir=tmp_path / "b", **kw)  # "interrupted" after epoch 2
+    first.train(epochs=2, run=ddlf.RunConfig(seed=7, checkpoint_dir=tmp_path / "b"), **kw)  # "interrupted" after 2
     resumed = FaultApp(cluster)
-    h = resumed.train(epochs=3, checkpoint_dir=tmp_path / "b", resume=True, **kw)
+    h = resumed.train(epochs=3, run=ddlf.RunConfig(seed=7, checkpoint_dir=tmp_path / "b", resume=True), **kw)
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert len(h.history["loss"]) == 3
@@ -272,8 +279,8 @@ import sys, ddlf
 sys.path.insert(0, {repo!r})
 from tests.e2e.test_faults import FaultApp
 with ddlf.Cluster({addresses!r}, token=None) as c:
-    h = FaultApp(c).train(epochs=4, batch_size=32, mode="sync", averaging_frequency=5, verbose=0,
-                          checkpoint_dir={ckpt!r}, resume=True)
+    h = FaultApp(c).train(epochs=4, batch_size=32, strategy=ddlf.ModelAveraging(every=5), verbose=0,
+                          run=ddlf.RunConfig(checkpoint_dir={ckpt!r}, resume=True))
     print("EPOCHS", len(h.history["loss"]), [e["event"] for e in h.events])
 """
 
@@ -313,10 +320,10 @@ def test_bad_fault_handling_inputs_are_clear_errors(cluster: ddlf.Cluster, tmp_p
     with pytest.raises(IndexError, match="out of range"):
         cluster.remove_worker(7)
     with pytest.raises(ValueError, match="resume=True needs the checkpoint_dir"):
-        FaultApp(cluster).train(epochs=1, resume=True, verbose=0)
+        FaultApp(cluster).train(epochs=1, verbose=0, run=ddlf.RunConfig(resume=True))
     (tmp_path / "ddlf-checkpoint.pkl").write_bytes(b"not a pickle at all")
     with pytest.raises(ValueError, match="not a readable ddlf checkpoint"):
-        FaultApp(cluster).train(epochs=1, checkpoint_dir=tmp_path, resume=True, verbose=0)
+        FaultApp(cluster).train(epochs=1, verbose=0, run=ddlf.RunConfig(checkpoint_dir=tmp_path, resume=True))
     assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]
 
 

@@ -115,11 +115,10 @@ def test_n_workers_equal_one_process_on_the_global_batches(n: int, frequency: in
         h = app.train(
             epochs=2,
             batch_size=16,
-            seed=4,
-            averaging="gradients",
-            averaging_frequency=frequency,
             callbacks=[held],
             verbose=0,
+            strategy=ddlf.GradientAveraging(check_in_every=frequency),
+            run=ddlf.RunConfig(seed=4),
         )
         got = app.model.get_weights()
         assert h.params["exchange"] == "allreduce" and h.params["averaging"] == "gradients"
@@ -139,7 +138,13 @@ def test_scaled_learning_rate_equals_one_process_at_n_times_the_rate() -> None:
         app = Linear(c)
         app.model = app.create_model()
         start = app.model.get_weights()
-        app.train(epochs=1, batch_size=16, seed=2, averaging="gradients", scale_learning_rate=True, verbose=0)
+        app.train(
+            epochs=1,
+            batch_size=16,
+            verbose=0,
+            strategy=ddlf.GradientAveraging(scale_learning_rate=True),
+            run=ddlf.RunConfig(seed=2),
+        )
         want = one_process(app, start, global_batches(2, 16, 1, 2, None), lr_scale=2.0)
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), want))
         assert diff < 2e-5, diff
@@ -154,13 +159,10 @@ def test_scaled_learning_rate_equals_one_process_at_n_times_the_rate() -> None:
         app.train(
             epochs=2,
             batch_size=16,
-            seed=2,
-            averaging="gradients",
-            scale_learning_rate=True,
-            warmup_epochs=1,
-            averaging_frequency=3,
             callbacks=[LambdaCallback(on_round_end=on_round_end)],
             verbose=0,
+            strategy=ddlf.GradientAveraging(scale_learning_rate=True, warmup_epochs=1, check_in_every=3),
+            run=ddlf.RunConfig(seed=2),
         )
         first = [r[0] / Linear.learning_rate for r in rates]
         assert all(r[0] == r[1] for r in rates)  # both workers at the same rate
@@ -179,7 +181,12 @@ def test_adam_replicas_stay_identical_and_learn() -> None:
         app = AdamApp(c)
         held = Replicas(c)
         h = app.train(
-            epochs=3, batch_size=32, seed=1, averaging="gradients", averaging_frequency=5, callbacks=[held], verbose=0
+            epochs=3,
+            batch_size=32,
+            callbacks=[held],
+            verbose=0,
+            strategy=ddlf.GradientAveraging(check_in_every=5),
+            run=ddlf.RunConfig(seed=1),
         )
         assert h.history["loss"][-1] < h.history["loss"][0]
         assert h.history["accuracy"][-1] > 0.9
@@ -188,25 +195,26 @@ def test_adam_replicas_stay_identical_and_learn() -> None:
 
 def test_options_that_do_not_fit_are_refused_before_training(cluster: ddlf.Cluster) -> None:
     app = Linear(cluster)
-    refusals = [
-        (dict(exchange="master"), 'needs exchange="allreduce"'),
-        (dict(compression="topk"), "topk"),
-        (dict(average_optimizer_state=True), "average_optimizer_state"),
-        (dict(mode="async"), "is for mode='sync'"),
-        (dict(averaging="params"), "averaging must be"),
-        (dict(warmup_epochs=2), "scale_learning_rate=True"),
-        (dict(warmup_epochs=-1, scale_learning_rate=True), "warmup_epochs must be"),
-    ]
-    for kw, match in refusals:
-        kw.setdefault("averaging", "gradients")
-        with pytest.raises(ValueError, match=match):
-            app.train(epochs=1, verbose=0, **kw)
-    with pytest.raises(ValueError, match='for averaging="gradients"'):
-        app.train(epochs=1, verbose=0, scale_learning_rate=True)
-    with pytest.raises(TypeError, match="scale_learning_rate must be True or False"):
-        app.train(epochs=1, verbose=0, averaging="gradients", scale_learning_rate="yes")
+    # What does not fit gradient averaging cannot be written: it has no exchange but its ring, no top-k, no
+    # optimizer-state averaging, no outer optimizer. What can be written wrong is refused when the option is made.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'optimizer_state'"):
+        ddlf.GradientAveraging(optimizer_state=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"ring must be a ddlf\.Ring"):
+        ddlf.GradientAveraging(ring=ddlf.ThroughMaster())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Ring\.compression"):
+        ddlf.GradientAveraging(ring=ddlf.Ring(compression="topk"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scale_learning_rate=True"):
+        ddlf.GradientAveraging(warmup_epochs=2)
     with pytest.raises(ValueError, match="warmup_epochs must be"):
-        app.train(epochs=1, verbose=0, averaging="gradients", scale_learning_rate=True, warmup_epochs=float("nan"))
+        ddlf.GradientAveraging(warmup_epochs=-1, scale_learning_rate=True)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be"):
+        ddlf.GradientAveraging(bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="scale_learning_rate must be True or False"):
+        app.train(epochs=1, verbose=0, strategy=ddlf.GradientAveraging(scale_learning_rate="yes"))
+    with pytest.raises(ValueError, match="warmup_epochs must be"):
+        app.train(
+            epochs=1, verbose=0, strategy=ddlf.GradientAveraging(scale_learning_rate=True, warmup_epochs=float("nan"))
+        )
 
     class Scheduled(Linear):
         def create_model(self):
@@ -218,9 +226,9 @@ def test_options_that_do_not_fit_are_refused_before_training(cluster: ddlf.Clust
             return model
 
     with pytest.raises(ValueError, match="learning-rate schedule"):
-        Scheduled(cluster).train(epochs=1, verbose=0, averaging="gradients", scale_learning_rate=True)
+        Scheduled(cluster).train(epochs=1, verbose=0, strategy=ddlf.GradientAveraging(scale_learning_rate=True))
     assert cluster.ping()
-    h = Scheduled(cluster).train(epochs=1, verbose=0, averaging="gradients")  # without scaling it trains
+    h = Scheduled(cluster).train(epochs=1, verbose=0, strategy=ddlf.GradientAveraging())  # without scaling it trains
     assert h.history["loss"]
 
 
@@ -231,15 +239,9 @@ def test_half_precision_gradients_stay_near_one_process_and_replicas_identical(w
         app.model = app.create_model()
         start = app.model.get_weights()
         held = Replicas(c)
+        strategy = ddlf.GradientAveraging(check_in_every=4, ring=ddlf.Ring(compression=wire))  # type: ignore[arg-type]
         h = app.train(
-            epochs=2,
-            batch_size=16,
-            seed=4,
-            averaging="gradients",
-            averaging_frequency=4,
-            compression=wire,
-            callbacks=[held],
-            verbose=0,
+            epochs=2, batch_size=16, strategy=strategy, run=ddlf.RunConfig(seed=4), callbacks=[held], verbose=0
         )
         assert h.params["compression"] == wire
         got = app.model.get_weights()
@@ -272,7 +274,13 @@ def test_float16_overflow_on_the_wire_skips_the_step_everywhere_and_is_reported(
         start = app.model.get_weights()
         # Two workers of one host reduce through shared memory by default: float16 is for the wire between
         # hosts, so nothing is rounded there and the run trains without overflowing.
-        h = app.train(epochs=1, batch_size=16, seed=0, averaging="gradients", compression="float16", verbose=0)
+        h = app.train(
+            epochs=1,
+            batch_size=16,
+            verbose=0,
+            strategy=ddlf.GradientAveraging(ring=ddlf.Ring(compression="float16")),
+            run=ddlf.RunConfig(seed=0),
+        )
         assert not [e for e in h.events if e["event"] == "wire_overflow"], h.events
         assert all(np.isfinite(w).all() for w in app.model.get_weights())
         app.model.set_weights(start)
@@ -281,11 +289,9 @@ def test_float16_overflow_on_the_wire_skips_the_step_everywhere_and_is_reported(
             h = app.train(
                 epochs=1,
                 batch_size=16,
-                seed=0,
-                averaging="gradients",
-                compression="float16",
-                hierarchical=False,
                 verbose=0,
+                strategy=ddlf.GradientAveraging(ring=ddlf.Ring(hierarchical=False, compression="float16")),
+                run=ddlf.RunConfig(seed=0),
             )
         events = [e for e in h.events if e["event"] == "wire_overflow"]
         assert events and events[0]["updates"] > 0, h.events
@@ -293,7 +299,13 @@ def test_float16_overflow_on_the_wire_skips_the_step_everywhere_and_is_reported(
         assert all(np.isfinite(w).all() for w in got)  # an infinite average applied once would be everywhere
         assert any(not np.array_equal(a, b) for a, b in zip(got, start)) or events[0]["updates"] >= 19
         # bfloat16 carries float32's range: the same run trains.
-        h = app.train(epochs=1, batch_size=16, seed=0, averaging="gradients", compression="bfloat16", verbose=0)
+        h = app.train(
+            epochs=1,
+            batch_size=16,
+            verbose=0,
+            strategy=ddlf.GradientAveraging(ring=ddlf.Ring(compression="bfloat16")),
+            run=ddlf.RunConfig(seed=0),
+        )
         assert not [e for e in h.events if e["event"] == "wire_overflow"]
         assert c.ping()
 
@@ -302,12 +314,20 @@ def test_nan_gradients_are_left_out_of_the_step_and_reported() -> None:
     with ddlf.Cluster.local(2, threads=1) as c:
         app = Nan(c)
         with pytest.warns(RuntimeWarning, match="non-finite gradients"):
-            h = app.train(epochs=1, batch_size=16, seed=0, averaging="gradients", verbose=0)
+            h = app.train(
+                epochs=1, batch_size=16, verbose=0, strategy=ddlf.GradientAveraging(), run=ddlf.RunConfig(seed=0)
+            )
         events = [e for e in h.events if e["event"] == "nonfinite_gradients"]
         assert events and sum(e["batches"] for e in events) in (1, 2), h.events  # rows 3 and 4: one or two batches
         assert all(np.isfinite(w).all() for w in app.model.get_weights())
         with pytest.raises(NonFiniteUpdate, match="non-finite gradients"):
-            app.train(epochs=1, batch_size=16, seed=0, averaging="gradients", nonfinite="raise", verbose=0)
+            app.train(
+                epochs=1,
+                batch_size=16,
+                verbose=0,
+                strategy=ddlf.GradientAveraging(),
+                run=ddlf.RunConfig(seed=0, nonfinite="raise"),
+            )
         assert c.ping()
 
 
@@ -333,11 +353,10 @@ def test_a_worker_added_mid_training_adopts_the_optimizer_state() -> None:
         h = app.train(
             epochs=2,
             batch_size=16,
-            seed=3,
-            averaging="gradients",
-            averaging_frequency=3,
             callbacks=[LambdaCallback(on_round_end=on_round_end), held],
             verbose=0,
+            strategy=ddlf.GradientAveraging(check_in_every=3),
+            run=ddlf.RunConfig(seed=3),
         )
         assert any(s.worker == 2 and s.samples > 0 for s in h.stats)
         assert len(held.held) == 3 and held.identical()
@@ -357,11 +376,10 @@ def test_a_worker_killed_mid_training_is_left_out() -> None:
             h = app.train(
                 epochs=2,
                 batch_size=16,
-                seed=3,
-                averaging="gradients",
-                averaging_frequency=2,
                 callbacks=[cb, held],
                 verbose=0,
+                strategy=ddlf.GradientAveraging(check_in_every=2),
+                run=ddlf.RunConfig(seed=3),
             )
         lost = [e for e in h.events if e["event"] == "lost"]
         assert [e["worker"] for e in lost] == [2]

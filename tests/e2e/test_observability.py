@@ -43,11 +43,11 @@ def trained(cluster: ddlf.Cluster, tmp_path_factory: pytest.TempPathFactory):
     history = app.train(
         epochs=2,
         batch_size=32,
-        averaging_frequency=10,
         validation_data=(x[-500:], y[-500:]),
         verbose=0,
-        report=out / "run.html",
         callbacks=[ddlf.callbacks.TensorBoard(out / "tb", update_freq="round")],
+        strategy=ddlf.ModelAveraging(every=10),
+        run=ddlf.RunConfig(report=out / "run.html"),
     )
     return out, history
 
@@ -150,7 +150,7 @@ def test_a_bad_report_path_is_refused_before_training(cluster: ddlf.Cluster, tmp
         (tmp_path / "a-file" / "run.html", "not a writable directory"),
     ):
         with pytest.raises(ValueError, match=why):
-            app.train(epochs=1, verbose=0, report=bad)
+            app.train(epochs=1, verbose=0, run=ddlf.RunConfig(report=bad))
     assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]
     assert not list(tmp_path.glob("*.json"))
 

@@ -13,8 +13,8 @@ from ddlf.training.callbacks import LambdaCallback
 from .test_faults import FaultApp
 from .test_gradients import Linear, Replicas
 
-KW = {"epochs": 2, "batch_size": 32, "averaging_frequency": 10, "seed": 5, "verbose": 0}
-OUTER = {"outer_optimizer": "nesterov", "outer_learning_rate": 0.7, "outer_momentum": 0.9}
+KW = {"epochs": 2, "batch_size": 32, "run": ddlf.RunConfig(seed=5), "verbose": 0}
+OUTER = ddlf.Nesterov(learning_rate=0.7, momentum=0.9)
 
 
 def _off(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -26,15 +26,15 @@ def test_ring_and_master_exchange_agree_and_the_step_changes_the_result() -> Non
     # ReLU and Adam it need not: on TensorFlow the dropout MLP's hidden unit 55 sat at its threshold in the first
     # round of epoch 2, the 1e-7 difference switched it on for one path only, and Adam turned that into steps of
     # the learning rate's size (3.8e-4 apart after the round; indices, step counts and dropout seeds identical).
-    kw = {"epochs": 4, "batch_size": 32, "averaging_frequency": 2, "seed": 5, "verbose": 0}
+    kw = {"epochs": 4, "batch_size": 32, "run": ddlf.RunConfig(seed=5), "verbose": 0}
     with ddlf.Cluster.local(3, threads=1) as c:
         plain = Linear(c)
-        plain.train(**kw)
+        plain.train(**kw, strategy=ddlf.ModelAveraging(every=2))
         master = Linear(c)
-        hm = master.train(**kw, **OUTER)
+        hm = master.train(**kw, strategy=ddlf.ModelAveraging(every=2, outer=OUTER))
         ring = Linear(c)
         held = Replicas(c)
-        ring.train(**kw, exchange="allreduce", callbacks=[held], **OUTER)
+        ring.train(**kw, strategy=ddlf.ModelAveraging(every=2, outer=OUTER, exchange=ddlf.Ring()), callbacks=[held])
         assert hm.params["outer_optimizer"] == "nesterov"
         assert len({(s.epoch, s.round) for s in hm.stats}) >= 12  # enough rounds for the momentum to matter
         # Every member applied the same step to the same average with the same momentum: identical bits.
@@ -50,8 +50,8 @@ def test_ring_and_master_exchange_agree_and_the_step_changes_the_result() -> Non
 def test_learning_rate_one_without_momentum_is_model_averaging() -> None:
     with ddlf.Cluster.local(2, threads=1) as c:
         plain, outer = FaultApp(c), FaultApp(c)
-        plain.train(**KW)
-        outer.train(**KW, outer_optimizer="nesterov", outer_learning_rate=1.0, outer_momentum=0.0)
+        plain.train(**KW, strategy=ddlf.ModelAveraging(every=10))
+        outer.train(**KW, strategy=ddlf.ModelAveraging(every=10, outer=ddlf.Nesterov(learning_rate=1.0, momentum=0.0)))
         assert _off(plain.model.get_weights(), outer.model.get_weights()) < 1e-5
 
 
@@ -69,7 +69,7 @@ def test_a_worker_that_joins_the_ring_adopts_the_momentum() -> None:
 
         held = Replicas(c)  # after add_worker: fetches from the three workers at the end of every round
         cbs = [LambdaCallback(on_round_end=on_round_end), held]
-        h = app.train(**KW, exchange="allreduce", callbacks=cbs, **OUTER)
+        h = app.train(**KW, strategy=ddlf.ModelAveraging(every=10, outer=OUTER, exchange=ddlf.Ring()), callbacks=cbs)
         assert any(e["event"] == "joined" for e in h.events), h.events
         # The newcomer adopted the others' momentum: after its rounds every replica holds the same bits (with
         # zeros in its momentum instead, its outer step would part from theirs).
@@ -78,12 +78,12 @@ def test_a_worker_that_joins_the_ring_adopts_the_momentum() -> None:
 
 def test_what_cannot_work_is_refused_before_training(cluster: ddlf.Cluster) -> None:
     app = FaultApp(cluster)
-    with pytest.raises(ValueError, match='outer_optimizer is for averaging="weights"'):
-        app.train(epochs=1, averaging="gradients", verbose=0, **OUTER)
-    with pytest.raises(ValueError, match="outer_optimizer is for mode='sync'"):
-        app.train(epochs=1, mode="async", verbose=0, **OUTER)
-    with pytest.raises(ValueError, match="outer_optimizer must be"):
-        app.train(epochs=1, outer_optimizer="adam", verbose=0)
-    with pytest.raises(ValueError, match="outer_momentum"):
-        app.train(epochs=1, outer_optimizer="nesterov", outer_momentum=1.5, verbose=0)
+    # The outer optimizer exists only on ModelAveraging: gradient averaging and asynchronous training have no
+    # such field, so those combinations cannot be written. What can be written wrong is refused when made.
+    with pytest.raises(TypeError, match=r"outer must be None or a ddlf\.Nesterov"):
+        ddlf.ModelAveraging(outer="adam")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Nesterov\.momentum"):
+        ddlf.Nesterov(momentum=1.5)
+    with pytest.raises(ValueError, match=r"Nesterov\.learning_rate"):
+        app.train(epochs=1, verbose=0, strategy=ddlf.ModelAveraging(outer=ddlf.Nesterov(learning_rate=0)))
     assert cluster.ping()

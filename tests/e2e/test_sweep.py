@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddlf
+from ddlf.training.options import SLOW_WORKER_ENV
 
 from ..conftest import MNIST_DIR, Daemon
 from .test_training import SmallMnist
@@ -81,18 +82,19 @@ def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, v
     assert all(len(t["curve"]) == t["epochs"] for t in numbers["trials"])
 
 
-def test_a_lost_worker_requeues_only_its_trial(val_set) -> None:
+def test_a_lost_worker_requeues_only_its_trial(val_set, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Worker 2 trains slowly (50 ms a batch: the master's experiment hook), so it is mid-trial when it is killed.
+    monkeypatch.setenv(SLOW_WORKER_ENV, "2:0.05")
     daemons = [Daemon(), Daemon(), Daemon()]
     try:
         with ddlf.Cluster([d.address for d in daemons], token=daemons[0].token, heartbeat_timeout=3.0) as c:
-            # Worker 2 trains slowly (50 ms a batch), so it is mid-trial when it is killed.
             killer = threading.Timer(4.0, lambda: daemons[2].proc.send_signal(signal.SIGKILL))
             killer.start()
             t0 = time.monotonic()
             with pytest.warns(RuntimeWarning, match="lost"):
                 result = ddlf.sweep(
                     c, make_app, CONFIGS[2:], epochs=3, grace_epochs=3, validation_data=val_set,
-                    batch_size=64, rejoin_timeout=1.0, _slow_worker=(2, 0.05),
+                    batch_size=64, run=ddlf.RunConfig(rejoin_timeout=1.0),
                 )  # fmt: skip
             killer.cancel()
             assert time.monotonic() - t0 < 180

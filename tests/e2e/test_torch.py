@@ -97,13 +97,11 @@ def test_torch_model_trains_sync_deterministically_and_evaluates(cluster: ddlf.C
         h = app.train(
             epochs=3,
             batch_size=32,
-            mode="sync",
-            averaging_frequency=20,
-            average_optimizer_state=True,
             validation_data=test_set,
-            seed=3,
             callbacks=[ddlf.callbacks.ModelCheckpoint(str(tmp_path / "torch-{epoch}.pt"), monitor="val_accuracy")],
             verbose=0,
+            strategy=ddlf.ModelAveraging(every=20, optimizer_state=True),
+            run=ddlf.RunConfig(seed=3),
         )
         runs.append(app.model.get_weights())
     assert set(h.history) >= {"loss", "accuracy", "val_loss", "val_accuracy"}
@@ -121,7 +119,7 @@ def test_torch_model_trains_sync_deterministically_and_evaluates(cluster: ddlf.C
 
 def test_torch_model_trains_async(cluster: ddlf.Cluster, test_set) -> None:
     app = TorchMnist(cluster)
-    h = app.train(epochs=3, batch_size=32, mode="async", averaging_frequency=5, staleness="dynsgd", verbose=0)
+    h = app.train(epochs=3, batch_size=32, verbose=0, strategy=ddlf.Asynchronous(chunk=5, staleness=ddlf.DynSGD()))
     assert len(h.history["loss"]) == 3
     _, acc = app.evaluate(*test_set)
     assert acc > 0.75  # async runs are not bit-reproducible: the same margin as the Keras async test
@@ -214,7 +212,13 @@ def test_torch_model_gradient_averaging_equals_one_process(bucket_cap_mb: float 
         app = TorchLinear(c)
         app.model = app.create_model()
         start = app.model.get_weights()
-        h = app.train(epochs=2, batch_size=16, seed=4, averaging="gradients", bucket_cap_mb=bucket_cap_mb, verbose=0)
+        h = app.train(
+            epochs=2,
+            batch_size=16,
+            verbose=0,
+            strategy=ddlf.GradientAveraging(bucket_cap_mb=bucket_cap_mb),
+            run=ddlf.RunConfig(seed=4),
+        )
         assert h.params["bucket_cap_mb"] == bucket_cap_mb
         x, y = app.load_dataset()
         ref = app.create_model()

@@ -47,7 +47,7 @@ def test_set():
 
 def test_sync_training_learns_and_records_history(cluster: ddlf.Cluster, test_set) -> None:
     app = SmallMnist(cluster)
-    h = app.train(epochs=3, batch_size=32, mode="sync", averaging_frequency=20, validation_data=test_set, verbose=0)
+    h = app.train(epochs=3, batch_size=32, validation_data=test_set, verbose=0, strategy=ddlf.ModelAveraging(every=20))
     assert set(h.history) >= {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert len(h.history["loss"]) == 3
     assert h.history["loss"][-1] < h.history["loss"][0]
@@ -62,9 +62,9 @@ def test_sync_training_learns_and_records_history(cluster: ddlf.Cluster, test_se
 
 def test_sync_is_deterministic_and_seeded_mode_matches_index_mode(cluster: ddlf.Cluster) -> None:
     runs = []
-    for shuffle in ("indices", "indices", "seeded"):
+    for send in ("indices", "indices", "seed"):
         app = SmallMnist(cluster)
-        app.train(epochs=2, batch_size=64, mode="sync", seed=7, shuffle=shuffle, verbose=0)
+        app.train(epochs=2, batch_size=64, run=ddlf.RunConfig(seed=7), data=ddlf.DataConfig(send=send), verbose=0)
         runs.append(app.model.get_weights())
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
@@ -81,7 +81,7 @@ def test_second_run_reuses_the_cached_dataset(cluster: ddlf.Cluster) -> None:
 
 def test_async_training_learns_and_reports_staleness(cluster: ddlf.Cluster, test_set) -> None:
     app = SmallMnist(cluster)
-    h = app.train(epochs=3, batch_size=32, mode="async", averaging_frequency=5, staleness="dynsgd", verbose=0)
+    h = app.train(epochs=3, batch_size=32, verbose=0, strategy=ddlf.Asynchronous(chunk=5, staleness=ddlf.DynSGD()))
     _, acc = app.evaluate(*test_set)
     assert acc > 0.75  # async runs are not bit-reproducible: a margin below the sync test's bar
     assert sum(s.samples for s in h.stats) == 3 * 3000
@@ -91,7 +91,7 @@ def test_async_training_learns_and_reports_staleness(cluster: ddlf.Cluster, test
 
 def test_async_max_staleness_drops_stale_deltas(cluster: ddlf.Cluster) -> None:
     h = SmallMnist(cluster).train(
-        epochs=1, batch_size=32, mode="async", averaging_frequency=2, max_staleness=0, verbose=0
+        epochs=1, batch_size=32, verbose=0, strategy=ddlf.Asynchronous(chunk=2, max_staleness=0)
     )
     dropped = [s for s in h.stats if s.dropped]
     assert all(s.staleness > 0 for s in dropped)
@@ -103,7 +103,8 @@ def test_compression_halves_bytes_back_at_equal_accuracy(cluster: ddlf.Cluster, 
     accuracy, received = {}, {}
     for c in (None, compression):
         app = SmallMnist(cluster)
-        h = app.train(epochs=2, batch_size=32, averaging_frequency=20, seed=3, compression=c, verbose=0)
+        strategy = ddlf.ModelAveraging(every=20, exchange=ddlf.ThroughMaster(compression=c))
+        h = app.train(epochs=2, batch_size=32, strategy=strategy, run=ddlf.RunConfig(seed=3), verbose=0)
         accuracy[c] = app.evaluate(*test_set)[1]
         received[c] = h.stats[0].bytes_received
     assert received[compression] * 2 == received[None]
@@ -114,29 +115,30 @@ def test_compression_halves_bytes_back_at_equal_accuracy(cluster: ddlf.Cluster, 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_topk_compression_with_error_feedback(cluster: ddlf.Cluster, test_set, mode) -> None:
     app = SmallMnist(cluster)
-    h = app.train(
-        epochs=3,
-        batch_size=32,
-        mode=mode,
-        averaging_frequency=10,
-        compression="topk",
-        topk_ratio=0.05,
-        seed=1,
-        verbose=0,
-    )
-    plain = SmallMnist(cluster).train(epochs=1, batch_size=32, mode=mode, averaging_frequency=10, verbose=0)
+
+    def strategy(compression: ddlf.TopK | None) -> ddlf.ModelAveraging | ddlf.Asynchronous:
+        if mode == "async":
+            return ddlf.Asynchronous(chunk=10, compression=compression)
+        return ddlf.ModelAveraging(every=10, exchange=ddlf.ThroughMaster(compression=compression))
+
+    h = app.train(epochs=3, batch_size=32, strategy=strategy(ddlf.TopK(0.05)), run=ddlf.RunConfig(seed=1), verbose=0)
+    plain = SmallMnist(cluster).train(epochs=1, batch_size=32, strategy=strategy(None), verbose=0)
     # 5% of the entries, 8 bytes each (index + value) instead of 4: about a tenth of the dense bytes.
     sent_back = np.mean([s.bytes_received for s in h.stats])
     dense = np.mean([s.bytes_received for s in plain.stats])
     assert 0.05 < sent_back / dense < 0.15
     assert app.evaluate(*test_set)[1] > 0.7
-    with pytest.raises(ValueError, match="topk_ratio"):
-        app.train(compression="topk", topk_ratio=2.0, verbose=0)
+    with pytest.raises(ValueError, match=r"TopK\.ratio"):
+        ddlf.TopK(2.0)
 
 
 def test_optimizer_state_averaging_and_uneven_shares(cluster: ddlf.Cluster) -> None:
     h = SmallMnist(cluster).train(
-        epochs=1, batch_size=32, averaging_frequency=10, average_optimizer_state=True, worker_shares=[3, 1], verbose=0
+        epochs=1,
+        batch_size=32,
+        verbose=0,
+        strategy=ddlf.ModelAveraging(every=10, optimizer_state=True),
+        data=ddlf.DataConfig(worker_shares=[3, 1]),
     )
     per_worker = h.summary()["workers"]
     assert per_worker[0]["samples"] == 2250 and per_worker[1]["samples"] == 750
@@ -164,16 +166,16 @@ def test_progress_bar_prints_epochs(cluster: ddlf.Cluster, capsys) -> None:
 
 def test_bad_training_arguments(cluster: ddlf.Cluster) -> None:
     app = SmallMnist(cluster)
-    with pytest.raises(ValueError, match="mode"):
-        app.train(mode="eventual")
+    with pytest.raises(TypeError, match="strategy must be"):
+        app.train(strategy="eventual")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="compression"):
-        app.train(compression="int3")
-    with pytest.raises(ValueError, match="shuffle"):
-        app.train(shuffle="random")
-    with pytest.raises(ValueError, match="staleness"):
-        app.train(mode="async", staleness="wild")
+        app.train(strategy=ddlf.ModelAveraging(exchange=ddlf.ThroughMaster(compression="int3")))
+    with pytest.raises(ValueError, match="send"):
+        app.train(data=ddlf.DataConfig(send="random"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="staleness"):
+        app.train(strategy=ddlf.Asynchronous(staleness="wild"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="one per worker"):
-        app.train(worker_shares=[1, 1, 1])
+        app.train(data=ddlf.DataConfig(worker_shares=[1, 1, 1]))
 
 
 def test_failing_load_dataset_is_a_remote_error(cluster: ddlf.Cluster) -> None:
@@ -214,7 +216,7 @@ class ShardedMnist(SmallMnist):
 
 def test_sharded_dataset_each_worker_holds_only_its_shard(cluster: ddlf.Cluster, test_set) -> None:
     app = ShardedMnist(cluster)
-    h = app.train(epochs=3, batch_size=32, averaging_frequency=20, verbose=0)
+    h = app.train(epochs=3, batch_size=32, verbose=0, strategy=ddlf.ModelAveraging(every=20))
     held = cluster.datasets()
     assert [[d["key"] for d in w if "sharded" in d["key"]] for w in held] == [
         ["mnist-small-sharded/shard-0-of-2"],
@@ -229,9 +231,10 @@ def test_sharded_dataset_rotation_and_seeded_mode(cluster: ddlf.Cluster) -> None
     for key in [d["key"] for d in cluster.datasets()[0] if "sharded" in d["key"]]:
         cluster.drop_dataset(key)
     runs = []
-    for shuffle in ("indices", "seeded"):
+    for send in ("indices", "seed"):
         app = ShardedMnist(cluster)
-        app.train(epochs=2, batch_size=64, rotate_shards_every=1, shuffle=shuffle, seed=5, verbose=0)
+        data = ddlf.DataConfig(rotate_shards_every=1, send=send)
+        app.train(epochs=2, batch_size=64, data=data, run=ddlf.RunConfig(seed=5), verbose=0)
         runs.append(app.model.get_weights())
     # With rotation every epoch, both workers have held both shards.
     for w in cluster.datasets():
@@ -241,10 +244,12 @@ def test_sharded_dataset_rotation_and_seeded_mode(cluster: ddlf.Cluster) -> None
         ]
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
-    h = ShardedMnist(cluster).train(mode="async", epochs=1, batch_size=64, rotate_shards_every=1, verbose=0)
+    h = ShardedMnist(cluster).train(
+        epochs=1, batch_size=64, verbose=0, strategy=ddlf.Asynchronous(), data=ddlf.DataConfig(rotate_shards_every=1)
+    )
     assert sum(s.samples for s in h.stats) == 3000
     with pytest.raises(ValueError, match="sharded"):
-        SmallMnist(cluster).train(rotate_shards_every=2, verbose=0)
+        SmallMnist(cluster).train(verbose=0, data=ddlf.DataConfig(rotate_shards_every=2))
 
 
 def test_app_subclassing_an_app_from_a_neighbour_module(tmp_path) -> None:

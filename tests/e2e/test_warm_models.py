@@ -51,10 +51,18 @@ def _kept() -> list[int]:
 
 
 def _train(app: ddlf.IApp, **kw: Any) -> ddlf.History:
-    return app.train(epochs=2, batch_size=32, averaging_frequency=10, seed=11, verbose=0, **kw)
+    strategy = kw.pop("strategy", ddlf.ModelAveraging(every=10))
+    return app.train(epochs=2, batch_size=32, strategy=strategy, run=ddlf.RunConfig(seed=11), verbose=0, **kw)
 
 
-@pytest.mark.parametrize("kw", [{}, {"exchange": "allreduce"}, {"averaging": "gradients"}], ids=str)
+STRATEGIES = {
+    "master": {},
+    "ring": {"strategy": ddlf.ModelAveraging(every=10, exchange=ddlf.Ring())},
+    "gradients": {"strategy": ddlf.GradientAveraging(check_in_every=10)},
+}
+
+
+@pytest.mark.parametrize("kw", list(STRATEGIES.values()), ids=list(STRATEGIES))
 def test_a_warm_run_learns_exactly_what_a_cold_run_learns(kw: dict[str, Any]) -> None:
     with ddlf.Cluster.local(2, threads=1) as c:
         cold = DropoutMnist(c)

@@ -58,16 +58,21 @@ def main() -> None:
         ips = cluster.call(_own_addresses)
         app = HostsMnist(cluster)
         (_, _), (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+        every = args.get("averaging_frequency", 10)
+        strategy: ddlf.ModelAveraging | ddlf.Asynchronous
+        if args["mode"] == "async":
+            strategy = ddlf.Asynchronous(chunk=every, staleness=ddlf.DynSGD())
+        elif args.get("exchange", "master") == "allreduce":
+            strategy = ddlf.ModelAveraging(every=every, exchange=ddlf.Ring(hierarchical=args.get("hierarchical")))
+        else:
+            strategy = ddlf.ModelAveraging(every=every)
         h = app.train(
             epochs=args.get("epochs", 2),
             batch_size=32,
-            mode=args["mode"],
-            averaging_frequency=args.get("averaging_frequency", 10),
-            staleness="dynsgd" if args["mode"] == "async" else "none",
+            strategy=strategy,
             verbose=0,
             callbacks=callbacks,
-            rejoin_timeout=30,
-            **{k: args[k] for k in ("exchange", "hierarchical") if k in args},
+            run=ddlf.RunConfig(rejoin_timeout=30),
         )
         _, acc = app.evaluate(xt[:2000], yt[:2000])
         print(

@@ -1,13 +1,13 @@
-"""Which exchange a synchronous run uses (``ddlf.training.exchange.choose``), and ring plans: pure logic."""
+"""Which exchange a synchronous run uses (``ddlf.training.exchange.resolve``), and ring plans: pure logic."""
 
 from __future__ import annotations
 
 import pytest
 
+import ddlf
 from ddlf.cluster.rings import RingPlan, Rings
 from ddlf.ring_spec import check_op
-from ddlf.training.exchange import choose
-from ddlf.training.options import TrainConfig
+from ddlf.training.exchange import resolve
 
 
 class FakeCluster:
@@ -21,24 +21,27 @@ TWO_HOSTS = FakeCluster(["10.0.0.1:7070", "10.0.0.2:7070", "10.0.0.2:7071"])
 
 
 def test_auto_takes_the_ring_only_across_hosts() -> None:
-    assert choose("auto", ONE_HOST, [0, 1, 2], None) == "master"
-    assert choose("auto", TWO_HOSTS, [0, 1, 2], None) == "allreduce"
-    assert choose("auto", TWO_HOSTS, [1, 2], None) == "master"  # the run's workers share one host
-    assert choose("auto", TWO_HOSTS, [0, 1], "float16") == "allreduce"  # half precision on the ring's links
-    assert choose("auto", TWO_HOSTS, [0, 1], "topk") == "master"  # what the ring does not do
+    auto = ddlf.AutoExchange()
+    assert resolve(auto, ONE_HOST, [0, 1, 2]) == ddlf.ThroughMaster()
+    assert resolve(auto, TWO_HOSTS, [0, 1, 2]) == ddlf.Ring()
+    assert resolve(auto, TWO_HOSTS, [1, 2]) == ddlf.ThroughMaster()  # the run's workers share one host
+    # half precision on whichever it picks, and the ring's hierarchy when it picks the ring
+    half = ddlf.AutoExchange(compression="float16", hierarchical=False)
+    assert resolve(half, TWO_HOSTS, [0, 1]) == ddlf.Ring(hierarchical=False, compression="float16")
+    assert resolve(half, ONE_HOST, [0, 1]) == ddlf.ThroughMaster(compression="float16")
     # TLS clusters ring over TLS peer links: the same rule.
-    assert choose("auto", FakeCluster(TWO_HOSTS.addresses, tls=True), [0, 1], None) == "allreduce"
+    assert resolve(auto, FakeCluster(TWO_HOSTS.addresses, tls=True), [0, 1]) == ddlf.Ring()
 
 
 def test_explicit_choices_and_refusals() -> None:
-    assert choose("master", TWO_HOSTS, [0, 1], None) == "master"
-    assert choose("allreduce", ONE_HOST, [0, 1], None) == "allreduce"
+    assert resolve(ddlf.ThroughMaster(), TWO_HOSTS, [0, 1]) == ddlf.ThroughMaster()
+    assert resolve(ddlf.Ring(), ONE_HOST, [0, 1]) == ddlf.Ring()
     with pytest.raises(ValueError, match="compression"):
-        choose("allreduce", ONE_HOST, [0, 1], "topk")
-    with pytest.raises(ValueError, match="exchange must be"):
-        choose("ring", ONE_HOST, [0, 1], None)
-    with pytest.raises(ValueError, match="exchange must be"):
-        TrainConfig(epochs=1, batch_size=1, exchange="ring").check()
+        ddlf.Ring(compression="topk")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="compression"):
+        ddlf.AutoExchange(compression=ddlf.TopK())  # type: ignore[arg-type]  # the ring does not do top-k
+    with pytest.raises(TypeError, match="exchange must be"):
+        ddlf.ModelAveraging(exchange="ring")  # type: ignore[arg-type]
 
 
 def test_ring_plans_name_ranks_and_a_new_group_after_a_loss() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddlf.training.outer import Nesterov, OuterSpec
+from ddlf.training.outer import OuterMomentum, OuterSpec
 
 
 def test_nesterov_step_by_hand() -> None:
-    outer = Nesterov(OuterSpec("nesterov", 0.5, 0.9))
+    outer = OuterMomentum(OuterSpec("nesterov", 0.5, 0.9))
     start = [np.array([1.0, 2.0], np.float32), np.array([3], np.int64)]
     avg = [np.array([0.0, 1.0], np.float32), np.array([4], np.int64)]
     new = outer.step(start, avg, [True, True])
@@ -28,19 +28,19 @@ def test_learning_rate_one_without_momentum_is_plain_averaging() -> None:
     rng = np.random.default_rng(0)
     start = [rng.standard_normal((4, 3)).astype(np.float32)]
     avg = [rng.standard_normal((4, 3)).astype(np.float32)]
-    new = Nesterov(OuterSpec("nesterov", 1.0, 0.0)).step(start, avg, [True])
+    new = OuterMomentum(OuterSpec("nesterov", 1.0, 0.0)).step(start, avg, [True])
     np.testing.assert_allclose(new[0], avg[0], atol=1e-6)
 
 
 def test_untrained_weights_take_the_average_and_state_round_trips() -> None:
-    outer = Nesterov(OuterSpec())
+    outer = OuterMomentum(OuterSpec())
     start = [np.ones(3, np.float32), np.zeros(2, np.float32)]
     avg = [np.zeros(3, np.float32), np.ones(2, np.float32)]
     new = outer.step(start, avg, [True, False])
     np.testing.assert_array_equal(new[1], avg[1])  # a BatchNorm statistic: the average as it is
     saved = outer.state()
     assert saved is not None and saved[1].size == 0
-    other = Nesterov(OuterSpec())
+    other = OuterMomentum(OuterSpec())
     other.load(saved)
     a, b = outer.step(new, avg, [True, False]), other.step(new, avg, [True, False])
     assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))  # the same momentum, the same bits
@@ -64,4 +64,4 @@ def test_bad_specs_are_refused(spec: OuterSpec) -> None:
 
 def test_mismatched_lists_are_refused() -> None:
     with pytest.raises(ValueError, match="outer step"):
-        Nesterov(OuterSpec()).step([np.ones(2)], [], [True])
+        OuterMomentum(OuterSpec()).step([np.ones(2)], [], [True])

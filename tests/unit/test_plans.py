@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import ddlf
 from ddlf.training.options import TrainConfig
 from ddlf.training.plan import SHARD_SEED_STRIDE, ShardPlan, SlicePlan, chunks, shard_layout
 
@@ -19,7 +20,7 @@ def _all_rows(plan: SlicePlan, live: list[int]) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("avg", [None, 1, 7])
 def test_a_slice_plan_trains_every_row_once_per_epoch(avg: int | None) -> None:
-    cfg = TrainConfig(epochs=1, batch_size=8, seed=3, averaging_frequency=avg)
+    cfg = TrainConfig(epochs=1, batch_size=8, strategy=ddlf.ModelAveraging(every=avg), run=ddlf.RunConfig(seed=3))
     rows = np.concatenate(_all_rows(SlicePlan(1001, 3, cfg, epoch=0), [0, 1, 2]))
     assert sorted(rows.tolist()) == list(range(1001))
     again = np.concatenate(_all_rows(SlicePlan(1001, 3, cfg, epoch=0), [0, 1, 2]))
@@ -29,7 +30,7 @@ def test_a_slice_plan_trains_every_row_once_per_epoch(avg: int | None) -> None:
 
 
 def test_a_lost_worker_share_goes_to_the_live_ones() -> None:
-    cfg = TrainConfig(epochs=1, batch_size=10, averaging_frequency=1)
+    cfg = TrainConfig(epochs=1, batch_size=10, strategy=ddlf.ModelAveraging(every=1))
     plan = SlicePlan(100, 3, cfg, epoch=0)
     first = plan.next_round([0, 1, 2])
     assert [len(p["indices"]) for _, p in first] == [10, 10, 10]
@@ -41,13 +42,13 @@ def test_a_lost_worker_share_goes_to_the_live_ones() -> None:
 
 
 def test_worker_shares_split_rows_unevenly() -> None:
-    cfg = TrainConfig(epochs=1, batch_size=10, shares=[3.0, 1.0])
+    cfg = TrainConfig(epochs=1, batch_size=10, data=ddlf.DataConfig(worker_shares=(3.0, 1.0)))
     [(w0, a), (w1, b)] = SlicePlan(400, 2, cfg, epoch=0).next_round([0, 1])
     assert (w0, w1) == (0, 1) and len(a["indices"]) == 300 and len(b["indices"]) == 100
 
 
 def test_seeded_plans_send_bounds_not_indices() -> None:
-    cfg = TrainConfig(epochs=1, batch_size=10, shuffle="seeded", seed=5)
+    cfg = TrainConfig(epochs=1, batch_size=10, data=ddlf.DataConfig(send="seed"), run=ddlf.RunConfig(seed=5))
     [(_, a), (_, b)] = SlicePlan(50, 2, cfg, epoch=2).next_round([0, 1])
     assert a["indices"] is None and a["seeded"] == (5, 2, [1.0], 0, 0, 25) and b["seeded"][4:] == (25, 50)
 
@@ -60,7 +61,7 @@ def test_shard_layout_rotates_and_seeds_per_shard() -> None:
 
 
 def test_a_shard_plan_walks_each_shard_and_skips_lost_ones() -> None:
-    cfg = TrainConfig(epochs=1, batch_size=4, averaging_frequency=2)
+    cfg = TrainConfig(epochs=1, batch_size=4, strategy=ddlf.ModelAveraging(every=2))
     plan = ShardPlan([20, 13], cfg, epoch=0)
     seen: dict[int, list[int]] = {0: [], 1: []}
     while not plan.finished():

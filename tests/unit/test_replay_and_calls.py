@@ -16,7 +16,6 @@ from ddlf.cluster.recovery import ReplayLog, broken
 from ddlf.frameworks.keras_backend import follow_keras_backend, installed_keras_backend, keras_backend_default
 from ddlf.settings import MAX_LANE_SPIN_US, check_lane_spin_us, check_seconds, read_pem
 from ddlf.training.messages import WorkerResult
-from ddlf.training.options import TrainConfig
 from ddlf.training.policy import FailurePolicy
 from ddlf.training.run import weighted_logs
 
@@ -190,7 +189,7 @@ def test_the_failure_policy_decides_by_kind() -> None:
     with pytest.raises(ValueError, match="lost_worker"):
         FailurePolicy(lost_worker="retry")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="FailurePolicy"):
-        TrainConfig(epochs=1, batch_size=1, failure_policy="raise").check()  # type: ignore[arg-type]
+        ddlf.RunConfig(failure_policy="raise")  # type: ignore[arg-type]
 
 
 def test_worker_results_and_their_logs() -> None:

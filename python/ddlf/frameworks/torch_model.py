@@ -38,7 +38,7 @@ class TorchModel:
     ``get_weights``/``set_weights``, ``train_on_batch``, ``evaluate``, ``predict``, ``reset_metrics``, ``save``,
     ``save_weights``/``load_weights`` behave like Keras's; the optimizer's state and the random generator's state
     are reachable through ``get_optimizer_state``/``set_optimizer_state`` and ``get_rng_state``/``set_rng_state``
-    (``average_optimizer_state=True`` and checkpoints use them).
+    (``ModelAveraging(optimizer_state=True)`` and checkpoints use them).
     """
 
     def __init__(
@@ -177,7 +177,7 @@ class TorchModel:
             parts = [self.module(self._tensor(x[s : s + batch_size])).numpy() for s in range(0, len(x), batch_size)]
         return np.concatenate(parts) if parts else np.empty((0,))
 
-    # -- averaging="gradients" ----------------------------------------------------------------------------------
+    # -- gradient averaging -------------------------------------------------------------------------------------
 
     def untrained_mask(self) -> list[bool]:
         """For each array of :meth:`get_weights`: True for buffers the optimizer does not train (BatchNorm's

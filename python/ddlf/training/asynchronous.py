@@ -1,9 +1,9 @@
 """Asynchronous training: every worker at its own pace.
 
-Each epoch's permutation is cut into chunks of ``averaging_frequency`` batches (default: 10), queued, and each
+Each epoch's permutation is cut into chunks of ``Asynchronous.chunk`` batches (default: 10), queued, and each
 worker repeatedly takes the next chunk, pulls the newest global weights with their version, trains, and pushes
 its delta. The master applies each delta atomically (in Rust, in place) and bumps the version. A delta computed
-from weights ``s`` versions old has staleness ``s``: with ``staleness="dynsgd"`` it is scaled by ``1/(s+1)``;
+from weights ``s`` versions old has staleness ``s``: with ``staleness=DynSGD()`` it is scaled by ``1/(s+1)``;
 beyond ``max_staleness`` it is dropped and the worker simply pulls fresh weights for its next chunk. A slow worker
 takes fewer chunks and never stalls the others. With a sharded dataset each worker works through its own shard
 (only it holds those rows), so the epoch ends when the slowest worker's shard is done.
@@ -30,7 +30,7 @@ from .history import History, RoundStats
 from .membership import Members
 from .messages import WorkerResult
 from .numerics import nbytes
-from .options import TrainConfig
+from .options import Asynchronous, TrainConfig
 from .plan import Chunk, chunks, shard_layout
 from .replies import check_reply
 from .run import TrainingRun
@@ -73,7 +73,9 @@ class _Epoch:
 def train_async(run: TrainingRun) -> History:
     """The asynchronous loop: one thread per live worker takes chunks off the epoch's queue."""
     app, cfg, history, cluster, members = run.app, run.cfg, run.history, run.cluster, run.members
-    chunk_rows = (cfg.averaging_frequency or DEFAULT_CHUNK_BATCHES) * cfg.batch_size
+    strategy = cfg.strategy
+    assert isinstance(strategy, Asynchronous)
+    chunk_rows = strategy.chunk * cfg.batch_size
     weights = [np.ascontiguousarray(w, dtype=w.dtype) for w in app.model.get_weights()]
     lock = threading.Lock()
     state: dict[str, Any] = {"version": 0, "round": 0, "error": None}
@@ -81,14 +83,14 @@ def train_async(run: TrainingRun) -> History:
         t_epoch = run.begin_epoch(epoch)
         if app.sharded:
             # Each worker works through the shard it holds (rotating every k epochs if asked).
-            layout = shard_layout(len(run.shard_rows), epoch, cfg.seed, cfg.rotate_shards_every)
+            layout = shard_layout(len(run.shard_rows), epoch, cfg.run.seed, cfg.data.rotate_shards_every)
             own = {
                 shard: chunks(ops.permutation(run.shard_rows[shard], seed, epoch), chunk_rows, shard)
                 for shard, seed in zip(layout.shards, layout.seeds)
             }
             ep = _Epoch(epoch, deque(), own, shard_of=dict(enumerate(layout.shards)))
         else:
-            ep = _Epoch(epoch, chunks(ops.permutation(run.rows, cfg.seed, epoch), chunk_rows))
+            ep = _Epoch(epoch, chunks(ops.permutation(run.rows, cfg.run.seed, epoch), chunk_rows))
 
         def work(address: str, ep: _Epoch) -> None:
             while True:
@@ -111,7 +113,7 @@ def train_async(run: TrainingRun) -> History:
                     "weights": start_weights,
                     "return_delta": True,
                     "compression": cfg.compression,
-                    "prefetch": cfg.prefetch,
+                    "prefetch": cfg.data.prefetch,
                     "topk_ratio": cfg.topk_ratio,
                 }
                 if cfg.slow_worker and cfg.slow_worker[0] == w:
@@ -152,9 +154,9 @@ def train_async(run: TrainingRun) -> History:
                 with lock:
                     ep.in_flight -= 1
                     staleness = state["version"] - version
-                    dropped = cfg.max_staleness is not None and staleness > cfg.max_staleness
+                    dropped = strategy.max_staleness is not None and staleness > strategy.max_staleness
                     if not dropped:
-                        scale = 1.0 / (staleness + 1) if cfg.staleness == "dynsgd" else 1.0
+                        scale = 1.0 / (staleness + 1) if strategy.staleness is not None else 1.0
                         ops.axpy_(weights, delta, scale)
                         state["version"] += 1
                     ep.results.append(res)
@@ -224,7 +226,7 @@ def _supervise(
                     t.start()
             if not live and not running:
                 alone_since = alone_since or time.monotonic()
-                if time.monotonic() - alone_since > cfg.rejoin_timeout:
+                if time.monotonic() - alone_since > cfg.run.rejoin_timeout:
                     members.wait_for_any(0.0)  # raises, naming the workers
             else:
                 alone_since = None

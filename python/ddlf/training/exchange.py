@@ -1,14 +1,15 @@
-"""How a synchronous round's workers agree on the averaged weights: ``exchange="master"`` or ``"allreduce"``.
+"""How a synchronous round's workers agree on the averaged weights: :class:`~ddlf.ThroughMaster` or
+:class:`~ddlf.Ring` (``ModelAveraging(exchange=...)``; gradient averaging always uses the ring).
 
-``"master"`` (:mod:`.sync`'s own round): the master broadcasts the weights, every worker returns its own, the
-master averages them. Every byte of every round crosses the master's link: ``2 n W`` per round for ``n`` workers
-and ``W`` bytes of weights, so rounds slow down as workers are added.
+:class:`~ddlf.ThroughMaster` (:mod:`.synchronous`'s own round): the master broadcasts the weights, every worker
+returns its own, the master averages them. Every byte of every round crosses the master's link: ``2 n W`` per round
+for ``n`` workers and ``W`` bytes of weights, so rounds slow down as workers are added.
 
-``"allreduce"`` (:class:`RingExchange`): the workers average among themselves over a ring
-(:mod:`ddlf.collective`); each sends and receives ``2 (n-1)/n W`` per round whatever ``n``, and the master only
-plans rows and gathers metrics. It sends weights only to a worker that has none for the run yet (the first round,
-or a worker that joined or came back), taken from a member that holds the current ones, and fetches them when it
-needs them (epoch end, validation, checkpoints).
+:class:`~ddlf.Ring` (:class:`RingExchange`): the workers average among themselves over a ring
+(:mod:`ddlf.worker.collective`); each sends and receives ``2 (n-1)/n W`` per round whatever ``n``, and the master
+only plans rows and gathers metrics. It sends weights only to a worker that has none for the run yet (the first
+round, or a worker that joined or came back), taken from a member that holds the current ones, and fetches them
+when it needs them (epoch end, validation, checkpoints).
 
 Faults: a worker killed or cut off during a round fails the ring's all-reduce everywhere (its neighbours see the
 link close at once, or stop answering within the cluster's ``heartbeat_timeout``); the master leaves out the lost
@@ -16,15 +17,15 @@ worker, forms a new ring from the survivors and **redoes the round** from the we
 (each worker keeps them until the next round), over the survivors' rows of the round. The lost worker rejoins at a
 later round with the current weights.
 
-``"auto"``: all-reduce when the run's workers are on more than one host (so the master's link is the bottleneck
-it removes), and the master exchange when they share one host (where the master exchange writes the weights once
-to shared memory for all of them) or when the run needs what the ring does not do (``"topk"``). On a cluster that
-uses TLS the ring's peer links use it too (:meth:`ddlf.Cluster.ring`).
+:class:`~ddlf.AutoExchange`: the ring when the run's workers are on more than one host (so the master's link is the
+bottleneck it removes), the master exchange when they share one host (where the master exchange writes the weights
+once to shared memory for all of them). On a cluster that uses TLS the ring's peer links use it too
+(:meth:`ddlf.Cluster.ring`).
 
-``compression="float16"|"bfloat16"`` on the ring: float32 values travel at half precision on every link, sums
-stay float32 (:func:`ddlf.collective.reduce_arrays`). Model averaging then reduces each round's *change* of the
-weights (small values, as the master exchange's compressed replies), gradient averaging the gradients; either
-way every member applies the same bits.
+Half-precision compression on the ring: float32 values travel at half precision on every link, sums stay float32
+(:func:`ddlf.collective.reduce_arrays`). Model averaging then reduces each round's *change* of the weights (small
+values, as the master exchange's compressed replies), gradient averaging the gradients; either way every member
+applies the same bits. :class:`~ddlf.TopK` exists only through the master: the ring sums dense arrays.
 """
 
 from __future__ import annotations
@@ -38,44 +39,21 @@ from ..cluster.rings import host_of
 from ..errors import BadWorkerReply, NonFiniteUpdate, RemoteError, WorkerUnavailable
 from . import replica as remote
 from .messages import WorkerResult, weights_var
+from .options import AutoExchange, Ring, ThroughMaster
 from .plan import assigned_rows
 from .replies import check_reply
 from .run import TrainingRun
-
-EXCHANGES = ("master", "allreduce", "auto")
 
 MAX_REDOS = 8
 """Rounds redone in a row (each after a failed all-reduce) before training gives up."""
 
 
-def choose(
-    exchange: str | None, cluster: Any, workers: list[int], compression: str | None, averaging: str = "weights"
-) -> str:
-    """The exchange a run uses (``None``: ``"allreduce"`` for ``averaging="gradients"``, else ``"master"``;
-    ``"auto"`` decided by the rule in the module docs); raises for a combination the all-reduce does not support
-    yet."""
-    if exchange is None:
-        exchange = "allreduce" if averaging == "gradients" else "master"
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, not {exchange!r}")
-    if averaging == "gradients":
-        if exchange == "master":
-            raise ValueError(
-                'averaging="gradients" averages every step worker to worker: it needs exchange="allreduce" '
-                '(the default for it), not "master"'
-            )
-        exchange = "allreduce"
-    unsupported = None
-    if compression == "topk":
-        unsupported = 'compression="topk" (the ring sums dense arrays; "float16" and "bfloat16" work)'
-    if exchange == "allreduce":
-        if unsupported:
-            raise ValueError(f'exchange="allreduce" is not available: {unsupported}; use exchange="master"')
-        return "allreduce"
-    if exchange == "auto":
-        hosts = {host_of(cluster.addresses[w]) for w in workers}
-        return "allreduce" if unsupported is None and len(hosts) > 1 else "master"
-    return "master"
+def resolve(exchange: ThroughMaster | Ring | AutoExchange, cluster: Any, workers: list[int]) -> ThroughMaster | Ring:
+    """The exchange model averaging uses on ``workers`` of ``cluster``: :class:`~ddlf.AutoExchange` decided by
+    the rule in the module docs (by the hosts the workers are on), the others as they are."""
+    if isinstance(exchange, AutoExchange):
+        return exchange.resolve(len({host_of(cluster.addresses[w]) for w in workers}))
+    return exchange
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -84,7 +62,7 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 class RingExchange:
-    """The master's side of ``exchange="allreduce"`` for one run."""
+    """The master's side of the ring exchange (:class:`~ddlf.Ring`) for one run."""
 
     def __init__(self, run: TrainingRun, weights: list[np.ndarray]) -> None:
         self.run = run
@@ -125,7 +103,7 @@ class RingExchange:
     ) -> tuple[list[WorkerResult], float, dict[int, tuple[float, float]], dict[int, tuple[float, float]]]:
         """Train and all-reduce one round (redone without lost workers until it succeeds). Returns the results,
         when sending ended, and the send and train calls' per-worker timings (as the master round does).
-        ``learning_rate_factor``: with ``averaging="gradients"``, the learning rate's multiples at the round's first
+        ``learning_rate_factor``: with gradient averaging, the learning rate's multiples at the round's first
         and last step."""
         run, cfg, cluster = self.run, self.run.cfg, self.run.cluster
         start: list[np.ndarray] | None = None
@@ -136,7 +114,7 @@ class RingExchange:
             if not pending:
                 return [], t_sent, send_s, {}
             targets = [w for w, _ in pending]
-            ring = cluster.ring(targets, hierarchical=cfg.hierarchical)
+            ring = cluster.ring(targets, hierarchical=cfg.ring.hierarchical if cfg.ring is not None else None)
             fresh = [w for w in targets if self.synced.get(w) != cluster.instance(w)]
             lost: list[int] = []
             if fresh:
@@ -162,19 +140,21 @@ class RingExchange:
             for w, extra in pending:
                 kw = dict(extra)
                 indices = kw.pop("indices", None)
-                kw.update(round_no=round_no, ring=ring.spec(w), fresh=w in fresh, prefetch=cfg.prefetch)
+                kw.update(round_no=round_no, ring=ring.spec(w), fresh=w in fresh, prefetch=cfg.data.prefetch)
                 if cfg.compression is not None:
                     kw["compression"] = cfg.compression
                 if gradients:
-                    kw.update(steps=steps, adopt=adopt, bucket_cap_mb=cfg.bucket_cap_mb)
+                    kw.update(
+                        steps=steps, adopt=adopt, bucket_cap_mb=cfg.gradients.bucket_cap_mb if cfg.gradients else None
+                    )
                     if cfg.scale_learning_rate:
                         kw["learning_rate_factor"] = learning_rate_factor
                 else:
                     kw["average_optimizer_state"] = cfg.average_optimizer_state
                     if cfg.compression is not None:
                         kw["round_rows"] = sum(assigned_rows(part) for _, part in pending)
-                    if cfg.outer_optimizer is not None:
-                        o = cfg.outer()
+                    o = cfg.outer()
+                    if o is not None:
                         # New members adopt the momentum of the others (when all are new: of those that hold one,
                         # restored from a checkpoint; zeros when none does).
                         kw["outer"] = (o.name, o.learning_rate, o.momentum)

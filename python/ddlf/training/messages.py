@@ -27,7 +27,7 @@ class WorkerResult:
     samples: int
     weights: list[Any]
     """Its weights, or its delta (compressed: half precision, or top-k ``(indices, values)`` pairs); empty when
-    the workers averaged among themselves (``exchange="allreduce"``)."""
+    the workers averaged among themselves (the ring exchange (:class:`~ddlf.Ring`))."""
     compute_seconds: float
     data_wait_seconds: float
     logs: dict[str, float] = field(default_factory=dict)

@@ -1,118 +1,214 @@
-"""What ``app.train`` was asked to do, as one object."""
+"""What ``app.train`` was asked to do: Keras' own arguments, plus a few typed options for the distributed choices.
+
+``train`` takes ``fit``'s arguments with ``fit``'s names and meanings, and four objects (in the manner of Ray Train's
+``ScalingConfig``/``RunConfig``), each validating itself when it is made, so an invalid combination cannot be
+written and each name has one meaning:
+
+- ``strategy``: how the workers learn together. :class:`ModelAveraging` (the paper's: each worker steps on its own
+  for ``every`` batches, then the weights are averaged; :class:`Nesterov` as DiLoCo's outer step), or
+  :class:`GradientAveraging` (PyTorch DDP's and Horovod's: every step's gradients averaged on a ring), or
+  :class:`Asynchronous` (each worker at its own pace, its changes merged by the master).
+- the exchange of model averaging (``ModelAveraging(exchange=...)``): :class:`ThroughMaster`, :class:`Ring` or
+  :class:`AutoExchange`; gradient averaging always uses a :class:`Ring`.
+- ``data``: :class:`DataConfig`, how rows reach the workers.
+- ``run``: :class:`RunConfig`, which workers, seed, checkpoints, report and what failures do.
+
+``train_sync``/``train_async`` overrides receive the whole request as one :class:`TrainConfig`.
+
+```python
+history = app.train(
+    epochs=10, batch_size=64, validation_data=(x_val, y_val),
+    strategy=ddlf.ModelAveraging(every=50, exchange=ddlf.Ring(compression="bfloat16")),
+    run=ddlf.RunConfig(checkpoint_dir="ckpt", resume=True),
+)
+```
+"""
 
 from __future__ import annotations
 
+import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from .outer import OuterSpec
 from .policy import FailurePolicy
 
+HalfPrecision = Literal["float16", "bfloat16"]
+"""Compression to half precision: ``"bfloat16"`` keeps float32's range; ``"float16"`` is more precise but
+overflows past 65504 (such an update is skipped on every worker and reported)."""
 
-@dataclass
-class TrainConfig:
-    """Everything ``app.train`` was asked to do."""
 
-    epochs: int
-    batch_size: int
-    seed: int = 0
-    averaging_frequency: int | None = None  # batches per round; None = the whole partition (one round per epoch)
-    average_optimizer_state: bool = False
-    shuffle: str = "indices"  # or "seeded"
-    shares: list[float] | None = None
-    compression: str | None = None
-    topk_ratio: float = 0.01
-    prefetch: int = 2
-    staleness: str = "none"
-    max_staleness: int | None = None
-    verbose: int = 1
-    slow_worker: tuple[int, float] | None = None  # (worker, seconds per batch): for experiments
-    rotate_shards_every: int | None = None
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    rejoin_timeout: float = 60.0  # every worker lost: how long to wait for one to come back
-    report: str | None = None  # write an HTML training report there at the end (and its stats as JSON)
-    failure_policy: FailurePolicy = field(default_factory=FailurePolicy)  # what a worker's failure does
-    workers: list[int] | None = None  # train on these workers of the cluster only (None: all)
-    exchange: str | None = "master"  # sync: "master", "allreduce" or "auto" (see training.exchange); None: by averaging
-    hierarchical: bool | None = None  # all-reduce: shared memory within a host, the ring between hosts (None: auto)
-    nonfinite: str = "skip"  # a reply with NaN/inf: "skip" (leave it out of its round) or "raise"
-    averaging: str = "weights"  # sync: "weights" (model averaging) or "gradients" (every step, see training.gradients)
-    scale_learning_rate: bool = False  # gradients: learning rate x workers (Goyal et al. 2017)...
-    warmup_epochs: float = 0.0  # ...reached linearly over this many epochs
-    bucket_cap_mb: float | None = 25.0  # gradients on PyTorch: exchanged in buckets during backward (None: after)
-    outer_optimizer: str | None = None  # model averaging: "nesterov" steps with the round's change (training.outer)
-    outer_learning_rate: float = 0.7
-    outer_momentum: float = 0.9
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    t0: float = field(default_factory=time.perf_counter)  # training start: round start times are relative to it
+def _positive_int(value: Any, what: str, *, none: bool = False) -> None:
+    if value is None and none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1{' or None' if none else ''}, not {value!r}")
 
-    def check(self) -> None:
-        if self.epochs < 0 or self.batch_size < 1:
-            raise ValueError("epochs must be >= 0 and batch_size >= 1")
-        if self.shuffle not in ("indices", "seeded"):
-            raise ValueError(f"shuffle must be 'indices' or 'seeded', not {self.shuffle!r}")
-        if self.compression not in (None, "float16", "bfloat16", "topk"):
-            raise ValueError(f"compression must be None, 'float16', 'bfloat16' or 'topk', not {self.compression!r}")
-        if not 0 < self.topk_ratio <= 1:
-            raise ValueError(f"topk_ratio must be in (0, 1], not {self.topk_ratio}")
-        if self.staleness not in ("none", "dynsgd"):
-            raise ValueError(f"staleness must be 'none' or 'dynsgd', not {self.staleness!r}")
-        if self.rotate_shards_every is not None and self.rotate_shards_every < 1:
-            raise ValueError("rotate_shards_every must be at least 1 epoch")
-        if not isinstance(self.failure_policy, FailurePolicy):
-            raise TypeError(f"failure_policy must be a ddlf.FailurePolicy, not {type(self.failure_policy).__name__}")
-        if self.nonfinite not in ("skip", "raise"):
-            raise ValueError(f"nonfinite must be 'skip' or 'raise', not {self.nonfinite!r}")
+
+def _number(value: Any, what: str, *, low: float, high: float = math.inf, open_low: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if open_low else value >= low) and value < high
+    if not ok:
+        bound = f"> {low}" if open_low else f">= {low}"
+        raise ValueError(
+            f"{what} must be a finite number {bound}{'' if high == math.inf else f' and < {high}'}, not {value!r}"
+        )
+
+
+def _half(value: Any, what: str) -> None:
+    if value not in (None, "float16", "bfloat16"):
+        raise ValueError(f"{what} must be None, 'float16' or 'bfloat16', not {value!r}")
+
+
+# -- compression and exchanges --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Workers send only the ``ratio`` share of their change's entries of largest magnitude, keeping the rest as
+    error feedback for their next round (nothing is lost, only delayed). Through the master only: the ring sums
+    dense arrays."""
+
+    ratio: float = 0.01
+
+    def __post_init__(self) -> None:
+        _number(self.ratio, "TopK.ratio", low=0.0, high=1.0 + 1e-12, open_low=True)
+
+
+@dataclass(frozen=True)
+class ThroughMaster:
+    """The master exchange: the master sends the weights, every worker returns its own (or their change), the master
+    averages them. Every byte crosses the master's link (``2 n W`` per round); on one host the weights go once to
+    shared memory for all workers. ``compression``: workers send their change at half precision, or its top-k."""
+
+    compression: HalfPrecision | TopK | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.compression, TopK):
+            _half(self.compression, "ThroughMaster.compression")
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The all-reduce: workers average among themselves over a ring, worker to worker (each sends ``2(n-1)/n`` times
+    the weights per round whatever ``n``); the master carries no weights per round.
+
+    ``hierarchical``: workers on one host reduce through shared memory and one per host joins the ring between
+    hosts (default: when some host runs more than one of the workers; ``False``: one flat ring).
+    ``compression``: every link carries float32 values at half precision, sums stay float32 (model averaging
+    reduces each round's change, gradient averaging the gradients); a hierarchical ring sums a host's workers in
+    float32 and rounds only what crosses the network."""
+
+    hierarchical: bool | None = None
+    compression: HalfPrecision | None = None
+
+    def __post_init__(self) -> None:
         if self.hierarchical not in (None, True, False):
-            raise ValueError(f"hierarchical must be None, True or False, not {self.hierarchical!r}")
-        if self.exchange not in (None, "master", "allreduce", "auto"):
-            raise ValueError(f"exchange must be 'master', 'allreduce' or 'auto', not {self.exchange!r}")
-        if self.averaging_frequency is not None and self.averaging_frequency < 1:
-            raise ValueError("averaging_frequency must be at least 1 batch")
-        if self.averaging not in ("weights", "gradients"):
-            raise ValueError(f"averaging must be 'weights' or 'gradients', not {self.averaging!r}")
+            raise ValueError(f"Ring.hierarchical must be None, True or False, not {self.hierarchical!r}")
+        _half(self.compression, "Ring.compression")
+
+
+@dataclass(frozen=True)
+class AutoExchange:
+    """:class:`Ring` when the run's workers are on more than one host (the master's link is the bottleneck it
+    removes), :class:`ThroughMaster` when they share one (where the master writes the weights once to shared
+    memory for all of them). ``compression`` applies to whichever is chosen."""
+
+    compression: HalfPrecision | None = None
+    hierarchical: bool | None = None
+
+    def __post_init__(self) -> None:
+        Ring(self.hierarchical, self.compression)  # the same checks
+
+    def resolve(self, hosts: int) -> ThroughMaster | Ring:
+        """The exchange for a run whose workers span ``hosts`` hosts."""
+        if hosts > 1:
+            return Ring(self.hierarchical, self.compression)
+        return ThroughMaster(self.compression)
+
+
+Exchange = ThroughMaster | Ring | AutoExchange
+
+
+# -- strategies -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Nesterov:
+    """DiLoCo's outer optimizer for model averaging (Douillard et al. 2023): each round's averaged change is applied
+    through Nesterov momentum instead of replacing the weights with the average, so workers can average much less
+    often at equal quality (see :mod:`ddlf.training.outer`). DiLoCo's values are the defaults."""
+
+    learning_rate: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        self.spec().check()
+
+    def spec(self) -> OuterSpec:
+        """What travels to the workers."""
+        return OuterSpec("nesterov", self.learning_rate, self.momentum)
+
+
+@dataclass(frozen=True)
+class ModelAveraging:
+    """Synchronous model averaging (the DDLF paper's): each worker takes its own optimizer steps for ``every``
+    batches (default: its whole partition of the epoch, one round per epoch), then the weights are averaged.
+
+    ``optimizer_state``: also average the optimizer state (Adam's moments) each round. ``outer``: step with the
+    round's averaged change through :class:`Nesterov` instead of taking the average. ``exchange``: how the round's
+    workers agree on the average (:class:`ThroughMaster`, :class:`Ring` or :class:`AutoExchange`)."""
+
+    every: int | None = None
+    optimizer_state: bool = False
+    outer: Nesterov | None = None
+    exchange: ThroughMaster | Ring | AutoExchange = field(default_factory=ThroughMaster)
+
+    def __post_init__(self) -> None:
+        _positive_int(self.every, "ModelAveraging.every (batches per round)", none=True)
+        if not isinstance(self.optimizer_state, bool):
+            raise TypeError(f"ModelAveraging.optimizer_state must be True or False, not {self.optimizer_state!r}")
+        if self.outer is not None and not isinstance(self.outer, Nesterov):
+            raise TypeError(f"ModelAveraging.outer must be None or a ddlf.Nesterov, not {self.outer!r}")
+        if not isinstance(self.exchange, (ThroughMaster, Ring, AutoExchange)):
+            raise TypeError(
+                "ModelAveraging.exchange must be a ddlf.ThroughMaster, ddlf.Ring or ddlf.AutoExchange, "
+                f"not {self.exchange!r}"
+            )
+
+
+@dataclass(frozen=True)
+class GradientAveraging:
+    """Synchronous gradient averaging (PyTorch DDP's and Horovod's): every step the workers average their batches'
+    gradients over a :class:`Ring` and apply the same step, so ``n`` workers learn exactly as one process at ``n``
+    times the batch (see :mod:`ddlf.training.replica.steppers`).
+
+    ``scale_learning_rate``: multiply the compiled learning rate by the number of workers (Goyal et al. 2017's linear
+    scaling rule), reached linearly over ``warmup_epochs``. ``bucket_cap_mb``: on PyTorch, gradients go to the ring
+    in buckets of about this many MB while backward still runs (DDP's ``bucket_cap_mb``; ``None``: one buffer after
+    backward). ``check_in_every``: batches between the workers' replies to the master (progress, faults; default one
+    per epoch's partition)."""
+
+    scale_learning_rate: bool = False
+    warmup_epochs: float = 0.0
+    bucket_cap_mb: float | None = 25.0
+    check_in_every: int | None = None
+    ring: Ring = field(default_factory=Ring)
+
+    def __post_init__(self) -> None:
         if not isinstance(self.scale_learning_rate, bool):
             raise TypeError(f"scale_learning_rate must be True or False, not {self.scale_learning_rate!r}")
-        if isinstance(self.warmup_epochs, bool) or not (
-            isinstance(self.warmup_epochs, (int, float)) and 0 <= self.warmup_epochs < float("inf")
-        ):
-            raise ValueError(f"warmup_epochs must be a number of epochs >= 0, not {self.warmup_epochs!r}")
-        if self.averaging == "gradients":
-            if self.compression == "topk":
-                raise ValueError(
-                    'compression="topk" is for averaging="weights": the ring sums dense gradients; '
-                    '"float16" and "bfloat16" halve their bytes'
-                )
-            if self.average_optimizer_state:
-                raise ValueError(
-                    'average_optimizer_state is for averaging="weights": with averaging="gradients" every worker '
-                    "holds the same optimizer state already"
-                )
-        elif self.scale_learning_rate or self.warmup_epochs:
-            raise ValueError(
-                'scale_learning_rate and warmup_epochs are for averaging="gradients" (n workers step like one '
-                "process at n times the batch); model averaging keeps each worker's own learning rate"
-            )
-        cap = self.bucket_cap_mb
-        if cap is not None and (
-            isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf")
-        ):
-            raise ValueError(f"bucket_cap_mb must be a positive number of MB or None, not {cap!r}")
-        if self.outer_optimizer is not None:
-            self.outer().check()
-            if self.averaging != "weights":
-                raise ValueError(
-                    'outer_optimizer is for averaging="weights": it steps with each round\'s averaged change of the '
-                    'weights; with averaging="gradients" every step is averaged already'
-                )
+        _number(self.warmup_epochs, "GradientAveraging.warmup_epochs", low=0.0)
         if self.warmup_epochs and not self.scale_learning_rate:
             raise ValueError("warmup_epochs warms up the scaled learning rate: set scale_learning_rate=True too")
-
-    def outer(self) -> OuterSpec:
-        """The outer optimizer asked for (``outer_optimizer`` must be set)."""
-        return OuterSpec(str(self.outer_optimizer), self.outer_learning_rate, self.outer_momentum)
+        if self.bucket_cap_mb is not None:
+            _number(self.bucket_cap_mb, "GradientAveraging.bucket_cap_mb", low=0.0, open_low=True)
+        _positive_int(self.check_in_every, "GradientAveraging.check_in_every", none=True)
+        if not isinstance(self.ring, Ring):
+            raise TypeError(f"GradientAveraging.ring must be a ddlf.Ring, not {self.ring!r}")
 
     def learning_rate_factor(self, workers: int, progress: float) -> float:
         """The learning rate's multiple ``progress`` epochs into training: ``workers`` with
@@ -122,3 +218,253 @@ class TrainConfig:
         if self.warmup_epochs <= 0:
             return float(workers)
         return 1.0 + (workers - 1) * min(1.0, max(0.0, progress) / self.warmup_epochs)
+
+
+@dataclass(frozen=True)
+class DynSGD:
+    """Staleness-aware merging for asynchronous training (DynSGD): a change computed from weights ``s`` versions
+    old is scaled by ``1/(s+1)`` before it is merged."""
+
+
+@dataclass(frozen=True)
+class Asynchronous:
+    """Asynchronous training: each worker trains ``chunk`` batches at its own pace from the newest weights it has,
+    and the master merges its change as it arrives; a slow worker never stalls the others.
+
+    ``staleness``: :class:`DynSGD` scales stale changes down; ``None`` merges them as they are. ``max_staleness``:
+    a change computed from weights more than this many versions old is dropped (the worker pulls fresh weights).
+    ``compression``: workers send their change at half precision, or its top-k (:class:`TopK`)."""
+
+    chunk: int = 10
+    staleness: DynSGD | None = None
+    max_staleness: int | None = None
+    compression: HalfPrecision | TopK | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self.chunk, "Asynchronous.chunk (batches per chunk)")
+        if self.staleness is not None and not isinstance(self.staleness, DynSGD):
+            raise TypeError(f"Asynchronous.staleness must be None or a ddlf.DynSGD, not {self.staleness!r}")
+        m = self.max_staleness
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"Asynchronous.max_staleness must be an integer >= 0 or None, not {m!r}")
+        if not isinstance(self.compression, TopK):
+            _half(self.compression, "Asynchronous.compression")
+
+
+Strategy = ModelAveraging | GradientAveraging | Asynchronous
+
+
+# -- data and run ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How rows reach the workers (their data is preloaded once; only indices or a seed travel).
+
+    ``send``: each epoch the master sends every worker its ``"indices"`` (its partition of the shuffled rows), or
+    only the ``"seed"`` (workers regenerate the same partition). ``worker_shares``: relative amount of data per
+    worker, for workers of unequal speed. ``rotate_shards_every``: sharded apps: every k epochs each worker moves on
+    to the next worker's shard, so every worker eventually sees all the data. ``prefetch``: batches each worker
+    prepares ahead of its training step."""
+
+    send: Literal["indices", "seed"] = "indices"
+    worker_shares: tuple[float, ...] | None = None
+    rotate_shards_every: int | None = None
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        if self.send not in ("indices", "seed"):
+            raise ValueError(f"DataConfig.send must be 'indices' or 'seed', not {self.send!r}")
+        if self.worker_shares is not None:
+            shares = tuple(self.worker_shares)
+            for s in shares:
+                _number(s, "each of DataConfig.worker_shares", low=0.0, open_low=True)
+            object.__setattr__(self, "worker_shares", tuple(float(s) for s in shares))
+        _positive_int(self.rotate_shards_every, "DataConfig.rotate_shards_every (epochs)", none=True)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"DataConfig.prefetch must be an integer >= 0, not {self.prefetch!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where and how safely a run trains.
+
+    ``workers``: train on these workers of the cluster only (indices; runs are isolated on their workers, so one
+    master can train several apps at once on disjoint groups and several masters can share daemons). ``seed``:
+    seeds Python, numpy, Keras (and torch) on the master and every worker, and the epochs' shuffles.
+    ``checkpoint_dir``: a checkpoint there after every epoch, atomically (weights, optimizer and random states,
+    epoch, History; see :mod:`ddlf.training.checkpoint`); ``resume``: continue from it if there is one (in sync
+    mode the resumed run ends with the same weights as an uninterrupted one). ``report``: a self-contained HTML
+    report there when training ends or fails, its numbers as JSON beside it (:mod:`ddlf.report`).
+    ``failure_policy``: what a worker's failure does (:class:`ddlf.FailurePolicy`). ``rejoin_timeout``: when every
+    worker is lost, how long to wait for one to come back. ``nonfinite``: a worker's reply holding NaN or infinity
+    is left out of its round (``"skip"``: a :class:`~ddlf.errors.ReplyRefusedWarning` and an event) or stops
+    training (``"raise"``: :class:`~ddlf.errors.NonFiniteUpdate`)."""
+
+    workers: tuple[int, ...] | None = None
+    seed: int = 0
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    resume: bool = False
+    report: str | os.PathLike[str] | None = None
+    failure_policy: FailurePolicy = field(default_factory=FailurePolicy)
+    rejoin_timeout: float = 60.0
+    nonfinite: Literal["skip", "raise"] = "skip"
+
+    def __post_init__(self) -> None:
+        if self.workers is not None:
+            w = self.workers
+            if isinstance(w, (str, bytes)) or not all(
+                (isinstance(i, int) and not isinstance(i, bool)) or type(i).__module__ == "numpy" for i in w
+            ):
+                raise TypeError(f"RunConfig.workers must be a sequence of worker indices, not {w!r}")
+            subset = tuple(sorted({int(i) for i in w}))
+            if not subset:
+                raise ValueError("RunConfig.workers is empty: name at least one worker")
+            if subset[0] < 0:
+                raise IndexError(f"RunConfig.workers {[i for i in subset if i < 0]} out of range")
+            object.__setattr__(self, "workers", subset)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"RunConfig.seed must be an integer, not {self.seed!r}")
+        if self.checkpoint_dir is not None:
+            object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+        if self.report is not None:
+            object.__setattr__(self, "report", os.fspath(self.report))
+        if not isinstance(self.resume, bool):
+            raise TypeError(f"RunConfig.resume must be True or False, not {self.resume!r}")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("RunConfig(resume=True) needs the checkpoint_dir to resume from")
+        if not isinstance(self.failure_policy, FailurePolicy):
+            raise TypeError(
+                f"RunConfig.failure_policy must be a ddlf.FailurePolicy, not {type(self.failure_policy).__name__}"
+            )
+        _number(self.rejoin_timeout, "RunConfig.rejoin_timeout", low=0.0)
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"RunConfig.nonfinite must be 'skip' or 'raise', not {self.nonfinite!r}")
+
+
+# -- the whole request ----------------------------------------------------------------------------------------
+
+SLOW_WORKER_ENV = "DDLF_SLOW_WORKER"
+"""``WORKER:SECONDS``: that worker sleeps this long per batch, in every run this master starts (for experiments
+with stragglers: the slow-worker benchmark and tests)."""
+
+
+def _slow_worker() -> tuple[int, float] | None:
+    text = os.environ.get(SLOW_WORKER_ENV)
+    if not text:
+        return None
+    try:
+        worker, seconds = text.split(":")
+        return int(worker), float(seconds)
+    except ValueError:
+        raise ValueError(f"{SLOW_WORKER_ENV}={text!r}: expected WORKER:SECONDS, e.g. 1:0.02") from None
+
+
+@dataclass
+class TrainConfig:
+    """Everything one ``app.train`` call asked for: what ``train_sync``/``train_async`` overrides receive.
+
+    The loops read the resolved values through the properties below (``round_batches``, ``compression``, ...);
+    ``exchange`` is the one model averaging uses once resolved for the cluster (``None`` for the others)."""
+
+    epochs: int
+    batch_size: int
+    strategy: Strategy = field(default_factory=ModelAveraging)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    verbose: int = 1
+    exchange: ThroughMaster | Ring | None = None
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    t0: float = field(default_factory=time.perf_counter)
+    """Training start: round start times are relative to it."""
+    slow_worker: tuple[int, float] | None = field(default_factory=_slow_worker)
+    """``(worker, seconds per batch)`` from :data:`SLOW_WORKER_ENV`, for experiments."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.batch_size, "batch_size")
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 0:
+            raise ValueError(f"epochs must be an integer >= 0, not {self.epochs!r}")
+        if not isinstance(self.strategy, (ModelAveraging, GradientAveraging, Asynchronous)):
+            raise TypeError(
+                "strategy must be a ddlf.ModelAveraging, ddlf.GradientAveraging or ddlf.Asynchronous, "
+                f"not {self.strategy!r}"
+            )
+        if not isinstance(self.data, DataConfig):
+            raise TypeError(f"data must be a ddlf.DataConfig, not {self.data!r}")
+        if not isinstance(self.run, RunConfig):
+            raise TypeError(f"run must be a ddlf.RunConfig, not {self.run!r}")
+        if isinstance(self.strategy, GradientAveraging):
+            self.exchange = self.strategy.ring
+
+    # -- resolved values the loops read ------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> Literal["sync", "async"]:
+        """``"async"`` for :class:`Asynchronous`, else ``"sync"``."""
+        return "async" if isinstance(self.strategy, Asynchronous) else "sync"
+
+    @property
+    def averaging(self) -> Literal["weights", "gradients"]:
+        """What a synchronous run averages: ``"gradients"`` for :class:`GradientAveraging`, else ``"weights"``."""
+        return "gradients" if isinstance(self.strategy, GradientAveraging) else "weights"
+
+    @property
+    def round_batches(self) -> int | None:
+        """Batches a worker trains between two replies to the master (a round, a chunk, a check-in); ``None``: its
+        whole partition of the epoch."""
+        s = self.strategy
+        if isinstance(s, ModelAveraging):
+            return s.every
+        if isinstance(s, GradientAveraging):
+            return s.check_in_every
+        return s.chunk
+
+    @property
+    def ring(self) -> Ring | None:
+        """The ring this run reduces on, if it does."""
+        return self.exchange if isinstance(self.exchange, Ring) else None
+
+    def _compression(self) -> HalfPrecision | TopK | None:
+        if isinstance(self.strategy, Asynchronous):
+            return self.strategy.compression
+        exchange: ThroughMaster | Ring | AutoExchange | None = self.exchange
+        if exchange is None:
+            exchange = self.strategy.ring if isinstance(self.strategy, GradientAveraging) else self.strategy.exchange
+        return exchange.compression
+
+    @property
+    def compression(self) -> Literal["float16", "bfloat16", "topk"] | None:
+        """What workers send at reduced size: half precision, ``"topk"``, or ``None``."""
+        c = self._compression()
+        return "topk" if isinstance(c, TopK) else c
+
+    @property
+    def topk_ratio(self) -> float:
+        """The share of entries a :class:`TopK` compression sends (its default otherwise)."""
+        c = self._compression()
+        return c.ratio if isinstance(c, TopK) else TopK().ratio
+
+    @property
+    def average_optimizer_state(self) -> bool:
+        """Model averaging also averages the optimizer state."""
+        return isinstance(self.strategy, ModelAveraging) and self.strategy.optimizer_state
+
+    def outer(self) -> OuterSpec | None:
+        """The outer optimizer of model averaging, as the workers receive it; ``None`` without one."""
+        s = self.strategy
+        return s.outer.spec() if isinstance(s, ModelAveraging) and s.outer is not None else None
+
+    @property
+    def scale_learning_rate(self) -> bool:
+        """Gradient averaging scales the learning rate by the number of workers."""
+        return isinstance(self.strategy, GradientAveraging) and self.strategy.scale_learning_rate
+
+    @property
+    def gradients(self) -> GradientAveraging | None:
+        """The gradient-averaging options, for a run that averages gradients."""
+        return self.strategy if isinstance(self.strategy, GradientAveraging) else None
+
+    def learning_rate_factor(self, workers: int, progress: float) -> float:
+        """The learning rate's multiple (:meth:`GradientAveraging.learning_rate_factor`; 1 otherwise)."""
+        g = self.gradients
+        return g.learning_rate_factor(workers, progress) if g is not None else 1.0

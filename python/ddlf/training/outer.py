@@ -9,7 +9,7 @@ With ``learning_rate=1`` and ``momentum=0`` this is plain averaging. DiLoCo's va
 far less often (hundreds of steps) at equal quality. Only trained float weights take the step; the rest (BatchNorm
 statistics, integer counters) take the average as they would without it.
 
-Both exchanges use it: the master applies it to the merged weights (``exchange="master"``); with the ring every
+Both exchanges use it: the master applies it to the merged weights (:class:`~ddlf.ThroughMaster`); with the ring every
 member applies it to the same average with the same momentum, so the replicas stay bit-identical. The momentum is
 part of the run's state: saved in checkpoints (master exchange), adopted by a member that joins the ring, and
 rewound with the weights when a round is redone.
@@ -26,7 +26,7 @@ NAMES = ("nesterov",)
 
 @dataclass
 class OuterSpec:
-    """What ``train(outer_optimizer=..., outer_learning_rate=..., outer_momentum=...)`` asked for."""
+    """The outer optimizer as the workers receive it (from :class:`ddlf.Nesterov`)."""
 
     name: str = "nesterov"
     learning_rate: float = 0.7
@@ -34,16 +34,16 @@ class OuterSpec:
 
     def check(self) -> None:
         if self.name not in NAMES:
-            raise ValueError(f"outer_optimizer must be None or one of {NAMES}, not {self.name!r}")
+            raise ValueError(f"the outer optimizer must be one of {NAMES}, not {self.name!r}")
         lr, mu = self.learning_rate, self.momentum
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
-            raise ValueError(f"outer_learning_rate must be a finite number > 0, not {lr!r}")
+            raise ValueError(f"Nesterov.learning_rate must be a finite number > 0, not {lr!r}")
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:
-            raise ValueError(f"outer_momentum must be a number in [0, 1), not {mu!r}")
+            raise ValueError(f"Nesterov.momentum must be a number in [0, 1), not {mu!r}")
 
 
 @dataclass
-class Nesterov:
+class OuterMomentum:
     """The outer step and its momentum buffers (one per weight; None until the first step)."""
 
     spec: OuterSpec

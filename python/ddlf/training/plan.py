@@ -64,8 +64,8 @@ class SlicePlan:
         self.rows = rows
         self.n_workers = n_workers
         self.offset = 0
-        self.perm = ops.permutation(rows, cfg.seed, epoch) if cfg.shuffle == "indices" else None
-        self.per_worker = (cfg.averaging_frequency or 0) * cfg.batch_size  # 0: the whole epoch in one round
+        self.perm = ops.permutation(rows, cfg.run.seed, epoch) if cfg.data.send == "indices" else None
+        self.per_worker = (cfg.round_batches or 0) * cfg.batch_size  # 0: the whole epoch in one round
 
     def finished(self) -> bool:
         return self.offset >= self.rows
@@ -77,7 +77,8 @@ class SlicePlan:
     def next_round(self, live: list[int]) -> list[Assignment]:
         left = self.rows - self.offset
         total = min(left, self.per_worker * len(live)) if self.per_worker else left
-        shares = self.cfg.shares if self.cfg.shares and len(self.cfg.shares) == self.n_workers else None
+        given = self.cfg.data.worker_shares
+        shares = list(given) if given and len(given) == self.n_workers else None
         sizes = ops.split_sizes(total, [shares[w] for w in live] if shares else [1.0] * len(live))
         out: list[Assignment] = []
         lo = self.offset
@@ -86,27 +87,27 @@ class SlicePlan:
             if self.perm is not None:
                 out.append((w, {"indices": self.perm[lo:hi]}))
             else:
-                out.append((w, {"indices": None, "seeded": (self.cfg.seed, self.epoch, [1.0], 0, lo, hi)}))
+                out.append((w, {"indices": None, "seeded": (self.cfg.run.seed, self.epoch, [1.0], 0, lo, hi)}))
             lo = hi
         self.offset = lo
         return out
 
 
 class ShardPlan:
-    """A sharded dataset: each worker shuffles within the shard it holds, ``averaging_frequency`` batches per
+    """A sharded dataset: each worker shuffles within the shard it holds, ``ModelAveraging.every`` batches per
     round. A lost worker's shard is skipped until it is back (only it holds those rows)."""
 
     def __init__(self, shard_rows: list[int], cfg: TrainConfig, epoch: int) -> None:
         self.cfg, self.epoch = cfg, epoch
-        layout = shard_layout(len(shard_rows), epoch, cfg.seed, cfg.rotate_shards_every)
+        layout = shard_layout(len(shard_rows), epoch, cfg.run.seed, cfg.data.rotate_shards_every)
         self.shards, self.seeds = layout.shards, layout.seeds
         self.sizes = [shard_rows[s] for s in self.shards]
         self.perms = (
             [ops.permutation(m, seed, epoch) for m, seed in zip(self.sizes, self.seeds)]
-            if cfg.shuffle == "indices"
+            if cfg.data.send == "indices"
             else None
         )
-        self.per_round = (cfg.averaging_frequency or 0) * cfg.batch_size or max(self.sizes)
+        self.per_round = (cfg.round_batches or 0) * cfg.batch_size or max(self.sizes)
         self.n_rounds = max(1, -(-max(self.sizes) // self.per_round))
         self.r = 0
 

@@ -61,23 +61,23 @@ class TrainingRun:
 
     @property
     def policy(self) -> FailurePolicy:
-        """What a worker's failure does to this run (``cfg.failure_policy``)."""
-        return self.cfg.failure_policy
+        """What a worker's failure does to this run (``cfg.run.failure_policy``)."""
+        return self.cfg.run.failure_policy
 
     def refuse(self, exc: BadWorkerReply) -> None:
         """A worker's reply was refused (:mod:`.replies`): leave it out, warn and record it, or stop the run when
         it held non-finite values and the run says ``nonfinite="raise"``."""
-        if isinstance(exc, NonFiniteUpdate) and self.cfg.nonfinite == "raise":
+        if isinstance(exc, NonFiniteUpdate) and self.cfg.run.nonfinite == "raise":
             raise exc
         warnings.warn(f"{exc}; its reply is left out of this round", ReplyRefusedWarning, stacklevel=2)
         self.members.note("reply_refused", worker=exc.worker_id, reason=str(exc), error=type(exc).__name__)
 
     def nonfinite_gradients(self, worker: int, batches: int) -> None:
-        """With ``averaging="gradients"``, worker ``worker`` left ``batches`` batches out of their steps because
+        """With gradient averaging, worker ``worker`` left ``batches`` batches out of their steps because
         their gradients were not finite (averaged in, they would have reached every replica): warn and record it,
         or stop the run when it says ``nonfinite="raise"``."""
         what = f"worker {worker} computed non-finite gradients (NaN or infinity) on {batches} batch(es)"
-        if self.cfg.nonfinite == "raise":
+        if self.cfg.run.nonfinite == "raise":
             raise NonFiniteUpdate(f"{what}: its model diverged, or its data holds NaN", worker_id=worker)
         warnings.warn(f"{what}; they were left out of their steps", NonFiniteGradientsWarning, stacklevel=2)
         self.members.note("nonfinite_gradients", worker=worker, batches=batches)
@@ -86,8 +86,8 @@ class TrainingRun:
         """The ring's average of ``steps`` steps (or a round) overflowed float16 on the wire (the same on every
         worker): those updates were skipped. Warn and record it."""
         warnings.warn(
-            f'{steps} update(s) overflowed compression="float16" on the ring and were skipped on every worker; '
-            'compression="bfloat16" has float32\'s range',
+            f"{steps} update(s) overflowed float16 compression on the ring and were skipped on every worker; "
+            'Ring(compression="bfloat16") has float32\'s range',
             WireOverflowWarning,
             stacklevel=2,
         )
@@ -138,16 +138,16 @@ class TrainingRun:
     ) -> None:
         """Write the run's checkpoint, with each live worker's own state (optimizer, random generators)."""
         cfg = self.cfg
-        if not cfg.checkpoint_dir:
+        if not cfg.run.checkpoint_dir:
             return
         live = self.members.live()
         states = self.cluster.call(remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True)
         worker_states = {w: s for w, s in zip(live, states) if not isinstance(s, BaseException)}
         checkpoint.save(
-            cfg.checkpoint_dir,
+            cfg.run.checkpoint_dir,
             epochs_done=epochs_done,
             mode=mode,
-            seed=cfg.seed,
+            seed=cfg.run.seed,
             weights=[np.asarray(w) for w in weights],
             optimizer_state=opt_state,
             worker_states=worker_states,

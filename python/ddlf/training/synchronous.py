@@ -1,13 +1,13 @@
 """Synchronous training by parameter averaging.
 
 Each round the master broadcasts its weights once (serialized once, sent to every worker concurrently); each
-worker trains ``averaging_frequency`` batches (default: its whole share of the epoch, one round per epoch) and
+worker trains ``ModelAveraging.every`` batches (default: its whole share of the epoch, one round per epoch) and
 returns its weights; the master averages them in Rust, weighted by the samples each worker trained. With
-``average_optimizer_state`` the optimizer state (Adam moments) is averaged and sent back too, as
+``ModelAveraging(optimizer_state=True)`` the optimizer state (Adam moments) is averaged and sent back too, as
 Deeplearning4j's ``saveUpdater`` does. Same seed, data and config: same final weights.
 
 Which rows a round trains: the epoch's seeded permutation is consumed from the front, each round taking
-``averaging_frequency * batch_size`` rows per live worker and splitting them among the live workers (by
+``every * batch_size`` rows per live worker and splitting them among the live workers (by
 ``worker_shares``). Sharded datasets: each worker walks a permutation of its own shard instead.
 
 Faults: a worker lost during a round (killed, stopped, cut off) is detected by its broken connection or by the
@@ -30,11 +30,11 @@ import numpy as np
 from .. import ops
 from ..errors import BadWorkerReply
 from . import replica as remote
-from .exchange import RingExchange, choose
+from .exchange import RingExchange
 from .history import History, RoundStats
 from .messages import WorkerResult, weights_var
 from .numerics import average_states, nbytes
-from .outer import Nesterov
+from .outer import OuterMomentum
 from .plan import ShardPlan, SlicePlan, assigned_rows
 from .replica.steppers import check_scalable, local_mask
 from .replies import check_reply, check_states
@@ -49,13 +49,12 @@ def train_sync(run: TrainingRun) -> History:
     weights = [np.ascontiguousarray(w) for w in app.model.get_weights()]
     opt_state: list[np.ndarray] | None = run.resumed.get("optimizer_state") if run.resumed else None
     round_no = len({(s.epoch, s.round) for s in history.stats})
-    targets = cfg.workers if cfg.workers is not None else list(range(len(cluster)))
-    exchange = choose(cfg.exchange, cluster, targets, cfg.compression, cfg.averaging)
-    ring = RingExchange(run, weights) if exchange == "allreduce" else None
+    ring = RingExchange(run, weights) if cfg.ring is not None else None
     if ring is not None:
         run.members.note("exchange", exchange="allreduce")
     # The outer optimizer: applied here to the merged weights; with the ring each worker applies it (worker.py).
-    outer = Nesterov(cfg.outer()) if cfg.outer_optimizer is not None and ring is None else None
+    spec = cfg.outer()
+    outer = OuterMomentum(spec) if spec is not None and ring is None else None
     trained = [not m for m in local_mask(app.model)]
     if outer is not None and run.resumed:
         outer.load(run.resumed.get("outer_state"))
@@ -66,7 +65,7 @@ def train_sync(run: TrainingRun) -> History:
         done = 0
         while not plan.finished():
             run.members.round = round_no
-            live = run.members.live() or run.members.wait_for_any(cfg.rejoin_timeout)
+            live = run.members.live() or run.members.wait_for_any(cfg.run.rejoin_timeout)
             progress = plan.progress()
             assignments = plan.next_round(live)
             if not assignments:
@@ -159,7 +158,7 @@ def _round(
             "batch_size": cfg.batch_size,
             "return_delta": cfg.compression is not None,
             "compression": cfg.compression,
-            "prefetch": cfg.prefetch,
+            "prefetch": cfg.data.prefetch,
             "return_optimizer_state": cfg.average_optimizer_state,
             "optimizer_state": opt_state,
             "topk_ratio": cfg.topk_ratio,

@@ -28,6 +28,7 @@ are all lost takes no more trials.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -37,6 +38,7 @@ from typing import Any, Literal
 
 from ..errors import WorkerUnavailable
 from ..training.callbacks import Callback
+from ..training.options import DataConfig, RunConfig, Strategy
 from .asha import _Asha
 from .result import SweepResult, Trial
 
@@ -74,7 +76,9 @@ def sweep(
     reduction_factor: float = 3.0,
     validation_data: Any = None,
     retries: int = 1,
-    train_mode: Literal["sync", "async"] = "sync",
+    strategy: Strategy | None = None,
+    data: DataConfig | None = None,
+    run: RunConfig | None = None,
     report: str | os.PathLike[str] | None = None,
     **train_kwargs: Any,
 ) -> SweepResult:
@@ -86,12 +90,14 @@ def sweep(
         epochs: the most epochs a trial trains.
         metric, mode: what ranks trials (a key of the epoch logs: ``val_*`` needs ``validation_data``), and
             whether higher (``"max"``) or lower is better.
-        workers_per_trial: workers each trial trains on, with ``train_mode`` (``"sync"`` or ``"async"``).
+        workers_per_trial: workers each trial trains on.
         grace_epochs, reduction_factor: ASHA's first rung and the ratio between rungs (also the share kept).
-        retries: how many times a trial that lost its workers is queued again (after ``rejoin_timeout``, 5 s
-            unless given, without any of them back).
+        retries: how many times a trial that lost its workers is queued again (after the run's
+            ``rejoin_timeout``, 5 s unless ``run`` is given, without any of them back).
+        strategy, data, run: each trial's options as in :meth:`IApp.train` (``run.workers`` is set per trial to
+            its group).
         report: an ``.html`` path: the sweep's page (:meth:`SweepResult.write_report`) is written there at the end.
-        train_kwargs: passed to :meth:`IApp.train` as they are (``batch_size``, ``averaging_frequency``, ...).
+        train_kwargs: ``fit``'s other arguments, passed to :meth:`IApp.train` as they are (``batch_size``, ...).
     """
     if not configs:
         raise ValueError("configs is empty: give at least one")
@@ -111,7 +117,7 @@ def sweep(
 
         check_report_path(report)
     # A trial whose workers are all lost gives up after this long and is queued again elsewhere.
-    train_kwargs.setdefault("rejoin_timeout", 5.0)
+    run = run if run is not None else RunConfig(rejoin_timeout=5.0)
     groups = [live[i : i + workers_per_trial] for i in range(0, len(live) - workers_per_trial + 1, workers_per_trial)]
     trials = [Trial(i, dict(c)) for i, c in enumerate(configs)]
     todo: queue.Queue[Trial] = queue.Queue()
@@ -144,8 +150,9 @@ def sweep(
                 app = make_app(cluster, trial.config)
                 trial.history = app.train(
                     epochs=epochs,
-                    mode=train_mode,
-                    workers=group,
+                    strategy=strategy,
+                    data=data,
+                    run=dataclasses.replace(run, workers=tuple(group)),
                     validation_data=validation_data,
                     callbacks=[_Report(trial, asha, metric, mode)],
                     verbose=0,

@@ -8,7 +8,7 @@ its ring's links between reductions (:data:`MAX_RINGS` rings at most, the oldest
 pays for connecting once. A ring that fails once is spent; the master retires it (``Cluster.retire_ring``) and the
 next request for those workers forms a new one.
 
-Users call :meth:`ddlf.Cluster.allreduce`; training uses the same rings with ``exchange="allreduce"``. In their
+Users call :meth:`ddlf.Cluster.allreduce`; training uses the same rings (:class:`~ddlf.Ring`). In their
 own worker functions, users reduce with :func:`reduce_arrays` and the spec of ``cluster.ring(...)``.
 """
 

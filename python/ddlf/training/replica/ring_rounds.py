@@ -10,7 +10,7 @@ import numpy as np
 from ... import ops
 from ...worker.collective import reduce_scratch
 from ..messages import Seeded, finite, weights_var
-from ..outer import Nesterov, OuterSpec
+from ..outer import OuterMomentum, OuterSpec
 from .rounds import _rows, train_chunk
 from .sessions import Session, _session, log
 from .state import _optimizer_built, _optimizer_state, _set_optimizer_state
@@ -94,7 +94,7 @@ def train_reduce(
     outer: tuple[str, float, float] | None = None,
     adopt_outer: str | None = None,
 ) -> dict[str, Any]:
-    """One synchronous round with ``exchange="allreduce"``: train the rows, then average the weights (weighted by
+    """One synchronous round on the ring (:class:`~ddlf.Ring`): train the rows, then average the weights (weighted by
     the samples each trained) with the round's other workers over the ring, worker to worker. Returns samples,
     logs and timings, never the weights. A failed all-reduce raises ``CollectiveError`` and leaves this worker
     able to redo the round from the weights it started it with.
@@ -115,7 +115,7 @@ def train_reduce(
     held = session.outer is not None and session.outer.momentum is not None
     if outer is not None:
         if session.outer is None:
-            session.outer = Nesterov(OuterSpec(*outer))
+            session.outer = OuterMomentum(OuterSpec(*outer))
         session.outer.spec = OuterSpec(*outer)
         if redo:
             session.outer.load(session.outer_start)
@@ -197,7 +197,7 @@ def train_gradients(
     shard: int | None = None,
     slow_seconds_per_batch: float = 0.0,
 ) -> dict[str, Any]:
-    """One synchronous round with ``averaging="gradients"``: ``steps`` optimizer steps in lockstep with the ring's
+    """One synchronous round of :class:`~ddlf.GradientAveraging`: ``steps`` optimizer steps in lockstep with the ring's
     other workers. Each step this worker computes the gradients of its next batch, the ring averages them (weighted
     by each batch's rows; a worker out of batches adds zeros with weight 0), and every worker applies the same
     average with the same optimizer state, so the replicas stay identical. At the end the untrained weights

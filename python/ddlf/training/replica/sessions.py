@@ -25,7 +25,7 @@ from ...errors import TooManyRuns
 from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
 from ...frameworks.seeding import set_random_seed
 from ..messages import weights_var
-from ..outer import Nesterov
+from ..outer import OuterMomentum
 from . import warm
 from .steppers import stepper_for
 
@@ -40,14 +40,14 @@ class Session:
     n_shards: int = 0  # 0: the whole dataset on every worker
     identity: bytes = b""  # digest of the app as received: names its dataset's copy on the host (node_store)
     residual: list[np.ndarray] | None = None  # top-k error feedback: what earlier rounds did not send
-    # exchange="allreduce": (round, weights before it, weights after it) of the last round reduced here
+    # the ring exchange: (round, weights before it, weights after it) of the last round reduced here
     reduced: tuple[int, list[np.ndarray], list[np.ndarray]] | None = None
-    # the model's training step (training.gradients), made on first use; and, with averaging="gradients", the
+    # the model's training step (training.gradients), made on first use; and, with gradient averaging, the
     # optimizer state the last round started from
     stepper: Any = None
     optimizer_start: list[np.ndarray] | None = None
-    # exchange="allreduce" with an outer optimizer: its momentum, and the momentum the last round started from
-    outer: Nesterov | None = None
+    # the ring exchange with an outer optimizer: its momentum, and the momentum the last round started from
+    outer: OuterMomentum | None = None
     outer_start: list[np.ndarray] | None = None
     # what identifies the model's architecture among kept warm models (training.warm); None: not kept
     warm_key: str | None = None

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..outer import Nesterov, OuterSpec
+from ..outer import OuterMomentum, OuterSpec
 from .sessions import _session
 
 
@@ -62,7 +62,7 @@ def restore_state(run_id: str, state: dict[str, Any]) -> None:
     _set_rng_state(model, state.get("rng", []))
     session.residual = state.get("residual")
     if state.get("outer") is not None:
-        session.outer = Nesterov(OuterSpec())  # the spec comes with the next round
+        session.outer = OuterMomentum(OuterSpec())  # the spec comes with the next round
         session.outer.load(state["outer"])
 
 

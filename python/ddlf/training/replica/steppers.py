@@ -1,4 +1,5 @@
-"""One optimizer step split in two, so that the gradients can be averaged in between (``averaging="gradients"``).
+"""One optimizer step split in two, so that the gradients can be averaged in between
+(:class:`~ddlf.GradientAveraging`).
 
 A :class:`Stepper` computes a batch's gradients (and updates the model's loss and metrics, as Keras's own
 ``train_step`` does), hands them out as numpy arrays, and applies the averaged gradients it is given back with
@@ -102,7 +103,7 @@ def stepper_for(model: Any) -> Stepper:
         return _JaxStepper(model)
     if backend == "torch":
         return _TorchKerasStepper(model)
-    raise NotImplementedError(f'averaging="gradients" does not support the Keras backend {backend!r}')
+    raise NotImplementedError(f"GradientAveraging does not support the Keras backend {backend!r}")
 
 
 def steps_whole_rounds(model: Any) -> bool:
@@ -215,11 +216,11 @@ class _Grouped:
 class _KerasStepper(Stepper):
     def __init__(self, model: Any) -> None:
         if getattr(model, "optimizer", None) is None:
-            raise ValueError('averaging="gradients" needs a compiled model (create_model must compile it)')
+            raise ValueError("GradientAveraging needs a compiled model (create_model must compile it)")
         self.model = model
         self.trainable = list(model.trainable_weights)
         if not self.trainable:
-            raise ValueError('averaging="gradients": the model has no trainable weights')
+            raise ValueError("GradientAveraging: the model has no trainable weights")
         self.base_lr: float | None = None
 
     def _flush(self) -> None:

@@ -1,0 +1,131 @@
+"""``train()``'s typed options (``ddlf.training.options``): each object checks itself when made, combinations that
+cannot work cannot be written, and ``TrainConfig`` resolves what the loops read. Pure logic, no daemons."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import ddlf
+from ddlf.training.options import SLOW_WORKER_ENV, TrainConfig
+
+
+def test_defaults_are_the_papers_model_averaging_through_the_master() -> None:
+    cfg = TrainConfig(epochs=2, batch_size=32)
+    assert cfg.strategy == ddlf.ModelAveraging() and cfg.mode == "sync" and cfg.averaging == "weights"
+    assert cfg.round_batches is None  # one round per epoch
+    assert cfg.compression is None and cfg.outer() is None and not cfg.average_optimizer_state
+    assert cfg.data == ddlf.DataConfig() and cfg.run == ddlf.RunConfig()
+    assert cfg.learning_rate_factor(4, 0.5) == 1.0
+    assert len(cfg.run_id) == 12 and cfg.run_id != TrainConfig(epochs=2, batch_size=32).run_id
+
+
+def test_each_strategy_resolves_to_what_the_loops_read() -> None:
+    ma = TrainConfig(1, 8, strategy=ddlf.ModelAveraging(every=5, optimizer_state=True, outer=ddlf.Nesterov(0.5, 0.8)))
+    assert (ma.round_batches, ma.average_optimizer_state, ma.mode) == (5, True, "sync")
+    outer = ma.outer()
+    assert outer is not None and (outer.name, outer.learning_rate, outer.momentum) == ("nesterov", 0.5, 0.8)
+
+    ga = TrainConfig(1, 8, strategy=ddlf.GradientAveraging(check_in_every=3, ring=ddlf.Ring(compression="bfloat16")))
+    assert (ga.averaging, ga.round_batches, ga.compression) == ("gradients", 3, "bfloat16")
+    assert ga.ring == ddlf.Ring(compression="bfloat16")  # gradient averaging is always on its ring
+    assert ga.outer() is None and not ga.average_optimizer_state
+
+    asy = TrainConfig(1, 8, strategy=ddlf.Asynchronous(chunk=4, compression=ddlf.TopK(0.05)))
+    assert (asy.mode, asy.round_batches, asy.compression, asy.topk_ratio) == ("async", 4, "topk", 0.05)
+    assert asy.ring is None
+
+
+def test_the_exchange_of_model_averaging_gives_its_compression() -> None:
+    through = TrainConfig(1, 8, strategy=ddlf.ModelAveraging(exchange=ddlf.ThroughMaster(compression="float16")))
+    assert through.compression == "float16" and through.ring is None
+    # resolved by app.train for the cluster (AutoExchange picks one); until then the asked one is read
+    through.exchange = ddlf.Ring(compression="float16")
+    assert through.ring == ddlf.Ring(compression="float16")
+
+
+def test_learning_rate_scaling_with_warm_up() -> None:
+    cfg = TrainConfig(1, 8, strategy=ddlf.GradientAveraging(scale_learning_rate=True, warmup_epochs=2))
+    assert cfg.scale_learning_rate
+    assert cfg.learning_rate_factor(4, 0.0) == 1.0
+    assert cfg.learning_rate_factor(4, 1.0) == pytest.approx(2.5)
+    assert cfg.learning_rate_factor(4, 5.0) == 4.0  # reached, then held
+    now = TrainConfig(1, 8, strategy=ddlf.GradientAveraging(scale_learning_rate=True))
+    assert now.learning_rate_factor(3, 0.0) == 3.0
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: ddlf.ModelAveraging(every=0), ValueError, r"ModelAveraging\.every"),
+        (lambda: ddlf.ModelAveraging(every=2.5), ValueError, r"ModelAveraging\.every"),
+        (lambda: ddlf.ModelAveraging(optimizer_state="yes"), TypeError, "optimizer_state"),
+        (lambda: ddlf.ModelAveraging(outer="nesterov"), TypeError, "outer"),
+        (lambda: ddlf.ModelAveraging(exchange="allreduce"), TypeError, "exchange"),
+        (lambda: ddlf.Nesterov(learning_rate=0), ValueError, r"Nesterov\.learning_rate"),
+        (lambda: ddlf.Nesterov(momentum=1.0), ValueError, r"Nesterov\.momentum"),
+        (lambda: ddlf.GradientAveraging(warmup_epochs=1), ValueError, "scale_learning_rate=True"),
+        (lambda: ddlf.GradientAveraging(scale_learning_rate=1), TypeError, "scale_learning_rate"),
+        (lambda: ddlf.GradientAveraging(bucket_cap_mb=-1), ValueError, "bucket_cap_mb"),
+        (lambda: ddlf.GradientAveraging(bucket_cap_mb=float("inf")), ValueError, "bucket_cap_mb"),
+        (lambda: ddlf.GradientAveraging(ring=ddlf.ThroughMaster()), TypeError, "ring"),
+        (lambda: ddlf.Asynchronous(chunk=0), ValueError, r"Asynchronous\.chunk"),
+        (lambda: ddlf.Asynchronous(max_staleness=-1), ValueError, "max_staleness"),
+        (lambda: ddlf.Asynchronous(staleness="dynsgd"), TypeError, "staleness"),
+        (lambda: ddlf.Asynchronous(compression="int8"), ValueError, "compression"),
+        (lambda: ddlf.TopK(0), ValueError, r"TopK\.ratio"),
+        (lambda: ddlf.TopK(1.5), ValueError, r"TopK\.ratio"),
+        (lambda: ddlf.Ring(compression=ddlf.TopK()), ValueError, r"Ring\.compression"),
+        (lambda: ddlf.Ring(hierarchical="yes"), ValueError, r"Ring\.hierarchical"),
+        (lambda: ddlf.ThroughMaster(compression="float8"), ValueError, "compression"),
+        (lambda: ddlf.DataConfig(send="seeded"), ValueError, r"DataConfig\.send"),
+        (lambda: ddlf.DataConfig(worker_shares=(1.0, 0.0)), ValueError, "worker_shares"),
+        (lambda: ddlf.DataConfig(rotate_shards_every=0), ValueError, "rotate_shards_every"),
+        (lambda: ddlf.DataConfig(prefetch=-1), ValueError, "prefetch"),
+        (lambda: ddlf.RunConfig(resume=True), ValueError, "checkpoint_dir"),
+        (lambda: ddlf.RunConfig(workers=[]), ValueError, "empty"),
+        (lambda: ddlf.RunConfig(workers="01"), TypeError, "worker indices"),
+        (lambda: ddlf.RunConfig(workers=[-1]), IndexError, "out of range"),
+        (lambda: ddlf.RunConfig(seed=1.5), TypeError, "seed"),
+        (lambda: ddlf.RunConfig(nonfinite="ignore"), ValueError, "nonfinite"),
+        (lambda: ddlf.RunConfig(rejoin_timeout=float("nan")), ValueError, "rejoin_timeout"),
+        (lambda: ddlf.RunConfig(failure_policy="raise"), TypeError, "FailurePolicy"),
+        (lambda: TrainConfig(1, 0), ValueError, "batch_size"),
+        (lambda: TrainConfig(-1, 8), ValueError, "epochs"),
+        (lambda: TrainConfig(1, 8, strategy=ddlf.Ring()), TypeError, "strategy must be"),
+        (lambda: TrainConfig(1, 8, data=ddlf.RunConfig()), TypeError, "data must be"),
+    ],
+)
+def test_what_cannot_work_is_refused_when_made(make, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_options_are_frozen_values() -> None:
+    run = ddlf.RunConfig(workers=[3, 1, 1], checkpoint_dir=__import__("pathlib").Path("ckpt"))
+    assert run.workers == (1, 3) and run.checkpoint_dir == "ckpt"  # normalised once
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.seed = 2  # type: ignore[misc]
+    assert ddlf.DataConfig(worker_shares=[3, 1]).worker_shares == (3.0, 1.0)
+    assert ddlf.ModelAveraging(every=5) == ddlf.ModelAveraging(every=5)  # compare and hash as values
+    assert len({ddlf.Ring(), ddlf.Ring(), ddlf.Ring(hierarchical=False)}) == 2
+
+
+def test_the_slow_worker_hook_is_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert TrainConfig(1, 8).slow_worker is None
+    monkeypatch.setenv(SLOW_WORKER_ENV, "1:0.02")
+    assert TrainConfig(1, 8).slow_worker == (1, 0.02)
+    monkeypatch.setenv(SLOW_WORKER_ENV, "fast")
+    with pytest.raises(ValueError, match="WORKER:SECONDS"):
+        TrainConfig(1, 8)
+
+
+def test_train_takes_fits_arguments_and_the_four_options() -> None:
+    import inspect
+
+    params = list(inspect.signature(ddlf.IApp.train).parameters)
+    assert params[:3] == ["self", "epochs", "batch_size"]
+    assert len(params) - 1 <= 14  # room for fit's remaining arguments, and no more
+    assert {"strategy", "data", "run", "validation_data", "callbacks", "verbose", "initial_epoch"} <= set(params)
+    assert not [p for p in params if p.startswith("_")]  # no test hooks in the public signature
