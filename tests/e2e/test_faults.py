@@ -319,7 +319,7 @@ def test_bad_fault_handling_inputs_are_clear_errors(cluster: ddlf.Cluster, tmp_p
         cluster.remove_worker("127.0.0.1:1")
     with pytest.raises(IndexError, match="out of range"):
         cluster.remove_worker(7)
-    with pytest.raises(ValueError, match="resume=True needs the checkpoint_dir"):
+    with pytest.raises(ValueError, match=r"resume=True\) needs the checkpoint_dir"):
         FaultApp(cluster).train(epochs=1, verbose=0, run=ddlf.RunConfig(resume=True))
     (tmp_path / "ddlf-checkpoint.pkl").write_bytes(b"not a pickle at all")
     with pytest.raises(ValueError, match="not a readable ddlf checkpoint"):

@@ -171,9 +171,9 @@ def test_scaled_learning_rate_equals_one_process_at_n_times_the_rate() -> None:
 
 
 def _learning_rate(run_id: str) -> float:
-    from ddlf.training.replica.sessions import _session
+    from ddlf.training.replica.sessions import SESSIONS
 
-    return float(np.asarray(_session(run_id).model.optimizer.learning_rate))
+    return float(np.asarray(SESSIONS.get(run_id).model.optimizer.learning_rate))
 
 
 def test_adam_replicas_stay_identical_and_learn() -> None:

@@ -14,7 +14,7 @@ def _all_rows(plan: SlicePlan, live: list[int]) -> list[np.ndarray]:
     out = []
     while not plan.finished():
         for _w, part in plan.next_round(live):
-            out.append(np.asarray(part["indices"]))
+            out.append(np.asarray(part.indices))
     return out
 
 
@@ -33,10 +33,10 @@ def test_a_lost_worker_share_goes_to_the_live_ones() -> None:
     cfg = TrainConfig(epochs=1, batch_size=10, strategy=ddlf.ModelAveraging(every=1))
     plan = SlicePlan(100, 3, cfg, epoch=0)
     first = plan.next_round([0, 1, 2])
-    assert [len(p["indices"]) for _, p in first] == [10, 10, 10]
+    assert [len(p.indices) for _, p in first] == [10, 10, 10]
     second = plan.next_round([0, 2])  # worker 1 lost
     assert [w for w, _ in second] == [0, 2]
-    seen = [r for _, p in first + second for r in p["indices"].tolist()]
+    seen = [r for _, p in first + second for r in p.indices.tolist()]
     seen += [r for rows in _all_rows(plan, [0, 2]) for r in rows.tolist()]
     assert sorted(seen) == list(range(100))
 
@@ -44,13 +44,13 @@ def test_a_lost_worker_share_goes_to_the_live_ones() -> None:
 def test_worker_shares_split_rows_unevenly() -> None:
     cfg = TrainConfig(epochs=1, batch_size=10, data=ddlf.DataConfig(worker_shares=(3.0, 1.0)))
     [(w0, a), (w1, b)] = SlicePlan(400, 2, cfg, epoch=0).next_round([0, 1])
-    assert (w0, w1) == (0, 1) and len(a["indices"]) == 300 and len(b["indices"]) == 100
+    assert (w0, w1) == (0, 1) and len(a.indices) == 300 and len(b.indices) == 100
 
 
 def test_seeded_plans_send_bounds_not_indices() -> None:
     cfg = TrainConfig(epochs=1, batch_size=10, data=ddlf.DataConfig(send="seed"), run=ddlf.RunConfig(seed=5))
     [(_, a), (_, b)] = SlicePlan(50, 2, cfg, epoch=2).next_round([0, 1])
-    assert a["indices"] is None and a["seeded"] == (5, 2, [1.0], 0, 0, 25) and b["seeded"][4:] == (25, 50)
+    assert a.indices is None and a.seeded == (5, 2, [1.0], 0, 0, 25) and b.seeded[4:] == (25, 50)
 
 
 def test_shard_layout_rotates_and_seeds_per_shard() -> None:
@@ -66,7 +66,7 @@ def test_a_shard_plan_walks_each_shard_and_skips_lost_ones() -> None:
     seen: dict[int, list[int]] = {0: [], 1: []}
     while not plan.finished():
         for _w, part in plan.next_round([0, 1, 5]):  # worker 5 joined later: no shard of its own
-            seen[part["shard"]] += part["indices"].tolist()
+            seen[part.shard] += part.indices.tolist()
     assert sorted(seen[0]) == list(range(20)) and sorted(seen[1]) == list(range(13))
     assert plan.next_round([1]) == [] or all(w == 1 for w, _ in plan.next_round([1]))
 

@@ -14,27 +14,25 @@ from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
-from .. import _ddlf, serialization
+from .. import _ddlf
 from ..data import store
-from ..errors import DdlfError, SerializationError, raise_for
-from ..frameworks.keras_backend import keras_backend_in_use
+from ..errors import DdlfError, raise_for
 from ..process import prepare_process
-from ..ring_spec import check_op, check_wire
-from ..settings import check_lane_spin_us, module_list, read_pem
-from ..shipping import Shipment, files_digest, local_closure, module_files
-from ..worker import collective as worker_collective
+from ..settings import check_lane_spin_us, read_pem
+from ..shipping import files_digest, module_files
 from .aio import add_async_twins
-from .calls import Calls, ClosedClient, Encoded, FunctionRef
-from .local import LocalWorkers
-from .recovery import Recovery
-from .rings import RingPlan, Rings, shares_hosts
+from .calls import FunctionRef
+from .collectives import Collectives
+from .dispatch import Dispatch
+from .local import LocalWorkers, start_local
+from .rings import Rings
 
 log = logging.getLogger("ddlf")
 
 OPS = _ddlf.OPS
 
 
-class Cluster:
+class Cluster(Collectives):
     """Connections to worker daemons, in a fixed worker order (worker ``i`` is ``addresses[i]``).
 
     Args:
@@ -99,7 +97,7 @@ class Cluster:
         prepare_process()
         self._local = _local
         ca_pem = read_pem(tls_ca, "tls_ca")
-        self._client = _ddlf.Client(
+        client = _ddlf.Client(
             list(addresses),
             token,
             connect_timeout,
@@ -118,13 +116,10 @@ class Cluster:
         self._tls = (ca_pem, tls_domain) if ca_pem is not None else None
         self._rings = Rings()
         self._closed = False
-        self._calls = Calls(self._client)
-        self._recovery = Recovery(self, [int(i["instance"]) for i in self._client.worker_info()])
-        self._replay = self._recovery.replay
-        self._pickled = serialization.PickledFunctions()
-        self._shipped: dict[str, str] = {}  # local module -> digest shipped to the workers (see _ship)
-        self._ship_done: set[frozenset[str]] = set()  # module sets already shipped with their imports
-        self._set_context()
+        self._dispatch = Dispatch(client, timeout, connect_timeout)
+        self._recovery = self._dispatch.recovery
+        self._replay = self._dispatch.replay
+        self._dispatch.set_context()
 
     # -- construction and lifetime ----------------------------------------------------------------------
 
@@ -160,42 +155,14 @@ class Cluster:
         ``n_workers`` then defaults to the number of GPUs (and must equal it if given). Default: 2 workers, no
         GPU assignment.
         """
-        per_worker: list[list[str]] | None = None
-        if gpus is not None:
-            from ..devices import choose_gpus
-
-            ids = choose_gpus(gpus)
-            if n_workers is not None and n_workers != len(ids):
-                raise ValueError(f"n_workers={n_workers} but gpus gives {len(ids)} GPUs {ids}: one worker per GPU")
-            n_workers = len(ids)
-            per_worker = [["--gpu", gpu] for gpu in ids]
-        if n_workers is None:
-            n_workers = 2
-        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
-            # (checked here, not only by LocalWorkers: the thread split below divides by it)
-            raise ValueError(f"n_workers must be a whole number of at least 1, got {n_workers!r}")
-        if threads is None:
-            from ..process import cpu_count
-
-            threads = max(1, cpu_count() // n_workers)
-        args = list(worker_args)
-        env = {}
-        if preload == "default":
-            preload = os.environ.get("DDLF_PRELOAD", "keras")
-        modules = module_list(preload) if isinstance(preload, str) else list(preload or [])
-        if "keras" in modules:
-            from ..frameworks.loading import installed
-
-            if not installed("keras"):
-                modules.remove("keras")
-            else:
-                env["KERAS_BACKEND"] = keras_backend_in_use()  # the workers load what this process runs
-        if modules and not any(a == "--preload" or a.startswith("--preload=") for a in args):
-            args += ["--preload", ",".join(modules)]
-        if lane_spin_us is not None:
-            args += ["--lane-spin-us", str(check_lane_spin_us(lane_spin_us))]
-        local = LocalWorkers(
-            n_workers, threads=threads, start_timeout=start_timeout, extra_args=args, worker_args=per_worker, env=env
+        local = start_local(
+            n_workers,
+            threads=threads,
+            start_timeout=start_timeout,
+            worker_args=worker_args,
+            lane_spin_us=lane_spin_us,
+            preload=preload,
+            gpus=gpus,
         )
         try:
             return cls(
@@ -248,8 +215,7 @@ class Cluster:
         if self._closed:
             return
         self._closed = True
-        client, self._client = self._client, ClosedClient()  # type: ignore[assignment]
-        self._calls = Calls(self._client)
+        client = self._dispatch.close()
         try:
             if self._local is not None:
                 client.shutdown(list(range(len(client))), 2.0)
@@ -268,6 +234,11 @@ class Cluster:
 
     def __len__(self) -> int:
         return len(self._client)
+
+    @property
+    def _client(self) -> Any:
+        """The Rust connection (``ddlf._ddlf.Client``; a closed one after :meth:`close`)."""
+        return self._dispatch.client
 
     @property
     def closed(self) -> bool:
@@ -324,7 +295,7 @@ class Cluster:
         """Store ``value`` under ``name`` on every worker (serialized once, sent to all concurrently).
         ``return_exceptions=True``: returns each worker's outcome (None, or its exception) instead of raising."""
         targets = self._targets(workers)
-        encoded = self._encode(value)
+        encoded = self._dispatch.encode(value)
         outcomes = self._recovery.invoke(OPS["SET_VAR"], name, "", targets, [encoded], timeout)
         if return_exceptions:
             if workers is None:
@@ -341,7 +312,7 @@ class Cluster:
     def scatter(self, name: str, values: Sequence[Any], *, timeout: float | None = None) -> None:
         """Store ``values[i]`` under ``name`` on worker ``i``."""
         self._check_per_worker(values, "values")
-        encoded = [self._encode(v) for v in values]
+        encoded = [self._dispatch.encode(v) for v in values]
         targets = list(range(len(self)))
         raise_for(self._recovery.invoke(OPS["SET_VAR"], name, "", targets, encoded, timeout))
         self._replay.record("var", name, {self.addresses[i]: e for i, e in zip(targets, encoded)})
@@ -373,7 +344,7 @@ class Cluster:
         """
         if not callable(fn):
             raise TypeError(f"expected a function, got {type(fn).__name__}")
-        return self._ensure_function(fn, timeout, name)[0]
+        return self._dispatch.ensure_function(fn, timeout, name)[0]
 
     def remove_function(self, name: str, *, timeout: float | None = None) -> None:
         """Remove function ``name`` from every worker."""
@@ -419,7 +390,7 @@ class Cluster:
         kw = list(kwargs) if kwargs is not None else [{} for _ in args]
         if len(kw) != len(targets):
             raise ValueError(f"kwargs has {len(kw)} entries for {len(targets)} workers: give one per worker")
-        name, digest = self._ensure_function(fn, timeout, targets=targets)
+        name, digest = self._dispatch.ensure_function(fn, timeout, targets=targets)
         values = [(tuple(a), dict(k)) for a, k in zip(args, kw)]
         return self._call(
             OPS["RUN"], name, digest, values, targets, timeout, fn=fn, return_exceptions=return_exceptions, each=True
@@ -438,90 +409,9 @@ class Cluster:
         """The general form of :meth:`run`: explicit ``args``/``kwargs``, an optional subset of workers, and
         ``return_exceptions`` (see :meth:`run_each`)."""
         targets = self._targets(workers)
-        name, digest = self._ensure_function(fn, timeout, targets=targets)
+        name, digest = self._dispatch.ensure_function(fn, timeout, targets=targets)
         value = (tuple(args), dict(kwargs or {}))
         return self._call(OPS["RUN"], name, digest, value, targets, timeout, fn=fn, return_exceptions=return_exceptions)
-
-    def allreduce(
-        self,
-        name: str,
-        op: str = "mean",
-        *,
-        workers: Iterable[int] | None = None,
-        streams: int = 1,
-        timeout: float | None = None,
-        compression: str | None = None,
-        hierarchical: bool | None = None,
-    ) -> None:
-        """Reduce the worker variable ``name`` (a numpy array, or a list or tuple of them: float32 or float64,
-        the same shapes on every worker) across the workers, in place: afterwards every worker holds the
-        element-wise ``"mean"`` (or ``"sum"``). The workers exchange the data among themselves over a ring
-        (each sends and receives ``2(n-1)/n`` times the variable, whatever ``n``); nothing of it passes through
-        the master.
-
-        ``streams``: parallel links per neighbour (for links one TCP stream cannot fill). ``timeout``: how long
-        a worker waits for the others to join, default the cluster's ``timeout`` or 300 s. A worker that dies
-        or is cut off fails the call on every worker (its neighbours notice within ``heartbeat_timeout``),
-        raising :class:`~ddlf.errors.WorkerUnavailable` for it and the survivors' ``CollectiveError``\\ s; the
-        variable is then unchanged on the survivors. Rings are kept between calls on the same workers (their
-        links stay open) and formed anew after a failure.
-
-        ``compression="float16"|"bfloat16"``: float32 arrays travel at half precision (half the bytes on every
-        link; sums stay float32 and every worker ends with the same bits; float16 overflows past 65504, bfloat16
-        keeps float32's range with 8 bits of mantissa).
-
-        ``hierarchical``: workers on one host reduce through shared memory and only one per host joins the ring
-        between hosts (see :meth:`ring`; default: when some host runs more than one of them).
-        """
-        check_op(op)
-        check_wire(compression)
-        plan = self.ring(workers, streams=streams, timeout=timeout, hierarchical=hierarchical)
-        args = [(name, plan.spec(w), op, compression) for w in plan.workers]
-        try:
-            self.run_each(worker_collective.allreduce_variable, args, workers=list(plan.workers), timeout=timeout)
-        except BaseException:
-            self.retire_ring(plan)  # spent on the workers: the next call forms a new ring
-            raise
-
-    def ring(
-        self,
-        workers: Iterable[int] | None = None,
-        *,
-        streams: int = 1,
-        timeout: float | None = None,
-        hierarchical: bool | None = None,
-    ) -> RingPlan:
-        """The ring of ``workers`` (default all), in that order: kept between calls while it works. Pass
-        ``ring.spec(w)`` to worker ``w``'s own function, which reduces with ``ddlf.collective.reduce_arrays``;
-        after a failed reduction, :meth:`retire_ring` it. ``timeout``: how long a worker waits for the others to
-        join, default the cluster's ``timeout`` or 300 s; a neighbour that stops answering is noticed within
-        ``heartbeat_timeout``. On a cluster that uses TLS the workers' peer links do too: each checks its
-        neighbour's certificate against the master's ``tls_ca`` (for ``tls_domain`` if given, else the
-        neighbour's host), as the master checks theirs.
-
-        ``hierarchical`` (default: when some host runs more than one of the workers): the workers on one host
-        (the same host in their addresses) sum through shared memory, only the first of each host joins the ring
-        between hosts, and the result fans back out through shared memory; loopback TCP carries nothing. Every
-        worker still ends with the same bits. ``False``: one flat ring of every worker."""
-        targets = self._targets(workers)
-        addresses = [self.addresses[w] for w in targets]
-        if hierarchical is None:
-            hierarchical = shares_hosts(addresses)
-        return self._rings.plan(
-            targets,
-            [self.addresses[w] for w in targets],
-            [self.instance(w) for w in targets],
-            streams=streams,
-            timeout=timeout or self.timeout or 300.0,
-            liveness=max(1.0, self.heartbeat_timeout),
-            tls=self._tls,
-            hierarchical=bool(hierarchical),
-        )
-
-    def retire_ring(self, ring: RingPlan) -> None:
-        """Forget a ring that failed (its workers closed its links): the next :meth:`ring` of those workers is a
-        new one."""
-        self._rings.retire(ring)
 
     def exec(self, code: str, *, timeout: float | None = None) -> None:
         """Run a code segment on every worker; the names it defines persist in the worker's globals
@@ -533,10 +423,10 @@ class Cluster:
         """Ship a local module or package (a module object, or a path to a ``.py`` file or a package directory)
         to every worker, where it becomes importable. Returns the module name."""
         name, files = module_files(module)
-        self._upload(name, files_digest(files), files, self._targets(None), timeout)
+        self._dispatch.upload(name, files_digest(files), files, self._targets(None), timeout)
         self._replay.record("module", name, files)
-        self._shipped[name] = "uploaded"  # the user's choice wins over automatic shipping
-        self._ship_done.clear()
+        self._dispatch.shipped[name] = "uploaded"  # the user's choice wins over automatic shipping
+        self._dispatch.ship_done.clear()
         return name
 
     def clean(self, *, timeout: float | None = None) -> None:
@@ -656,24 +546,6 @@ class Cluster:
         if len(values) != len(self):
             raise ValueError(f"{what} has {len(values)} entries for {len(self)} workers: give one per worker")
 
-    def _send(
-        self,
-        op: int,
-        name: str,
-        digest: str,
-        targets: list[int],
-        encoded: list[Encoded],
-        timeout: float | None,
-    ) -> list[Any]:
-        """One request per target, without recovery (see :mod:`ddlf.cluster.calls`)."""
-        return self._calls.send(op, name, digest, targets, encoded, self.timeout if timeout is None else timeout)
-
-    def last_call_timings(self) -> dict[int, tuple[float, float]]:
-        """For the calling thread's last call: ``{worker: (worker_seconds, call_seconds)}``, the seconds the
-        worker's interpreter spent on it and the seconds from sending the request to having the whole reply. The
-        difference is transfer and queueing (the training report's "communication")."""
-        return dict(self._calls.last_timings)
-
     def _call(
         self,
         op: int,
@@ -682,91 +554,19 @@ class Cluster:
         value: Any,
         workers: Iterable[int] | None,
         timeout: float | None,
-        *,
-        fn: FunctionRef | None = None,
-        return_exceptions: bool = False,
-        each: bool = False,
+        **kw: Any,
     ) -> list[Any]:
-        """One request per target: ``value`` goes to every target (serialized once), or with ``each=True`` it is
-        a list holding one value per target."""
-        targets = self._targets(workers)
-        encoded = [self._encode(v) for v in value] if each else [self._encode(value)]
-        outcomes = self._recovery.invoke(op, name, digest, targets, encoded, timeout, fn)
-        return outcomes if return_exceptions else raise_for(outcomes)
-
-    def _encode(self, value: Any) -> Encoded:
-        """Pickle a value for the workers, first shipping the local modules it refers to."""
-        modules: set[str] = set()
-        encoded = serialization.dumps(value, modules=modules)
-        if modules:
-            self._ship(modules, None)
-        return encoded
+        return self._dispatch.call(op, name, digest, value, self._targets(workers), timeout, **kw)
 
     def _ship(self, modules: Iterable[str], timeout: float | None) -> None:
-        """Make the local modules (beside the script) that code or values sent to workers refer to importable on
-        every worker, with the local modules they import in turn: each version once (the workers skip a version
-        they hold), replayed to a daemon that restarts. See :mod:`ddlf.shipping`."""
-        asked = frozenset(modules)
-        if asked in self._ship_done:
-            return  # the common case: every call of a pushed function refers to the same modules
-        for name in local_closure(asked):
-            if name in self._shipped and self._shipped[name] == "uploaded":
-                continue
-            try:
-                digest, files = Shipment.files(name)
-            except ValueError as exc:
-                raise SerializationError(str(exc)) from None
-            if self._shipped.get(name) == digest:
-                continue
-            options = {"prefer_native": True, "origin": Shipment.origin(name)}
-            # First ask, without the files: a worker on this host (or with the module installed) has them.
-            targets = self.live_workers
-            held = self._upload(name, digest, ({}, {**options, "probe": True}), targets, timeout)
-            need = [t for t, ok in zip(targets, held) if not ok]
-            shipment = (files, options)
-            if need:
-                log.info("ddlf: shipping local module %r (%d files) to workers %s", name, len(files), need)
-                self._upload(name, digest, shipment, need, timeout)
-            self._replay.record("module", name, shipment)
-            self._shipped[name] = digest
-        self._ship_done.add(asked)
+        """Ship the local modules that code sent to workers refers to (see :meth:`.dispatch.Dispatch.ship`)."""
+        self._dispatch.ship(modules, timeout)
 
-    def _upload(self, name: str, digest: str, payload: Any, targets: list[int], timeout: float | None) -> list[Any]:
-        # Module sources are plain bytes: encoded directly, never looked into for modules to ship.
-        encoded = serialization.dumps(payload)
-        return raise_for(self._recovery.invoke(OPS["UPLOAD_MODULE"], name, digest, targets, [encoded], timeout))
-
-    def _set_context(self) -> None:
-        n = len(self)
-        targets = self.live_workers
-        contexts = [{"worker_id": i, "n_workers": n} for i in targets]
-        self._call(OPS["CONTEXT"], "", "", contexts, targets, None, each=True)
-
-    def _push(self, name: str, digest: str, blob: bytes, targets: list[int], timeout: float | None) -> None:
-        raise_for(self._send(OPS["ADD_FUNCTION"], name, digest, targets, [(blob, [])], timeout))
-        for i in targets:
-            self._recovery.known[i][name] = digest
-        self._replay.record("fn", name, (digest, blob))
-
-    def _ensure_function(
-        self,
-        fn: FunctionRef,
-        timeout: float | None,
-        name: str | None = None,
-        targets: list[int] | None = None,
-    ) -> tuple[str, str]:
-        """Name and digest of ``fn``, pushed first to the targets not known to hold this version."""
-        if isinstance(fn, str):
-            return fn, ""
-        fname, digest, blob, modules = self._pickled.get(fn, name)
-        if modules:
-            self._ship(modules, timeout)
-        pool = range(len(self)) if targets is None else targets
-        known = self._recovery.known
-        missing = [i for i in pool if known[i].get(fname) != digest]
-        if missing:
-            self._push(fname, digest, blob, missing, timeout)
-        return fname, digest
+    def last_call_timings(self) -> dict[int, tuple[float, float]]:
+        """For the calling thread's last call: ``{worker: (worker_seconds, call_seconds)}``, the seconds the
+        worker's interpreter spent on it and the seconds from sending the request to having the whole reply. The
+        difference is transfer and queueing (the training report's "communication")."""
+        return dict(self._dispatch.calls.last_timings)
 
 
 add_async_twins(Cluster)

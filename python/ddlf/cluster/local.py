@@ -17,10 +17,13 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import WorkerStartError
+from ..frameworks.keras_backend import keras_backend_in_use
 from ..process import PARENT_ENV, thread_env
+from ..settings import check_lane_spin_us, module_list
 
 
 def start_worker(
@@ -153,3 +156,53 @@ def _terminate_all(processes: list[subprocess.Popen[bytes]], directory: str) -> 
         for f in os.listdir(directory):
             os.unlink(os.path.join(directory, f))
         os.rmdir(directory)
+
+
+def start_local(
+    n_workers: int | None,
+    *,
+    threads: int | None,
+    start_timeout: float,
+    worker_args: Sequence[str],
+    lane_spin_us: int | None,
+    preload: str | Sequence[str] | None,
+    gpus: str | Sequence[int | str] | None,
+) -> LocalWorkers:
+    """The daemons of ``Cluster.local`` (its arguments, documented there), started and ready."""
+    per_worker: list[list[str]] | None = None
+    if gpus is not None:
+        from ..devices import choose_gpus
+
+        ids = choose_gpus(gpus)
+        if n_workers is not None and n_workers != len(ids):
+            raise ValueError(f"n_workers={n_workers} but gpus gives {len(ids)} GPUs {ids}: one worker per GPU")
+        n_workers = len(ids)
+        per_worker = [["--gpu", gpu] for gpu in ids]
+    if n_workers is None:
+        n_workers = 2
+    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+        # (checked here, not only by LocalWorkers: the thread split below divides by it)
+        raise ValueError(f"n_workers must be a whole number of at least 1, got {n_workers!r}")
+    if threads is None:
+        from ..process import cpu_count
+
+        threads = max(1, cpu_count() // n_workers)
+    args = list(worker_args)
+    env = {}
+    if preload == "default":
+        preload = os.environ.get("DDLF_PRELOAD", "keras")
+    modules = module_list(preload) if isinstance(preload, str) else list(preload or [])
+    if "keras" in modules:
+        from ..frameworks.loading import installed
+
+        if not installed("keras"):
+            modules.remove("keras")
+        else:
+            env["KERAS_BACKEND"] = keras_backend_in_use()  # the workers load what this process runs
+    if modules and not any(a == "--preload" or a.startswith("--preload=") for a in args):
+        args += ["--preload", ",".join(modules)]
+    if lane_spin_us is not None:
+        args += ["--lane-spin-us", str(check_lane_spin_us(lane_spin_us))]
+    return LocalWorkers(
+        n_workers, threads=threads, start_timeout=start_timeout, extra_args=args, worker_args=per_worker, env=env
+    )

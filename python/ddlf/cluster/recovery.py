@@ -99,32 +99,31 @@ def broken(outcome: Any) -> bool:
 
 
 class Host(Protocol):
-    """What recovery needs of the cluster it serves (``ddlf.Cluster`` is one; recovery never imports it)."""
+    """What recovery needs of the dispatch it serves (:class:`~.dispatch.Dispatch` is the one; recovery never
+    imports it)."""
 
-    _client: Any
-    _calls: Calls
+    client: Any
+    calls: Calls
     connect_timeout: float
 
     @property
     def addresses(self) -> list[str]: ...
-    @property
-    def lost_workers(self) -> list[int]: ...
     def __len__(self) -> int: ...
-    def _send(
+    def send(
         self, op: int, name: str, digest: str, targets: list[int], encoded: list[Encoded], timeout: float | None
     ) -> list[Any]: ...
-    def _ensure_function(
+    def ensure_function(
         self, fn: FunctionRef, timeout: float | None, name: str | None = None, targets: list[int] | None = None
     ) -> tuple[str, str]: ...
-    def _set_context(self) -> None: ...
+    def set_context(self) -> None: ...
 
 
 class Recovery:
     """One cluster's fault state: which workers are lost, which daemon instance each worker is, which functions
     each holds, and what happened (``events``)."""
 
-    def __init__(self, cluster: Host, instances: list[int]) -> None:
-        self.cluster = cluster
+    def __init__(self, dispatch: Host, instances: list[int]) -> None:
+        self.dispatch = dispatch
         self.lock = threading.RLock()  # membership changes and re-provisioning
         self.instances = instances
         self.known: list[dict[str, str]] = [{} for _ in instances]  # function name -> digest, per worker
@@ -147,9 +146,9 @@ class Recovery:
         """Send, then recover: a worker whose daemon restarted is re-provisioned and a function a worker lost is
         pushed again, then those workers are asked once more; broken connections mark workers lost. ``timeout``
         is the caller's: the cluster's ``_send`` applies its default deadline, in that one place."""
-        c = self.cluster
-        calls = c._calls
-        outcomes = c._send(op, name, digest, targets, encoded, timeout)
+        c = self.dispatch
+        calls = c.calls
+        outcomes = c.send(op, name, digest, targets, encoded, timeout)
         timings = calls.last_timings
         redo: list[int] = []
         reached: set[int] = set()
@@ -183,9 +182,9 @@ class Recovery:
         if redo:
             again_targets = [targets[k] for k in redo]
             if fn is not None and not isinstance(fn, str):
-                c._ensure_function(fn, timeout, targets=again_targets)
+                c.ensure_function(fn, timeout, targets=again_targets)
             again_encoded = encoded if len(encoded) == 1 else [encoded[k] for k in redo]
-            for k, out in zip(redo, c._send(op, name, digest, again_targets, again_encoded, timeout)):
+            for k, out in zip(redo, c.send(op, name, digest, again_targets, again_encoded, timeout)):
                 outcomes[k] = out
             timings = {**timings, **calls.last_timings}  # the retried workers' second try; the others' first
             calls.last_timings = timings
@@ -202,13 +201,13 @@ class Recovery:
                 "time": time.time(),
                 "event": event,
                 "worker": worker,
-                "address": address or self.cluster.addresses[worker],
+                "address": address or self.dispatch.addresses[worker],
                 "reason": reason,
             }
         )
 
     def mark_lost(self, i: int, exc: BaseException) -> None:
-        address = self.cluster.addresses[i]
+        address = self.dispatch.addresses[i]
         if address in self.lost:
             return
         self.lost[address] = time.monotonic()
@@ -218,9 +217,9 @@ class Recovery:
 
     def revive(self, i: int, timeout: float | None = None) -> None:
         """Reconnect worker ``i``; provision it again if its daemon is a new instance."""
-        c = self.cluster
+        c = self.dispatch
         with self.lock:
-            info = c._client.reconnect(i, timeout or c.connect_timeout)
+            info = c.client.reconnect(i, timeout or c.connect_timeout)
             fresh = int(info["instance"]) != self.instances[i]
             if fresh:
                 self.known[i] = {}
@@ -236,8 +235,8 @@ class Recovery:
         """Give worker ``i`` its context and replay, in order, everything pushed through this cluster."""
         from ..data import store
 
-        c = self.cluster
-        send = c._send  # the cluster's default deadline, no recovery inside recovery
+        c = self.dispatch
+        send = c.send  # the cluster's default deadline, no recovery inside recovery
         if context:
             ctx = serialization.dumps({"worker_id": i, "n_workers": len(c)})
             raise_for(send(OPS["CONTEXT"], "", "", [i], [ctx], None))
@@ -261,45 +260,45 @@ class Recovery:
             else:  # dataset
                 how, what = payload
                 fn = store.load if how == "load" else store.put
-                fname, digest = c._ensure_function(fn, None, targets=[i])
+                fname, digest = c.ensure_function(fn, None, targets=[i])
                 out = send(OPS["RUN"], fname, digest, [i], [serialization.dumps(((name, what), {}))], None)
             raise_for(out)
 
     def add(self, address: str, timeout: float) -> int:
         """Connect to one more daemon (the last worker), set every worker's context and provision it."""
-        c = self.cluster
+        c = self.dispatch
         with self.lock:
-            i = c._client.add(address, timeout)
+            i = c.client.add(address, timeout)
             self.known.append({})
-            self.instances.append(int(c._client.worker_info()[i]["instance"]))
+            self.instances.append(int(c.client.worker_info()[i]["instance"]))
             self.event("added", i, "")
-            c._set_context()
+            c.set_context()
             self.provision(i, context=False)
             return i
 
     def remove(self, i: int, *, shutdown: bool) -> str:
         """Stop using worker ``i`` (shutting its daemon down if asked); the workers after it move down."""
-        c = self.cluster
+        c = self.dispatch
         with self.lock:
             if shutdown:
                 with contextlib.suppress(DdlfError):
-                    raise_for(c._client.shutdown([i], 5.0))
-            address = c._client.remove(i)
+                    raise_for(c.client.shutdown([i], 5.0))
+            address = c.client.remove(i)
             del self.known[i]
             del self.instances[i]
             self.lost.pop(address, None)
             self.event("removed", i, "", address=address)
             if len(c):
                 with contextlib.suppress(DdlfError):
-                    c._set_context()
+                    c.set_context()
             return address
 
     def check(self, timeout: float) -> list[dict[str, Any]]:
         """Heartbeat every worker: unreachable ones are marked lost; lost ones that answer again, and daemons
         that restarted, are re-provisioned. Returns the events this check caused."""
-        c = self.cluster
+        c = self.dispatch
         before = len(self.events)
-        beats = c._client.heartbeat(list(range(len(c))), timeout)
+        beats = c.client.heartbeat(list(range(len(c))), timeout)
         for i, beat in enumerate(beats):
             if isinstance(beat, BaseException):
                 try:
@@ -314,7 +313,8 @@ class Recovery:
     def recover(self, timeout: float) -> list[int]:
         """Try to reconnect every lost worker now. Returns the indices of the workers that came back."""
         back = []
-        for i in self.cluster.lost_workers:
+        addresses = self.dispatch.addresses
+        for i in [i for i, a in enumerate(addresses) if a in self.lost]:
             try:
                 self.revive(i, timeout)
             except DdlfError:

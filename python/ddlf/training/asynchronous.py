@@ -28,7 +28,7 @@ from ..errors import BadWorkerReply, WorkerUnavailable
 from . import replica as remote
 from .history import History, RoundStats
 from .membership import Members
-from .messages import WorkerResult
+from .messages import MasterRound, Rows, WorkerResult
 from .numerics import nbytes
 from .options import Asynchronous, TrainConfig
 from .plan import Chunk, chunks, shard_layout
@@ -109,24 +109,18 @@ def train_async(run: TrainingRun) -> History:
                     start_weights = [a.copy() for a in weights]
                     version = state["version"]
                 t0 = time.perf_counter()
-                kw: dict[str, Any] = {
-                    "weights": start_weights,
-                    "return_delta": True,
-                    "compression": cfg.compression,
-                    "prefetch": cfg.data.prefetch,
-                    "topk_ratio": cfg.topk_ratio,
-                }
-                if cfg.slow_worker and cfg.slow_worker[0] == w:
-                    kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
-                if shard is not None:
-                    kw["shard"] = shard
-                res = cluster.call(
-                    remote.train_chunk,
-                    (cfg.run_id, chunk, cfg.batch_size),
-                    kw,
-                    workers=[w],
-                    return_exceptions=True,
-                )[0]
+                spec = MasterRound(
+                    run_id=cfg.run_id,
+                    rows=Rows(indices=chunk, shard=shard),
+                    batch_size=cfg.batch_size,
+                    prefetch=cfg.data.prefetch,
+                    compression=cfg.compression,
+                    slow_seconds_per_batch=cfg.slow_worker[1] if cfg.slow_worker and cfg.slow_worker[0] == w else 0.0,
+                    weights=start_weights,
+                    return_delta=True,
+                    topk_ratio=cfg.topk_ratio,
+                )
+                res = cluster.call(remote.train_chunk, (spec,), workers=[w], return_exceptions=True)[0]
                 call_s = cluster.last_call_timings().get(w, (0.0, 0.0))[1]
                 wall = time.perf_counter() - t0
                 if isinstance(res, BaseException):

@@ -38,7 +38,7 @@ import numpy as np
 from ..cluster.rings import host_of
 from ..errors import BadWorkerReply, NonFiniteUpdate, RemoteError, WorkerUnavailable
 from . import replica as remote
-from .messages import WorkerResult, weights_var
+from .messages import GradientRound, RingRound, Rows, WorkerResult, weights_var
 from .options import AutoExchange, Ring, ThroughMaster
 from .plan import assigned_rows
 from .replies import check_reply
@@ -95,7 +95,7 @@ class RingExchange:
 
     def run_round(
         self,
-        assignments: list[tuple[int, dict[str, Any]]],
+        assignments: list[tuple[int, Rows]],
         epoch: int,
         round_no: int,
         t0: float,
@@ -130,41 +130,52 @@ class RingExchange:
             if lost:
                 pending = self._drop(pending, lost, epoch, round_no, t0)
                 continue
-            args, kwargs = [], []
+            args = []
             gradients = cfg.averaging == "gradients"
             if gradients:
                 # Every member takes as many steps as the one with the most batches (lockstep), and new members
                 # adopt the others' optimizer state first.
                 steps = max(-(-assigned_rows(part) // cfg.batch_size) for _, part in pending)
                 adopt = bool(fresh) and len(fresh) < len(targets)
-            for w, extra in pending:
-                kw = dict(extra)
-                indices = kw.pop("indices", None)
-                kw.update(round_no=round_no, ring=ring.spec(w), fresh=w in fresh, prefetch=cfg.data.prefetch)
-                if cfg.compression is not None:
-                    kw["compression"] = cfg.compression
+            outer = cfg.outer()
+            for w, rows in pending:
+                common: dict[str, Any] = {
+                    "run_id": cfg.run_id,
+                    "rows": rows,
+                    "batch_size": cfg.batch_size,
+                    "prefetch": cfg.data.prefetch,
+                    "compression": cfg.compression,
+                    "slow_seconds_per_batch": (
+                        cfg.slow_worker[1] if cfg.slow_worker and cfg.slow_worker[0] == w else 0.0
+                    ),
+                    "round_no": round_no,
+                    "ring": ring.spec(w),
+                    "fresh": w in fresh,
+                }
+                spec: GradientRound | RingRound
                 if gradients:
-                    kw.update(
-                        steps=steps, adopt=adopt, bucket_cap_mb=cfg.gradients.bucket_cap_mb if cfg.gradients else None
+                    spec = GradientRound(
+                        **common,
+                        steps=steps,
+                        adopt=adopt,
+                        bucket_cap_mb=cfg.gradients.bucket_cap_mb if cfg.gradients else None,
+                        learning_rate_factor=learning_rate_factor if cfg.scale_learning_rate else None,
                     )
-                    if cfg.scale_learning_rate:
-                        kw["learning_rate_factor"] = learning_rate_factor
                 else:
-                    kw["average_optimizer_state"] = cfg.average_optimizer_state
-                    if cfg.compression is not None:
-                        kw["round_rows"] = sum(assigned_rows(part) for _, part in pending)
-                    o = cfg.outer()
-                    if o is not None:
-                        # New members adopt the momentum of the others (when all are new: of those that hold one,
-                        # restored from a checkpoint; zeros when none does).
-                        kw["outer"] = (o.name, o.learning_rate, o.momentum)
-                        kw["adopt_outer"] = None if not fresh else ("any" if len(fresh) == len(targets) else "others")
-                if cfg.slow_worker and cfg.slow_worker[0] == w:
-                    kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
-                args.append((cfg.run_id, indices, cfg.batch_size))
-                kwargs.append(kw)
+                    # New members adopt the outer momentum of the others (when all are new: of those that hold
+                    # one, restored from a checkpoint; zeros when none does).
+                    spec = RingRound(
+                        **common,
+                        average_optimizer_state=cfg.average_optimizer_state,
+                        round_rows=sum(assigned_rows(part) for _, part in pending) if cfg.compression else 1,
+                        outer=(outer.name, outer.learning_rate, outer.momentum) if outer is not None else None,
+                        adopt_outer=(
+                            None if outer is None or not fresh else ("any" if len(fresh) == len(targets) else "others")
+                        ),
+                    )
+                args.append((spec,))
             step_fn = remote.train_gradients if gradients else remote.train_reduce
-            outcomes = cluster.run_each(step_fn, args, kwargs, workers=targets, return_exceptions=True)
+            outcomes = cluster.run_each(step_fn, args, workers=targets, return_exceptions=True)
             call_s = cluster.last_call_timings()
             failed_ring = False
             for w, out in zip(targets, outcomes):
@@ -178,11 +189,13 @@ class RingExchange:
             if not lost and not failed_ring:
                 self.synced = {w: cluster.instance(w) for w in targets}
                 self.round = round_no
-                rows = {w: assigned_rows(part) for w, part in pending}
+                row_counts = {w: assigned_rows(part) for w, part in pending}
                 results = []
                 for w, out in zip(targets, outcomes):
                     try:  # its weights are in the ring's average already; its samples and logs are checked here
-                        results.append(check_reply(w, out, [], rows=rows[w], compression=None, weights_expected=False))
+                        results.append(
+                            check_reply(w, out, [], rows=row_counts[w], compression=None, weights_expected=False)
+                        )
                     except BadWorkerReply as exc:
                         run.refuse(exc)
                     if not isinstance(out, dict):
@@ -210,8 +223,8 @@ class RingExchange:
         raise RuntimeError(f"round {round_no}: the all-reduce failed {MAX_REDOS} times in a row")
 
     def _drop(
-        self, pending: list[tuple[int, dict[str, Any]]], lost: list[int], epoch: int, round_no: int, t0: float
-    ) -> list[tuple[int, dict[str, Any]]]:
+        self, pending: list[tuple[int, Rows]], lost: list[int], epoch: int, round_no: int, t0: float
+    ) -> list[tuple[int, Rows]]:
         wall = time.perf_counter() - t0
         for w in lost:
             self.forget(w)

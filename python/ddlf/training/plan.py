@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .. import ops
+from .messages import Rows
 from .options import TrainConfig
 
 SHARD_SEED_STRIDE = 1_000_003
@@ -42,16 +42,13 @@ def shard_layout(n_shards: int, epoch: int, seed: int, rotate_every: int | None)
     return ShardLayout(shards, [seed * SHARD_SEED_STRIDE + s for s in shards])
 
 
-Assignment = tuple[int, dict[str, Any]]
-"""One worker's part of a round: ``(worker, {"indices": ..., "shard"?: ..., "seeded"?: ...})``."""
+Assignment = tuple[int, Rows]
+"""One worker's part of a round: ``(worker, the rows it trains)``."""
 
 
-def assigned_rows(part: dict[str, Any]) -> int:
+def assigned_rows(part: Rows) -> int:
     """The most rows an assignment's worker can train: its indices, or its slice's bounds (``seeded``)."""
-    if part.get("indices") is not None:
-        return len(part["indices"])
-    _seed, _epoch, _shares, _w, start, stop = part["seeded"]
-    return int(stop - start)
+    return part.count()
 
 
 class SlicePlan:
@@ -85,9 +82,9 @@ class SlicePlan:
         for w, n in zip(live, sizes):
             hi = lo + int(n)
             if self.perm is not None:
-                out.append((w, {"indices": self.perm[lo:hi]}))
+                out.append((w, Rows(indices=self.perm[lo:hi])))
             else:
-                out.append((w, {"indices": None, "seeded": (self.cfg.run.seed, self.epoch, [1.0], 0, lo, hi)}))
+                out.append((w, Rows(seeded=(self.cfg.run.seed, self.epoch, [1.0], 0, lo, hi))))
             lo = hi
         self.offset = lo
         return out
@@ -125,13 +122,11 @@ class ShardPlan:
         for w in live:
             if w >= len(self.shards):
                 continue  # added after the shards were laid out: no shard of its own
-            extra: dict[str, Any] = {"shard": self.shards[w]}
             if self.perms is not None:
-                extra["indices"] = self.perms[w][start:stop]
+                rows = Rows(indices=self.perms[w][start:stop], shard=self.shards[w])
             else:
-                extra["indices"] = None
-                extra["seeded"] = (self.seeds[w], self.epoch, [1.0], 0, start, stop)
-            out.append((w, extra))
+                rows = Rows(seeded=(self.seeds[w], self.epoch, [1.0], 0, start, stop), shard=self.shards[w])
+            out.append((w, rows))
         return out
 
 

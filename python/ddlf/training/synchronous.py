@@ -32,7 +32,7 @@ from ..errors import BadWorkerReply
 from . import replica as remote
 from .exchange import RingExchange
 from .history import History, RoundStats
-from .messages import WorkerResult, weights_var
+from .messages import MasterRound, Rows, WorkerResult, weights_var
 from .numerics import average_states, nbytes
 from .outer import OuterMomentum
 from .plan import ShardPlan, SlicePlan, assigned_rows
@@ -136,7 +136,7 @@ def _round(
     run: TrainingRun,
     weights: list[np.ndarray],
     opt_state: list[np.ndarray] | None,
-    assignments: list[tuple[int, dict[str, Any]]],
+    assignments: list[tuple[int, Rows]],
     epoch: int,
     round_no: int,
     t0: float,
@@ -148,34 +148,30 @@ def _round(
     sent_ok = cluster.set(weights_var(cfg.run_id), weights, workers=targets, return_exceptions=True)
     send_s = cluster.last_call_timings()
     t_sent = time.perf_counter()
-    args, kwargs, running = [], [], []
-    for (w, extra), ok in zip(assignments, sent_ok):
+    args, running = [], []
+    for (w, rows), ok in zip(assignments, sent_ok):
         if isinstance(ok, BaseException):
             run.fail(ok)
             run.lost(epoch, round_no, w, 0.0, t0)
             continue
-        kw: dict[str, Any] = {
-            "batch_size": cfg.batch_size,
-            "return_delta": cfg.compression is not None,
-            "compression": cfg.compression,
-            "prefetch": cfg.data.prefetch,
-            "return_optimizer_state": cfg.average_optimizer_state,
-            "optimizer_state": opt_state,
-            "topk_ratio": cfg.topk_ratio,
-            **extra,
-        }
-        if cfg.slow_worker and cfg.slow_worker[0] == w:
-            kw["slow_seconds_per_batch"] = cfg.slow_worker[1]
-        indices = kw.pop("indices")
-        args.append((cfg.run_id, indices))
-        kwargs.append(kw)
+        spec = MasterRound(
+            run_id=cfg.run_id,
+            rows=rows,
+            batch_size=cfg.batch_size,
+            prefetch=cfg.data.prefetch,
+            compression=cfg.compression,
+            slow_seconds_per_batch=cfg.slow_worker[1] if cfg.slow_worker and cfg.slow_worker[0] == w else 0.0,
+            return_delta=cfg.compression is not None,
+            return_optimizer_state=cfg.average_optimizer_state,
+            optimizer_state=opt_state,
+            topk_ratio=cfg.topk_ratio,
+        )
+        args.append((spec,))
         running.append(w)
-    outcomes = (
-        cluster.run_each(remote.train_chunk, args, kwargs, workers=running, return_exceptions=True) if running else []
-    )
+    outcomes = cluster.run_each(remote.train_chunk, args, workers=running, return_exceptions=True) if running else []
     call_s = cluster.last_call_timings()
     wall = time.perf_counter() - t0
-    rows = {w: assigned_rows(part) for w, part in assignments}
+    row_counts = {w: assigned_rows(part) for w, part in assignments}
     results: list[WorkerResult] = []
     for w, out in zip(running, outcomes):
         if isinstance(out, BaseException):
@@ -183,7 +179,7 @@ def _round(
             run.lost(epoch, round_no, w, wall, t0)
             continue
         try:
-            result = check_reply(w, out, weights, rows=rows[w], compression=cfg.compression)
+            result = check_reply(w, out, weights, rows=row_counts[w], compression=cfg.compression)
         except BadWorkerReply as exc:
             run.refuse(exc)
             continue

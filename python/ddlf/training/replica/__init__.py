@@ -1,17 +1,82 @@
 """The worker's side of training: one replica of the model per run, trained on the rows the master assigns.
 
-The master calls these endpoints by reference (``cluster.run_each(replica.train_reduce, ...)``); only their
-arguments travel. :mod:`.sessions` holds the runs set up on this worker, :mod:`.state` their optimizer and random
-state, :mod:`.rounds` and :mod:`.ring_rounds` the two kinds of round, :mod:`.steppers` the frameworks' compiled
-steps, :mod:`.buckets` PyTorch's gradient buckets and :mod:`.warm` the models kept warm between runs.
+The functions here are the endpoints the master calls by reference (``cluster.run_each(replica.train_reduce,
+...)``; ddlf is installed on every worker, so only their arguments travel). Each finds the run's
+:class:`~.session.Session` in this worker's :data:`~.sessions.SESSIONS` and hands it the typed round
+(:mod:`ddlf.training.messages`). :mod:`.sessions` holds the runs, :mod:`.session` one run and its state,
+:mod:`.rounds` and :mod:`.ring_rounds` the two kinds of round, :mod:`.steppers` the frameworks' compiled steps,
+:mod:`.buckets` PyTorch's gradient buckets, :mod:`.state` a model's optimizer and random state, :mod:`.dataset`
+its data and :mod:`.warm` the models kept warm between runs.
 """
 
 from __future__ import annotations
 
-from .ring_rounds import reduced_weights, train_gradients, train_reduce
-from .rounds import train_chunk
-from .sessions import configure, runs, setup, teardown
-from .state import restore_state, session_state
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..messages import GradientRound, MasterRound, RingRound
+from .sessions import SESSIONS
+
+
+def configure(
+    *,
+    max_runs: int | None = None,
+    idle_seconds: float | None = None,
+    report_runs: Callable[[list[str]], None] | None = None,
+) -> None:
+    """Set by the daemon that hosts the replicas: its limits on runs (``--max-runs``, ``--run-idle-timeout``) and
+    where the list of runs goes whenever it changes (its status)."""
+    SESSIONS.configure(max_runs=max_runs, idle_seconds=idle_seconds, report_runs=report_runs)
+
+
+def setup(
+    worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | None = None, torch: bool | None = None
+) -> dict[str, Any]:
+    """Set run ``run_id`` up on this worker (:meth:`.sessions.Sessions.setup`)."""
+    return SESSIONS.setup(worker, run_id, app_blob, seed, backend, torch)
+
+
+def teardown(worker: Any, run_id: str) -> None:
+    """Forget run ``run_id`` here (its dataset stays cached)."""
+    SESSIONS.teardown(worker, run_id)
+
+
+def runs() -> list[dict[str, Any]]:
+    """The training runs this worker serves."""
+    return SESSIONS.runs()
+
+
+def session_state(run_id: str) -> dict[str, Any]:
+    """What run ``run_id`` carries here besides its weights, for a checkpoint (:meth:`.session.Session.state`)."""
+    return SESSIONS.get(run_id).state()
+
+
+def restore_state(run_id: str, state: dict[str, Any]) -> None:
+    """Put back what :func:`session_state` returned."""
+    SESSIONS.get(run_id).restore(state)
+
+
+def train_chunk(worker: Any, spec: MasterRound) -> dict[str, Any]:
+    """A round through the master, or an asynchronous chunk."""
+    return SESSIONS.get(spec.run_id).train_chunk(worker, spec)
+
+
+def train_reduce(worker: Any, spec: RingRound) -> dict[str, Any]:
+    """A model-averaging round on the ring."""
+    return SESSIONS.get(spec.run_id).train_reduce(worker, spec)
+
+
+def train_gradients(worker: Any, spec: GradientRound) -> dict[str, Any]:
+    """A gradient-averaging round on the ring."""
+    return SESSIONS.get(spec.run_id).train_gradients(worker, spec)
+
+
+def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray]:
+    """The weights of the last round reduced here."""
+    return SESSIONS.get(run_id).reduced_weights(round_no)
+
 
 __all__ = [
     "configure",

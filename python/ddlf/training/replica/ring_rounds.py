@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ... import ops
 from ...worker.collective import reduce_scratch
-from ..messages import Seeded, finite, weights_var
+from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
-from .rounds import _rows, train_chunk
-from .sessions import Session, _session, log
-from .state import _optimizer_built, _optimizer_state, _set_optimizer_state
+from .rounds import train_chunk
+from .state import optimizer_built, optimizer_state, set_optimizer_state
 from .steppers import local_mask
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger("ddlf.training")
 
 
 def _start_weights(worker: Any, session: Session, run_id: str, round_no: int, fresh: bool) -> list[np.ndarray]:
@@ -75,25 +80,7 @@ def _weighted_mean(
     return out, total
 
 
-def train_reduce(
-    worker: Any,
-    run_id: str,
-    indices: np.ndarray | None,
-    batch_size: int,
-    *,
-    round_no: int,
-    ring: dict[str, Any],
-    fresh: bool = False,
-    average_optimizer_state: bool = False,
-    compression: str | None = None,
-    round_rows: int = 1,
-    prefetch: int = 2,
-    seeded: Seeded | None = None,
-    shard: int | None = None,
-    slow_seconds_per_batch: float = 0.0,
-    outer: tuple[str, float, float] | None = None,
-    adopt_outer: str | None = None,
-) -> dict[str, Any]:
+def train_reduce(session: Session, worker: Any, spec: RingRound) -> dict[str, Any]:
     """One synchronous round on the ring (:class:`~ddlf.Ring`): train the rows, then average the weights (weighted by
     the samples each trained) with the round's other workers over the ring, worker to worker. Returns samples,
     logs and timings, never the weights. A failed all-reduce raises ``CollectiveError`` and leaves this worker
@@ -109,7 +96,8 @@ def train_reduce(
     of the ``"others"`` (the members that are not new), or, all being new, of ``"any"`` member that holds one
     (restored from a checkpoint). A redo of the round starts again from the momentum this worker started it with."""
 
-    session = _session(run_id)
+    run_id, round_no, fresh, ring, outer = spec.run_id, spec.round_no, spec.fresh, spec.ring, spec.outer
+    compression, adopt_outer = spec.compression, spec.adopt_outer
     redo = not fresh and session.reduced is not None and session.reduced[0] == round_no
     start = _start_weights(worker, session, run_id, round_no, fresh)
     held = session.outer is not None and session.outer.momentum is not None
@@ -120,17 +108,15 @@ def train_reduce(
         if redo:
             session.outer.load(session.outer_start)
         session.outer_start = session.outer.state()
-    result = train_chunk(
-        worker,
-        run_id,
-        indices,
-        batch_size,
+    own = MasterRound(
+        run_id=run_id,
+        rows=spec.rows,
+        batch_size=spec.batch_size,
+        prefetch=spec.prefetch,
+        slow_seconds_per_batch=spec.slow_seconds_per_batch,
         weights=start,
-        seeded=seeded,
-        prefetch=prefetch,
-        slow_seconds_per_batch=slow_seconds_per_batch,
-        shard=shard,
     )
+    result = train_chunk(session, worker, own)
     new = [np.asarray(w) for w in result.pop("weights")]
     samples = int(result["samples"])
     weight = float(samples)
@@ -144,7 +130,7 @@ def train_reduce(
     else:
         halves = [a.dtype == np.float32 for a in new]
         moved = [np.subtract(a, s) if h else a for a, s, h in zip(new, start, halves)]
-        mean = _reduce_floats(moved, weight, ring, wire=compression, unit=max(1, round_rows))
+        mean = _reduce_floats(moved, weight, ring, wire=compression, unit=max(1, spec.round_rows))
         averaged = [np.add(s, m) if h else m for s, m, h in zip(start, mean, halves)]
         if not all(finite(a) for a in averaged):
             # float16 overflowed on the wire (identically on every member): the round's change is dropped.
@@ -159,9 +145,9 @@ def train_reduce(
             holder = held if adopt_outer == "any" else not fresh
             session.outer.load(_adopt(momentum, holder, ring))
         averaged = session.outer.step(start, averaged, trained)
-    if average_optimizer_state and _optimizer_built(model):
+    if spec.average_optimizer_state and optimizer_built(model):
         # At full precision: Adam's second moments underflow float16 (and a zero there makes a huge step).
-        _set_optimizer_state(model, _reduce_floats(_optimizer_state(model), weight, ring))
+        set_optimizer_state(model, _reduce_floats(optimizer_state(model), weight, ring))
     # The model takes the averaged weights when the next round starts from them (train_chunk sets them).
     session.reduced = (round_no, start, averaged)
     session.last_used = time.monotonic()
@@ -178,25 +164,7 @@ def _adopt(state: list[np.ndarray], holder: bool, spec: dict[str, Any]) -> list[
     return [np.rint(m).astype(a.dtype) if a.dtype.kind in "iub" else m for m, a in zip(mean, state)]
 
 
-def train_gradients(
-    worker: Any,
-    run_id: str,
-    indices: np.ndarray | None,
-    batch_size: int,
-    *,
-    round_no: int,
-    ring: dict[str, Any],
-    steps: int,
-    fresh: bool = False,
-    adopt: bool = False,
-    learning_rate_factor: tuple[float, float] | None = None,
-    compression: str | None = None,
-    bucket_cap_mb: float | None = None,
-    prefetch: int = 2,
-    seeded: Seeded | None = None,
-    shard: int | None = None,
-    slow_seconds_per_batch: float = 0.0,
-) -> dict[str, Any]:
+def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[str, Any]:
     """One synchronous round of :class:`~ddlf.GradientAveraging`: ``steps`` optimizer steps in lockstep with the ring's
     other workers. Each step this worker computes the gradients of its next batch, the ring averages them (weighted
     by each batch's rows; a worker out of batches adds zeros with weight 0), and every worker applies the same
@@ -214,23 +182,25 @@ def train_gradients(
     timings (``reduce_seconds``: the time steps waited for the exchange after their backward), never the
     weights."""
 
-    session = _session(run_id)
+    run_id, round_no, fresh, ring, steps = spec.run_id, spec.round_no, spec.fresh, spec.ring, spec.steps
+    compression, batch_size, slow_seconds_per_batch = spec.compression, spec.batch_size, spec.slow_seconds_per_batch
+    learning_rate_factor, bucket_cap_mb = spec.learning_rate_factor, spec.bucket_cap_mb
     redo = not fresh and session.reduced is not None and session.reduced[0] == round_no
     start = _start_weights(worker, session, run_id, round_no, fresh)
     model = session.model
     stepper = session.steps()
     t0 = time.perf_counter()
-    x, y, indices = _rows(session, indices, seeded, shard)
+    x, y, indices = session.data_for(spec.rows)
     model.set_weights(start)
     if redo and session.optimizer_start is not None:
-        _set_optimizer_state(model, session.optimizer_start)
-    if adopt:
+        set_optimizer_state(model, session.optimizer_start)
+    if spec.adopt:
         stepper.build_optimizer()
-        _set_optimizer_state(model, _adopt(_optimizer_state(model), not fresh, ring))
-    session.optimizer_start = _optimizer_state(model) if _optimizer_built(model) else None
+        set_optimizer_state(model, _adopt(optimizer_state(model), not fresh, ring))
+    session.optimizer_start = optimizer_state(model) if optimizer_built(model) else None
     model.reset_metrics()
     stepper.begin()
-    pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=prefetch)
+    pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=spec.prefetch)
     batches = iter(pipeline)
     preprocess = session.app.preprocess
     factor = None
@@ -238,7 +208,6 @@ def train_gradients(
     nonfinite = overflowed = 0
     buckets = stepper.buckets(int(bucket_cap_mb * 2**20)) if bucket_cap_mb else None
     if buckets is not None:
-        from ...worker.collective import reduce_scratch
 
         def reduce(flat: np.ndarray) -> None:
             reduce_scratch(flat, ring, "sum", wire=compression)
@@ -313,11 +282,3 @@ def train_gradients(
         "nonfinite_batches": nonfinite,
         "wire_overflow_steps": overflowed,
     }
-
-
-def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray]:
-    """The weights of the last round reduced here (what every member of the ring holds after it)."""
-    reduced = _session(run_id).reduced
-    if reduced is None or (round_no is not None and reduced[0] != round_no):
-        raise LookupError(f"run {run_id}: no reduced weights for round {round_no} here")
-    return reduced[2]

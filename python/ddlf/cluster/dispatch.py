@@ -1,0 +1,171 @@
+"""How a :class:`~ddlf.Cluster`'s requests reach the workers, below its facade: values encoded (and the local modules
+they refer to shipped first), functions pushed once per version, requests sent with recovery (:mod:`.recovery`)
+or without it, and each worker's context.
+
+:class:`Cluster` (the facade) and :class:`~.recovery.Recovery` (lost and restarted workers) both work through one
+``Dispatch``: recovery re-sends, re-pushes and re-provisions through it, and never reaches into the facade.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from .. import _ddlf, serialization
+from ..errors import SerializationError, raise_for
+from ..shipping import Shipment, local_closure
+from .calls import Calls, ClosedClient, Encoded, FunctionRef
+from .recovery import Recovery
+
+log = logging.getLogger("ddlf")
+
+OPS = _ddlf.OPS
+
+
+class Dispatch:
+    """One cluster's connection (``client``), its calls, its function registry and its shipped modules."""
+
+    def __init__(self, client: Any, timeout: float | None, connect_timeout: float) -> None:
+        self.client = client
+        self.calls = Calls(client)
+        self.timeout = timeout
+        """The default deadline of a request (``None``: none)."""
+        self.connect_timeout = connect_timeout
+        self.recovery = Recovery(self, [int(i["instance"]) for i in client.worker_info()])
+        self.replay = self.recovery.replay
+        self.pickled = serialization.PickledFunctions()
+        self.shipped: dict[str, str] = {}
+        """Local module -> digest shipped to the workers (``"uploaded"``: by ``upload_module``, which wins)."""
+        self.ship_done: set[frozenset[str]] = set()
+        """Module sets already shipped with their imports."""
+
+    def close(self) -> Any:
+        """Stop sending; returns the client that was open (for the caller to shut daemons down through)."""
+        client, self.client = self.client, ClosedClient()
+        self.calls = Calls(self.client)
+        return client
+
+    def __len__(self) -> int:
+        return len(self.client)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Worker addresses, in worker order."""
+        return list(self.client.addresses)
+
+    @property
+    def live_workers(self) -> list[int]:
+        """Workers not marked lost."""
+        lost = self.recovery.lost
+        return [i for i, a in enumerate(self.addresses) if a not in lost]
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def send(
+        self,
+        op: int,
+        name: str,
+        digest: str,
+        targets: list[int],
+        encoded: list[Encoded],
+        timeout: float | None,
+    ) -> list[Any]:
+        """One request per target, without recovery (see :mod:`ddlf.cluster.calls`)."""
+        return self.calls.send(op, name, digest, targets, encoded, self.timeout if timeout is None else timeout)
+
+    def call(
+        self,
+        op: int,
+        name: str,
+        digest: str,
+        value: Any,
+        targets: list[int],
+        timeout: float | None,
+        *,
+        fn: FunctionRef | None = None,
+        return_exceptions: bool = False,
+        each: bool = False,
+    ) -> list[Any]:
+        """One request per target, with recovery: ``value`` goes to every target (serialized once), or with
+        ``each=True`` it is a list holding one value per target."""
+        encoded = [self.encode(v) for v in value] if each else [self.encode(value)]
+        outcomes = self.recovery.invoke(op, name, digest, targets, encoded, timeout, fn)
+        return outcomes if return_exceptions else raise_for(outcomes)
+
+    def encode(self, value: Any) -> Encoded:
+        """Pickle a value for the workers, first shipping the local modules it refers to."""
+        modules: set[str] = set()
+        encoded = serialization.dumps(value, modules=modules)
+        if modules:
+            self.ship(modules, None)
+        return encoded
+
+    def ship(self, modules: Iterable[str], timeout: float | None) -> None:
+        """Make the local modules (beside the script) that code or values sent to workers refer to importable on
+        every worker, with the local modules they import in turn: each version once (the workers skip a version
+        they hold), replayed to a daemon that restarts. See :mod:`ddlf.shipping`."""
+        asked = frozenset(modules)
+        if asked in self.ship_done:
+            return  # the common case: every call of a pushed function refers to the same modules
+        for name in local_closure(asked):
+            if name in self.shipped and self.shipped[name] == "uploaded":
+                continue
+            try:
+                digest, files = Shipment.files(name)
+            except ValueError as exc:
+                raise SerializationError(str(exc)) from None
+            if self.shipped.get(name) == digest:
+                continue
+            options = {"prefer_native": True, "origin": Shipment.origin(name)}
+            # First ask, without the files: a worker on this host (or with the module installed) has them.
+            targets = self.live_workers
+            held = self.upload(name, digest, ({}, {**options, "probe": True}), targets, timeout)
+            need = [t for t, ok in zip(targets, held) if not ok]
+            shipment = (files, options)
+            if need:
+                log.info("ddlf: shipping local module %r (%d files) to workers %s", name, len(files), need)
+                self.upload(name, digest, shipment, need, timeout)
+            self.replay.record("module", name, shipment)
+            self.shipped[name] = digest
+        self.ship_done.add(asked)
+
+    def upload(self, name: str, digest: str, payload: Any, targets: list[int], timeout: float | None) -> list[Any]:
+        """Upload a module's files (or a probe for them) to the targets."""
+        # Module sources are plain bytes: encoded directly, never looked into for modules to ship.
+        encoded = serialization.dumps(payload)
+        return raise_for(self.recovery.invoke(OPS["UPLOAD_MODULE"], name, digest, targets, [encoded], timeout))
+
+    def set_context(self) -> None:
+        """Tell every live worker its index and the number of workers."""
+        n = len(self)
+        targets = self.live_workers
+        contexts = [{"worker_id": i, "n_workers": n} for i in targets]
+        self.call(OPS["CONTEXT"], "", "", contexts, targets, None, each=True)
+
+    def push(self, name: str, digest: str, blob: bytes, targets: list[int], timeout: float | None) -> None:
+        """Add function ``name`` (this version) on the targets, and record it for replay."""
+        raise_for(self.send(OPS["ADD_FUNCTION"], name, digest, targets, [(blob, [])], timeout))
+        for i in targets:
+            self.recovery.known[i][name] = digest
+        self.replay.record("fn", name, (digest, blob))
+
+    def ensure_function(
+        self,
+        fn: FunctionRef,
+        timeout: float | None,
+        name: str | None = None,
+        targets: list[int] | None = None,
+    ) -> tuple[str, str]:
+        """Name and digest of ``fn``, pushed first to the targets not known to hold this version."""
+        if isinstance(fn, str):
+            return fn, ""
+        fname, digest, blob, modules = self.pickled.get(fn, name)
+        if modules:
+            self.ship(modules, timeout)
+        pool = range(len(self)) if targets is None else targets
+        known = self.recovery.known
+        missing = [i for i in pool if known[i].get(fname) != digest]
+        if missing:
+            self.push(fname, digest, blob, missing, timeout)
+        return fname, digest

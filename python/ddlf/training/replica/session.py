@@ -1,0 +1,124 @@
+"""One training run on this worker, as one object: the app, its model and dataset, and what the run carries from
+round to round (the last reduced weights, top-k residuals, the outer optimizer's momentum, the compiled step).
+
+Its methods are the run's endpoints on this worker (a Monarch actor's shape): the master calls the module-level
+functions of :mod:`ddlf.training.replica` by reference, and each hands its typed round to the session it names.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ... import ops
+from ..messages import GradientRound, MasterRound, RingRound, Rows
+from ..outer import OuterMomentum, OuterSpec
+from . import ring_rounds, rounds
+from .dataset import load, split_xy
+from .state import optimizer_built, optimizer_state, rng_state, set_optimizer_state, set_rng_state
+from .steppers import stepper_for
+
+
+@dataclass
+class Session:
+    """A run set up on this worker (:func:`ddlf.training.replica.setup`)."""
+
+    run_id: str
+    app: Any
+    model: Any
+    x: Any
+    y: Any
+    rows: int
+    n_shards: int = 0
+    """0: the whole dataset on every worker."""
+    identity: bytes = b""
+    """Digest of the app as received: names its dataset's copy on the host (node_store)."""
+    residual: list[np.ndarray] | None = None
+    """Top-k error feedback: what earlier rounds did not send."""
+    reduced: tuple[int, list[np.ndarray], list[np.ndarray]] | None = None
+    """On the ring: (round, weights before it, weights after it) of the last round reduced here."""
+    stepper: Any = None
+    """The model's training step (:mod:`.steppers`), made on first use."""
+    optimizer_start: list[np.ndarray] | None = None
+    """With gradient averaging: the optimizer state the last round started from."""
+    outer: OuterMomentum | None = None
+    """On the ring with an outer optimizer: its momentum..."""
+    outer_start: list[np.ndarray] | None = None
+    """...and the momentum the last round started from."""
+    warm_key: str | None = None
+    """What identifies the model's architecture among kept warm models (:mod:`.warm`); None: not kept."""
+    started: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+
+    # -- rounds -----------------------------------------------------------------------------------------------
+
+    def train_chunk(self, worker: Any, spec: MasterRound) -> dict[str, Any]:
+        """A round through the master (:func:`.rounds.train_chunk`)."""
+        return rounds.train_chunk(self, worker, spec)
+
+    def train_reduce(self, worker: Any, spec: RingRound) -> dict[str, Any]:
+        """A model-averaging round on the ring (:func:`.ring_rounds.train_reduce`)."""
+        return ring_rounds.train_reduce(self, worker, spec)
+
+    def train_gradients(self, worker: Any, spec: GradientRound) -> dict[str, Any]:
+        """A gradient-averaging round on the ring (:func:`.ring_rounds.train_gradients`)."""
+        return ring_rounds.train_gradients(self, worker, spec)
+
+    def reduced_weights(self, round_no: int | None = None) -> list[np.ndarray]:
+        """The weights of the last round reduced here (what every member of the ring holds after it)."""
+        reduced = self.reduced
+        if reduced is None or (round_no is not None and reduced[0] != round_no):
+            raise LookupError(f"run {self.run_id}: no reduced weights for round {round_no} here")
+        return reduced[2]
+
+    # -- what rounds share ------------------------------------------------------------------------------------
+
+    def steps(self) -> Any:
+        """The model's :class:`~.steppers.Stepper` (traced or jitted once per run)."""
+        if self.stepper is None:
+            self.stepper = stepper_for(self.model)
+        return self.stepper
+
+    def data_for(self, rows: Rows) -> tuple[Any, Any, np.ndarray | None]:
+        """The dataset a round trains on (with shard rotation, another worker's shard: loaded once, then cached
+        here too) and its row indices: ``rows.indices``, or the slice ``rows.seeded`` names of a permutation
+        regenerated here."""
+        x, y, n, indices = self.x, self.y, self.rows, rows.indices
+        if self.n_shards and rows.shard is not None:
+            item, _ = load(self.app, self.identity, rows.shard, self.n_shards)
+            x, y = split_xy(item.value)
+            n = len(x)
+        if rows.seeded is not None:
+            seed, epoch, shares, w, start, stop = rows.seeded
+            indices = ops.partition_for(n, seed, epoch, shares, w)[start:stop]
+        return x, y, indices
+
+    # -- state for checkpoints --------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What this worker carries from round to round besides the weights: its optimizer state, its random
+        generators' state, its top-k residual and its outer momentum. Saved in checkpoints, so a resumed run
+        continues identically."""
+        model = self.model
+        return {
+            "optimizer": optimizer_state(model) if optimizer_built(model) else None,
+            "rng": rng_state(model),
+            "residual": self.residual,
+            "outer": self.outer.state() if self.outer is not None else None,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state` returned (after setup on a fresh or restarted worker)."""
+        model = self.model
+        if state.get("optimizer") is not None:
+            if not hasattr(model, "set_optimizer_state") and not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+            set_optimizer_state(model, state["optimizer"])
+        set_rng_state(model, state.get("rng", []))
+        self.residual = state.get("residual")
+        if state.get("outer") is not None:
+            self.outer = OuterMomentum(OuterSpec())  # the spec comes with the next round
+            self.outer.load(state["outer"])
