@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # System tools the test suite uses beyond Python and Rust, from Debian's packages (run as root, as CI does):
-# chromium renders the HTML training report in a real browser (tests/test_observability.py); the multi-host tests
-# (tests/test_multihost.py) need iproute2 (namespaces, veth, tc), nftables (packet loss) and openssh-server/client
-# (`ddlf up` over ssh), Spark's tests need a Java runtime, and valgrind checks the Rust kernels for out-of-bounds accesses (tests/test_valgrind.py). Without root or
+# chromium renders the HTML training report in a real browser (tests/e2e/test_observability.py); the multi-host tests
+# (tests/netns/test_multihost.py) need iproute2 (namespaces, veth, tc), nftables (packet loss) and openssh-server/client
+# (`ddlf up` over ssh), Spark's tests need a Java runtime, and valgrind checks the Rust kernels for out-of-bounds accesses (tests/unit/test_valgrind.py). Without root or
 # apt-get it says what is missing and goes on; the tests that need a tool skip outside CI and fail inside it.
 set -euo pipefail
 

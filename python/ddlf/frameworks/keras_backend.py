@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
-"""Keras backends in ddlf's order of preference when the user has not chosen, from ``python -m benchmarks
-backends`` (BENCHMARKS.md): in ddlf training TensorFlow is 2x faster than JAX on the paper's CNN, even on a
-transformer encoder and compiles fastest; JAX is next (faster on small dense and recurrent models)."""
+"""Keras backends in ddlf's order of preference when the user has not chosen: the order ``python -m benchmarks
+backends`` measures for ddlf training on CPU (the figures are in BENCHMARKS.md, *Keras backends on CPU*)."""
 
 
 def users_keras_backend() -> str | None:

@@ -109,7 +109,7 @@ def stepper_for(model: Any) -> Stepper:
 def steps_whole_rounds(model: Any) -> bool:
     """Whether model averaging's rounds should run through the model's :class:`Stepper` rather than
     ``train_on_batch``: for Keras on JAX or TensorFlow, whose ``train_on_batch`` writes every variable back and
-    waits for the step's logs after each batch (on a GPU it measured 2-3x slower per epoch than ``fit``); the
+    waits for the step's logs after each batch (slower per epoch than ``fit``: BENCHMARKS.md, *GPUs*); the
     stepper keeps the state in the framework for a whole round and reads the logs once. Other models (the torch
     backend, :class:`ddlf.TorchModel`, ``run_eagerly``) keep ``train_on_batch``."""
     if isinstance(model, TorchModel) or getattr(model, "optimizer", None) is None:
@@ -153,10 +153,9 @@ def local_mask(model: Any) -> list[bool]:
 
 GROUP_STEPS = 16
 """On TensorFlow, model averaging's rounds run up to this many whole steps in one ``tf.function`` call (as Keras's
-``steps_per_execution``): a small model's step costs less than the call into it (measured for a 100k-parameter MLP:
-2.6 ms a step one call each, 1.0 ms in calls of 16; the paper's CNN and a small transformer gain 3-8%). Not on JAX,
-whose calls are dispatched asynchronously: there the same loop (``lax.fori_loop`` or ``scan``) made the CNN's epoch
-8x slower on CPU and added seconds of compiling."""
+``steps_per_execution``): a small model's step costs less than the call into it (BENCHMARKS.md, *Small models*).
+Not on JAX, whose calls are dispatched asynchronously: there the same loop (``lax.fori_loop`` or ``scan``) made the
+CNN's epoch far slower on CPU and added seconds of compiling."""
 GROUP_BYTES = 8 << 20
 """...and only while the gathered batches of one call take at most this many bytes (large batches gain nothing)."""
 
