@@ -19,7 +19,7 @@ from ddlf.errors import NonFiniteUpdate, RemoteError
 
 from ..certs import make_certs
 from ..conftest import MNIST_DIR, Daemon, wait_until
-from .test_faults import FaultApp, _kill_at_round
+from .apps import FaultApp, _kill_at_round
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def test_sync_allreduce_with_half_precision_costs_what_the_master_exchange_does(
 
 
 def test_a_worker_with_nonfinite_weights_is_left_out_of_the_ring_average() -> None:
-    from .test_gradients import Nan
+    from .apps import Nan
 
     with ddlf.Cluster.local(2, threads=1) as c:
         app = Nan(c)

@@ -15,7 +15,7 @@ import ddlf
 from ddlf.frameworks.keras_backend import installed_keras_backend, installed_keras_backends
 
 from ..conftest import MNIST_DIR
-from .test_training import SmallMnist
+from .apps import SmallMnist
 
 MASTER = os.environ["KERAS_BACKEND"]  # this process's backend (tests/conftest.py sets the suite's)
 OTHER = next((b for b in installed_keras_backends() if b != MASTER), None)

@@ -13,7 +13,7 @@ import pytest
 import ddlf
 
 from ..conftest import MNIST_DIR, Daemon
-from .test_training import SmallMnist
+from .apps import SmallMnist
 
 
 def _corrupt(mode: str, reply: Any) -> Any:
@@ -74,7 +74,7 @@ def pair() -> Iterator[ddlf.Cluster]:
 
 
 @pytest.fixture(scope="module")
-def test_set() -> tuple[np.ndarray, np.ndarray]:
+def mnist_test_split() -> tuple[np.ndarray, np.ndarray]:
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
     return xt[:2000], yt[:2000]
 
@@ -84,7 +84,7 @@ def _refused(h: ddlf.History) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("mode", ["count", "shape", "dtype", "oversized", "nan", "inf", "samples", "lists", "garbage"])
-def test_a_bad_sync_reply_is_refused_and_training_goes_on(pair: ddlf.Cluster, test_set: Any, mode: str) -> None:
+def test_a_bad_sync_reply_is_refused_and_training_goes_on(pair: ddlf.Cluster, mnist_test_split: Any, mode: str) -> None:
     pair.call(_misbehave, (mode,), workers=[1])
     try:
         app = SmallMnist(pair)
@@ -98,7 +98,7 @@ def test_a_bad_sync_reply_is_refused_and_training_goes_on(pair: ddlf.Cluster, te
     assert {e["error"] for e in refused} == {want}
     # Only worker 0's replies were merged: finite weights that learned (worker 0 alone trains half the rows).
     assert all(np.isfinite(w).all() for w in app.model.get_weights())
-    assert app.evaluate(*test_set)[1] > 0.7
+    assert app.evaluate(*mnist_test_split)[1] > 0.7
     assert sum(s.samples for s in h.stats if s.worker == 0) > 0
     assert pair.run(lambda: "serving") == ["serving", "serving"]
 
@@ -117,7 +117,7 @@ def test_nonfinite_raise_stops_the_run(pair: ddlf.Cluster) -> None:
 
 
 @pytest.mark.parametrize("mode", ["shape", "nan"])
-def test_a_bad_async_reply_is_refused_too(pair: ddlf.Cluster, test_set: Any, mode: str) -> None:
+def test_a_bad_async_reply_is_refused_too(pair: ddlf.Cluster, mnist_test_split: Any, mode: str) -> None:
     pair.call(_misbehave, (mode,), workers=[1])
     try:
         app = SmallMnist(pair)
@@ -127,7 +127,7 @@ def test_a_bad_async_reply_is_refused_too(pair: ddlf.Cluster, test_set: Any, mod
         pair.call(_misbehave, (None,), workers=[1])
     assert _refused(h) and all(e["worker"] == 1 for e in _refused(h))
     assert all(np.isfinite(w).all() for w in app.model.get_weights())
-    assert app.evaluate(*test_set)[1] > 0.7
+    assert app.evaluate(*mnist_test_split)[1] > 0.7
 
 
 def test_a_well_behaved_run_refuses_nothing(pair: ddlf.Cluster) -> None:

@@ -21,13 +21,14 @@ import ddlf
 from ddlf.training import replica as remote
 
 from ..conftest import MNIST_DIR, REPO, Daemon
-from .test_training import SmallMnist
+from .apps import SmallMnist
 
 MASTER = textwrap.dedent(
     """
     import json, sys
     import ddlf
-    from tests.e2e.test_training import MNIST_DIR, SmallMnist
+    from tests.conftest import MNIST_DIR
+    from tests.e2e.apps import SmallMnist
 
     class OtherMnist(SmallMnist):  # another app with another dataset: the next 3,000 images
         dataset_key = "mnist-small-other"

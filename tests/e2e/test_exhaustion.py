@@ -19,7 +19,7 @@ from ddlf.errors import CheckpointError
 from ddlf.training import checkpoint
 
 from ..conftest import Daemon
-from .test_training import SmallMnist
+from .apps import SmallMnist
 
 
 @pytest.fixture

@@ -20,59 +20,17 @@ import ddlf
 from ddlf.training.callbacks import LambdaCallback
 
 from ..conftest import MNIST_DIR, REPO, Daemon, pid_alive, wait_until
-from .test_training import SmallMnist
-
-
-class FaultApp(SmallMnist):
-    """A small dense model with dropout (so random-generator state matters) on 6,000 MNIST images."""
-
-    dataset_key = "mnist-fault-test"
-    rows = 6000
-    learning_rate = 1e-3
-
-    def create_model(self):
-        import keras
-
-        model = keras.Sequential(
-            [
-                keras.Input(shape=(784,)),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dropout(0.2),
-                keras.layers.Dense(10, "softmax"),
-            ]
-        )
-        model.compile(
-            optimizer=keras.optimizers.Adam(self.learning_rate),
-            loss="sparse_categorical_crossentropy",
-            metrics=["accuracy"],
-        )
-        return model
+from .apps import FaultApp, _kill_at_round
 
 
 @pytest.fixture(scope="module")
-def test_set():
+def mnist_test_split():
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
     return xt[:5000], yt[:5000]
 
 
-def _kill_at_round(pid: int, at: int, sig: int = signal.SIGKILL) -> tuple[LambdaCallback, dict[str, float]]:
-    """A callback that sends ``sig`` to ``pid`` 50 ms after round ``at`` ends: in the middle of the next round."""
-    when: dict[str, float] = {}
-
-    def fire() -> None:
-        when["t"] = time.time()
-        os.kill(pid, sig)
-
-    def on_round_end(r: int, logs: dict) -> None:
-        if r == at and "armed" not in when:
-            when["armed"] = 1
-            threading.Timer(0.05, fire).start()
-
-    return LambdaCallback(on_round_end=on_round_end), when
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_kill_9_one_of_three_workers_mid_epoch(mode: str, test_set) -> None:
+def test_kill_9_one_of_three_workers_mid_epoch(mode: str, mnist_test_split) -> None:
     strategy = ddlf.Asynchronous(chunk=10) if mode == "async" else ddlf.ModelAveraging(every=10)
     kw = dict(epochs=5, batch_size=32, strategy=strategy, verbose=0, run=ddlf.RunConfig(seed=3))
     lr = 3e-3 if mode == "sync" else 1e-3
@@ -86,7 +44,7 @@ def test_kill_9_one_of_three_workers_mid_epoch(mode: str, test_set) -> None:
             undisturbed = FaultApp(c)
             undisturbed.learning_rate = lr
             undisturbed.train(**kw)
-            _, acc_ref = undisturbed.evaluate(*test_set)
+            _, acc_ref = undisturbed.evaluate(*mnist_test_split)
     with ddlf.Cluster.local(3, threads=1) as c:
         victim = c._local.pids()[2]
         app = FaultApp(c)
@@ -94,7 +52,7 @@ def test_kill_9_one_of_three_workers_mid_epoch(mode: str, test_set) -> None:
         cb, when = _kill_at_round(victim, 3)
         with pytest.warns(RuntimeWarning, match="worker 2 .* lost"):
             h = app.train(**kw, callbacks=[cb])
-        _, acc = app.evaluate(*test_set)
+        _, acc = app.evaluate(*mnist_test_split)
         assert len(h.history["loss"]) == 5  # training finished
         lost = [e for e in h.events if e["event"] == "lost"]
         assert [e["worker"] for e in lost] == [2]
@@ -117,7 +75,7 @@ def test_kill_9_one_of_three_workers_mid_epoch(mode: str, test_set) -> None:
             assert acc > 0.75  # it learned
 
 
-def test_a_stopped_worker_is_declared_lost_within_the_heartbeat_timeout(test_set) -> None:
+def test_a_stopped_worker_is_declared_lost_within_the_heartbeat_timeout(mnist_test_split) -> None:
     local = ddlf.cluster.local.LocalWorkers(3, threads=1)
     try:
         c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=1.5)
@@ -170,7 +128,7 @@ def test_a_restarted_daemon_is_reprovisioned_by_replay(tmp_path: Path) -> None:
             d2.stop()
 
 
-def test_a_killed_worker_restarted_mid_training_rejoins(test_set) -> None:
+def test_a_killed_worker_restarted_mid_training_rejoins(mnist_test_split) -> None:
     daemons = [Daemon("--threads", "1", token=None) for _ in range(2)]
     try:
         c = ddlf.Cluster([d.address for d in daemons], token=None)
@@ -277,7 +235,8 @@ def test_sync_resume_from_checkpoint_reaches_the_same_weights(cluster: ddlf.Clus
 MASTER_SCRIPT = """
 import sys, ddlf
 sys.path.insert(0, {repo!r})
-from tests.e2e.test_faults import FaultApp
+from tests.e2e.apps import FaultApp
+from .apps import FaultApp, _kill_at_round
 with ddlf.Cluster({addresses!r}, token=None) as c:
     h = FaultApp(c).train(epochs=4, batch_size=32, strategy=ddlf.ModelAveraging(every=5), verbose=0,
                           run=ddlf.RunConfig(checkpoint_dir={ckpt!r}, resume=True))

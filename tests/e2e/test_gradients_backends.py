@@ -13,7 +13,7 @@ from ..conftest import REPO
 
 SCRIPT = """
 import numpy as np, ddlf
-from tests.e2e.test_gradients import Linear, global_batches, one_process
+from tests.e2e.apps import Linear, global_batches, one_process
 with ddlf.Cluster.local(2, threads=1) as c:
     app = Linear(c)
     app.model = app.create_model()

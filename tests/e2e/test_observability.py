@@ -20,7 +20,7 @@ from scripts.chromium import find_chromium, screenshot
 import ddlf
 
 from ..conftest import MNIST_DIR, Daemon
-from .test_training import SmallMnist
+from .apps import SmallMnist
 
 PHASE_COLOURS = {"compute": (0x00, 0x9E, 0x73), "send": (0x00, 0x72, 0xB2)}
 
@@ -64,7 +64,11 @@ def test_report_is_self_contained_and_holds_the_run(trained) -> None:
     rounds = {(s.epoch, s.round, s.worker) for s in history.stats}
     assert len(rounds) == len(history.stats) == 2 * 5 * 2  # 1,500 rows per worker, 320 per round: 5 rounds
     assert text.count("class='seg compute'") == len(history.stats)
-    assert all(s.start > 0 and s.send_seconds > 0 and s.comm_seconds >= 0 for s in history.stats)
+    assert all(s.start > 0 and s.send_seconds > 0 for s in history.stats)
+    # Communication is the call's time less the worker's compute: measured (not all zero), and on loopback, for a
+    # small model's replies, far below a second.
+    assert any(s.comm_seconds > 0 for s in history.stats)
+    assert all(0 <= s.comm_seconds < 2.0 for s in history.stats), [s.comm_seconds for s in history.stats]
     # The numbers, embedded and beside it.
     embedded = re.search(r'<script type="application/json" id="ddlf-stats">(.*?)</script>', text, re.S)
     assert embedded is not None

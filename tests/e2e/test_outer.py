@@ -10,8 +10,7 @@ import pytest
 import ddlf
 from ddlf.training.callbacks import LambdaCallback
 
-from .test_faults import FaultApp
-from .test_gradients import Linear, Replicas
+from .apps import FaultApp, Linear, Replicas
 
 KW = {"epochs": 2, "batch_size": 32, "run": ddlf.RunConfig(seed=5), "verbose": 0}
 OUTER = ddlf.Nesterov(learning_rate=0.7, momentum=0.9)

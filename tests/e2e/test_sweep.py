@@ -15,7 +15,7 @@ import ddlf
 from ddlf.training.options import SLOW_WORKER_ENV
 
 from ..conftest import MNIST_DIR, Daemon
-from .test_training import SmallMnist
+from .apps import SmallMnist
 
 
 class Tunable(SmallMnist):

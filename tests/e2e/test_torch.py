@@ -12,7 +12,7 @@ from ddlf.frameworks import loading
 from ddlf.frameworks.torch_model import TorchModel
 
 from ..conftest import MNIST_DIR
-from .test_training import SmallMnist
+from .apps import SmallMnist
 
 torch = pytest.importorskip("torch")
 
@@ -32,7 +32,7 @@ class TorchMnist(SmallMnist):
 
 
 @pytest.fixture(scope="module")
-def test_set():
+def mnist_test_split():
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
     return xt[:2000], yt[:2000]
 
@@ -90,14 +90,16 @@ def test_train_on_batch_evaluate_and_optimizer_state(tmp_path) -> None:
     np.testing.assert_array_equal(fresh.get_weights()[2], m.get_weights()[2])
 
 
-def test_torch_model_trains_sync_deterministically_and_evaluates(cluster: ddlf.Cluster, test_set, tmp_path) -> None:
+def test_torch_model_trains_sync_deterministically_and_evaluates(
+    cluster: ddlf.Cluster, mnist_test_split, tmp_path
+) -> None:
     runs = []
     for _ in range(2):
         app = TorchMnist(cluster)
         h = app.train(
             epochs=3,
             batch_size=32,
-            validation_data=test_set,
+            validation_data=mnist_test_split,
             callbacks=[ddlf.callbacks.ModelCheckpoint(str(tmp_path / "torch-{epoch}.pt"), monitor="val_accuracy")],
             verbose=0,
             strategy=ddlf.ModelAveraging(every=20, optimizer_state=True),
@@ -106,7 +108,7 @@ def test_torch_model_trains_sync_deterministically_and_evaluates(cluster: ddlf.C
         runs.append(app.model.get_weights())
     assert set(h.history) >= {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert h.history["loss"][-1] < h.history["loss"][0]
-    _, acc = app.evaluate(*test_set)
+    _, acc = app.evaluate(*mnist_test_split)
     assert acc > 0.80
     assert h.history["val_accuracy"][-1] == pytest.approx(acc)
     for a, b in zip(*runs):  # same seed, same data: the same weights, dropout included
@@ -117,11 +119,11 @@ def test_torch_model_trains_sync_deterministically_and_evaluates(cluster: ddlf.C
     np.testing.assert_array_equal(saved.get_weights()[0], runs[1][0])
 
 
-def test_torch_model_trains_async(cluster: ddlf.Cluster, test_set) -> None:
+def test_torch_model_trains_async(cluster: ddlf.Cluster, mnist_test_split) -> None:
     app = TorchMnist(cluster)
     h = app.train(epochs=3, batch_size=32, verbose=0, strategy=ddlf.Asynchronous(chunk=5, staleness=ddlf.DynSGD()))
     assert len(h.history["loss"]) == 3
-    _, acc = app.evaluate(*test_set)
+    _, acc = app.evaluate(*mnist_test_split)
     assert acc > 0.75  # async runs are not bit-reproducible: the same margin as the Keras async test
     assert max(s.staleness for s in h.stats) >= 1
     assert sum(s.samples for s in h.stats) == 3 * 3000
@@ -206,7 +208,7 @@ class TorchLinear(ddlf.IApp):
 def test_torch_model_gradient_averaging_equals_one_process(bucket_cap_mb: float | None) -> None:
     """25 MB: one bucket, sent during backward; 1e-4 MB (100 bytes): a bucket per parameter or two, launched
     in order while backward runs; None: one buffer after backward. All the same descent as one process."""
-    from .test_gradients import global_batches
+    from .apps import global_batches
 
     with ddlf.Cluster.local(2, threads=1) as c:
         app = TorchLinear(c)

@@ -14,44 +14,24 @@ import ddlf
 from ddlf.training.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
 
 from ..conftest import MNIST_DIR
-
-
-class SmallMnist(ddlf.IApp):
-    """A small dense model on the first 3,000 MNIST images: seconds per epoch on two cores."""
-
-    dataset_key = "mnist-small-test"
-    rows = 3000
-
-    def load_dataset(self):
-        (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
-        return x[: self.rows], y[: self.rows]
-
-    def preprocess(self, x, y):
-        return x.reshape(len(x), -1).astype(np.float32) / 255.0, y
-
-    def create_model(self):
-        import keras
-
-        model = keras.Sequential(
-            [keras.Input(shape=(784,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, "softmax")]
-        )
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        return model
+from .apps import SmallMnist
 
 
 @pytest.fixture(scope="module")
-def test_set():
+def mnist_test_split():
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
     return xt[:2000], yt[:2000]
 
 
-def test_sync_training_learns_and_records_history(cluster: ddlf.Cluster, test_set) -> None:
+def test_sync_training_learns_and_records_history(cluster: ddlf.Cluster, mnist_test_split) -> None:
     app = SmallMnist(cluster)
-    h = app.train(epochs=3, batch_size=32, validation_data=test_set, verbose=0, strategy=ddlf.ModelAveraging(every=20))
+    h = app.train(
+        epochs=3, batch_size=32, validation_data=mnist_test_split, verbose=0, strategy=ddlf.ModelAveraging(every=20)
+    )
     assert set(h.history) >= {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert len(h.history["loss"]) == 3
     assert h.history["loss"][-1] < h.history["loss"][0]
-    _, acc = app.evaluate(*test_set)
+    _, acc = app.evaluate(*mnist_test_split)
     assert acc > 0.80
     # 1,500 rows per worker, 20 batches of 32 per round: 3 rounds per epoch, one stats row per worker per round.
     assert len(h.stats) == 3 * 3 * 2
@@ -79,10 +59,10 @@ def test_second_run_reuses_the_cached_dataset(cluster: ddlf.Cluster) -> None:
     assert all(i["load_seconds"] == 0.0 for i in h.params["setup"])
 
 
-def test_async_training_learns_and_reports_staleness(cluster: ddlf.Cluster, test_set) -> None:
+def test_async_training_learns_and_reports_staleness(cluster: ddlf.Cluster, mnist_test_split) -> None:
     app = SmallMnist(cluster)
     h = app.train(epochs=3, batch_size=32, verbose=0, strategy=ddlf.Asynchronous(chunk=5, staleness=ddlf.DynSGD()))
-    _, acc = app.evaluate(*test_set)
+    _, acc = app.evaluate(*mnist_test_split)
     assert acc > 0.75  # async runs are not bit-reproducible: a margin below the sync test's bar
     assert sum(s.samples for s in h.stats) == 3 * 3000
     assert {s.worker for s in h.stats} == {0, 1}
@@ -99,13 +79,13 @@ def test_async_max_staleness_drops_stale_deltas(cluster: ddlf.Cluster) -> None:
 
 
 @pytest.mark.parametrize("compression", ["float16", "bfloat16"])
-def test_compression_halves_bytes_back_at_equal_accuracy(cluster: ddlf.Cluster, test_set, compression) -> None:
+def test_compression_halves_bytes_back_at_equal_accuracy(cluster: ddlf.Cluster, mnist_test_split, compression) -> None:
     accuracy, received = {}, {}
     for c in (None, compression):
         app = SmallMnist(cluster)
         strategy = ddlf.ModelAveraging(every=20, exchange=ddlf.ThroughMaster(compression=c))
         h = app.train(epochs=2, batch_size=32, strategy=strategy, run=ddlf.RunConfig(seed=3), verbose=0)
-        accuracy[c] = app.evaluate(*test_set)[1]
+        accuracy[c] = app.evaluate(*mnist_test_split)[1]
         received[c] = h.stats[0].bytes_received
     assert received[compression] * 2 == received[None]
     assert accuracy[compression] > 0.7  # 2 epochs on 3,000 images
@@ -113,7 +93,7 @@ def test_compression_halves_bytes_back_at_equal_accuracy(cluster: ddlf.Cluster, 
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_topk_compression_with_error_feedback(cluster: ddlf.Cluster, test_set, mode) -> None:
+def test_topk_compression_with_error_feedback(cluster: ddlf.Cluster, mnist_test_split, mode) -> None:
     app = SmallMnist(cluster)
 
     def strategy(compression: ddlf.TopK | None) -> ddlf.ModelAveraging | ddlf.Asynchronous:
@@ -127,7 +107,7 @@ def test_topk_compression_with_error_feedback(cluster: ddlf.Cluster, test_set, m
     sent_back = np.mean([s.bytes_received for s in h.stats])
     dense = np.mean([s.bytes_received for s in plain.stats])
     assert 0.05 < sent_back / dense < 0.15
-    assert app.evaluate(*test_set)[1] > 0.7
+    assert app.evaluate(*mnist_test_split)[1] > 0.7
     with pytest.raises(ValueError, match=r"TopK\.ratio"):
         ddlf.TopK(2.0)
 
@@ -144,13 +124,13 @@ def test_optimizer_state_averaging_and_uneven_shares(cluster: ddlf.Cluster) -> N
     assert per_worker[0]["samples"] == 2250 and per_worker[1]["samples"] == 750
 
 
-def test_callbacks(cluster: ddlf.Cluster, test_set, tmp_path) -> None:
+def test_callbacks(cluster: ddlf.Cluster, mnist_test_split, tmp_path) -> None:
     seen = []
     stop = EarlyStopping(monitor="loss", patience=0, min_delta=10.0)
     ckpt = ModelCheckpoint(str(tmp_path / "e{epoch}.weights.h5"), monitor="val_accuracy")
     hook = LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append((epoch, round(logs["loss"], 6))))
     h = SmallMnist(cluster).train(
-        epochs=5, batch_size=64, validation_data=test_set, callbacks=[stop, ckpt, hook], verbose=0
+        epochs=5, batch_size=64, validation_data=mnist_test_split, callbacks=[stop, ckpt, hook], verbose=0
     )
     assert len(h.history["loss"]) == 2  # the second epoch did not improve by 10: stop
     assert [e for e, _ in seen] == [0, 1]
@@ -214,7 +194,7 @@ class ShardedMnist(SmallMnist):
         raise AssertionError("a sharded app never loads the whole dataset")
 
 
-def test_sharded_dataset_each_worker_holds_only_its_shard(cluster: ddlf.Cluster, test_set) -> None:
+def test_sharded_dataset_each_worker_holds_only_its_shard(cluster: ddlf.Cluster, mnist_test_split) -> None:
     app = ShardedMnist(cluster)
     h = app.train(epochs=3, batch_size=32, verbose=0, strategy=ddlf.ModelAveraging(every=20))
     held = cluster.datasets()
@@ -224,7 +204,7 @@ def test_sharded_dataset_each_worker_holds_only_its_shard(cluster: ddlf.Cluster,
     ]
     assert all(d["rows"] == 1500 for w in held for d in w if "sharded" in d["key"])
     assert sum(s.samples for s in h.stats) == 3 * 3000
-    assert app.evaluate(*test_set)[1] > 0.75
+    assert app.evaluate(*mnist_test_split)[1] > 0.75
 
 
 def test_sharded_dataset_rotation_and_seeded_mode(cluster: ddlf.Cluster) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 import ddlf
 
-from .test_training import SmallMnist
+from .apps import SmallMnist
 
 
 class DropoutMnist(SmallMnist):

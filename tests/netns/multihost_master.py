@@ -18,7 +18,8 @@ import threading
 import ddlf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.e2e.test_training import MNIST_DIR, SmallMnist
+from tests.conftest import MNIST_DIR
+from tests.e2e.apps import SmallMnist
 
 
 class HostsMnist(SmallMnist):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -170,12 +173,27 @@ def test_batch_pipeline_bad_inputs() -> None:
         ops.BatchPipeline([], [0], 1)
 
 
+def _threads() -> int:
+    """This process's OS threads (Rust's prefetch threads included, which ``threading`` does not see)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc to count threads")
 def test_batch_pipeline_dropped_early_releases_its_thread() -> None:
     x = np.zeros((100_000, 16), np.float32)
+    pl = ops.BatchPipeline([x], np.arange(100_000), 100, prefetch=2)
+    next(iter(pl))
+    del pl  # a first one: whatever pools it starts once stay
+    baseline = _threads()
     for _ in range(20):
         pl = ops.BatchPipeline([x], np.arange(100_000), 100, prefetch=2)
         next(iter(pl))
-        del pl  # the prefetch thread is blocked on a full queue: dropping must unblock and join it
+        assert _threads() > baseline  # its prefetch thread runs, blocked on a full queue
+        del pl  # dropping must unblock and join it
+    deadline = time.monotonic() + 10
+    while _threads() > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _threads() == baseline  # none of the 20 threads leaked
 
 
 def test_topk_and_densify() -> None:

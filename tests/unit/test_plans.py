@@ -68,7 +68,10 @@ def test_a_shard_plan_walks_each_shard_and_skips_lost_ones() -> None:
         for _w, part in plan.next_round([0, 1, 5]):  # worker 5 joined later: no shard of its own
             seen[part.shard] += part.indices.tolist()
     assert sorted(seen[0]) == list(range(20)) and sorted(seen[1]) == list(range(13))
-    assert plan.next_round([1]) == [] or all(w == 1 for w, _ in plan.next_round([1]))
+    # Worker 0 lost: only worker 1 is given rows, from the shard it holds, a round's worth (2 batches of 4).
+    fresh = ShardPlan([20, 13], cfg, epoch=0)
+    [(w, part)] = fresh.next_round([1])
+    assert w == 1 and part.shard == 1 and len(part.indices) == 8 and set(part.indices.tolist()) <= set(range(13))
 
 
 def test_chunks_cut_an_epoch() -> None:

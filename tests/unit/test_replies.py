@@ -28,7 +28,7 @@ def reply(**over: Any) -> dict[str, Any]:
 def test_a_good_reply_passes_with_its_payload() -> None:
     r = check_reply(3, reply(), LIKE, rows=64, compression=None)
     assert r.worker == 3 and r.samples == 64 and r.logs == {"loss": 0.3}
-    assert [a.shape for a in r.payload or []] == [(4, 3), (3,)]
+    assert [a.shape for a in r.payload] == [(4, 3), (3,)]
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_finite_check_has_no_false_alarm_on_huge_float64_values() -> None:
 def test_half_precision_deltas() -> None:
     half = [np.ones((4, 3), np.float16), np.ones(3, np.float16)]
     r = check_reply(0, reply(weights=half), LIKE, rows=64, compression="float16")
-    assert all(a.dtype == np.float32 for a in r.payload or [])
+    assert len(r.payload) == 2 and all(a.dtype == np.float32 for a in r.payload)
     with pytest.raises(BadWorkerReply, match="expected float16 or bfloat16"):
         check_reply(0, reply(), LIKE, rows=64, compression="float16")
     nan_half = [np.full((4, 3), np.nan, np.float16), np.ones(3, np.float16)]
@@ -98,7 +98,7 @@ def test_topk_pairs_are_checked_before_they_index_anything() -> None:
         return [(np.array(idx, dtype), v), (np.array([0], np.int64), np.ones(1, np.float32))]
 
     r = check_reply(0, reply(weights=pairs([0, 11])), LIKE, rows=64, compression="topk")
-    assert (r.payload or [])[0].reshape(-1)[11] == 1.0
+    assert len(r.payload) == 2 and r.payload[0].reshape(-1)[11] == 1.0
     for bad, match in [
         (pairs([0, 12]), "outside"),
         (pairs([-1]), "outside"),  # numpy would wrap it to the last element
