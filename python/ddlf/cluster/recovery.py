@@ -66,13 +66,17 @@ class ReplayLog:
         self.record("var", name, merged)
 
     def forget_on(self, name: str, addresses: set[str]) -> None:
-        """A variable deleted on some workers only."""
+        """A variable deleted on some workers only: those hold nothing under ``name`` any more (a marked
+        absence, which the value for every worker does not fill), the others keep what they hold."""
         entry = self.entries.get(("var", name))
-        kept = {a: e for a, e in entry.items() if a not in addresses} if isinstance(entry, dict) else None
-        if kept:
-            self.record("var", name, kept)
-        else:
+        if entry is None:
+            return
+        merged: dict[str | None, Any] = dict(entry) if isinstance(entry, dict) else {None: entry}
+        merged.update(dict.fromkeys(addresses))
+        if all(v is None for v in merged.values()):
             self.forget("var", name)
+        else:
+            self.record("var", name, merged)
 
     def forget(self, kind: str, name: str) -> None:
         self.entries.pop((kind, name), None)

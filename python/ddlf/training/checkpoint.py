@@ -15,6 +15,7 @@ checkpoint stays as it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
@@ -76,7 +77,8 @@ def save(
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)  # a partial file would hold the space the next write needs
+        with contextlib.suppress(OSError):  # absent, or its directory could not be made
+            tmp.unlink()  # a partial file would hold the space the next write needs
         previous = "the previous checkpoint there is intact" if final.exists() else "there is no earlier checkpoint"
         raise CheckpointError(
             exc.errno or 0,

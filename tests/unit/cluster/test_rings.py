@@ -1,0 +1,47 @@
+"""The master's ring plans (``ddlf.cluster.rings``) without daemons: what each member is told."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddlf.cluster.rings import RingPlan, host_of, shares_hosts
+
+
+def test_a_flat_ring_gives_each_member_its_rank_and_everyone_s_address() -> None:
+    plan = RingPlan((4, 1, 7), ("a:1", "b:1", "c:1"), timeout=30.0, liveness=5.0, group="g")
+    spec = plan.spec(1)
+    assert spec["rank"] == 1 and spec["addresses"] == ["a:1", "b:1", "c:1"] and spec["group"] == "g"
+    assert (spec["timeout"], spec["liveness"], spec["streams"]) == (30.0, 5.0, 1)
+    assert spec["tls_ca"] is None and "local_index" not in spec
+    with pytest.raises(ValueError):
+        plan.spec(2)  # not a member
+
+
+def test_a_hierarchical_ring_ranks_hosts_and_indexes_members_within_them() -> None:
+    plan = RingPlan((0, 1, 2, 3), ("h1:1", "h2:1", "h1:2", "h2:2"), hierarchical=True, tls=(b"CA", None))
+    assert plan.hosts() == [[0, 2], [1, 3]]  # hosts in order of first appearance
+    s2 = plan.spec(2)
+    assert s2["rank"] == 0 and s2["local_index"] == 1 and s2["local_addresses"] == ["h1:1", "h1:2"]
+    assert s2["addresses"] == ["h1:1", "h2:1"]  # the ring between hosts: each host's first member
+    assert s2["total"] == 4 and s2["tls_ca"] == b"CA" and s2["tls_domain"] is None
+    assert plan.spec(3)["rank"] == 1 and plan.spec(3)["local_index"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"workers": (), "addresses": ()}, "at least one worker"),
+        ({"workers": (0, 1), "addresses": ("a:1",)}, "one address per worker"),
+        ({"workers": (0,), "addresses": ("a:1",), "streams": 17}, "streams"),
+        ({"workers": (0,), "addresses": ("a:1",), "timeout": 0.5}, "timeout"),
+        ({"workers": (0,), "addresses": ("a:1",), "liveness": 0.0}, "liveness"),
+    ],
+)
+def test_a_plan_that_cannot_work_is_refused(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RingPlan(**kw)
+
+
+def test_hosts_are_the_host_part_of_addresses() -> None:
+    assert host_of("10.0.0.1:7070") == "10.0.0.1" and host_of("[::1]:7070") == "::1"  # brackets removed
+    assert shares_hosts(["a:1", "b:1", "a:2"]) and not shares_hosts(["a:1", "b:1"])
