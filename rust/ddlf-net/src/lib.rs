@@ -2,6 +2,7 @@
 //!
 //! * [`client`]: connect with a deadline, version handshake, calls with deadlines, ping/status/shutdown.
 //! * [`server`]: the configured tonic server builder, token authentication, listener.
+//! * [`preface`]: the one table of what a connection to a daemon may open with, and [`preface::judge`].
 //! * [`guard`]: admission control in front of a daemon's server (connection cap, handshake check, logging).
 //! * [`lane`]: direct lanes, calls framed on plain TCP and answered by the worker's interpreter thread itself.
 //! * [`stream`]: values cut into chunks for streamed calls, and read back (both ends).
@@ -17,6 +18,7 @@ pub mod error;
 pub mod guard;
 pub mod lane;
 pub mod pool;
+pub mod preface;
 pub mod refusal;
 pub mod server;
 pub mod stream;

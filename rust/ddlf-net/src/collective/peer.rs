@@ -31,9 +31,7 @@ use super::link::Link;
 use super::tls::PeerTls;
 
 use crate::guard::{Handover, Slot};
-
-/// The first bytes of a peer link, as long as the HTTP/2 preface (the admission check reads 24 bytes for all).
-pub const PEER_PREFACE: &[u8; 24] = b"DDLF peer link 1\r\n\r\n\r\n\r\n";
+use crate::preface::PEER_PREFACE;
 
 /// The daemon's answer: admitted.
 pub const ANSWER_OK: u8 = 0;

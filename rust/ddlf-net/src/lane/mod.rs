@@ -26,6 +26,7 @@ use ddlf_proto::{
 use tokio::io::AsyncWriteExt;
 
 use crate::error::NetError;
+use crate::preface::LANE_PREFACE;
 
 pub const MASTER_POLL: Duration = Duration::from_millis(50);
 
