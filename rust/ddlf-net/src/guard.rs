@@ -27,7 +27,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
-use crate::preface::{judge, needed, Admission, Refusal, H2_PREFACE, LANE_PREFACE, PEER_PREFACE};
+use crate::preface::{judge, needed, Admission, Rejection, H2_PREFACE, LANE_PREFACE, PEER_PREFACE};
 
 /// Limits of the admission check.
 #[derive(Clone, Debug)]
@@ -153,14 +153,14 @@ enum Arrival {
 async fn read_first(
     stream: &mut TcpStream,
     config: &GuardConfig,
-) -> Result<(Admission, Vec<u8>), Refusal> {
+) -> Result<(Admission, Vec<u8>), Rejection> {
     let mut want = needed(config.tls);
     let mut first = vec![0u8; H2_PREFACE.len().max(PEER_PREFACE.len())];
     let mut got = 0;
     let read = async {
         while got < want {
             match stream.read(&mut first[got..want]).await {
-                Ok(0) | Err(_) => return Err(Refusal::Closed),
+                Ok(0) | Err(_) => return Err(Rejection::Closed),
                 Ok(n) => got += n,
             }
             // Decide as early as the bytes allow: garbage need not wait for 24 bytes.
@@ -183,7 +183,7 @@ async fn read_first(
         judge(&first[..got], config.tls)
     };
     match tokio::time::timeout(config.handshake_timeout, read).await {
-        Err(_) => Err(Refusal::Silent(config.handshake_timeout)),
+        Err(_) => Err(Rejection::Silent(config.handshake_timeout)),
         Ok(Err(r)) => Err(r),
         Ok(Ok(a)) => {
             first.truncate(got);
@@ -197,7 +197,7 @@ async fn admit(
     peer: SocketAddr,
     config: &GuardConfig,
     slot: Slot,
-) -> Result<Arrival, Refusal> {
+) -> Result<Arrival, Rejection> {
     let (admission, first) = match read_first(&mut stream, config).await {
         Ok(x) => x,
         Err(reason) => {
@@ -262,7 +262,7 @@ pub fn guarded(
             let slot = Slot(stats.clone());
             if open > config.max_connections {
                 stats.refused.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%peer, reason = %Refusal::TooMany(open - 1), "connection refused");
+                tracing::warn!(%peer, reason = %Rejection::TooMany(open - 1), "connection refused");
                 continue; // dropping the stream closes it; dropping the slot frees it
             }
             let (tx, stats, config, handlers) =
@@ -278,14 +278,14 @@ pub fn guarded(
                         handlers.lanes.as_ref(),
                         "direct lane",
                         &stats,
-                        Refusal::LanesOff,
+                        Rejection::LanesOff,
                     ),
                     Ok(Arrival::Peer(link)) => hand_over(
                         link,
                         handlers.peers.as_ref(),
                         "peer link",
                         &stats,
-                        Refusal::PeersOff,
+                        Rejection::PeersOff,
                     ),
                     Err(reason) => {
                         // Counted by `admit` before the connection closed.
@@ -304,7 +304,7 @@ fn hand_over(
     to: Option<&mpsc::UnboundedSender<Handover>>,
     what: &str,
     stats: &ConnStats,
-    off: Refusal,
+    off: Rejection,
 ) {
     let peer = arrival.peer;
     match to {

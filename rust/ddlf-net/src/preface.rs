@@ -30,9 +30,10 @@ pub enum Admission {
     Peer,
 }
 
-/// Why a connection was refused, by [`judge`] or by the admission guard around it.
+/// Why a connection was rejected, by [`judge`] or by the admission guard around it (a connection, not a
+/// request: a daemon declining a request says so with the protocol's `Refusal` code instead).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refusal {
+pub enum Rejection {
     /// The connection limit was reached (this many were open).
     TooMany(u64),
     /// Nothing valid arrived within the handshake deadline.
@@ -53,31 +54,31 @@ pub enum Refusal {
     PeersOff,
 }
 
-impl std::fmt::Display for Refusal {
+impl std::fmt::Display for Rejection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Refusal::TooMany(n) => write!(f, "connection limit reached ({n} open)"),
-            Refusal::Silent(t) => write!(f, "sent nothing valid within {t:?} (half-open or idle)"),
-            Refusal::Closed => write!(f, "closed before sending a complete preface"),
-            Refusal::Http1 => write!(
+            Rejection::TooMany(n) => write!(f, "connection limit reached ({n} open)"),
+            Rejection::Silent(t) => write!(f, "sent nothing valid within {t:?} (half-open or idle)"),
+            Rejection::Closed => write!(f, "closed before sending a complete preface"),
+            Rejection::Http1 => write!(
                 f,
                 "an HTTP/1 request: this port speaks gRPC over HTTP/2 only"
             ),
-            Refusal::TlsOnPlain => write!(
+            Rejection::TlsOnPlain => write!(
                 f,
                 "a TLS handshake on a plaintext port (the master uses TLS, this daemon does not)"
             ),
-            Refusal::PlainOnTls => write!(
+            Rejection::PlainOnTls => write!(
                 f,
                 "plaintext on a TLS port (the master does not use TLS, this daemon does)"
             ),
-            Refusal::Garbage => write!(f, "not a gRPC connection (unrecognised bytes)"),
-            Refusal::LanesOff => write!(
+            Rejection::Garbage => write!(f, "not a gRPC connection (unrecognised bytes)"),
+            Rejection::LanesOff => write!(
                 f,
                 "a direct lane (ddlf's plaintext master connection), and this daemon serves none (a TLS \
                  daemon's master speaks gRPC)"
             ),
-            Refusal::PeersOff => write!(
+            Rejection::PeersOff => write!(
                 f,
                 "a peer link, and this daemon admits none"
             ),
@@ -85,18 +86,18 @@ impl std::fmt::Display for Refusal {
     }
 }
 
-/// Judge the first bytes of a connection: `Ok` admits it (saying what it speaks), `Err` says why it is refused.
-pub fn judge(first: &[u8], tls: bool) -> Result<Admission, Refusal> {
+/// Judge the first bytes of a connection: `Ok` admits it (saying what it speaks), `Err` says why it is rejected.
+pub fn judge(first: &[u8], tls: bool) -> Result<Admission, Rejection> {
     let is_tls_record = first.first() == Some(&0x16) && first.get(1) == Some(&0x03);
     if tls {
         if is_tls_record {
             return Ok(Admission::Grpc);
         }
         if H2_PREFACE.starts_with(first) || first.starts_with(H2_PREFACE) {
-            return Err(Refusal::PlainOnTls);
+            return Err(Rejection::PlainOnTls);
         }
         if first == &LANE_PREFACE[..first.len().min(LANE_PREFACE.len())] && !first.is_empty() {
-            return Err(Refusal::LanesOff);
+            return Err(Rejection::LanesOff);
         }
         // A peer link's preface comes in the clear, its TLS handshake after it.
         if first == PEER_PREFACE {
@@ -113,16 +114,16 @@ pub fn judge(first: &[u8], tls: bool) -> Result<Admission, Refusal> {
             return Ok(Admission::Peer);
         }
         if is_tls_record {
-            return Err(Refusal::TlsOnPlain);
+            return Err(Rejection::TlsOnPlain);
         }
     }
     const HTTP1: [&[u8]; 9] = [
         b"GET ", b"POST", b"PUT ", b"HEAD", b"DELE", b"OPTI", b"PATC", b"CONN", b"TRAC",
     ];
     if HTTP1.iter().any(|m| first.starts_with(m)) {
-        return Err(Refusal::Http1);
+        return Err(Rejection::Http1);
     }
-    Err(Refusal::Garbage)
+    Err(Rejection::Garbage)
 }
 
 /// Bytes needed before [`judge`] can decide.
@@ -145,15 +146,18 @@ mod tests {
         assert_eq!(judge(PEER_PREFACE, false), Ok(Admission::Peer));
         // A TLS daemon admits peer links (their TLS handshake follows the preface), never lanes.
         assert_eq!(judge(PEER_PREFACE, true), Ok(Admission::Peer));
-        assert_eq!(judge(LANE_PREFACE, true), Err(Refusal::LanesOff));
-        assert_eq!(judge(&LANE_PREFACE[..6], true), Err(Refusal::LanesOff));
-        assert_eq!(judge(&LANE_PREFACE[..10], false), Err(Refusal::Garbage));
-        assert_eq!(judge(b"GET / HTTP/1.1\r\n", false), Err(Refusal::Http1));
-        assert_eq!(judge(&[0x16, 0x03, 0x01], false), Err(Refusal::TlsOnPlain));
+        assert_eq!(judge(LANE_PREFACE, true), Err(Rejection::LanesOff));
+        assert_eq!(judge(&LANE_PREFACE[..6], true), Err(Rejection::LanesOff));
+        assert_eq!(judge(&LANE_PREFACE[..10], false), Err(Rejection::Garbage));
+        assert_eq!(judge(b"GET / HTTP/1.1\r\n", false), Err(Rejection::Http1));
+        assert_eq!(
+            judge(&[0x16, 0x03, 0x01], false),
+            Err(Rejection::TlsOnPlain)
+        );
         assert_eq!(judge(&[0x16, 0x03, 0x01], true), Ok(Admission::Grpc));
-        assert_eq!(judge(&H2_PREFACE[..3], true), Err(Refusal::PlainOnTls));
-        assert_eq!(judge(b"\x00\xffjunk", false), Err(Refusal::Garbage));
-        assert_eq!(judge(b"", false), Err(Refusal::Garbage));
+        assert_eq!(judge(&H2_PREFACE[..3], true), Err(Rejection::PlainOnTls));
+        assert_eq!(judge(b"\x00\xffjunk", false), Err(Rejection::Garbage));
+        assert_eq!(judge(b"", false), Err(Rejection::Garbage));
     }
 
     #[test]
@@ -164,17 +168,17 @@ mod tests {
     }
 
     #[test]
-    fn refusals_read_as_sentences() {
+    fn rejections_read_as_sentences() {
         for r in [
-            Refusal::TooMany(3),
-            Refusal::Silent(Duration::from_secs(1)),
-            Refusal::Closed,
-            Refusal::Http1,
-            Refusal::TlsOnPlain,
-            Refusal::PlainOnTls,
-            Refusal::Garbage,
-            Refusal::LanesOff,
-            Refusal::PeersOff,
+            Rejection::TooMany(3),
+            Rejection::Silent(Duration::from_secs(1)),
+            Rejection::Closed,
+            Rejection::Http1,
+            Rejection::TlsOnPlain,
+            Rejection::PlainOnTls,
+            Rejection::Garbage,
+            Rejection::LanesOff,
+            Rejection::PeersOff,
         ] {
             assert!(r.to_string().len() > 10, "{r:?}");
         }
