@@ -9,11 +9,9 @@
 //! * [`pool`]: [`Pool`], the master's connections to all its workers and the dispatch policy (lane or gRPC,
 //!   shared memory, liveness while waiting, typed [`pool::Outcome`]s).
 //! * [`refusal`]: a daemon's refusal codes on gRPC statuses.
-//! * [`collective`]: workers' ring all-reduce among themselves (peer links, the ring, its errors).
 //! * [`error`]: [`NetError`], what can go wrong talking to a worker, always naming its address.
 
 pub mod client;
-pub mod collective;
 pub mod error;
 pub mod guard;
 pub mod lane;

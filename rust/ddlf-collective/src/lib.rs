@@ -1,15 +1,23 @@
-//! Workers reducing among themselves: ring all-reduce over direct worker-to-worker links.
+//! ddlf's collective: workers reducing among themselves, ring all-reduce over direct worker-to-worker links.
 //!
 //! * [`ring`]: the algorithm (reduce-scatter then all-gather, pipelined on non-blocking sockets), over any two
 //!   connected links.
 //! * [`peer`]: opening a link to another worker's daemon (token checked before anything is decoded), and the
 //!   mailbox where a daemon leaves the links it admitted for this process's ring.
+//! * [`link`]: one end of a peer link, plaintext or TLS, for the ring's non-blocking I/O; [`tls`]: the TLS
+//!   configurations of both ends.
+//! * [`node`]: a hierarchical ring's local stage, the members on one host reducing through shared memory.
 //! * [`Ring`]: one rank's membership in a ring: its spec, its links (opened on first use and kept for the
 //!   following reductions), and errors that name the neighbour at fault.
 //!
 //! A ring that fails once is spent: its links are closed (so both neighbours fail at once instead of waiting for
 //! their stall timeout, and the failure travels around the ring in a few round trips) and every later call
 //! refuses. Whoever formed it (the master) forms a new one, with a new group id, from the ranks still alive.
+//!
+//! The crate sits beside the master's side of `ddlf-net`, on top of it: a daemon's admission guard
+//! (`ddlf_net::guard`) recognises a peer link by its preface (`ddlf_net::preface::PEER_PREFACE`) and hands it
+//! over, the daemon (`ddlf-worker`) passes it to [`peer::welcome`], and Python's `ddlf._ddlf.Ring` (`ddlf-py`)
+//! drives a [`Ring`] on the worker's interpreter thread. `ddlf-net` knows nothing of this crate.
 
 pub mod link;
 pub mod node;
@@ -22,8 +30,8 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use ddlf_core::auth::Token;
+use ddlf_net::guard::Slot;
 
-use crate::guard::Slot;
 pub use link::Link;
 pub use node::LocalSpec;
 pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Plain, RingError, Side, Watch};

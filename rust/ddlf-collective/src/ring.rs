@@ -27,7 +27,7 @@ use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-pub use super::link::Link;
+pub use crate::link::Link;
 
 /// What one reduction does with the summed values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

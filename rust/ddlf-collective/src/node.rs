@@ -16,7 +16,7 @@
 //!
 //! Every member ends with the same bits (it copies the same result; the local sum runs in slot order). A barrier
 //! waits while it may (the ring's `timeout`: a member may still be computing), probing the daemon of a member
-//! it waits on every quarter of the liveness bound ([`super::peer::probe`]): a member whose process died or
+//! it waits on every quarter of the liveness bound ([`crate::peer::probe`]): a member whose process died or
 //! stopped fails the call on every member within that bound. Any member that fails marks the control file failed with
 //! its reason, and the others stop at once; the node is then spent, as a ring is.
 
@@ -32,10 +32,10 @@ use std::time::{Duration, Instant};
 use ddlf_core::auth::Token;
 use memmap2::{MmapMut, MmapOptions};
 
-use super::peer;
-use super::ring::{Elem, Op};
-use super::tls::PeerTls;
-use super::CollectiveError;
+use crate::peer;
+use crate::ring::{Elem, Op};
+use crate::tls::PeerTls;
+use crate::CollectiveError;
 
 /// One member's place in its host's group.
 #[derive(Clone, Debug)]
@@ -376,7 +376,7 @@ impl Node {
         self.segments[current].unlink();
         // 2. This member's chunk of the sum.
         let seg = &self.segments[current];
-        let mine = super::ring::chunk(len, k, j);
+        let mine = crate::ring::chunk(len, k, j);
         let result = seg.region::<T>(k);
         // SAFETY: the result region holds `len` elements (checked by `region`); this member writes only its own
         // chunk of it (chunks of different members are disjoint), and nobody reads it before the next barrier.

@@ -2,13 +2,13 @@
 //!
 //! A peer link is a TCP connection to the other daemon's own port. It opens with [`PEER_PREFACE`] (which
 //! the admission guard recognises beside HTTP/2 and lanes), then, on a cluster that uses TLS, a TLS handshake
-//! (the daemon's own certificate, checked against the master's authority: [`super::tls`]) inside which
+//! (the daemon's own certificate, checked against the master's authority: [`crate::tls`]) inside which
 //! everything else travels, then the cluster token, length-prefixed. The daemon
 //! compares the token in constant time **before reading anything else**: a connection without it is answered
 //! [`ANSWER_UNAUTHENTICATED`] and closed, its remaining bytes never decoded. Only then come the fixed-size ring
 //! fields (group, the receiving rank, stream index) and the daemon answers [`ANSWER_OK`].
 //!
-//! Admitted links wait in this process's [`mailbox`] until the receiving rank's [`super::Ring`] takes them (the
+//! Admitted links wait in this process's [`mailbox`] until the receiving rank's [`crate::Ring`] takes them (the
 //! ring runs on the interpreter thread, the daemon accepts on its network runtime, and both are in one process).
 //! Links nobody takes are dropped after [`MAILBOX_TTL`].
 //!
@@ -25,13 +25,12 @@ use std::sync::{Arc, Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::Token;
+use ddlf_net::guard::{Handover, Slot};
+use ddlf_net::preface::PEER_PREFACE;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::link::Link;
-use super::tls::PeerTls;
-
-use crate::guard::{Handover, Slot};
-use crate::preface::PEER_PREFACE;
+use crate::link::Link;
+use crate::tls::PeerTls;
 
 /// The daemon's answer: admitted.
 pub const ANSWER_OK: u8 = 0;
