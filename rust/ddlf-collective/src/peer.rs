@@ -46,8 +46,11 @@ pub const MAILBOX_TTL: Duration = Duration::from_secs(300);
 /// Which link: the ring (group), the rank it goes to, and which of that rank's parallel streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LinkKey {
+    /// The ring's group id.
     pub group: u128,
+    /// The rank the link goes to (its left link), or [`PROBE_RANK`].
     pub to_rank: u32,
+    /// Which of the parallel streams.
     pub stream: u32,
 }
 
@@ -77,10 +80,13 @@ impl LinkKey {
 /// What opening a link to the right neighbour can end in (besides I/O errors).
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
+    /// Connecting, writing the hello or reading the answer failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// The daemon answered, but not with [`ANSWER_OK`] (a wrong token, a TLS mismatch, ...).
     #[error("refused the link: {0}")]
     Refused(&'static str),
+    /// The TLS handshake failed (the certificate, its name, the authority).
     #[error("TLS: {0}")]
     Tls(String),
 }

@@ -53,7 +53,9 @@ impl Default for GuardConfig {
 /// Connection counters, shared with the daemon's status.
 #[derive(Debug, Default)]
 pub struct ConnStats {
+    /// Connections open now (admitted or still being judged).
     pub open: AtomicU64,
+    /// Connections rejected since the daemon started.
     pub refused: AtomicU64,
 }
 
@@ -136,7 +138,9 @@ impl AsyncWrite for Admitted {
 /// hello).
 #[derive(Debug)]
 pub struct Handover {
+    /// The socket, its preface read.
     pub stream: TcpStream,
+    /// The other end's address.
     pub peer: SocketAddr,
     /// Keep it as long as the lane is open: the lane counts against the connection limit.
     pub slot: Slot,
@@ -228,7 +232,9 @@ async fn admit(
 /// Where a daemon's non-gRPC connections go; `None` refuses that kind.
 #[derive(Clone, Default)]
 pub struct Handlers {
+    /// Where direct lanes go.
     pub lanes: Option<mpsc::UnboundedSender<Handover>>,
+    /// Where peer links go.
     pub peers: Option<mpsc::UnboundedSender<Handover>>,
 }
 

@@ -11,6 +11,8 @@
 //! * [`refusal`]: a daemon's refusal codes on gRPC statuses.
 //! * [`error`]: [`NetError`], what can go wrong talking to a worker, always naming its address.
 
+#![deny(missing_docs)]
+
 pub mod client;
 pub mod error;
 pub mod guard;

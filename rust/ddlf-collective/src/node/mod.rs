@@ -78,6 +78,7 @@ pub struct Node {
 const KEEP_SEGMENTS: usize = 4;
 
 impl Node {
+    /// Check `spec` and resolve the members' addresses; the shared-memory files are made on the first call.
     pub fn new(
         group: u128,
         spec: LocalSpec,

@@ -7,7 +7,9 @@ pub trait Elem: bytemuck::Pod + Send + Sync {
     const CODE: u32;
     /// Name in error messages.
     const NAME: &'static str;
+    /// `self + other`.
     fn add(self, other: Self) -> Self;
+    /// `self * by` (a mean divides by the rank count).
     fn scale(self, by: f64) -> Self;
 }
 

@@ -59,31 +59,57 @@ pub enum Op {
 /// Why one ring pass failed. The caller knows the neighbours' ranks and addresses and names them.
 #[derive(Debug, thiserror::Error)]
 pub enum RingError {
+    /// A link's socket failed.
     #[error("the link to the {side} neighbour failed: {source}")]
-    Io { side: Side, source: io::Error },
+    Io {
+        /// Which link.
+        side: Side,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// A neighbour closed its link (its process ended, or its ring failed).
     #[error("the {side} neighbour closed the link")]
-    Closed { side: Side },
+    Closed {
+        /// Which neighbour.
+        side: Side,
+    },
+    /// Nothing moved for [`Watch::stall`].
     #[error("the {side} neighbour made no progress for {after:?} (stopped, or its link is down)")]
-    Stalled { side: Side, after: Duration },
+    Stalled {
+        /// The neighbour waited on.
+        side: Side,
+        /// How long nothing moved.
+        after: Duration,
+    },
     #[error(
         "the {side} neighbour made no progress for {after:?} and its daemon did not answer a liveness probe \
          ({reason}): its process is stopped or its host unreachable"
     )]
+    /// Nothing moved, and the neighbour's daemon failed a liveness probe.
     Unresponsive {
+        /// The neighbour waited on.
         side: Side,
+        /// How long nothing had moved.
         after: Duration,
+        /// Why the probe failed.
         reason: String,
     },
     #[error(
         "the left neighbour reduces {their_len} {their_type} elements and this rank {our_len} {our_type}: \
          every rank must pass arrays of the same dtypes and sizes, with the same wire precision"
     )]
+    /// The left neighbour's call header names other elements than this rank's.
     Mismatch {
+        /// The neighbour's element count.
         their_len: u64,
+        /// The neighbour's element and wire type.
         their_type: String,
+        /// This rank's element count.
         our_len: u64,
+        /// This rank's element and wire type.
         our_type: String,
     },
+    /// The left neighbour's call header is not a ring's.
     #[error("the left neighbour sent an unreadable header (not a ddlf ring)")]
     BadHeader,
 }
@@ -91,7 +117,9 @@ pub enum RingError {
 /// Which neighbour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
+    /// The rank before this one: data comes in from it.
     Left,
+    /// The rank after this one: data goes out to it.
     Right,
 }
 
@@ -107,7 +135,9 @@ impl std::fmt::Display for Side {
 /// One rank's two links in one ring: data comes in from the left, goes out to the right. Both non-blocking.
 #[derive(Debug)]
 pub struct Links {
+    /// From the left neighbour (this rank reads it).
     pub left: Link,
+    /// To the right neighbour (this rank writes it).
     pub right: Link,
 }
 

@@ -24,8 +24,11 @@ pub type Probe<'a> = &'a (dyn Fn(Side) -> Result<(), String> + Sync);
 /// pass calls `probe` for the neighbour it waits on; a probe that fails ends the pass at once.
 #[derive(Clone, Copy)]
 pub struct Watch<'a> {
+    /// How long a pass may make no progress.
     pub stall: Duration,
+    /// How long without progress before the first probe, and between probes.
     pub probe_every: Duration,
+    /// Asks a neighbour's daemon whether its process still answers; `None`: never probe.
     pub probe: Option<Probe<'a>>,
 }
 

@@ -39,14 +39,19 @@ const COALESCE: usize = 64 << 10;
 /// What can go wrong on a lane.
 #[derive(Debug, thiserror::Error)]
 pub enum LaneError {
+    /// The socket failed (or a wait gave up: the caller's `on_wait` error).
     #[error("{0}")]
     Io(#[from] io::Error),
+    /// The connection ended where a frame was expected.
     #[error("closed by the other end")]
     Closed,
+    /// A frame's message part is over [`MAX_MESSAGE`].
     #[error("a frame message of {0} bytes exceeds the limit of {MAX_MESSAGE} bytes")]
     MessageTooLarge(usize),
+    /// A frame's message part is not a valid protobuf message.
     #[error("undecodable frame: {0}")]
     Decode(#[from] prost::DecodeError),
+    /// A frame's declared parts break the size limits (checked before anything is allocated).
     #[error("{0}")]
     Limits(#[from] FrameError),
 }

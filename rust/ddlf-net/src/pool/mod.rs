@@ -52,22 +52,38 @@ pub type PerWorker<T> = Vec<Result<T, NetError>>;
 /// What went wrong with a pool operation as a whole (a worker's own failure is an [`Outcome::Failed`]).
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
+    /// A pool needs at least one address.
     #[error("a cluster needs at least one worker address")]
     NoWorkers,
+    /// A target index past the last worker.
     #[error("worker index {index} out of range: the cluster has {len} workers")]
-    NoSuchWorker { index: usize, len: usize },
+    NoSuchWorker {
+        /// The index asked for.
+        index: usize,
+        /// Workers in the pool.
+        len: usize,
+    },
+    /// A call whose values do not match its targets.
     #[error("{values} values for {targets} workers")]
-    ValueCount { values: usize, targets: usize },
+    ValueCount {
+        /// Values given.
+        values: usize,
+        /// Targets given.
+        targets: usize,
+    },
     /// Connecting to worker `index` failed.
     #[error("{source}")]
     Connect {
+        /// The worker's index.
         index: usize,
+        /// Why.
         #[source]
         source: NetError,
     },
     /// The caller's [`Interrupt`] ended the wait: whether the workers ran the request is unknown.
     #[error("interrupted")]
     Interrupted,
+    /// The pool's tokio runtime could not start.
     #[error("cannot start the client runtime: {0}")]
     Runtime(io::Error),
 }
@@ -79,9 +95,13 @@ pub enum Outcome {
     Reply(Value),
     /// It ran and raised, or could not run it (unknown name, undecodable value): the worker keeps serving.
     Remote {
+        /// Which kind of failure (user code raised, an unknown name, an undecodable request, ...).
         kind: ErrorKind,
+        /// The exception's class name.
         type_name: String,
+        /// The exception's message.
         message: String,
+        /// The worker's formatted traceback.
         traceback: String,
     },
     /// The request or its reply failed on the way (worker unreachable, deadline, refusal).
@@ -93,11 +113,13 @@ pub enum Outcome {
 pub struct Answer {
     /// The worker's index in the pool.
     pub worker: usize,
+    /// What the worker made of the call.
     pub outcome: Outcome,
     /// Seconds the worker's interpreter spent on it (0 when it did not answer).
     pub worker_seconds: f64,
     /// Seconds from sending the request to having the whole reply.
     pub call_seconds: f64,
+    /// The request's id, in the worker's log lines about it.
     pub request_id: u64,
 }
 
@@ -149,6 +171,7 @@ impl Answer {
 pub struct Call {
     /// The operation code (`ddlf_proto::Op`); a code the daemon does not know is refused by it, not here.
     pub op: i32,
+    /// The function or variable the call names.
     pub name: String,
     /// Content hash of the function the master expects `name` to be (run, add function).
     pub digest: String,
