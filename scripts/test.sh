@@ -39,7 +39,7 @@ section "types"
 
 section "cargo test"
 # ddlf-py is the extension module (linked against the interpreter at import time): it is exercised by pytest. The
-# master's dispatch policy (ddlf_net::pool) has its loopback tests here.
+# master's dispatch policy (ddlf_net::pool) and the workers' ring (ddlf_collective) have their loopback tests here.
 cargo test --workspace --exclude ddlf-py
 
 section "pytest: unit"

@@ -160,7 +160,7 @@ def test_a_peer_link_with_a_wrong_token_is_refused_and_the_worker_keeps_serving(
 
 
 def test_tls_clusters_allreduce_and_train_over_tls_peer_links(tmp_path) -> None:
-    """On TLS daemons (which admit only TLS peer links: see ``rust/ddlf-net/tests/collective.rs``) the ring runs
+    """On TLS daemons (which admit only TLS peer links: see ``rust/ddlf-collective/tests/collective.rs``) the ring runs
     inside TLS, checked against the master's authority, and learns what the master exchange learns."""
     from ddlf.training.exchange import resolve
 

@@ -12,9 +12,13 @@ use crate::{kernels, parallel};
 /// The elements of one array.
 #[derive(Clone, Copy, Debug)]
 pub enum Data<'a> {
+    /// float32 elements.
     F32(&'a [f32]),
+    /// float64 elements.
     F64(&'a [f64]),
+    /// IEEE float16 elements.
     F16(&'a [f16]),
+    /// bfloat16 elements.
     Bf16(&'a [bf16]),
     /// 16-bit words of unknown meaning (bfloat16 bits viewed as uint16 when not marked as such).
     U16(&'a [u16]),
@@ -32,6 +36,7 @@ impl Data<'_> {
         }
     }
 
+    /// The number of elements.
     pub fn len(&self) -> usize {
         match self {
             Data::F32(x) => x.len(),
@@ -42,6 +47,7 @@ impl Data<'_> {
         }
     }
 
+    /// Whether there are no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -50,23 +56,31 @@ impl Data<'_> {
 /// One array of a weight list: its elements and its shape.
 #[derive(Clone, Copy, Debug)]
 pub struct ArrayRef<'a> {
+    /// The elements, in C order.
     pub data: Data<'a>,
+    /// The dimensions (their product is the element count).
     pub shape: &'a [usize],
 }
 
 /// A kernel's result: new elements.
 #[derive(Debug, PartialEq)]
 pub enum Owned {
+    /// float32 elements.
     F32(Vec<f32>),
+    /// float64 elements.
     F64(Vec<f64>),
+    /// IEEE float16 elements.
     F16(Vec<f16>),
+    /// bfloat16 elements.
     Bf16(Vec<bf16>),
 }
 
 /// A kernel's result array, shaped like its input.
 #[derive(Debug, PartialEq)]
 pub struct Array {
+    /// The elements, in C order.
     pub data: Owned,
+    /// The dimensions, the input's.
     pub shape: Vec<usize>,
 }
 

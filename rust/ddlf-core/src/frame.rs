@@ -29,18 +29,37 @@ impl Default for FrameLimits {
 /// What can be wrong with a stream.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FrameError {
+    /// No part declared, not even the pickle.
     #[error("a value needs at least the pickle part")]
     NoParts,
+    /// More parts declared (first) than the limit allows (second).
     #[error("{0} parts declared, at most {1} allowed")]
     TooManyParts(usize, usize),
+    /// The declared part sizes do not add up in 64 bits.
     #[error("declared size overflows")]
     Overflow,
+    /// The declared size is over the limit.
     #[error("declared size {declared} bytes exceeds the limit of {limit} bytes")]
-    TooLarge { declared: u64, limit: u64 },
+    TooLarge {
+        /// Bytes declared.
+        declared: u64,
+        /// Bytes allowed.
+        limit: u64,
+    },
+    /// More bytes arrived than were declared.
     #[error("stream carries more bytes than the {declared} declared")]
-    Excess { declared: u64 },
+    Excess {
+        /// Bytes declared.
+        declared: u64,
+    },
+    /// The stream ended before the declared bytes arrived.
     #[error("stream ended after {received} of {declared} declared bytes")]
-    Truncated { received: u64, declared: u64 },
+    Truncated {
+        /// Bytes that arrived.
+        received: u64,
+        /// Bytes declared.
+        declared: u64,
+    },
 }
 
 /// Builds a value from the chunks of a stream.

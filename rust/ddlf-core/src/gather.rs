@@ -3,10 +3,22 @@
 /// Errors of a gather request.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum GatherError {
+    /// An index past the last row.
     #[error("index {index} out of range for {rows} rows")]
-    OutOfRange { index: u64, rows: usize },
+    OutOfRange {
+        /// The index asked for.
+        index: u64,
+        /// Rows in the source.
+        rows: usize,
+    },
+    /// The source is not a whole number of rows.
     #[error("source of {src} bytes is not a whole number of {row_bytes}-byte rows")]
-    Ragged { src: usize, row_bytes: usize },
+    Ragged {
+        /// Bytes in the source.
+        src: usize,
+        /// Bytes per row.
+        row_bytes: usize,
+    },
 }
 
 /// Rows `indices` of `src` (rows of `row_bytes` bytes), in order, in a new vector that is never zero-filled

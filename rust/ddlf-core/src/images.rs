@@ -20,7 +20,9 @@ thread_local! {
 /// How every image of a dataset comes out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ImageSpec {
+    /// Rows of pixels after resizing.
     pub height: usize,
+    /// Columns of pixels after resizing.
     pub width: usize,
     /// 1 (grayscale) or 3 (RGB).
     pub channels: usize,
@@ -68,16 +70,28 @@ impl ImageSpec {
 /// Why an image could not be made.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ImageError {
+    /// An unusable [`ImageSpec`].
     #[error("{0}")]
     Spec(String),
+    /// Offsets that do not cut the data into images.
     #[error("offsets: {0}")]
     Offsets(String),
+    /// A row past the last image.
     #[error("row {row} is out of range for {rows} images")]
-    OutOfRange { row: u64, rows: usize },
+    OutOfRange {
+        /// The row asked for.
+        row: u64,
+        /// Images in the dataset.
+        rows: usize,
+    },
+    /// An image whose bytes are no JPEG or PNG this decoder reads.
     #[error("image at row {row} ({bytes} bytes) could not be decoded: {reason}")]
     Decode {
+        /// The image's row.
         row: u64,
+        /// Its encoded size.
         bytes: usize,
+        /// The decoder's message.
         reason: String,
     },
 }

@@ -8,19 +8,26 @@ use half::{bf16, f16};
 /// Errors of kernel arguments.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum KernelError {
+    /// Two arrays of different element counts.
     #[error("length mismatch: {0} vs {1} elements")]
     Length(usize, usize),
+    /// Weights that cannot be normalized.
     #[error("weights must be finite, non-negative and not all zero")]
     Weights,
+    /// No input arrays.
     #[error("nothing to average")]
     Empty,
 }
 
 /// Element type of a kernel: f32 or f64.
 pub trait Float: Copy + Send + Sync + 'static {
+    /// `v` rounded to this type.
     fn from_f64(v: f64) -> Self;
+    /// `acc + x * w`.
     fn mul_add_acc(acc: Self, x: Self, w: Self) -> Self;
+    /// `a - b`.
     fn sub(a: Self, b: Self) -> Self;
+    /// Zero.
     fn zero() -> Self;
 }
 

@@ -15,6 +15,8 @@
 //! * [`parallel`]: the merge kernels split across threads for large arrays.
 //! * [`memory`]: the allocator policy that keeps large transfer buffers' pages mapped between transfers.
 
+#![deny(missing_docs)]
+
 pub mod advice;
 pub mod arrays;
 pub mod auth;

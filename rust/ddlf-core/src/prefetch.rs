@@ -125,7 +125,9 @@ impl EncodedRows {
 
 /// What a batch is made from: rows of an array copied as they are, or encoded images decoded.
 pub enum Source {
+    /// Fixed-size rows, copied as they are.
     Rows(Rows),
+    /// Encoded images, decoded (and resized, maybe flipped) into fixed-size rows.
     Images(EncodedRows),
 }
 
@@ -174,18 +176,24 @@ impl Source {
 /// One gathered batch: a buffer per array, its row count, and the seconds the gather took.
 #[derive(Debug)]
 pub struct Batch {
+    /// One buffer per source, `rows` rows each.
     pub buffers: Vec<Vec<u8>>,
+    /// Rows in the batch (the last batch may have fewer than the batch size).
     pub rows: usize,
+    /// Seconds the prefetch thread spent gathering it.
     pub gather_seconds: f64,
 }
 
 /// Why no batch came.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PrefetchError {
+    /// Gathering or decoding the batch failed.
     #[error("{0}")]
     Gather(String),
+    /// The prefetch thread is gone: every batch was served, or it was stopped.
     #[error("the prefetch thread stopped")]
     Stopped,
+    /// No batch was ready within the wait.
     #[error("no batch within {0:?}")]
     Timeout(Duration),
 }

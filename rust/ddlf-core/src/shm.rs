@@ -24,20 +24,35 @@ pub const ALIGN: u64 = 64;
 /// What can go wrong with a shared-memory file.
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
+    /// A name that is not ddlf's (see [`PREFIX`]) or could leave [`DIR`]: never opened.
     #[error("invalid shared-memory file name {0:?}")]
     BadName(String),
+    /// Creating, writing or mapping the file failed.
     #[error("shared-memory file {name}: {source}")]
-    Io { name: String, source: io::Error },
+    Io {
+        /// The file's name.
+        name: String,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// A buffer that does not lie inside the file.
     #[error("buffer {index} (bytes {start}..{end}) lies outside the {len}-byte file {name}")]
     OutOfBounds {
+        /// The file's name.
         name: String,
+        /// Which buffer.
         index: usize,
+        /// Its first byte.
         start: u64,
+        /// One past its last byte.
         end: u64,
+        /// The end of the part of the file the buffers must lie in (the whole file: its size).
         len: u64,
     },
+    /// Offsets and lengths of different counts.
     #[error("{0} offsets for {1} lengths")]
     Mismatch(usize, usize),
+    /// The segment pool cannot take a value this large.
     #[error("the shared-memory pool has no room for {0} bytes")]
     PoolFull(u64),
 }
@@ -83,8 +98,11 @@ pub(crate) fn unique_name() -> String {
 /// Where each buffer went in a written file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layout {
+    /// The file's name under [`DIR`].
     pub name: String,
+    /// Each buffer's first byte in the file.
     pub offsets: Vec<u64>,
+    /// Each buffer's length.
     pub lengths: Vec<u64>,
 }
 
@@ -146,11 +164,13 @@ pub fn write(buffers: &[&[u8]]) -> Result<Layout, ShmError> {
 
 /// A mapped shared-memory file and the buffers in it.
 pub struct Mapped {
+    /// The mapping (private, copy-on-write).
     pub map: Arc<MmapMut>,
+    /// Each buffer's `(start, length)` in the mapping.
     pub ranges: Vec<(usize, usize)>,
 }
 
-/// Map a file written by [`write`], checking every buffer lies inside it. The mapping is private
+/// Map a file written by [`write()`], checking every buffer lies inside it. The mapping is private
 /// (copy-on-write): the receiver may write to its arrays, the file and the other receivers never see it, and
 /// only the pages actually written are copied.
 pub fn map(name: &str, offsets: &[u64], lengths: &[u64]) -> Result<Mapped, ShmError> {

@@ -12,12 +12,21 @@ use rand_chacha::ChaCha8Rng;
 /// Errors of partitioning requests.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ShuffleError {
+    /// No worker shares.
     #[error("at least one worker share is needed")]
     NoShares,
+    /// Shares that cannot be normalized.
     #[error("worker shares must be finite and non-negative, and not all zero: {0:?}")]
     BadShares(Vec<f64>),
+    /// A worker index past the last worker.
     #[error("worker {worker} out of range for {n_workers} workers")]
-    WorkerOutOfRange { worker: usize, n_workers: usize },
+    WorkerOutOfRange {
+        /// The worker asked for.
+        worker: usize,
+        /// Workers in the partition.
+        n_workers: usize,
+    },
+    /// More samples than 32-bit indices can name.
     #[error("dataset of {0} samples is too large for 32-bit indices")]
     TooLarge(usize),
 }

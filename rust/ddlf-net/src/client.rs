@@ -35,6 +35,7 @@ pub struct ClientConfig {
     /// HTTP/2 keepalive: a worker whose host vanished is detected within interval + timeout even while a long
     /// call is waiting.
     pub keepalive_interval: Duration,
+    /// How long a keepalive ping (and a heartbeat while a call waits on a lane) may go unanswered.
     pub keepalive_timeout: Duration,
     /// The shared token, sent on every request.
     pub token: Option<Token>,

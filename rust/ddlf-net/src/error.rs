@@ -10,45 +10,84 @@ use ddlf_proto::Refusal;
 pub enum NetError {
     /// The daemon could not be reached, or the connection broke (it died, was killed, the link went down).
     #[error("worker {address} is unavailable: {reason}")]
-    Unavailable { address: String, reason: String },
+    Unavailable {
+        /// The worker's address.
+        address: String,
+        /// What broke, as the transport tells it.
+        reason: String,
+    },
     /// The call did not complete within its deadline.
     #[error("worker {address} did not answer within {:.3} s", .after.as_secs_f64())]
-    DeadlineExceeded { address: String, after: Duration },
+    DeadlineExceeded {
+        /// The worker's address.
+        address: String,
+        /// The deadline that passed (zero when only gRPC's status said so).
+        after: Duration,
+    },
     /// The daemon refused our token (or we sent none and it requires one).
     #[error("worker {address} refused authentication: {reason}")]
-    Unauthenticated { address: String, reason: String },
+    Unauthenticated {
+        /// The worker's address.
+        address: String,
+        /// The daemon's message.
+        reason: String,
+    },
     /// Master and worker speak different protocol versions.
     #[error(
         "protocol mismatch with worker {address}: master speaks protocol {ours} (ddlf {our_version}), \
          worker speaks protocol {theirs} (ddlf {their_version})"
     )]
     ProtocolMismatch {
+        /// The worker's address.
         address: String,
+        /// The master's protocol version.
         ours: u32,
+        /// The master's ddlf version.
         our_version: String,
+        /// The worker's protocol version.
         theirs: u32,
+        /// The worker's ddlf version.
         their_version: String,
     },
     /// The daemon refused the request itself (too large, malformed, ...), for a reason given by its code. It
     /// keeps serving.
     #[error("worker {address} rejected the request ({}): {message}", crate::refusal::name(*.refusal))]
     Refused {
+        /// The worker's address.
         address: String,
+        /// The protocol's refusal code.
         refusal: Refusal,
+        /// The daemon's message.
         message: String,
     },
     /// The daemon at this address restarted since we connected: what was pushed to it is gone.
     #[error("worker {address} restarted since this master connected to it: what was pushed to it is gone")]
-    Restarted { address: String },
+    Restarted {
+        /// The worker's address.
+        address: String,
+    },
     /// The worker's answer could not be decoded (a broken or hostile peer): the master refused it.
     #[error("worker {address} sent a reply that cannot be decoded: {reason}")]
-    InvalidReply { address: String, reason: String },
+    InvalidReply {
+        /// The worker's address.
+        address: String,
+        /// What was wrong with it.
+        reason: String,
+    },
     /// The wait was interrupted on the master (Ctrl-C): the worker may still run the request.
     #[error("the call to worker {address} was interrupted")]
-    Interrupted { address: String },
+    Interrupted {
+        /// The worker's address.
+        address: String,
+    },
     /// The address (or a setting for it, such as the token) is not something we can connect with.
     #[error("invalid worker address {address:?}: {reason}")]
-    InvalidAddress { address: String, reason: String },
+    InvalidAddress {
+        /// The address as given.
+        address: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
 }
 
 impl NetError {
@@ -145,6 +184,7 @@ pub(crate) fn describe_transport(status: &tonic::Status) -> String {
     text
 }
 
+/// A readable reason for any error, its source chain included (each source's text once).
 pub fn describe_error(err: &dyn std::error::Error) -> String {
     let mut text = err.to_string();
     let mut source = err.source();

@@ -8,10 +8,10 @@
 //!
 //! The bytes read for the check are replayed to the server, so an accepted connection is untouched.
 //!
-//! A plaintext daemon also admits direct lanes (see [`crate::lane`]), and every daemon peer links (see
-//! [`crate::collective::peer`]): a connection that opens with [`LANE_PREFACE`] or [`PEER_PREFACE`] is handed to
-//! the daemon's handler for it instead of the gRPC server (on a TLS daemon, a peer link's handshake follows its
-//! preface).
+//! A plaintext daemon also admits direct lanes (see [`crate::lane`]), and every daemon peer links (the
+//! `ddlf-collective` crate): a connection that opens with [`LANE_PREFACE`] or [`PEER_PREFACE`] is handed to the
+//! daemon's handler for it instead of the gRPC server (on a TLS daemon, a peer link's handshake follows its
+//! preface). What each kind opens with, and how the first bytes are judged, is [`crate::preface`]'s table.
 
 use std::io;
 use std::net::SocketAddr;
@@ -27,11 +27,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
-use crate::collective::peer::PEER_PREFACE;
-use crate::lane::LANE_PREFACE;
-
-/// The first bytes of every HTTP/2 connection (RFC 9113, section 3.4).
-pub const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+use crate::preface::{judge, needed, Admission, Rejection, H2_PREFACE, LANE_PREFACE, PEER_PREFACE};
 
 /// Limits of the admission check.
 #[derive(Clone, Debug)]
@@ -57,114 +53,10 @@ impl Default for GuardConfig {
 /// Connection counters, shared with the daemon's status.
 #[derive(Debug, Default)]
 pub struct ConnStats {
+    /// Connections open now (admitted or still being judged).
     pub open: AtomicU64,
+    /// Connections rejected since the daemon started.
     pub refused: AtomicU64,
-}
-
-/// Why a connection was refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refusal {
-    TooMany(u64),
-    Silent(Duration),
-    Closed,
-    Http1,
-    TlsOnPlain,
-    PlainOnTls,
-    Garbage,
-    LanesOff,
-    PeersOff,
-}
-
-/// What an admitted connection speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admission {
-    /// gRPC over HTTP/2 (or TLS carrying it).
-    Grpc,
-    /// A direct lane.
-    Lane,
-    /// A worker's peer link (a ring all-reduce).
-    Peer,
-}
-
-impl std::fmt::Display for Refusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Refusal::TooMany(n) => write!(f, "connection limit reached ({n} open)"),
-            Refusal::Silent(t) => write!(f, "sent nothing valid within {t:?} (half-open or idle)"),
-            Refusal::Closed => write!(f, "closed before sending a complete preface"),
-            Refusal::Http1 => write!(
-                f,
-                "an HTTP/1 request: this port speaks gRPC over HTTP/2 only"
-            ),
-            Refusal::TlsOnPlain => write!(
-                f,
-                "a TLS handshake on a plaintext port (the master uses TLS, this daemon does not)"
-            ),
-            Refusal::PlainOnTls => write!(
-                f,
-                "plaintext on a TLS port (the master does not use TLS, this daemon does)"
-            ),
-            Refusal::Garbage => write!(f, "not a gRPC connection (unrecognised bytes)"),
-            Refusal::LanesOff => write!(
-                f,
-                "a direct lane (ddlf's plaintext master connection), and this daemon serves none (a TLS \
-                 daemon's master speaks gRPC)"
-            ),
-            Refusal::PeersOff => write!(
-                f,
-                "a peer link, and this daemon admits none"
-            ),
-        }
-    }
-}
-
-/// Judge the first bytes of a connection: `Ok` admits it (saying what it speaks), `Err` says why it is refused.
-pub fn judge(first: &[u8], tls: bool) -> Result<Admission, Refusal> {
-    let is_tls_record = first.first() == Some(&0x16) && first.get(1) == Some(&0x03);
-    if tls {
-        if is_tls_record {
-            return Ok(Admission::Grpc);
-        }
-        if H2_PREFACE.starts_with(first) || first.starts_with(H2_PREFACE) {
-            return Err(Refusal::PlainOnTls);
-        }
-        if first == &LANE_PREFACE[..first.len().min(LANE_PREFACE.len())] && !first.is_empty() {
-            return Err(Refusal::LanesOff);
-        }
-        // A peer link's preface comes in the clear, its TLS handshake after it.
-        if first == PEER_PREFACE {
-            return Ok(Admission::Peer);
-        }
-    } else {
-        if first == H2_PREFACE {
-            return Ok(Admission::Grpc);
-        }
-        if first == LANE_PREFACE {
-            return Ok(Admission::Lane);
-        }
-        if first == PEER_PREFACE {
-            return Ok(Admission::Peer);
-        }
-        if is_tls_record {
-            return Err(Refusal::TlsOnPlain);
-        }
-    }
-    const HTTP1: [&[u8]; 9] = [
-        b"GET ", b"POST", b"PUT ", b"HEAD", b"DELE", b"OPTI", b"PATC", b"CONN", b"TRAC",
-    ];
-    if HTTP1.iter().any(|m| first.starts_with(m)) {
-        return Err(Refusal::Http1);
-    }
-    Err(Refusal::Garbage)
-}
-
-/// Bytes needed before [`judge`] can decide.
-fn needed(tls: bool) -> usize {
-    if tls {
-        3
-    } else {
-        H2_PREFACE.len()
-    }
 }
 
 /// Holds one connection slot; releases it when dropped (with the connection it was taken for).
@@ -246,7 +138,9 @@ impl AsyncWrite for Admitted {
 /// hello).
 #[derive(Debug)]
 pub struct Handover {
+    /// The socket, its preface read.
     pub stream: TcpStream,
+    /// The other end's address.
     pub peer: SocketAddr,
     /// Keep it as long as the lane is open: the lane counts against the connection limit.
     pub slot: Slot,
@@ -263,14 +157,14 @@ enum Arrival {
 async fn read_first(
     stream: &mut TcpStream,
     config: &GuardConfig,
-) -> Result<(Admission, Vec<u8>), Refusal> {
+) -> Result<(Admission, Vec<u8>), Rejection> {
     let mut want = needed(config.tls);
     let mut first = vec![0u8; H2_PREFACE.len().max(PEER_PREFACE.len())];
     let mut got = 0;
     let read = async {
         while got < want {
             match stream.read(&mut first[got..want]).await {
-                Ok(0) | Err(_) => return Err(Refusal::Closed),
+                Ok(0) | Err(_) => return Err(Rejection::Closed),
                 Ok(n) => got += n,
             }
             // Decide as early as the bytes allow: garbage need not wait for 24 bytes.
@@ -293,7 +187,7 @@ async fn read_first(
         judge(&first[..got], config.tls)
     };
     match tokio::time::timeout(config.handshake_timeout, read).await {
-        Err(_) => Err(Refusal::Silent(config.handshake_timeout)),
+        Err(_) => Err(Rejection::Silent(config.handshake_timeout)),
         Ok(Err(r)) => Err(r),
         Ok(Ok(a)) => {
             first.truncate(got);
@@ -307,7 +201,7 @@ async fn admit(
     peer: SocketAddr,
     config: &GuardConfig,
     slot: Slot,
-) -> Result<Arrival, Refusal> {
+) -> Result<Arrival, Rejection> {
     let (admission, first) = match read_first(&mut stream, config).await {
         Ok(x) => x,
         Err(reason) => {
@@ -338,7 +232,9 @@ async fn admit(
 /// Where a daemon's non-gRPC connections go; `None` refuses that kind.
 #[derive(Clone, Default)]
 pub struct Handlers {
+    /// Where direct lanes go.
     pub lanes: Option<mpsc::UnboundedSender<Handover>>,
+    /// Where peer links go.
     pub peers: Option<mpsc::UnboundedSender<Handover>>,
 }
 
@@ -372,7 +268,7 @@ pub fn guarded(
             let slot = Slot(stats.clone());
             if open > config.max_connections {
                 stats.refused.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%peer, reason = %Refusal::TooMany(open - 1), "connection refused");
+                tracing::warn!(%peer, reason = %Rejection::TooMany(open - 1), "connection refused");
                 continue; // dropping the stream closes it; dropping the slot frees it
             }
             let (tx, stats, config, handlers) =
@@ -388,14 +284,14 @@ pub fn guarded(
                         handlers.lanes.as_ref(),
                         "direct lane",
                         &stats,
-                        Refusal::LanesOff,
+                        Rejection::LanesOff,
                     ),
                     Ok(Arrival::Peer(link)) => hand_over(
                         link,
                         handlers.peers.as_ref(),
                         "peer link",
                         &stats,
-                        Refusal::PeersOff,
+                        Rejection::PeersOff,
                     ),
                     Err(reason) => {
                         // Counted by `admit` before the connection closed.
@@ -414,7 +310,7 @@ fn hand_over(
     to: Option<&mpsc::UnboundedSender<Handover>>,
     what: &str,
     stats: &ConnStats,
-    off: Refusal,
+    off: Rejection,
 ) {
     let peer = arrival.peer;
     match to {
@@ -425,71 +321,6 @@ fn hand_over(
         None => {
             stats.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%peer, reason = %off, "connection refused");
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_preface_is_accepted_and_everything_else_named() {
-        assert_eq!(judge(H2_PREFACE, false), Ok(Admission::Grpc));
-        assert_eq!(judge(LANE_PREFACE, false), Ok(Admission::Lane));
-        assert_eq!(judge(PEER_PREFACE, false), Ok(Admission::Peer));
-        // A TLS daemon admits peer links (their TLS handshake follows the preface), never lanes.
-        assert_eq!(judge(PEER_PREFACE, true), Ok(Admission::Peer));
-        assert_eq!(judge(LANE_PREFACE, true), Err(Refusal::LanesOff));
-        assert_eq!(judge(&LANE_PREFACE[..6], true), Err(Refusal::LanesOff));
-        assert_eq!(judge(&LANE_PREFACE[..10], false), Err(Refusal::Garbage));
-        assert_eq!(judge(b"GET / HTTP/1.1\r\n", false), Err(Refusal::Http1));
-        assert_eq!(judge(&[0x16, 0x03, 0x01], false), Err(Refusal::TlsOnPlain));
-        assert_eq!(judge(&[0x16, 0x03, 0x01], true), Ok(Admission::Grpc));
-        assert_eq!(judge(&H2_PREFACE[..3], true), Err(Refusal::PlainOnTls));
-        assert_eq!(judge(b"\x00\xffjunk", false), Err(Refusal::Garbage));
-        assert_eq!(judge(b"", false), Err(Refusal::Garbage));
-    }
-
-    #[test]
-    fn refusals_read_as_sentences() {
-        for r in [
-            Refusal::TooMany(3),
-            Refusal::Silent(Duration::from_secs(1)),
-            Refusal::Closed,
-            Refusal::Http1,
-            Refusal::TlsOnPlain,
-            Refusal::PlainOnTls,
-            Refusal::Garbage,
-            Refusal::LanesOff,
-            Refusal::PeersOff,
-        ] {
-            assert!(r.to_string().len() > 10, "{r:?}");
-        }
-    }
-
-    mod fuzz {
-        use super::*;
-        use proptest::prelude::*;
-
-        proptest! {
-            /// No first bytes make the judge panic, and only a real preface (or TLS record) is accepted.
-            #[test]
-            fn judge_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64), tls: bool) {
-                match judge(&bytes, tls) {
-                    Ok(Admission::Grpc) if tls => prop_assert!(bytes[0] == 0x16 && bytes[1] == 0x03),
-                    Ok(Admission::Grpc) => prop_assert_eq!(&bytes[..], &H2_PREFACE[..]),
-                    Ok(Admission::Lane) => {
-                        prop_assert!(!tls);
-                        prop_assert_eq!(&bytes[..], &LANE_PREFACE[..]);
-                    }
-                    Ok(Admission::Peer) => {
-                        prop_assert!(!tls);
-                        prop_assert_eq!(&bytes[..], &PEER_PREFACE[..]);
-                    }
-                    Err(_) => {}
-                }
-            }
         }
     }
 }

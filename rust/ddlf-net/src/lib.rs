@@ -2,21 +2,23 @@
 //!
 //! * [`client`]: connect with a deadline, version handshake, calls with deadlines, ping/status/shutdown.
 //! * [`server`]: the configured tonic server builder, token authentication, listener.
+//! * [`preface`]: the one table of what a connection to a daemon may open with, and [`preface::judge`].
 //! * [`guard`]: admission control in front of a daemon's server (connection cap, handshake check, logging).
 //! * [`lane`]: direct lanes, calls framed on plain TCP and answered by the worker's interpreter thread itself.
 //! * [`stream`]: values cut into chunks for streamed calls, and read back (both ends).
 //! * [`pool`]: [`Pool`], the master's connections to all its workers and the dispatch policy (lane or gRPC,
 //!   shared memory, liveness while waiting, typed [`pool::Outcome`]s).
 //! * [`refusal`]: a daemon's refusal codes on gRPC statuses.
-//! * [`collective`]: workers' ring all-reduce among themselves (peer links, the ring, its errors).
 //! * [`error`]: [`NetError`], what can go wrong talking to a worker, always naming its address.
 
+#![deny(missing_docs)]
+
 pub mod client;
-pub mod collective;
 pub mod error;
 pub mod guard;
 pub mod lane;
 pub mod pool;
+pub mod preface;
 pub mod refusal;
 pub mod server;
 pub mod stream;

@@ -30,7 +30,9 @@ pub struct ServerConfig {
 /// The daemon's TLS identity.
 #[derive(Clone)]
 pub struct ServerTls {
+    /// The certificate chain, PEM.
     pub cert_pem: Vec<u8>,
+    /// The private key, PEM.
     pub key_pem: Vec<u8>,
 }
 

@@ -8,7 +8,9 @@ use tonic::{Status, Streaming};
 
 /// The first chunk's message.
 pub enum Header {
+    /// The master's request.
     Request(CallRequest),
+    /// The worker's reply.
     Reply(CallReply),
 }
 
@@ -76,7 +78,9 @@ impl std::fmt::Display for StreamError {
 /// Which message a stream must start with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expect {
+    /// A [`CallRequest`] (the daemon reading a call).
     Request,
+    /// A [`CallReply`] (the master reading an answer).
     Reply,
 }
 

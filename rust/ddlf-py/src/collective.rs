@@ -1,4 +1,4 @@
-//! `Ring`: one worker's membership in a ring all-reduce (`ddlf_net::collective`), reducing numpy arrays with
+//! `Ring`: one worker's membership in a ring all-reduce (`ddlf_collective`), reducing numpy arrays with
 //! the GIL released.
 //!
 //! The arrays are copied into one contiguous buffer, reduced, and copied back only when the reduction succeeded:
@@ -7,9 +7,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ddlf_net::collective::{
-    self, Bf16Wire, Codec, CollectiveError, Elem, F16Wire, Op, Plain, RingSpec,
-};
+use ddlf_collective::{Bf16Wire, Codec, CollectiveError, Elem, F16Wire, Op, Plain, RingSpec};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -20,7 +18,7 @@ use crate::errors::{build, ErrorClass};
 /// One rank of a ring all-reduce among workers. Links open on the first reduction and stay open for the next.
 #[pyclass(module = "ddlf._ddlf", frozen)]
 pub struct Ring {
-    inner: Mutex<collective::Ring>,
+    inner: Mutex<ddlf_collective::Ring>,
     rank: usize,
     size: usize,
 }
@@ -57,13 +55,13 @@ impl Ring {
         }
         let tls = match tls_ca {
             Some(ca) => {
-                Some(collective::PeerTls::new(ca, tls_domain).map_err(PyValueError::new_err)?)
+                Some(ddlf_collective::PeerTls::new(ca, tls_domain).map_err(PyValueError::new_err)?)
             }
             None => None,
         };
         let local = match (local_index, local_addresses, total) {
             (None, None, None) => None,
-            (Some(index), Some(addresses), Some(total)) => Some(collective::LocalSpec {
+            (Some(index), Some(addresses), Some(total)) => Some(ddlf_collective::LocalSpec {
                 index,
                 addresses,
                 total,
@@ -85,7 +83,7 @@ impl Ring {
             tls,
             local,
         };
-        let ring = collective::Ring::new(spec, collective::local_token().cloned())
+        let ring = ddlf_collective::Ring::new(spec, ddlf_collective::local_token().cloned())
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(Ring {
             inner: Mutex::new(ring),
@@ -208,7 +206,7 @@ enum Wire {
 /// Gather, reduce, scatter back (only on success); one array is reduced where it lies when `atomic` is off or
 /// the ring leaves its data untouched on failure anyway (a hierarchical rank: two copies fewer).
 fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
-    ring: &mut collective::Ring,
+    ring: &mut ddlf_collective::Ring,
     views: &[View],
     op: Op,
     atomic: bool,

@@ -155,7 +155,7 @@ impl Daemon {
         let plaintext = !guard.tls;
         let peer_tls = match &config.server.tls {
             Some(tls) => Some(
-                ddlf_net::collective::tls::server_config(&tls.cert_pem, &tls.key_pem)
+                ddlf_collective::tls::server_config(&tls.cert_pem, &tls.key_pem)
                     .map_err(DaemonError::Tls)?,
             ),
             None => None,
@@ -171,7 +171,7 @@ impl Daemon {
             Some((tx, rx, token.clone(), peer_tls, state.rejected.clone()))
         };
         // The ring links this process opens present the daemon's own token (a cluster's workers share it).
-        ddlf_net::collective::set_local_token(config.token.clone());
+        ddlf_collective::set_local_token(config.token.clone());
         let (done_tx, done) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("ddlf-net".into())
@@ -206,7 +206,7 @@ impl Daemon {
                     let peers = peers.map(|(tx, mut rx, token, tls, rejected)| {
                         tokio::spawn(async move {
                             while let Some(arrival) = rx.recv().await {
-                                tokio::spawn(ddlf_net::collective::peer::welcome(
+                                tokio::spawn(ddlf_collective::peer::welcome(
                                     arrival,
                                     token.clone(),
                                     tls.clone(),

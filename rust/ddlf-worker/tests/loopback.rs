@@ -512,7 +512,7 @@ async fn direct_lanes_call_refuse_and_authenticate() {
         }
     }
     // A lane preface followed by garbage is closed; the real master is unaffected.
-    let mut hello = ddlf_net::lane::LANE_PREFACE.to_vec();
+    let mut hello = ddlf_net::preface::LANE_PREFACE.to_vec();
     hello.extend_from_slice(&[0xff; 4]);
     assert!(closed_after(daemon.local_addr(), &hello).await);
     let reply = conn.call(run_request("f", b"grpc"), None).await.unwrap();

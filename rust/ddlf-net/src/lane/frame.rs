@@ -15,10 +15,6 @@ use ddlf_proto::{LaneFrame, Value};
 use prost::Message;
 use tokio::io::AsyncReadExt;
 
-/// The first bytes of a lane connection, as long as the HTTP/2 preface so the daemon's admission check reads the
-/// same number of bytes for both.
-pub const LANE_PREFACE: &[u8; 24] = b"DDLF direct lane 1\r\n\r\n\r\n";
-
 /// The largest message part of a frame (a request or reply without its pickle and buffers: names, exception
 /// text, shared-memory references).
 pub const MAX_MESSAGE: usize = 16 << 20;
@@ -43,14 +39,19 @@ const COALESCE: usize = 64 << 10;
 /// What can go wrong on a lane.
 #[derive(Debug, thiserror::Error)]
 pub enum LaneError {
+    /// The socket failed (or a wait gave up: the caller's `on_wait` error).
     #[error("{0}")]
     Io(#[from] io::Error),
+    /// The connection ended where a frame was expected.
     #[error("closed by the other end")]
     Closed,
+    /// A frame's message part is over [`MAX_MESSAGE`].
     #[error("a frame message of {0} bytes exceeds the limit of {MAX_MESSAGE} bytes")]
     MessageTooLarge(usize),
+    /// A frame's message part is not a valid protobuf message.
     #[error("undecodable frame: {0}")]
     Decode(#[from] prost::DecodeError),
+    /// A frame's declared parts break the size limits (checked before anything is allocated).
     #[error("{0}")]
     Limits(#[from] FrameError),
 }
@@ -456,12 +457,6 @@ mod tests {
         let whole = joined_value(message_value(&shared), parts);
         assert_eq!(whole, shared);
         assert_eq!(message_value(&inline(1)), None);
-    }
-
-    #[test]
-    fn the_preface_is_as_long_as_http2s() {
-        assert_eq!(LANE_PREFACE.len(), crate::guard::H2_PREFACE.len());
-        assert!(!crate::guard::H2_PREFACE.starts_with(&LANE_PREFACE[..1]));
     }
 
     #[test]

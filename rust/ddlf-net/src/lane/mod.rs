@@ -6,7 +6,7 @@
 //! reply, and the worker's interpreter thread reads, runs and writes: the shape of a raw socket echo. Both ends
 //! share the framing: [`write_frame`] and [`FrameReader`]. [`Lane`] is the master's end.
 //!
-//! * [`frame`]: the framing both ends share.
+//! * `frame`: the framing both ends share.
 //! * [`Lane`], [`LaneCall`]: the master's end, one call at a time.
 
 mod frame;
@@ -26,7 +26,10 @@ use ddlf_proto::{
 use tokio::io::AsyncWriteExt;
 
 use crate::error::NetError;
+use crate::preface::LANE_PREFACE;
 
+/// How long a blocking read or write on the master's end of a lane waits (its socket timeout) before it checks
+/// the call's deadline, the caller's interrupt and the worker's liveness again.
 pub const MASTER_POLL: Duration = Duration::from_millis(50);
 
 /// The master's end of a lane to one worker. One call at a time: a thread that finds it busy uses gRPC.

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
+use ddlf_collective::{CollectiveError, LocalSpec, Op, PeerTls, Ring, RingSpec};
 use ddlf_core::auth::Token;
-use ddlf_net::collective::{CollectiveError, LocalSpec, Op, PeerTls, Ring, RingSpec};
 use ddlf_worker::{Daemon, DaemonConfig};
 
 fn daemons(n: usize, token: &str) -> Vec<Daemon> {

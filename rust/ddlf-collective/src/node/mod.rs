@@ -16,26 +16,33 @@
 //!
 //! Every member ends with the same bits (it copies the same result; the local sum runs in slot order). A barrier
 //! waits while it may (the ring's `timeout`: a member may still be computing), probing the daemon of a member
-//! it waits on every quarter of the liveness bound ([`super::peer::probe`]): a member whose process died or
+//! it waits on every quarter of the liveness bound ([`crate::peer::probe`]): a member whose process died or
 //! stopped fails the call on every member within that bound. Any member that fails marks the control file failed with
 //! its reason, and the others stop at once; the node is then spent, as a ring is.
+//!
+//! The files' layout, and how they are made and mapped, is `segment.rs`; this file is the protocol over them.
+
+mod segment;
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::Token;
-use memmap2::{MmapMut, MmapOptions};
 
-use super::peer;
-use super::ring::{Elem, Op};
-use super::tls::PeerTls;
-use super::CollectiveError;
+use crate::peer;
+use crate::ring::{Elem, Op};
+use crate::tls::PeerTls;
+use crate::CollectiveError;
+
+pub use segment::MAX_MEMBERS;
+use segment::{
+    allocate, map, Segment, HEADER, MAGIC, W_ARRIVED, W_ELEM, W_LEN, W_MAGIC, W_MEMBERS, W_SHAPE,
+};
 
 /// One member's place in its host's group.
 #[derive(Clone, Debug)]
@@ -46,106 +53,6 @@ pub struct LocalSpec {
     pub addresses: Vec<String>,
     /// Ranks in the whole reduction (every host's members): a mean divides by it.
     pub total: usize,
-}
-
-const MAGIC: u64 = 0x4444_4c46_4e4f_4445; // "DDLFNODE"
-/// The header page: words, then a failure reason.
-const HEADER: usize = 4096;
-const W_MAGIC: usize = 0;
-const W_MEMBERS: usize = 1;
-const W_LEN: usize = 2;
-const W_ELEM: usize = 3;
-/// 0, or 1 + the local index of the member that failed the call (its reason follows at [`REASON_AT`]).
-const W_FAILED: usize = 4;
-/// The barrier each member last arrived at, one word per member (control file).
-const W_ARRIVED: usize = 8;
-/// Each member's call shape, two words per member: elements, element size (control file).
-const W_SHAPE: usize = W_ARRIVED + MAX_MEMBERS;
-const REASON_AT: usize = 2048;
-/// The most members one host's group may have.
-pub const MAX_MEMBERS: usize = 64;
-const _: () = assert!((W_SHAPE + 2 * MAX_MEMBERS) * 8 <= REASON_AT);
-
-/// One call shape's shared-memory file, mapped.
-struct Segment {
-    map: MmapMut,
-    path: PathBuf,
-    members: usize,
-    len: usize,
-    elem: usize,
-    unlinked: bool,
-}
-
-impl Segment {
-    fn size(members: usize, len: usize, elem: usize) -> usize {
-        // Regions start on cache lines.
-        HEADER + (members + 1) * (len * elem).next_multiple_of(64)
-    }
-
-    fn word(&self, i: usize) -> &AtomicU64 {
-        assert!((i + 1) * 8 <= REASON_AT && self.map.len() >= HEADER);
-        let p = self.map.as_ptr().wrapping_add(i * 8);
-        assert!((p as usize).is_multiple_of(std::mem::align_of::<AtomicU64>()));
-        // SAFETY: checked above: `p` lies inside the mapping's header page (which lives as long as `self`) and
-        // is 8-byte aligned (the mapping is page-aligned, `i * 8` a multiple of 8). Other processes touch these
-        // words only atomically, so an `AtomicU64` view is sound.
-        unsafe { &*(p as *const AtomicU64) }
-    }
-
-    /// Region `r` (a member's slot, or the result at `members`) as a raw pointer to `len` elements of `T`.
-    fn region<T: Elem>(&self, r: usize) -> *mut T {
-        assert!(r <= self.members && std::mem::size_of::<T>() == self.elem);
-        let stride = (self.len * self.elem).next_multiple_of(64);
-        let start = HEADER + r * stride;
-        assert!(start + self.len * self.elem <= self.map.len());
-        let p = self.map.as_ptr().wrapping_add(start) as *mut T;
-        assert!((p as usize).is_multiple_of(std::mem::align_of::<T>()));
-        p
-    }
-
-    fn set_failed(&self, index: usize, reason: &str) {
-        if self.word(W_FAILED).load(Ordering::Acquire) != 0 {
-            return;
-        }
-        let bytes = reason.as_bytes();
-        let n = bytes.len().min(HEADER - REASON_AT - 1);
-        let dst = self.map.as_ptr().wrapping_add(REASON_AT) as *mut u8;
-        // SAFETY: `REASON_AT + n < HEADER <= map.len()`: the write stays in the header page; members write the
-        // reason only before publishing the failed word, and a second writer (two failures at once) at worst
-        // mixes two reasons' bytes (plain bytes, no invariant).
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, n);
-            *dst.add(n) = 0;
-        }
-        self.word(W_FAILED)
-            .store(1 + index as u64, Ordering::Release);
-    }
-
-    fn failure(&self) -> Option<(usize, String)> {
-        let f = self.word(W_FAILED).load(Ordering::Acquire);
-        if f == 0 {
-            return None;
-        }
-        let reason = &self.map[REASON_AT..HEADER];
-        let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
-        Some((
-            (f - 1) as usize,
-            String::from_utf8_lossy(&reason[..end]).into_owned(),
-        ))
-    }
-
-    fn unlink(&mut self) {
-        if !self.unlinked {
-            let _ = std::fs::remove_file(&self.path);
-            self.unlinked = true;
-        }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        self.unlink();
-    }
 }
 
 /// One member of a host's group (see the module docs).
@@ -171,6 +78,7 @@ pub struct Node {
 const KEEP_SEGMENTS: usize = 4;
 
 impl Node {
+    /// Check `spec` and resolve the members' addresses; the shared-memory files are made on the first call.
     pub fn new(
         group: u128,
         spec: LocalSpec,
@@ -376,7 +284,7 @@ impl Node {
         self.segments[current].unlink();
         // 2. This member's chunk of the sum.
         let seg = &self.segments[current];
-        let mine = super::ring::chunk(len, k, j);
+        let mine = crate::ring::chunk(len, k, j);
         let result = seg.region::<T>(k);
         // SAFETY: the result region holds `len` elements (checked by `region`); this member writes only its own
         // chunk of it (chunks of different members are disjoint), and nobody reads it before the next barrier.
@@ -572,38 +480,5 @@ impl Node {
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-    }
-}
-
-fn map(
-    file: &File,
-    path: PathBuf,
-    members: usize,
-    len: usize,
-    elem: usize,
-    bytes: usize,
-    unlinked: bool,
-) -> io::Result<Segment> {
-    // SAFETY: the file is ddlf's own under /dev/shm, sized to at least `bytes` before mapping (the leader sets
-    // the length first; members map only once the leader published the header, after it reserved every page).
-    // Other processes change its bytes only under the barrier protocol of this module.
-    let map = unsafe { MmapOptions::new().len(bytes).map_mut(file)? };
-    Ok(Segment {
-        map,
-        path,
-        members,
-        len,
-        elem,
-        unlinked,
-    })
-}
-
-fn allocate(file: &File, size: usize) -> io::Result<()> {
-    // SAFETY: `file` is open for writing for the whole call; posix_fallocate only reads its arguments.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::from_raw_os_error(rc))
     }
 }

@@ -1,15 +1,25 @@
-//! Workers reducing among themselves: ring all-reduce over direct worker-to-worker links.
+//! ddlf's collective: workers reducing among themselves, ring all-reduce over direct worker-to-worker links.
 //!
 //! * [`ring`]: the algorithm (reduce-scatter then all-gather, pipelined on non-blocking sockets), over any two
 //!   connected links.
 //! * [`peer`]: opening a link to another worker's daemon (token checked before anything is decoded), and the
 //!   mailbox where a daemon leaves the links it admitted for this process's ring.
+//! * [`link`]: one end of a peer link, plaintext or TLS, for the ring's non-blocking I/O; [`tls`]: the TLS
+//!   configurations of both ends.
+//! * [`node`]: a hierarchical ring's local stage, the members on one host reducing through shared memory.
 //! * [`Ring`]: one rank's membership in a ring: its spec, its links (opened on first use and kept for the
 //!   following reductions), and errors that name the neighbour at fault.
 //!
 //! A ring that fails once is spent: its links are closed (so both neighbours fail at once instead of waiting for
 //! their stall timeout, and the failure travels around the ring in a few round trips) and every later call
 //! refuses. Whoever formed it (the master) forms a new one, with a new group id, from the ranks still alive.
+//!
+//! The crate sits beside the master's side of `ddlf-net`, on top of it: a daemon's admission guard
+//! (`ddlf_net::guard`) recognises a peer link by its preface (`ddlf_net::preface::PEER_PREFACE`) and hands it
+//! over, the daemon (`ddlf-worker`) passes it to [`peer::welcome`], and Python's `ddlf._ddlf.Ring` (`ddlf-py`)
+//! drives a [`Ring`] on the worker's interpreter thread. `ddlf-net` knows nothing of this crate.
+
+#![deny(missing_docs)]
 
 pub mod link;
 pub mod node;
@@ -22,8 +32,8 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use ddlf_core::auth::Token;
+use ddlf_net::guard::Slot;
 
-use crate::guard::Slot;
 pub use link::Link;
 pub use node::LocalSpec;
 pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Plain, RingError, Side, Watch};
@@ -47,6 +57,7 @@ static LOCAL_TOKEN: OnceLock<Option<Token>> = OnceLock::new();
 pub struct RingSpec {
     /// Unique per ring: links of two rings never mix.
     pub group: u128,
+    /// This rank's place in the ring (its index in `addresses`).
     pub rank: usize,
     /// Every rank's daemon address, in ring order.
     pub addresses: Vec<String>,
@@ -73,34 +84,59 @@ pub struct RingSpec {
 /// What can go wrong in a collective, naming the rank (and address) at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
+    /// The ring cannot work as specified: a bad spec (ranks, streams, timeouts, a host's group), or no usable
+    /// shared memory for a hierarchical one.
     #[error("invalid ring: {0}")]
     Invalid(String),
+    /// A rank's address that resolves to nothing.
     #[error("cannot resolve rank {rank}'s address {address:?}")]
-    Resolve { rank: usize, address: String },
+    Resolve {
+        /// The rank.
+        rank: usize,
+        /// Its address, as the spec gives it.
+        address: String,
+    },
+    /// The right neighbour's daemon did not take the link.
     #[error("cannot open a peer link to rank {rank} ({address}): {source}")]
     Open {
+        /// The right neighbour's rank.
         rank: usize,
+        /// Its daemon's address.
         address: String,
+        /// Why.
         source: peer::OpenError,
     },
+    /// The left neighbour's link did not arrive in time.
     #[error("rank {rank} ({address}) opened no peer link within {timeout:?}")]
     NoLink {
+        /// The left neighbour's rank.
         rank: usize,
+        /// Its daemon's address.
         address: String,
+        /// How long this rank waited.
         timeout: Duration,
     },
+    /// A pass failed, blaming the neighbour on `source`'s side.
     #[error("all-reduce failed with rank {rank} ({address}): {source}")]
     Ring {
+        /// The neighbour's rank.
         rank: usize,
+        /// Its daemon's address.
         address: String,
+        /// What the pass saw.
         source: RingError,
     },
+    /// The ring failed before; it refuses every later call.
     #[error("this ring failed before ({0}); form a new one from the ranks still alive")]
     Spent(String),
+    /// A hierarchical ring's local stage failed, blaming a member on this host.
     #[error("local all-reduce failed with member {rank} on this host ({address}): {reason}")]
     Local {
+        /// The member's local index.
         rank: usize,
+        /// Its daemon's address.
         address: String,
+        /// What went wrong.
         reason: String,
     },
 }

@@ -2,13 +2,13 @@
 //!
 //! A peer link is a TCP connection to the other daemon's own port. It opens with [`PEER_PREFACE`] (which
 //! the admission guard recognises beside HTTP/2 and lanes), then, on a cluster that uses TLS, a TLS handshake
-//! (the daemon's own certificate, checked against the master's authority: [`super::tls`]) inside which
+//! (the daemon's own certificate, checked against the master's authority: [`crate::tls`]) inside which
 //! everything else travels, then the cluster token, length-prefixed. The daemon
 //! compares the token in constant time **before reading anything else**: a connection without it is answered
 //! [`ANSWER_UNAUTHENTICATED`] and closed, its remaining bytes never decoded. Only then come the fixed-size ring
 //! fields (group, the receiving rank, stream index) and the daemon answers [`ANSWER_OK`].
 //!
-//! Admitted links wait in this process's [`mailbox`] until the receiving rank's [`super::Ring`] takes them (the
+//! Admitted links wait in this process's [`mailbox`] until the receiving rank's [`crate::Ring`] takes them (the
 //! ring runs on the interpreter thread, the daemon accepts on its network runtime, and both are in one process).
 //! Links nobody takes are dropped after [`MAILBOX_TTL`].
 //!
@@ -25,15 +25,12 @@ use std::sync::{Arc, Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::Token;
+use ddlf_net::guard::{Handover, Slot};
+use ddlf_net::preface::PEER_PREFACE;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::link::Link;
-use super::tls::PeerTls;
-
-use crate::guard::{Handover, Slot};
-
-/// The first bytes of a peer link, as long as the HTTP/2 preface (the admission check reads 24 bytes for all).
-pub const PEER_PREFACE: &[u8; 24] = b"DDLF peer link 1\r\n\r\n\r\n\r\n";
+use crate::link::Link;
+use crate::tls::PeerTls;
 
 /// The daemon's answer: admitted.
 pub const ANSWER_OK: u8 = 0;
@@ -49,8 +46,11 @@ pub const MAILBOX_TTL: Duration = Duration::from_secs(300);
 /// Which link: the ring (group), the rank it goes to, and which of that rank's parallel streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LinkKey {
+    /// The ring's group id.
     pub group: u128,
+    /// The rank the link goes to (its left link), or [`PROBE_RANK`].
     pub to_rank: u32,
+    /// Which of the parallel streams.
     pub stream: u32,
 }
 
@@ -80,10 +80,13 @@ impl LinkKey {
 /// What opening a link to the right neighbour can end in (besides I/O errors).
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
+    /// Connecting, writing the hello or reading the answer failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// The daemon answered, but not with [`ANSWER_OK`] (a wrong token, a TLS mismatch, ...).
     #[error("refused the link: {0}")]
     Refused(&'static str),
+    /// The TLS handshake failed (the certificate, its name, the authority).
     #[error("TLS: {0}")]
     Tls(String),
 }

@@ -1,0 +1,188 @@
+//! One pipelined pass of the ring: reduce-scatter then all-gather, the send side of step `t + 1` running as soon
+//! as the same elements of step `t` have arrived and been reduced (see the module docs of [`super`]).
+
+use std::ops::Range;
+
+use super::wait::{io_error, retry, wait, Clock, Watch};
+use super::{chunk, Codec, Elem, Links, RingError, Side};
+
+/// Bytes read from the left per `read` call at most (the scratch buffer; a few socket buffers' worth).
+const SCRATCH_BYTES: usize = 1 << 20;
+
+/// The progress of one pass.
+pub(super) struct Pass {
+    len: usize,
+    rank: usize,
+    n: usize,
+    steps: usize,
+    /// Send side: step, and bytes of that step's chunk written.
+    send_step: usize,
+    sent: usize,
+    /// Receive side: step, and elements of that step's chunk reduced (or copied).
+    recv_step: usize,
+    done: usize,
+}
+
+impl Pass {
+    pub(super) fn new(len: usize, rank: usize, n: usize) -> Self {
+        Pass {
+            len,
+            rank,
+            n,
+            steps: 2 * (n - 1),
+            send_step: 0,
+            sent: 0,
+            recv_step: 0,
+            done: 0,
+        }
+    }
+
+    fn send_chunk(&self, t: usize) -> Range<usize> {
+        chunk(self.len, self.n, (self.rank + 2 * self.n - t) % self.n)
+    }
+
+    fn recv_chunk(&self, t: usize) -> Range<usize> {
+        chunk(self.len, self.n, (self.rank + 2 * self.n - t - 1) % self.n)
+    }
+
+    /// Elements of the current send step's chunk that are ready: all of them in step 0 (this rank's own data) and
+    /// once the previous step's receive is complete; otherwise those the previous step has received so far.
+    fn ready(&self) -> usize {
+        let whole = self.send_chunk(self.send_step).len();
+        if self.send_step == 0 || self.recv_step >= self.send_step {
+            whole
+        } else {
+            self.done
+        }
+    }
+
+    pub(super) fn run<T: Elem, C: Codec<T>>(
+        mut self,
+        data: &mut [T],
+        links: &mut Links,
+        watch: Watch<'_>,
+    ) -> Result<(), RingError> {
+        let size = std::mem::size_of::<C::W>();
+        let mut scratch = vec![<C::W as bytemuck::Zeroable>::zeroed(); SCRATCH_BYTES / size];
+        // Narrowed elements of the current send step (unused when elements travel as themselves): `staged` of
+        // them encoded so far.
+        let mut stage = vec![
+            <C::W as bytemuck::Zeroable>::zeroed();
+            if C::PLAIN {
+                0
+            } else {
+                self.len.div_ceil(self.n)
+            }
+        ];
+        let mut staged = 0usize;
+        // Bytes of `scratch` holding received data not yet applied.
+        let mut filled = 0usize;
+        // Bytes this pass still receives: reads never go past them (into the next call's header, which a fast
+        // left neighbour may already have sent).
+        let mut expected: usize = (0..self.steps)
+            .map(|t| self.recv_chunk(t).len() * size)
+            .sum();
+        let mut clock = Clock::new();
+        // A TLS link may hold encrypted bytes after the last write: the pass ends once they are out too.
+        while self.send_step < self.steps || self.recv_step < self.steps || links.right.pending() {
+            let mut progressed = links.flush()?;
+            // Send what is ready of the current step; a finished step moves on at once.
+            while self.send_step < self.steps {
+                let range = self.send_chunk(self.send_step);
+                let ready_elems = self.ready();
+                let ready = ready_elems * size;
+                if self.sent < ready {
+                    let bytes: &[u8] = if C::PLAIN {
+                        bytemuck::cast_slice(&data[range.clone()])
+                    } else {
+                        if staged < ready_elems {
+                            let fresh = range.start + staged..range.start + ready_elems;
+                            C::encode(&data[fresh.clone()], &mut stage[staged..ready_elems]);
+                            if self.send_step == self.n - 1 {
+                                // This rank's finished chunk leaves rounded: keep the rounded value too, so
+                                // every rank ends with the same bits.
+                                C::copy(&mut data[fresh], &stage[staged..ready_elems]);
+                            }
+                            staged = ready_elems;
+                        }
+                        bytemuck::cast_slice(&stage[..range.len()])
+                    };
+                    match links.right.write(&bytes[self.sent..ready]) {
+                        Ok(k) => (self.sent, progressed) = (self.sent + k, true),
+                        Err(e) if retry(&e) => break,
+                        Err(e) => return Err(io_error(Side::Right, e)),
+                    }
+                }
+                if self.sent == range.len() * size {
+                    (self.send_step, self.sent, staged) = (self.send_step + 1, 0, 0);
+                    progressed = true;
+                } else {
+                    break;
+                }
+            }
+            // Receive whatever has arrived and apply every whole element of it (empty chunks complete first: a
+            // neighbour that finished may already have closed, and nothing is read for them).
+            if filled == 0 {
+                self.apply::<T, C>(data, &[]);
+            }
+            if self.recv_step < self.steps {
+                let room: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
+                let end = room.len().min(filled + expected);
+                match links.left.read(&mut room[filled..end]) {
+                    Ok(0) => return Err(RingError::Closed { side: Side::Left }),
+                    Ok(k) => (filled, expected, progressed) = (filled + k, expected - k, true),
+                    Err(e) if retry(&e) => {}
+                    Err(e) => return Err(io_error(Side::Left, e)),
+                }
+                let applied = self.apply::<T, C>(data, &scratch[..filled / size]);
+                let used = applied * size;
+                if used > 0 {
+                    let room: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
+                    room.copy_within(used..filled, 0);
+                    filled -= used;
+                    progressed = true;
+                }
+            }
+            if progressed {
+                clock.progressed();
+            } else {
+                let want_out = (self.send_step < self.steps && self.sent < self.ready() * size)
+                    || links.right.pending();
+                wait(
+                    links,
+                    self.recv_step < self.steps,
+                    want_out,
+                    &mut clock,
+                    watch,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce (reduce-scatter steps) or copy (all-gather steps) received elements into `data`, moving through the
+    /// steps as chunks complete (empty chunks, when there are fewer elements than ranks, complete at once).
+    /// Returns how many elements of `got` were used.
+    fn apply<T: Elem, C: Codec<T>>(&mut self, data: &mut [T], got: &[C::W]) -> usize {
+        let mut used = 0;
+        while self.recv_step < self.steps {
+            let range = self.recv_chunk(self.recv_step);
+            let take = (range.len() - self.done).min(got.len() - used);
+            let dst = &mut data[range.start + self.done..range.start + self.done + take];
+            let src = &got[used..used + take];
+            if self.recv_step < self.n - 1 {
+                C::add(dst, src);
+            } else {
+                C::copy(dst, src);
+            }
+            used += take;
+            self.done += take;
+            if self.done == range.len() {
+                (self.recv_step, self.done) = (self.recv_step + 1, 0);
+            } else {
+                break;
+            }
+        }
+        used
+    }
+}

@@ -1,0 +1,381 @@
+//! The ring over loopback sockets: sums, means, odd sizes, half precision on the wire, mismatches and
+//! neighbours that leave, stall or stop.
+
+use super::*;
+use std::net::{TcpListener, TcpStream};
+use std::time::Instant;
+
+/// `n` ranks' links over loopback sockets: rank r's right is rank r+1's left.
+fn ring(n: usize) -> Vec<Links> {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut rights = Vec::new();
+    let mut lefts = Vec::new();
+    for _ in 0..n {
+        rights.push(TcpStream::connect(addr).unwrap());
+        lefts.push(listener.accept().unwrap().0);
+    }
+    // rights[r] is accepted as lefts[r]; rank (r+1)'s left must be rank r's right.
+    lefts.rotate_right(1);
+    rights
+        .into_iter()
+        .zip(lefts)
+        .map(|(right, left)| {
+            right.set_nonblocking(true).unwrap();
+            left.set_nonblocking(true).unwrap();
+            Links {
+                left: left.into(),
+                right: right.into(),
+            }
+        })
+        .collect()
+}
+
+fn run<T: Elem + Copy>(inputs: Vec<Vec<T>>, op: Op) -> Vec<Result<Vec<T>, String>> {
+    let n = inputs.len();
+    let links = ring(n);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = inputs
+            .into_iter()
+            .zip(links)
+            .enumerate()
+            .map(|(rank, (mut data, mut links))| {
+                s.spawn(move || {
+                    allreduce(
+                        &mut data,
+                        rank,
+                        n,
+                        &mut links,
+                        op,
+                        Watch::stall(Duration::from_secs(10)),
+                    )
+                    .map(|_| data)
+                    .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Like `run`, each rank with its own codec (`wires[r]`: 0 plain, 1 float16, 2 bfloat16).
+fn run_wire(inputs: Vec<Vec<f32>>, wires: &[u8], op: Op) -> Vec<Result<Vec<f32>, String>> {
+    let n = inputs.len();
+    let links = ring(n);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = inputs
+            .into_iter()
+            .zip(links)
+            .enumerate()
+            .map(|(rank, (mut data, mut links))| {
+                let wire = wires[rank];
+                s.spawn(move || {
+                    let d = Watch::stall(Duration::from_secs(10));
+                    match wire {
+                        1 => allreduce_over::<f32, F16Wire>(&mut data, rank, n, &mut links, op, d),
+                        2 => allreduce_over::<f32, Bf16Wire>(&mut data, rank, n, &mut links, op, d),
+                        _ => allreduce(&mut data, rank, n, &mut links, op, d),
+                    }
+                    .map(|_| data)
+                    .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn half_on_the_wire_sums_in_float32_and_every_rank_agrees() {
+    for (wire, tol) in [(1u8, 2e-3f32), (2u8, 1.6e-2f32)] {
+        for n in [2, 3, 5] {
+            for len in [0, 1, 7, 1023, 100_003] {
+                let ins: Vec<Vec<f32>> = (0..n)
+                    .map(|r| {
+                        (0..len)
+                            .map(|i| ((i * 7919 + r * 104_729) % 2000) as f32 * 1e-3 - 1.0)
+                            .collect()
+                    })
+                    .collect();
+                let want: Vec<f32> = (0..len).map(|i| ins.iter().map(|v| v[i]).sum()).collect();
+                let outs: Vec<Vec<f32>> = run_wire(ins, &vec![wire; n], Op::Sum)
+                    .into_iter()
+                    .map(|o| o.unwrap_or_else(|e| panic!("wire {wire} n={n} len={len}: {e}")))
+                    .collect();
+                for (i, w) in want.iter().enumerate() {
+                    // Each hop rounds the partial sum to the wire type: error grows with the ranks.
+                    let err = (outs[0][i] - w).abs();
+                    assert!(
+                        err <= tol * n as f32 * w.abs().max(1.0),
+                        "wire {wire} n={n} i={i}: {err}"
+                    );
+                }
+                for o in &outs[1..] {
+                    assert!(
+                        o.iter()
+                            .zip(&outs[0])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "wire {wire} n={n} len={len}: ranks differ"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn half_on_the_wire_keeps_exact_values_exact() {
+    // Small integers are exact in float16: a mean of them comes back exactly.
+    let ins: Vec<Vec<f32>> = (0..4).map(|r| vec![r as f32 * 4.0; 4097]).collect();
+    for out in run_wire(ins, &[1; 4], Op::Mean) {
+        assert_eq!(out.unwrap(), vec![6.0f32; 4097]);
+    }
+}
+
+#[test]
+fn ranks_with_different_wire_types_refuse() {
+    let ins: Vec<Vec<f32>> = (0..3).map(|_| vec![1.0f32; 100]).collect();
+    let outs = run_wire(ins, &[0, 1, 1], Op::Sum);
+    assert!(
+        outs.iter().any(|o| o
+            .as_ref()
+            .is_err_and(|e| e.contains("float32 over float16"))),
+        "{outs:?}"
+    );
+}
+
+fn inputs(n: usize, len: usize) -> Vec<Vec<f64>> {
+    (0..n)
+        .map(|r| (0..len).map(|i| (r * 1000 + i) as f64 * 0.5).collect())
+        .collect()
+}
+
+#[test]
+fn chunks_cover_every_element_once() {
+    for (len, n) in [(0, 3), (1, 4), (7, 3), (10, 10), (1000, 7)] {
+        let mut next = 0;
+        for c in 0..n {
+            let r = chunk(len, n, c);
+            assert_eq!(r.start, next);
+            next = r.end;
+        }
+        assert_eq!(next, len);
+    }
+}
+
+#[test]
+fn sums_match_for_odd_sizes_and_rank_counts() {
+    for n in 2..=6 {
+        for len in [0, 1, 2, 5, 1023, 300_001] {
+            let ins = inputs(n, len);
+            let want: Vec<f64> = (0..len).map(|i| ins.iter().map(|v| v[i]).sum()).collect();
+            for out in run(ins, Op::Sum) {
+                let out = out.unwrap_or_else(|e| panic!("n={n} len={len}: {e}"));
+                assert_eq!(out, want, "n={n} len={len}");
+            }
+        }
+    }
+}
+
+#[test]
+fn back_to_back_passes_on_the_same_links_stay_apart() {
+    // A fast rank starts the next pass (its header) while a slow one still reads the last: never mixed.
+    let n = 4;
+    let links = ring(n);
+    std::thread::scope(|s| {
+        for (rank, mut l) in links.into_iter().enumerate() {
+            s.spawn(move || {
+                for pass in 0..30usize {
+                    let len = 1 + (pass * 7919) % 5000;
+                    let mut data: Vec<f64> = (0..len).map(|i| (rank + i + pass) as f64).collect();
+                    allreduce(
+                        &mut data,
+                        rank,
+                        n,
+                        &mut l,
+                        Op::Sum,
+                        Watch::stall(Duration::from_secs(10)),
+                    )
+                    .unwrap();
+                    let want: Vec<f64> = (0..len)
+                        .map(|i| (0..n).map(|r| (r + i + pass) as f64).sum())
+                        .collect();
+                    assert_eq!(data, want, "rank {rank} pass {pass}");
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn mean_divides_by_the_rank_count() {
+    let ins: Vec<Vec<f32>> = (0..3).map(|r| vec![r as f32 * 3.0; 10]).collect();
+    for out in run(ins, Op::Mean) {
+        assert_eq!(out.unwrap(), vec![3.0f32; 10]);
+    }
+}
+
+#[test]
+fn every_rank_ends_with_identical_bits() {
+    // Float addition is not associative: the ring must still give every rank the same bits.
+    let ins: Vec<Vec<f32>> = (0..5)
+        .map(|r| {
+            (0..10_007)
+                .map(|i| ((i * 7919 + r * 104_729) % 1000) as f32 * 1e-3 + 1e-7)
+                .collect()
+        })
+        .collect();
+    let outs: Vec<_> = run(ins, Op::Sum).into_iter().map(Result::unwrap).collect();
+    for o in &outs[1..] {
+        assert!(o
+            .iter()
+            .zip(&outs[0])
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+#[test]
+fn ranks_that_disagree_on_sizes_refuse() {
+    let mut ins = inputs(3, 100);
+    ins[1].push(1.0);
+    let outs = run(ins, Op::Sum);
+    assert!(
+        outs.iter()
+            .any(|o| o.as_ref().is_err_and(|e| e.contains("101"))),
+        "{outs:?}"
+    );
+}
+
+#[test]
+fn a_neighbour_that_leaves_fails_the_pass_instead_of_hanging() {
+    let mut links = ring(3);
+    let gone = links.pop().unwrap(); // rank 2 never runs
+    drop(gone);
+    let t0 = Instant::now();
+    let outs: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut l)| {
+                s.spawn(move || {
+                    let mut data = vec![1.0f32; 1 << 20];
+                    allreduce(
+                        &mut data,
+                        rank,
+                        3,
+                        &mut l,
+                        Op::Sum,
+                        Watch::stall(Duration::from_secs(5)),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(outs.iter().all(Result::is_err), "{outs:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn a_silent_neighbour_stalls_out() {
+    let mut links = ring(2);
+    let _silent = links.pop().unwrap(); // open but never runs
+    let mut mine = links.pop().unwrap();
+    let mut data = vec![1.0f32; 10];
+    let err = allreduce(
+        &mut data,
+        0,
+        2,
+        &mut mine,
+        Op::Sum,
+        Watch::stall(Duration::from_millis(300)),
+    )
+    .unwrap_err();
+    assert!(matches!(err, RingError::Stalled { .. }), "{err}");
+}
+
+#[test]
+fn a_silent_neighbour_that_fails_its_probe_ends_the_pass_long_before_the_stall_timeout() {
+    let mut links = ring(2);
+    let _frozen = links.pop().unwrap(); // open but never runs, as a SIGSTOPped process
+    let mut mine = links.pop().unwrap();
+    let mut data = vec![1.0f32; 10];
+    let asked = std::sync::Mutex::new(Vec::new());
+    let probe = |side: Side| {
+        asked.lock().unwrap().push(side);
+        Err("no answer within 1s".to_string())
+    };
+    let t0 = Instant::now();
+    let err = allreduce(
+        &mut data,
+        0,
+        2,
+        &mut mine,
+        Op::Sum,
+        Watch {
+            stall: Duration::from_secs(60),
+            probe_every: Duration::from_millis(300),
+            probe: Some(&probe),
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RingError::Unresponsive {
+                side: Side::Left,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("no answer within 1s"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(*asked.lock().unwrap(), vec![Side::Left]); // the side it waited on, once
+    assert_eq!(data, vec![1.0f32; 10]); // nothing reduced
+}
+
+#[test]
+fn a_slow_neighbour_that_answers_its_probes_is_waited_for() {
+    let mut links = ring(2);
+    let mut late = links.pop().unwrap();
+    let mut mine = links.pop().unwrap();
+    let probes = std::sync::atomic::AtomicUsize::new(0);
+    let probe = |_: Side| {
+        probes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    };
+    let watch = Watch {
+        stall: Duration::from_secs(30),
+        probe_every: Duration::from_millis(200),
+        probe: Some(&probe),
+    };
+    let out = std::thread::scope(|s| {
+        let h = s.spawn(move || {
+            // Still computing for a while, then joins.
+            std::thread::sleep(Duration::from_millis(1500));
+            let mut d = vec![2.0f32; 10];
+            allreduce(
+                &mut d,
+                1,
+                2,
+                &mut late,
+                Op::Sum,
+                Watch::stall(Duration::from_secs(30)),
+            )
+            .map(|_| d)
+        });
+        let mut d = vec![1.0f32; 10];
+        let mine = allreduce(&mut d, 0, 2, &mut mine, Op::Sum, watch).map(|_| d);
+        (mine, h.join().unwrap())
+    });
+    assert_eq!(out.0.unwrap(), vec![3.0f32; 10]);
+    assert_eq!(out.1.unwrap(), vec![3.0f32; 10]);
+    // Probed while it waited (about every 200 ms of the 1.5 s), not on every poll.
+    let k = probes.load(std::sync::atomic::Ordering::Relaxed);
+    assert!((3..=12).contains(&k), "{k} probes");
+}
