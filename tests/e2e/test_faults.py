@@ -236,7 +236,6 @@ MASTER_SCRIPT = """
 import sys, ddlf
 sys.path.insert(0, {repo!r})
 from tests.e2e.apps import FaultApp
-from .apps import FaultApp, _kill_at_round
 with ddlf.Cluster({addresses!r}, token=None) as c:
     h = FaultApp(c).train(epochs=4, batch_size=32, strategy=ddlf.ModelAveraging(every=5), verbose=0,
                           run=ddlf.RunConfig(checkpoint_dir={ckpt!r}, resume=True))

@@ -18,7 +18,7 @@ with ddlf.Cluster.local(2, threads=1) as c:
     app = Linear(c)
     app.model = app.create_model()
     start = app.model.get_weights()
-    h = app.train(epochs=1, batch_size=16, seed=4, averaging="gradients", verbose=0)
+    h = app.train(epochs=1, batch_size=16, strategy=ddlf.GradientAveraging(), run=ddlf.RunConfig(seed=4), verbose=0)
     want = one_process(app, start, global_batches(2, 16, 1, 4, None))
     got = app.model.get_weights()
     print("DIFF", max(float(np.max(np.abs(a - b))) for a, b in zip(got, want)))
