@@ -159,6 +159,7 @@ def test_a_peer_link_with_a_wrong_token_is_refused_and_the_worker_keeps_serving(
     assert np.array_equal(four.get("t")[3], np.full(2, 4.0, np.float32))
 
 
+@pytest.mark.slow
 def test_tls_clusters_allreduce_and_train_over_tls_peer_links(tmp_path) -> None:
     """On TLS daemons (which admit only TLS peer links: see ``rust/ddlf-collective/tests/collective.rs``) the ring runs
     inside TLS, checked against the master's authority, and learns what the master exchange learns."""
@@ -213,6 +214,7 @@ def test_sync_allreduce_equals_the_master_exchange_within_rounding_and_is_determ
         assert h1.history["loss"][-1] == pytest.approx(hm.history["loss"][-1], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_sync_allreduce_with_half_precision_costs_what_the_master_exchange_does() -> None:
     with ddlf.Cluster.local(3, threads=1) as c:
         full, _ = _train(c, "master")
@@ -233,6 +235,7 @@ def test_sync_allreduce_with_half_precision_costs_what_the_master_exchange_does(
             assert sum(s.bytes_sent for s in hr.stats) == 0
 
 
+@pytest.mark.slow
 def test_a_worker_with_nonfinite_weights_is_left_out_of_the_ring_average() -> None:
     from .apps import Nan
 
@@ -272,6 +275,7 @@ def test_exchange_is_checked_before_training_starts(four: ddlf.Cluster) -> None:
     assert four.ping()  # nothing started, every worker serves
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_round_fails_the_ring_and_training_finishes_without_it() -> None:
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
     with ddlf.Cluster.local(3, threads=1) as c:
@@ -292,6 +296,7 @@ def test_a_worker_killed_mid_round_fails_the_ring_and_training_finishes_without_
         assert c.lost_workers == [2]
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training_goes_on() -> None:
     """A ``SIGSTOP``\\ ped member keeps its sockets open (its kernel even answers TCP keepalives): its neighbours
     find it by probing its daemon, within the cluster's heartbeat timeout, not after the ring's 300 s stall

@@ -63,12 +63,14 @@ def _train_in_fresh_process(tmp_path, backend: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_nothing_chosen_trains_on_the_fastest_installed_backend_everywhere(tmp_path) -> None:
     out = _train_in_fresh_process(tmp_path, None)
     expected = installed_keras_backend()
     assert out == {"master": expected, "workers": [expected, expected], "samples": 600}
 
 
+@pytest.mark.slow
 def test_the_users_backend_wins_on_master_and_workers(tmp_path) -> None:
     out = _train_in_fresh_process(tmp_path, "jax")
     assert out == {"master": "jax", "workers": ["jax", "jax"], "samples": 600}
@@ -91,6 +93,7 @@ def test_a_worker_already_on_another_backend_refuses_with_the_fix() -> None:
         assert cluster.run(lambda: "still serving") == ["still serving"]
 
 
+@pytest.mark.slow
 def test_local_daemons_preload_keras_on_the_masters_backend() -> None:
     def loaded():
         import sys

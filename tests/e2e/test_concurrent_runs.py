@@ -75,6 +75,7 @@ def _leftovers(cluster: ddlf.Cluster) -> tuple[list[list[str]], list[list[dict]]
     return names, cluster.run(remote.runs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_masters_at_once_each_learn_as_alone(daemons: list[Daemon], mode: str) -> None:
     addresses = [d.address for d in daemons]

@@ -85,6 +85,7 @@ def test_every_markdown_block_is_run_or_says_why_not() -> None:
         assert why is None or why.strip(), f"{path.name}:{line}: a skip marker needs a reason"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: p.name)
 def test_markdown_blocks_run(path: Path, tmp_path: Path) -> None:
     runnable = [(line, code) for line, code, why in blocks(path.read_text()) if why is None]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from ..conftest import REPO
 
@@ -17,6 +18,7 @@ def _run(args: list[str], timeout: float = 600) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_cifar10_example_reads_the_binary_format(tmp_path) -> None:
     rng = np.random.default_rng(0)
     for name, n in [(f"data_batch_{i}.bin", 40) for i in range(1, 6)] + [("test_batch.bin", 50)]:
@@ -27,6 +29,7 @@ def test_cifar10_example_reads_the_binary_format(tmp_path) -> None:
     assert "Epoch 1/1" in out and "test accuracy:" in out
 
 
+@pytest.mark.slow
 def test_mnist_example_runs_one_quick_epoch() -> None:
     out = _run([os.path.join("examples", "mnist_sync.py"), "--epochs", "1", "--limit", "2000"])
     assert "test accuracy:" in out and "sync, 2 workers, 1 epochs" in out

@@ -29,6 +29,7 @@ def mnist_test_split():
     return xt[:5000], yt[:5000]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_9_one_of_three_workers_mid_epoch(mode: str, mnist_test_split) -> None:
     strategy = ddlf.Asynchronous(chunk=10) if mode == "async" else ddlf.ModelAveraging(every=10)
@@ -75,6 +76,7 @@ def test_kill_9_one_of_three_workers_mid_epoch(mode: str, mnist_test_split) -> N
             assert acc > 0.75  # it learned
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_declared_lost_within_the_heartbeat_timeout(mnist_test_split) -> None:
     local = ddlf.cluster.local.LocalWorkers(3, threads=1)
     try:
@@ -128,6 +130,7 @@ def test_a_restarted_daemon_is_reprovisioned_by_replay(tmp_path: Path) -> None:
             d2.stop()
 
 
+@pytest.mark.slow
 def test_a_killed_worker_restarted_mid_training_rejoins(mnist_test_split) -> None:
     daemons = [Daemon("--threads", "1", token=None) for _ in range(2)]
     try:
@@ -180,6 +183,7 @@ def test_a_killed_worker_restarted_mid_training_rejoins(mnist_test_split) -> Non
             d.stop()
 
 
+@pytest.mark.slow
 def test_workers_added_and_removed_during_training() -> None:
     extra = Daemon("--threads", "1", token=None)
     daemons = [Daemon("--threads", "1", token=None) for _ in range(2)]

@@ -85,6 +85,7 @@ def _learning_rate(run_id: str) -> float:
     return float(np.asarray(SESSIONS.get(run_id).model.optimizer.learning_rate))
 
 
+@pytest.mark.slow
 def test_adam_replicas_stay_identical_and_learn() -> None:
     with ddlf.Cluster.local(2, threads=1) as c:
         app = AdamApp(c)
@@ -248,6 +249,7 @@ class AdamApp(Linear):
     learning_rate = 1e-2
 
 
+@pytest.mark.slow
 def test_a_worker_added_mid_training_adopts_the_optimizer_state() -> None:
     """Adam's moments and step count differ on a new worker: unless it adopts the others' state, the same averaged
     gradients move its weights differently, and the replicas' bits part."""
@@ -278,6 +280,7 @@ def test_a_worker_added_mid_training_adopts_the_optimizer_state() -> None:
             d.stop()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_training_is_left_out() -> None:
     with ddlf.Cluster.local(3, threads=1) as c:
         victim = c._local.pids()[2]

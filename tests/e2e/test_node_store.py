@@ -99,6 +99,7 @@ def test_the_last_clean_exit_removes_the_hosts_copy(tmp_path) -> None:
     assert not entries(key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_disk", [False, True], ids=["host-copy", "cache-dir"])
 def test_training_reads_a_parquet_export_through_the_hosts_copy(tmp_path, on_disk: bool) -> None:
     """Loaded into the host's one copy, or (``cache_dir``, for data larger than memory) converted once on local

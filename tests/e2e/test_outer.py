@@ -20,6 +20,7 @@ def _off(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_ring_and_master_exchange_agree_and_the_step_changes_the_result() -> None:
     # A smooth model (tanh, plain SGD, no dropout), so that the exchanges' rounding difference stays rounding. With
     # ReLU and Adam it need not: on TensorFlow the dropout MLP's hidden unit 55 sat at its threshold in the first
@@ -46,6 +47,7 @@ def test_ring_and_master_exchange_agree_and_the_step_changes_the_result() -> Non
         assert np.isfinite(hm.history["loss"]).all() and hm.history["loss"][-1] < hm.history["loss"][0]
 
 
+@pytest.mark.slow
 def test_learning_rate_one_without_momentum_is_model_averaging() -> None:
     with ddlf.Cluster.local(2, threads=1) as c:
         plain, outer = FaultApp(c), FaultApp(c)
@@ -54,6 +56,7 @@ def test_learning_rate_one_without_momentum_is_model_averaging() -> None:
         assert _off(plain.model.get_weights(), outer.model.get_weights()) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_worker_that_joins_the_ring_adopts_the_momentum() -> None:
     from ddlf.cluster.local import LocalWorkers
 

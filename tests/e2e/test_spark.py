@@ -63,6 +63,7 @@ def model():
     return m
 
 
+@pytest.mark.slow
 def test_an_exported_dataframe_trains_by_shard(spark, tmp_path) -> None:
     df, x, y = frame(spark)
     path = ddlf.spark.export(df, str(tmp_path / "export"))
@@ -90,6 +91,7 @@ def test_an_exported_dataframe_trains_by_shard(spark, tmp_path) -> None:
     assert h.history["accuracy"][-1] > 0.9
 
 
+@pytest.mark.slow
 def test_workers_hosted_in_a_barrier_stage_train_beside_their_partitions(spark) -> None:
     df, x, _ = frame(spark, seed=1)
 

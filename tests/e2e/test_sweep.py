@@ -52,6 +52,7 @@ def val_set():
 CONFIGS = [{"lr": lr, "width": w} for lr in (3e-3, 1e-3, 1e-5) for w in (32, 8)]
 
 
+@pytest.mark.slow
 def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, val_set, tmp_path: Path) -> None:
     result = ddlf.sweep(
         cluster, make_app, CONFIGS, epochs=4, grace_epochs=1, reduction_factor=2, validation_data=val_set,
@@ -82,6 +83,7 @@ def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, v
     assert all(len(t["curve"]) == t["epochs"] for t in numbers["trials"])
 
 
+@pytest.mark.slow
 def test_a_lost_worker_requeues_only_its_trial(val_set, monkeypatch: pytest.MonkeyPatch) -> None:
     # Worker 2 trains slowly (50 ms a batch: the master's experiment hook), so it is mid-trial when it is killed.
     monkeypatch.setenv(SLOW_WORKER_ENV, "2:0.05")

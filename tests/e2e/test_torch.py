@@ -90,6 +90,7 @@ def test_train_on_batch_evaluate_and_optimizer_state(tmp_path) -> None:
     np.testing.assert_array_equal(fresh.get_weights()[2], m.get_weights()[2])
 
 
+@pytest.mark.slow
 def test_torch_model_trains_sync_deterministically_and_evaluates(
     cluster: ddlf.Cluster, mnist_test_split, tmp_path
 ) -> None:
@@ -129,6 +130,7 @@ def test_torch_model_trains_async(cluster: ddlf.Cluster, mnist_test_split) -> No
     assert sum(s.samples for s in h.stats) == 3 * 3000
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not loading.clash_possible(), reason="needs TF, torch, triton")
 def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch: pytest.MonkeyPatch) -> None:
     # Self-contained on purpose: a reference to this module would import tests/conftest.py on the worker, which
@@ -171,6 +173,7 @@ def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch
 _loaded = lambda: tuple(m in __import__("sys").modules for m in ("torch", "torch._dynamo", "tensorflow"))  # noqa: E731
 
 
+@pytest.mark.slow
 def test_workers_load_torchs_compiler_only_for_a_torch_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from ddlf.frameworks.loading import clash_possible
 
@@ -204,6 +207,7 @@ class TorchLinear(ddlf.IApp):
         return TorchModel(module, lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.CrossEntropyLoss())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-4, None])
 def test_torch_model_gradient_averaging_equals_one_process(bucket_cap_mb: float | None) -> None:
     """25 MB: one bucket, sent during backward; 1e-4 MB (100 bytes): a bucket per parameter or two, launched

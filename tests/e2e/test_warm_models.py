@@ -62,6 +62,7 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", list(STRATEGIES.values()), ids=list(STRATEGIES))
 def test_a_warm_run_learns_exactly_what_a_cold_run_learns(kw: dict[str, Any]) -> None:
     with ddlf.Cluster.local(2, threads=1) as c:

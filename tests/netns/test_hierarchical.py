@@ -12,7 +12,7 @@ import pytest
 from benchmarks import netns
 
 CAN, WHY = netns.available()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(not CAN, reason=WHY)]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(not CAN, reason=WHY)]
 MASTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_master.py")
 TOKEN = "hierarchical-token"
 

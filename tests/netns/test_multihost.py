@@ -17,7 +17,7 @@ from ..certs import make_certs
 from ..conftest import pid_alive, wait_until
 
 CAN, WHY = netns.available()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(not CAN, reason=WHY)]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(not CAN, reason=WHY)]
 MASTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_master.py")
 TOKEN = "multi-host-token"
 
