@@ -17,8 +17,7 @@ from ddlf.training.replica.ring_rounds import _adopt, _weighted_mean
 
 class FakeRing:
     """Stands in for :func:`ddlf.worker.collective.reduce_scratch` with ``n`` ranks (``spec["rank"]``): each call
-    blocks
-    until every rank has made it, then every buffer holds the sum, in rank order."""
+    blocks until every rank has made it, then every buffer holds the sum, in rank order."""
 
     def __init__(self, n: int) -> None:
         self.n = n
