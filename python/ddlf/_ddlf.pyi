@@ -174,6 +174,12 @@ class BatchPipeline:
     def __next__(self) -> Any: ...
     def stats(self) -> dict[str, float]: ...
 
+def check_ring_spec(spec: Any) -> None:
+    """Raise ``ValueError`` if ``spec`` (a ``RingSpec``) cannot form a ring: what building its ``Ring`` checks."""
+
+def check_reduction(op: str, wire: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``op`` is "sum" or "mean" and ``wire`` None, "float16" or "bfloat16"."""
+
 def weighted_average(lists: Sequence[Sequence[Any]], weights: Sequence[float] | None = None) -> list[Any]: ...
 def axpy_(weights: Sequence[Any], delta: Sequence[Any], alpha: float = 1.0) -> None: ...
 def delta(new: Sequence[Any], old: Sequence[Any]) -> list[Any]: ...
@@ -198,27 +204,12 @@ def tune_allocator() -> bool:
 
 @final
 class Ring:
-    """One worker's rank in a ring all-reduce among workers (``ddlf.collective``). Links open on the first
-    reduction and stay open for the next; a ring that fails once is spent. ``tls_ca``: open TLS peer links,
-    checking neighbours' certificates against this authority (PEM) for ``tls_domain`` or each one's host.
-    Hierarchical mode (``local_index``, ``local_addresses``: this host's members, ``total``: ranks in all): the
-    host's members reduce through shared memory and only local index 0 joins the ring, whose ``rank`` and
-    ``addresses`` then name the hosts' leaders."""
+    """One worker's rank in a ring all-reduce among workers (``ddlf.collective``), built from a
+    :class:`ddlf.ring_spec.RingSpec` (checked again here). Links open on the first reduction and stay open for the
+    next; a ring that fails once is spent. With the spec's ``tls_ca`` the peer links use TLS; with its ``local``
+    the host's members reduce through shared memory and only local index 0 joins the ring between hosts."""
 
-    def __new__(
-        cls,
-        group: str,
-        rank: int,
-        addresses: list[str],
-        streams: int = 1,
-        timeout: float = 300.0,
-        liveness: float = 10.0,
-        tls_ca: bytes | None = None,
-        tls_domain: str | None = None,
-        local_index: int | None = None,
-        local_addresses: list[str] | None = None,
-        total: int | None = None,
-    ) -> Ring: ...
+    def __new__(cls, spec: Any) -> Ring: ...
     @property
     def rank(self) -> int: ...
     @property

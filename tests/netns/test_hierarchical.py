@@ -28,7 +28,16 @@ out = {}
 with ddlf.Cluster(addresses, token=sys.argv[2]) as c:
     plan = c.ring()
     out["hierarchical"] = plan.hierarchical
-    out["specs"] = [{k: v for k, v in plan.spec(w).items() if k != "group"} for w in range(len(addresses))]
+    out["specs"] = [
+        {
+            "rank": (s := plan.spec(w)).rank,
+            "addresses": list(s.addresses),
+            "local_index": s.local.index if s.local else None,
+            "local_addresses": list(s.local.addresses) if s.local else None,
+            "total": s.local.total if s.local else None,
+        }
+        for w in range(len(addresses))
+    ]
     for mode in (True, False):
         c.scatter("v", values)
         c.allreduce("v", "mean", hierarchical=mode)

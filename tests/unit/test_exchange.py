@@ -47,7 +47,7 @@ def test_explicit_choices_and_refusals() -> None:
 def test_ring_plans_name_ranks_and_a_new_group_after_a_loss() -> None:
     rings = Rings()
     plan = rings.plan((0, 2, 3), ("a:1", "b:1", "c:1"), (7, 8, 9))
-    assert plan.spec(2)["rank"] == 1 and plan.spec(3)["addresses"] == ["a:1", "b:1", "c:1"]
+    assert plan.spec(2).rank == 1 and plan.spec(3).addresses == ("a:1", "b:1", "c:1")
     assert rings.plan((0, 2, 3), ("a:1", "b:1", "c:1"), (7, 8, 9)) is plan  # kept while it works
     smaller = rings.plan((0, 3), ("a:1", "c:1"), (7, 9))  # worker 2 lost
     assert smaller.workers == (0, 3) and smaller.addresses == ("a:1", "c:1")

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..ring_spec import LocalRing, RingSpec
+
 
 @dataclass(frozen=True)
 class RingPlan:
@@ -36,9 +38,9 @@ class RingPlan:
             groups.setdefault(host_of(address), []).append(w)
         return list(groups.values())
 
-    def spec(self, worker: int) -> dict[str, Any]:
+    def spec(self, worker: int) -> RingSpec:
         """What member ``worker`` needs to join (its rank and everyone's address)."""
-        local: dict[str, Any] = {}
+        local: LocalRing | None = None
         rank, addresses = self.workers.index(worker), list(self.addresses)
         if self.hierarchical:
             hosts = self.hosts()
@@ -46,31 +48,23 @@ class RingPlan:
             address = dict(zip(self.workers, self.addresses))
             rank, index = where[worker]
             addresses = [address[members[0]] for members in hosts]
-            local = {
-                "local_index": index,
-                "local_addresses": [address[w] for w in hosts[rank]],
-                "total": len(self.workers),
-            }
-        return {
-            "group": self.group,
-            "rank": rank,
-            "addresses": addresses,
-            **local,
-            "streams": self.streams,
-            "timeout": self.timeout,
-            "liveness": self.liveness,
-            "tls_ca": self.tls[0] if self.tls else None,
-            "tls_domain": self.tls[1] if self.tls else None,
-        }
+            local = LocalRing(index, tuple(address[w] for w in hosts[rank]), len(self.workers))
+        return RingSpec(
+            group=self.group,
+            rank=rank,
+            addresses=tuple(addresses),
+            streams=self.streams,
+            timeout=self.timeout,
+            liveness=self.liveness,
+            tls_ca=self.tls[0] if self.tls else None,
+            tls_domain=self.tls[1] if self.tls else None,
+            local=local,
+        )
 
     def __post_init__(self) -> None:
         if not self.workers or len(self.workers) != len(self.addresses):
             raise ValueError("a ring needs at least one worker and one address per worker")
-        if not 1 <= self.streams <= 16:
-            raise ValueError(f"streams must be 1 to 16, not {self.streams}")
-        for what in ("timeout", "liveness"):
-            if not getattr(self, what) >= 1.0:
-                raise ValueError(f"{what} must be at least 1 second, not {getattr(self, what)}")
+        self.spec(self.workers[0])  # the spec's own checks (streams, timeout, liveness, TLS), made once, in Rust
 
 
 class Rings:

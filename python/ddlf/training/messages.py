@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ..ring_spec import RingSpec
+
 
 def finite(a: np.ndarray) -> bool:
     """Whether every element of float array ``a`` is finite (other dtypes always are): one pass summing in
@@ -117,7 +119,7 @@ class RingRound(RoundSpec):
     outer optimizer; ``adopt_outer``: ``"others"``/``"any"``, whose momentum new members take."""
 
     round_no: int
-    ring: dict[str, Any]
+    ring: RingSpec
     fresh: bool = False
     average_optimizer_state: bool = False
     round_rows: int = 1
@@ -132,7 +134,7 @@ class GradientRound(RoundSpec):
     multiples of the compiled learning rate over the steps; ``bucket_cap_mb``: gradient buckets on PyTorch."""
 
     round_no: int
-    ring: dict[str, Any]
+    ring: RingSpec
     steps: int
     fresh: bool = False
     adopt: bool = False

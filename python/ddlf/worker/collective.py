@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import _ddlf
-from ..ring_spec import check_op, check_wire
+from ..ring_spec import RingSpec, check_op, check_wire
 
 MAX_RINGS = 16
 """Rings a worker keeps open at once (each holds two links per stream)."""
@@ -29,24 +29,12 @@ MAX_RINGS = 16
 _RINGS: OrderedDict[str, _ddlf.Ring] = OrderedDict()
 
 
-def ring(spec: dict[str, Any]) -> _ddlf.Ring:
+def ring(spec: RingSpec) -> _ddlf.Ring:
     """This worker's ring for ``spec``: the open one, or a new one (closing the oldest past :data:`MAX_RINGS`)."""
-    group = spec["group"]
+    group = spec.group
     r = _RINGS.get(group)
     if r is None:
-        r = _ddlf.Ring(
-            group,
-            spec["rank"],
-            list(spec["addresses"]),
-            streams=spec.get("streams", 1),
-            timeout=spec.get("timeout", 300.0),
-            liveness=spec.get("liveness", 10.0),
-            tls_ca=spec.get("tls_ca"),
-            tls_domain=spec.get("tls_domain"),
-            local_index=spec.get("local_index"),
-            local_addresses=spec.get("local_addresses"),
-            total=spec.get("total"),
-        )
+        r = _ddlf.Ring(spec)
         _RINGS[group] = r
         while len(_RINGS) > MAX_RINGS:
             _RINGS.popitem(last=False)
@@ -60,7 +48,7 @@ def forget(group: str) -> None:
     _RINGS.pop(group, None)
 
 
-def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mean", wire: str | None = None) -> None:
+def reduce_arrays(arrays: list[np.ndarray], spec: RingSpec, op: str = "mean", wire: str | None = None) -> None:
     """All-reduce ``arrays`` in place with the ring's other members: float32 and float64 arrays (one ring pass
     per dtype, each at its own precision). Arrays that are not C-contiguous and writable are replaced in the list
     by reduced copies. On failure (``ddlf.errors.CollectiveError``) the ring is closed and the arrays are
@@ -85,14 +73,14 @@ def reduce_arrays(arrays: list[np.ndarray], spec: dict[str, Any], op: str = "mea
             half = wire if g and work[g[0]].dtype == np.float32 else None
             r.allreduce_([work[i] for i in g], op, wire=half)
     except BaseException:
-        forget(spec["group"])
+        forget(spec.group)
         raise
     if work is not arrays:
         for a, w in zip(arrays, work):
             a[...] = w
 
 
-def reduce_scratch(flat: np.ndarray, spec: dict[str, Any], op: str = "sum", wire: str | None = None) -> None:
+def reduce_scratch(flat: np.ndarray, spec: RingSpec, op: str = "sum", wire: str | None = None) -> None:
     """All-reduce one contiguous float32 or float64 buffer where it lies, with no copy; its contents are
     undefined after a failure (for buffers made for the reduction, as training's). ``wire``: as in
     :func:`reduce_arrays` (float32 only)."""
@@ -100,11 +88,11 @@ def reduce_scratch(flat: np.ndarray, spec: dict[str, Any], op: str = "sum", wire
     try:
         r.allreduce_([flat], check_op(op), atomic=False, wire=check_wire(wire))
     except BaseException:
-        forget(spec["group"])
+        forget(spec.group)
         raise
 
 
-def allreduce_variable(worker: Any, name: str, spec: dict[str, Any], op: str, wire: str | None = None) -> None:
+def allreduce_variable(worker: Any, name: str, spec: RingSpec, op: str, wire: str | None = None) -> None:
     """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
     tuple of arrays) in place with the ring's other members."""
     if name not in worker.vars:

@@ -1,4 +1,5 @@
-//! `Ring`: one worker's membership in a ring all-reduce (`ddlf_collective`), reducing numpy arrays with
+//! `Ring`: one worker's membership in a ring all-reduce (`ddlf_collective`), built from a `ddlf.ring_spec.RingSpec`
+//! (read by [`PySpec`], whose checks are the only ones a spec gets), reducing numpy arrays with
 //! the GIL released.
 //!
 //! The arrays are copied into one contiguous buffer, reduced, and copied back only when the reduction succeeded:
@@ -23,66 +24,146 @@ pub struct Ring {
     size: usize,
 }
 
-#[pymethods]
-impl Ring {
-    #[new]
-    #[pyo3(signature = (group, rank, addresses, streams = 1, timeout = 300.0, liveness = 10.0, tls_ca = None, tls_domain = None, local_index = None, local_addresses = None, total = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        group: &str,
-        rank: usize,
-        addresses: Vec<String>,
-        streams: usize,
-        timeout: f64,
-        liveness: f64,
-        tls_ca: Option<&[u8]>,
-        tls_domain: Option<String>,
-        local_index: Option<usize>,
-        local_addresses: Option<Vec<String>>,
-        total: Option<usize>,
-    ) -> PyResult<Self> {
-        let group = u128::from_str_radix(group, 16).map_err(|_| {
+/// `ddlf.ring_spec.RingSpec` (a frozen dataclass), read attribute by attribute: what one member needs to join a
+/// ring. Its checks live here, once: [`PySpec::into_spec`] runs when the spec is made on the master
+/// (`check_ring_spec`) and again when a worker builds its [`Ring`] from it.
+#[derive(FromPyObject)]
+pub struct PySpec {
+    group: String,
+    rank: usize,
+    addresses: Vec<String>,
+    streams: usize,
+    timeout: f64,
+    liveness: f64,
+    tls_ca: Option<Vec<u8>>,
+    tls_domain: Option<String>,
+    local: Option<PyLocal>,
+}
+
+/// `ddlf.ring_spec.LocalRing`: a member's place among the members on its host (a hierarchical ring).
+#[derive(FromPyObject)]
+pub struct PyLocal {
+    index: usize,
+    addresses: Vec<String>,
+    total: usize,
+}
+
+impl PySpec {
+    /// The Rust spec, or why this one cannot form a ring.
+    fn into_spec(self) -> PyResult<RingSpec> {
+        let group = u128::from_str_radix(&self.group, 16).map_err(|_| {
             PyValueError::new_err(format!(
-                "group must be 32 hex digits (a uuid4 hex), not {group:?}"
+                "group must be 32 hex digits (a uuid4 hex), not {:?}",
+                self.group
             ))
         })?;
-        for (what, v) in [("timeout", timeout), ("liveness", liveness)] {
+        for (what, v) in [("timeout", self.timeout), ("liveness", self.liveness)] {
             if !(v.is_finite() && v >= 1.0) {
                 return Err(PyValueError::new_err(format!(
                     "{what} must be at least 1 second, not {v}"
                 )));
             }
         }
-        let tls = match tls_ca {
-            Some(ca) => {
-                Some(ddlf_collective::PeerTls::new(ca, tls_domain).map_err(PyValueError::new_err)?)
-            }
+        if !(1..=16).contains(&self.streams) {
+            return Err(PyValueError::new_err(format!(
+                "streams must be 1 to 16, not {}",
+                self.streams
+            )));
+        }
+        if self.addresses.is_empty() || self.rank >= self.addresses.len() {
+            return Err(PyValueError::new_err(format!(
+                "rank {} of a ring of {} addresses: a ring needs at least one address and a rank among them",
+                self.rank,
+                self.addresses.len()
+            )));
+        }
+        let tls = match self.tls_ca {
+            Some(ca) => Some(
+                ddlf_collective::PeerTls::new(&ca, self.tls_domain)
+                    .map_err(PyValueError::new_err)?,
+            ),
             None => None,
         };
-        let local = match (local_index, local_addresses, total) {
-            (None, None, None) => None,
-            (Some(index), Some(addresses), Some(total)) => Some(ddlf_collective::LocalSpec {
-                index,
-                addresses,
-                total,
-            }),
-            _ => {
-                return Err(PyValueError::new_err(
-                    "a hierarchical ring needs local_index, local_addresses and total together",
-                ))
+        let local = match self.local {
+            None => None,
+            Some(l) if l.index < l.addresses.len() && l.total >= l.addresses.len() => {
+                Some(ddlf_collective::LocalSpec {
+                    index: l.index,
+                    addresses: l.addresses,
+                    total: l.total,
+                })
+            }
+            Some(l) => {
+                return Err(PyValueError::new_err(format!(
+                "local member {} of {} on its host, {} in all: not a place in a hierarchical ring",
+                l.index,
+                l.addresses.len(),
+                l.total
+            )))
             }
         };
-        let size = local.as_ref().map_or(addresses.len(), |l| l.total);
-        let spec = RingSpec {
+        Ok(RingSpec {
             group,
-            rank,
-            addresses,
-            streams,
-            timeout: Duration::from_secs_f64(timeout.min(1e9)),
-            liveness: Duration::from_secs_f64(liveness.min(1e6)),
+            rank: self.rank,
+            addresses: self.addresses,
+            streams: self.streams,
+            timeout: Duration::from_secs_f64(self.timeout.min(1e9)),
+            liveness: Duration::from_secs_f64(self.liveness.min(1e6)),
             tls,
             local,
-        };
+        })
+    }
+}
+
+/// Check a `ddlf.ring_spec.RingSpec` where it is made (the master), with the checks a worker's [`Ring`] makes.
+#[pyfunction]
+pub fn check_ring_spec(spec: PySpec) -> PyResult<()> {
+    spec.into_spec().map(|_| ())
+}
+
+/// Check a reduction's `op` ("sum" or "mean") and `wire` (None, "float16" or "bfloat16"), as
+/// [`Ring::allreduce_`] does.
+#[pyfunction]
+#[pyo3(signature = (op, wire = None))]
+pub fn check_reduction(op: &str, wire: Option<&str>) -> PyResult<()> {
+    parse_op(op)?;
+    parse_wire(wire)?;
+    Ok(())
+}
+
+fn parse_wire(wire: Option<&str>) -> PyResult<Wire> {
+    match wire {
+        None => Ok(Wire::Plain),
+        Some("float16") => Ok(Wire::F16),
+        Some("bfloat16") => Ok(Wire::Bf16),
+        Some(other) => Err(PyValueError::new_err(format!(
+            "wire must be None, 'float16' or 'bfloat16', not {other:?}"
+        ))),
+    }
+}
+
+fn parse_op(op: &str) -> PyResult<Op> {
+    match op {
+        "sum" => Ok(Op::Sum),
+        "mean" => Ok(Op::Mean),
+        other => Err(PyValueError::new_err(format!(
+            "op must be 'sum' or 'mean', not {other:?}"
+        ))),
+    }
+}
+
+#[pymethods]
+impl Ring {
+    /// This worker's rank in the ring `spec` describes (a `ddlf.ring_spec.RingSpec`). Links open on the first
+    /// reduction.
+    #[new]
+    fn new(spec: PySpec) -> PyResult<Self> {
+        let spec = spec.into_spec()?;
+        let rank = spec.rank;
+        let size = spec
+            .local
+            .as_ref()
+            .map_or(spec.addresses.len(), |l| l.total);
         let ring = ddlf_collective::Ring::new(spec, ddlf_collective::local_token().cloned())
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(Ring {
@@ -119,25 +200,8 @@ impl Ring {
         atomic: bool,
         wire: Option<&str>,
     ) -> PyResult<()> {
-        let wire = match wire {
-            None => Wire::Plain,
-            Some("float16") => Wire::F16,
-            Some("bfloat16") => Wire::Bf16,
-            Some(other) => {
-                return Err(PyValueError::new_err(format!(
-                    "wire must be None, 'float16' or 'bfloat16', not {other:?}"
-                )))
-            }
-        };
-        let op = match op {
-            "sum" => Op::Sum,
-            "mean" => Op::Mean,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "op must be 'sum' or 'mean', not {other:?}"
-                )))
-            }
-        };
+        let wire = parse_wire(wire)?;
+        let op = parse_op(op)?;
         let views = arrays
             .iter()
             .map(|a| View::new(a, "allreduce"))

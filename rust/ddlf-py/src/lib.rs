@@ -45,6 +45,8 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::Client>()?;
     m.add_class::<client::Reply>()?;
     m.add_class::<collective::Ring>()?;
+    m.add_function(wrap_pyfunction!(collective::check_ring_spec, m)?)?;
+    m.add_function(wrap_pyfunction!(collective::check_reduction, m)?)?;
     m.add_class::<errors::ErrorClass>()?;
     m.add_class::<buffers::RecvBuffer>()?;
     m.add_class::<pipeline::BatchPipeline>()?;

@@ -11,12 +11,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ddlf.ring_spec import RingSpec
 from ddlf.training.replica import ring_rounds
 from ddlf.training.replica.ring_rounds import _adopt, _weighted_mean
 
+GROUP = "0123456789abcdef0123456789abcdef"
+
 
 class FakeRing:
-    """Stands in for :func:`ddlf.worker.collective.reduce_scratch` with ``n`` ranks (``spec["rank"]``): each call
+    """Stands in for :func:`ddlf.worker.collective.reduce_scratch` with ``n`` ranks (``spec.rank``): each call
     blocks until every rank has made it, then every buffer holds the sum, in rank order."""
 
     def __init__(self, n: int) -> None:
@@ -27,9 +30,9 @@ class FakeRing:
         self.lock = threading.Lock()
         self.total: np.ndarray | None = None
 
-    def reduce_scratch(self, flat: np.ndarray, spec: dict[str, Any], op: str = "sum", wire: str | None = None) -> None:
+    def reduce_scratch(self, flat: np.ndarray, spec: RingSpec, op: str = "sum", wire: str | None = None) -> None:
         assert op == "sum" and flat.ndim == 1 and flat.flags.c_contiguous
-        rank = spec["rank"]
+        rank = spec.rank
         with self.lock:
             self.calls.append((rank, flat.dtype, wire))
             self.buffers[rank] = flat
@@ -48,11 +51,14 @@ class FakeRing:
         flat[...] = self.total
         self.barrier.wait()  # every rank has its copy before the next reduction sets another total
 
+    def spec(self, rank: int) -> RingSpec:
+        return RingSpec(GROUP, rank, tuple(f"127.0.0.1:{7000 + r}" for r in range(self.n)))
+
     def run(self, fn: Any, per_rank: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch, **kw: Any) -> list[Any]:
-        """``fn(*per_rank[r], {"rank": r}, **kw)`` on every rank at once."""
+        """``fn(*per_rank[r], <rank r's RingSpec>, **kw)`` on every rank at once."""
         monkeypatch.setattr(ring_rounds, "reduce_scratch", self.reduce_scratch)
         with ThreadPoolExecutor(self.n) as pool:
-            futures = [pool.submit(fn, *args, {"rank": r}, **kw) for r, args in enumerate(per_rank)]
+            futures = [pool.submit(fn, *args, self.spec(r), **kw) for r, args in enumerate(per_rank)]
             return [f.result(timeout=30) for f in futures]
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import ops
+from ...ring_spec import RingSpec
 from ...worker.collective import reduce_scratch
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
@@ -35,7 +36,7 @@ def _start_weights(worker: Any, session: Session, run_id: str, round_no: int, fr
 
 
 def _reduce_floats(
-    arrays: list[np.ndarray], samples: float, spec: dict[str, Any], wire: str | None = None, unit: float = 1.0
+    arrays: list[np.ndarray], samples: float, spec: RingSpec, wire: str | None = None, unit: float = 1.0
 ) -> list[np.ndarray]:
     """The samples-weighted average over the ring's ranks of every float array: ``sum(samples_i * a_i) /
     sum(samples_i)``. Per float dtype, the arrays are scaled straight into one buffer (the only copy), with the
@@ -45,7 +46,7 @@ def _reduce_floats(
 
 
 def _weighted_mean(
-    arrays: list[np.ndarray], samples: float, spec: dict[str, Any], wire: str | None = None, unit: float = 1.0
+    arrays: list[np.ndarray], samples: float, spec: RingSpec, wire: str | None = None, unit: float = 1.0
 ) -> tuple[list[np.ndarray], float]:
     """:func:`_reduce_floats`, and the ranks' total of ``samples`` (0: no rank had any, and the arrays are
     returned as they were).
@@ -154,7 +155,7 @@ def train_reduce(session: Session, worker: Any, spec: RingRound) -> dict[str, An
     return result
 
 
-def _adopt(state: list[np.ndarray], holder: bool, spec: dict[str, Any]) -> list[np.ndarray]:
+def _adopt(state: list[np.ndarray], holder: bool, spec: RingSpec) -> list[np.ndarray]:
     """The optimizer state of the ring's holders (who all hold the same), for every member: a new member (not a
     holder) takes it. Integer arrays (step counters) travel as float64, exactly."""
     wide = [a.astype(np.float64) if a.dtype.kind in "iub" else np.asarray(a) for a in state]
