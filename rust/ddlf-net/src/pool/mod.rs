@@ -6,8 +6,8 @@
 //! * **the path** (`dispatch.rs`): requests of any size ride the direct lanes when every target's lane is free
 //!   (the calling thread writes and reads the frames itself, or a thread per lane for large ones, so they
 //!   overlap); anything else (a lane busy or broken, TLS daemons) goes over gRPC on the pool's runtime. Lanes
-//!   write buffers from where they lie and read them into their final allocation: 100 MB took 0.39x the time it
-//!   takes over gRPC's chunked stream (`BENCHMARKS.md`, *Tensor data plane*);
+//!   write buffers from where they lie and read them into their final allocation, in a fraction of the time of
+//!   gRPC's chunked stream (`BENCHMARKS.md`, *Tensor data plane*);
 //! * **shared memory**: a large value for workers on this machine is written once into a pooled segment that
 //!   they all map (see [`outgoing`]); a segment a worker may not have taken is retired;
 //! * **liveness** (`liveness.rs`): a wait on a lane pings the worker over gRPC every keepalive interval, so a
