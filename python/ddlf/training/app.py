@@ -33,9 +33,10 @@ from ..report.training import check_report_path, write_report
 from . import checkpoint
 from . import replica as remote
 from .asynchronous import train_async as _train_async
-from .callbacks import Callback, ProgressBar
+from .callbacks import ProgressBar
 from .exchange import resolve as resolve_exchange
 from .history import History
+from .keras_callbacks import KerasCallback, is_keras_callback
 from .membership import Members
 from .options import DataConfig, ModelAveraging, RunConfig, Strategy, TrainConfig
 from .run import TrainingRun
@@ -96,7 +97,7 @@ class IApp:
         batch_size: int = 32,
         *,
         validation_data: tuple[Any, Any] | None = None,
-        callbacks: Sequence[Callback] = (),
+        callbacks: Sequence[Any] = (),
         verbose: int = 1,
         initial_epoch: int = 0,
         strategy: Strategy | None = None,
@@ -109,7 +110,8 @@ class IApp:
         Args:
             epochs, batch_size, validation_data, callbacks, verbose, initial_epoch: as in ``fit``. ``batch_size``
                 is each worker's; ``validation_data`` ``(x, y)`` is evaluated on the master's model after each
-                epoch (``val_*`` metrics).
+                epoch (``val_*`` metrics); ``callbacks`` are Keras' own (``keras.callbacks.EarlyStopping``, ...;
+                see :mod:`ddlf.training.keras_callbacks`) or ddlf's (:mod:`ddlf.callbacks`).
             strategy: how the workers learn together (:mod:`ddlf.training.options`): :class:`~ddlf.ModelAveraging`
                 (the default: the paper's parameter averaging, one round per epoch unless ``every=`` batches),
                 :class:`~ddlf.GradientAveraging` (every step, n workers as one process at n times the batch) or
@@ -155,13 +157,13 @@ class IApp:
             cfg.exchange = resolve_exchange(cfg.strategy.exchange, self.cluster, targets)
 
     def train_sync(
-        self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Callback] = (), initial_epoch: int = 0
+        self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Any] = (), initial_epoch: int = 0
     ) -> History:
         """Synchronous training (see :mod:`ddlf.training.synchronous`). Override to customise."""
         return self._run(_train_sync, cfg, validation_data, callbacks, initial_epoch, "sync")
 
     def train_async(
-        self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Callback] = (), initial_epoch: int = 0
+        self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Any] = (), initial_epoch: int = 0
     ) -> History:
         """Asynchronous training (see :mod:`ddlf.training.asynchronous`). Override to customise."""
         return self._run(_train_async, cfg, validation_data, callbacks, initial_epoch, "async")
@@ -198,7 +200,7 @@ class IApp:
         loop: Any,
         cfg: TrainConfig,
         validation_data: Any,
-        callbacks: Sequence[Callback],
+        callbacks: Sequence[Any],
         initial_epoch: int,
         mode: str,
     ) -> History:
@@ -248,7 +250,7 @@ class IApp:
                 self.cluster.run_each(remote.restore_state, [(cfg.run_id, states[w]) for w in targets], workers=targets)
             where = str(checkpoint.path_in(cfg.run.checkpoint_dir or ""))
             members.note("resumed", epochs_done=initial_epoch, checkpoint=where)
-        cbs = list(callbacks)
+        cbs = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         if cfg.verbose:
             cbs.insert(0, ProgressBar(cfg.epochs, rows))
             cached = sum(bool(i["cached"]) for i in infos)
@@ -260,8 +262,11 @@ class IApp:
                 + (f"; resuming after epoch {initial_epoch}" if resumed is not None else "")
                 + f"; ready in {time.perf_counter() - t_start:.2f} s"
             )
+        steps = -(-rows // max(1, len(live)) // cfg.batch_size)  # batches a worker trains per epoch
         for cb in cbs:
             cb.set_app(self)
+            if isinstance(cb, KerasCallback):
+                cb.set_params({"epochs": cfg.epochs, "steps": steps, "verbose": cfg.verbose})
             cb.history = history
             cb.on_train_begin()
         run = TrainingRun(

@@ -119,6 +119,7 @@ def train_async(run: TrainingRun) -> History:
                     weights=start_weights,
                     return_delta=True,
                     topk_ratio=cfg.topk_ratio,
+                    learning_rate=run.learning_rate(),
                 )
                 res = cluster.call(remote.train_chunk, (spec,), workers=[w], return_exceptions=True)[0]
                 call_s = cluster.last_call_timings().get(w, (0.0, 0.0))[1]

@@ -138,6 +138,7 @@ class RingExchange:
                 steps = max(-(-assigned_rows(part) // cfg.batch_size) for _, part in pending)
                 adopt = bool(fresh) and len(fresh) < len(targets)
             outer = cfg.outer()
+            new_rate = run.learning_rate()
             for w, rows in pending:
                 common: dict[str, Any] = {
                     "run_id": cfg.run_id,
@@ -151,6 +152,7 @@ class RingExchange:
                     "round_no": round_no,
                     "ring": ring.spec(w),
                     "fresh": w in fresh,
+                    "learning_rate": new_rate,
                 }
                 spec: GradientRound | RingRound
                 if gradients:

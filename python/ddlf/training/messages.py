@@ -97,6 +97,8 @@ class RoundSpec:
     """``"float16"``/``"bfloat16"``: what travels is half precision; ``"topk"``: the largest entries only."""
     slow_seconds_per_batch: float = 0.0
     """Sleep after each batch (``DDLF_SLOW_WORKER``: experiments with stragglers)."""
+    learning_rate: float | None = None
+    """The learning rate to train with from this round on: set when a callback changed the master's."""
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

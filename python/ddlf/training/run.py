@@ -25,6 +25,7 @@ from ..errors import (
 from . import checkpoint
 from . import replica as remote
 from .history import History, RoundStats
+from .keras_callbacks import learning_rate
 from .membership import Members
 from .messages import WorkerResult
 from .options import TrainConfig
@@ -54,6 +55,12 @@ class TrainingRun:
     initial_epoch: int = 0
     validation_data: Any = None
     resumed: dict[str, Any] | None = None
+    start_learning_rate: float | None = None
+    """The master's learning rate when training began (None: not a plain Keras rate)."""
+    learning_rate_changed: bool = False
+
+    def __post_init__(self) -> None:
+        self.start_learning_rate = learning_rate(self.app.model)
 
     @property
     def cluster(self) -> Any:
@@ -104,6 +111,17 @@ class TrainingRun:
         for cb in self.callbacks:
             cb.on_epoch_begin(epoch)
         return time.perf_counter()
+
+    def learning_rate(self) -> float | None:
+        """The master's learning rate once a callback has changed it (ReduceLROnPlateau, ...), for the next
+        rounds to carry to the workers; None until then (each worker keeps the rate it was compiled with)."""
+        if self.start_learning_rate is None:
+            return None
+        now = learning_rate(self.app.model)
+        if now is not None and (self.learning_rate_changed or now != self.start_learning_rate):
+            self.learning_rate_changed = True
+            return now
+        return None
 
     def round_end(self, round_no: int, logs: dict[str, Any]) -> None:
         for cb in self.callbacks:

@@ -149,6 +149,7 @@ def _round(
     send_s = cluster.last_call_timings()
     t_sent = time.perf_counter()
     args, running = [], []
+    learning_rate = run.learning_rate()
     for (w, rows), ok in zip(assignments, sent_ok):
         if isinstance(ok, BaseException):
             run.fail(ok)
@@ -165,6 +166,7 @@ def _round(
             return_optimizer_state=cfg.average_optimizer_state,
             optimizer_state=opt_state,
             topk_ratio=cfg.topk_ratio,
+            learning_rate=learning_rate,
         )
         args.append((spec,))
         running.append(w)

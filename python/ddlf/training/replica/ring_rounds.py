@@ -14,7 +14,7 @@ from ...worker.collective import reduce_scratch
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
 from .rounds import train_chunk
-from .state import optimizer_built, optimizer_state, set_optimizer_state
+from .state import optimizer_built, optimizer_state, set_learning_rate, set_optimizer_state
 from .steppers import local_mask
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ def train_reduce(session: Session, worker: Any, spec: RingRound) -> dict[str, An
         batch_size=spec.batch_size,
         prefetch=spec.prefetch,
         slow_seconds_per_batch=spec.slow_seconds_per_batch,
+        learning_rate=spec.learning_rate,
         weights=start,
     )
     result = train_chunk(session, worker, own)
@@ -199,6 +200,10 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         stepper.build_optimizer()
         set_optimizer_state(model, _adopt(optimizer_state(model), not fresh, ring))
     session.optimizer_start = optimizer_state(model) if optimizer_built(model) else None
+    if spec.learning_rate is not None:
+        set_learning_rate(model, spec.learning_rate)
+        if getattr(stepper, "base_lr", None) is not None:
+            stepper.base_lr = spec.learning_rate  # the rate the linear scaling multiplies
     model.reset_metrics()
     stepper.begin()
     pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=spec.prefetch)

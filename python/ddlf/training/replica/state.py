@@ -39,6 +39,14 @@ def set_rng_state(model: Any, state: list[np.ndarray]) -> None:
             v.assign(s)
 
 
+def set_learning_rate(model: Any, value: float) -> None:
+    """Train with learning rate ``value`` from now on (a Keras optimizer with a plain rate; a schedule, or a model
+    without one, is left as it is)."""
+    rate = getattr(getattr(model, "optimizer", None), "learning_rate", None)
+    if rate is not None and hasattr(rate, "assign"):
+        rate.assign(value)
+
+
 def optimizer_state(model: Any) -> list[np.ndarray]:
     """The optimizer's state arrays, in a fixed order."""
     if hasattr(model, "get_optimizer_state"):

@@ -1,0 +1,82 @@
+"""Keras' own callbacks (any ``keras.callbacks.Callback``) in ``app.train``, driven as ``fit`` drives them.
+
+``app.train`` wraps each in a :class:`KerasCallback`: ``self.model`` is the master's model, ``params`` holds
+``epochs``, ``steps`` (batches a worker trains per epoch) and ``verbose``, and the hooks get ``fit``'s ``logs``
+(``val_*`` included). ``on_train_batch_end`` runs once per round (sync) or merged chunk (async), with the round's
+logs: distributed training has no per-batch view on the master. What a callback does to the model reaches the
+workers: ``model.stop_training = True`` (EarlyStopping, TerminateOnNaN) ends training after the epoch, and a new
+learning rate on the master's optimizer (ReduceLROnPlateau, LearningRateScheduler) is what every worker trains
+with from the next round (:func:`learning_rate`, carried by each round's ``learning_rate``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .callbacks import Callback
+
+
+def is_keras_callback(callback: Any) -> bool:
+    """Whether ``callback`` is a Keras callback (without importing Keras when the script did not)."""
+    import sys
+
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(callback, keras.callbacks.Callback)
+
+
+def learning_rate(model: Any) -> float | None:
+    """The learning rate the master's Keras optimizer holds now (None: not a Keras optimizer with a plain rate,
+    e.g. a schedule, which every worker computes alike from its own step count)."""
+    optimizer = getattr(model, "optimizer", None)
+    rate = getattr(optimizer, "learning_rate", None)
+    if rate is None or not hasattr(rate, "assign"):
+        return None
+    import keras
+
+    value = float(keras.ops.convert_to_numpy(rate))
+    return value if math.isfinite(value) else None
+
+
+class KerasCallback(Callback):
+    """One Keras callback, as ``fit`` would call it (see the module docs)."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+        self.params: dict[str, Any] = {}
+
+    def set_app(self, app: Any) -> None:
+        super().set_app(app)
+        if hasattr(app.model, "stop_training"):
+            app.model.stop_training = False  # as fit starts
+        self.callback.set_model(app.model)
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        """``fit``'s ``params``: ``epochs``, ``steps`` and ``verbose``."""
+        self.params = dict(params)
+        self.callback.set_params(self.params)
+
+    def _after(self) -> None:
+        if getattr(self.app.model, "stop_training", False):
+            self.app.stop_training = True
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.callback.on_train_begin(dict(logs or {}))
+        self._after()
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.callback.on_epoch_begin(epoch, dict(logs or {}))
+        self._after()
+
+    def on_round_end(self, round: int, logs: dict[str, Any] | None = None) -> None:
+        fit_logs = {k: v for k, v in (logs or {}).items() if k != "samples_done"}
+        self.callback.on_train_batch_end(round, fit_logs)
+        self._after()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.callback.on_epoch_end(epoch, dict(logs or {}))
+        self._after()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        history = (logs or {}).get("history") or {}
+        self.callback.on_train_end({k: v[-1] for k, v in history.items() if v})

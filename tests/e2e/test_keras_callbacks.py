@@ -1,0 +1,116 @@
+"""Keras' own callbacks in ``app.train`` (``ddlf.training.keras_callbacks``): the hooks and logs they get from
+``fit``, ``self.model`` the master's model, and their effects on every worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import ddlf
+
+from ..conftest import MNIST_DIR
+from .apps import SmallMnist
+
+
+@pytest.fixture(scope="module")
+def mnist_test_split() -> tuple[np.ndarray, np.ndarray]:
+    _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
+    return xt[:1000], yt[:1000]
+
+
+def _worker_learning_rates(cluster: ddlf.Cluster) -> list[float]:
+    def rates() -> list[float]:
+        from ddlf.training.replica.sessions import SESSIONS
+
+        return [float(np.asarray(s.model.optimizer.learning_rate)) for s in SESSIONS.by_id.values()]
+
+    return [r for per_worker in cluster.run(rates) for r in per_worker]
+
+
+class Probe(keras.callbacks.Callback):
+    """Records which hooks ran, with which logs, and what ``self.model`` and ``params`` were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int | None, dict]] = []
+
+    def on_train_begin(self, logs=None):
+        self.calls.append(("train_begin", None, dict(logs or {})))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(("epoch_begin", epoch, dict(logs or {})))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("batch_end", batch, dict(logs or {})))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(("epoch_end", epoch, dict(logs or {})))
+
+    def on_train_end(self, logs=None):
+        self.calls.append(("train_end", None, dict(logs or {})))
+
+
+@pytest.mark.parametrize(
+    "strategy", [ddlf.ModelAveraging(every=20), ddlf.Asynchronous(chunk=20)], ids=["sync", "async"]
+)
+def test_a_keras_callback_gets_fits_hooks_logs_and_model(cluster: ddlf.Cluster, strategy, mnist_test_split) -> None:
+    app = SmallMnist(cluster)
+    probe = Probe()
+    app.train(
+        epochs=2, batch_size=32, strategy=strategy, validation_data=mnist_test_split, callbacks=[probe], verbose=0
+    )
+    kinds = [c[0] for c in probe.calls]
+    assert kinds[0] == "train_begin" and kinds[-1] == "train_end"
+    assert [c[1] for c in probe.calls if c[0] == "epoch_begin"] == [0, 1]
+    ends = [c for c in probe.calls if c[0] == "epoch_end"]
+    assert [c[1] for c in ends] == [0, 1] and {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(ends[0][2])
+    batches = [c for c in probe.calls if c[0] == "batch_end"]
+    assert batches and all("loss" in c[2] for c in batches)  # one per round or merged chunk, with its logs
+    assert probe.model is app.model
+    assert probe.params["epochs"] == 2 and probe.params["steps"] == 1500 // 32 + 1
+
+
+def test_early_stopping_stops_training_on_every_worker(cluster: ddlf.Cluster) -> None:
+    class NeverBetter(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = epoch >= 1  # as EarlyStopping does once patience runs out
+
+    h = SmallMnist(cluster).train(epochs=6, batch_size=64, callbacks=[NeverBetter()], verbose=0)
+    assert len(h.history["loss"]) == 2
+    es = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)  # nothing improves by 10
+    h = SmallMnist(cluster).train(epochs=6, batch_size=64, callbacks=[es], verbose=0)
+    assert len(h.history["loss"]) == 2 and es.stopped_epoch == 1
+
+
+def test_a_learning_rate_set_by_a_callback_reaches_every_worker(cluster: ddlf.Cluster) -> None:
+    seen: list[list[float]] = []
+
+    class Look(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(_worker_learning_rates(cluster))
+
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 1e-3 * 0.5**epoch)
+    app = SmallMnist(cluster)
+    app.train(epochs=3, batch_size=64, strategy=ddlf.ModelAveraging(every=10), callbacks=[schedule, Look()], verbose=0)
+    # Epoch e trains at 1e-3 / 2**e on both workers (the master's rate, set at the epoch's start).
+    assert [sorted(set(np.round(r, 8))) for r in seen] == [[1e-3], [5e-4], [2.5e-4]], seen
+    assert float(np.asarray(app.model.optimizer.learning_rate)) == pytest.approx(2.5e-4)
+
+
+def test_csv_logger_and_model_checkpoint_write_as_in_fit(cluster: ddlf.Cluster, tmp_path: Path) -> None:
+    csv = tmp_path / "log.csv"
+    ckpt = tmp_path / "best.weights.h5"
+    cbs = [
+        keras.callbacks.CSVLogger(str(csv)),
+        keras.callbacks.ModelCheckpoint(str(ckpt), monitor="loss", save_weights_only=True, save_best_only=True),
+    ]
+    app = SmallMnist(cluster)
+    app.train(epochs=2, batch_size=64, callbacks=cbs, verbose=0)
+    lines = csv.read_text().splitlines()
+    assert lines[0].split(",")[:1] == ["epoch"] and "loss" in lines[0] and len(lines) == 3
+    model = app.create_model()
+    model.load_weights(str(ckpt))
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), app.model.get_weights()))
