@@ -61,7 +61,7 @@ def from_half(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
 def topk(arrays: Sequence[np.ndarray], ratio: float) -> list[tuple[np.ndarray, np.ndarray]]:
     """Top-k sparsification of float32 arrays: for each, ``(indices, values)`` of the ``ratio`` share of entries
     with the largest magnitude (indices into the flattened array, ascending)."""
-    return _ddlf.topk([np.ascontiguousarray(a) for a in arrays], float(ratio))
+    return _ddlf.topk(_vectors([np.require(a, requirements="C") for a in arrays]), float(ratio))
 
 
 def densify(sparse: Sequence[tuple[np.ndarray, np.ndarray]], like: Sequence[np.ndarray]) -> list[np.ndarray]:

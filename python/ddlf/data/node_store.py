@@ -172,7 +172,7 @@ def _write(value: Any, final: str) -> None:
                 described.append({"array": len(arrays)})
                 arrays.append(item)
         for i, a in enumerate(arrays):
-            np.save(os.path.join(tmp, f"{i}.npy"), np.ascontiguousarray(a), allow_pickle=False)
+            np.save(os.path.join(tmp, f"{i}.npy"), np.require(a, requirements="C"), allow_pickle=False)
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump({"kind": kind, "names": names, "count": len(arrays), "items": described}, f)
         os.rename(tmp, final)

@@ -144,7 +144,7 @@ class _Sink:
         self.shape = None if header is None else tuple(header["shape"][1:])
 
     def write(self, a: np.ndarray) -> None:
-        self.file.write(np.ascontiguousarray(a).data)
+        self.file.write(np.require(a, requirements="C").data)
         if self.file.tell() - self.synced >= WRITE_BACK:
             self._write_back()
 

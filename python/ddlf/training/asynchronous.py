@@ -76,7 +76,7 @@ def train_async(run: TrainingRun) -> History:
     strategy = cfg.strategy
     assert isinstance(strategy, Asynchronous)
     chunk_rows = strategy.chunk * cfg.batch_size
-    weights = [np.ascontiguousarray(w, dtype=w.dtype) for w in app.model.get_weights()]
+    weights = [np.require(w, requirements="C") for w in app.model.get_weights()]
     lock = threading.Lock()
     state: dict[str, Any] = {"version": 0, "round": 0, "error": None}
     for epoch in range(run.initial_epoch, cfg.epochs):

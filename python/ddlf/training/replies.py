@@ -109,7 +109,7 @@ def _check_weights(
         if len({str(a.dtype) for a in raw}) > 1:
             raise bad("half-precision weights of mixed dtypes")
         return decode_payload(list(raw))
-    return [np.ascontiguousarray(a) for a in raw]
+    return [np.require(a, requirements="C") for a in raw]
 
 
 def check_states(results: list[WorkerResult]) -> list[tuple[WorkerResult, str]]:

@@ -46,7 +46,7 @@ def train_sync(run: TrainingRun) -> History:
     app, cfg, history, cluster = run.app, run.cfg, run.history, run.cluster
     if cfg.scale_learning_rate:
         check_scalable(app.model)  # here, before any round: the workers' models are the master's architecture
-    weights = [np.ascontiguousarray(w) for w in app.model.get_weights()]
+    weights = [np.require(w, requirements="C") for w in app.model.get_weights()]  # 0-d stays 0-d
     opt_state: list[np.ndarray] | None = run.resumed.get("optimizer_state") if run.resumed else None
     round_no = len({(s.epoch, s.round) for s in history.stats})
     ring = RingExchange(run, weights) if cfg.ring is not None else None

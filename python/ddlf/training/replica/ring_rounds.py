@@ -270,7 +270,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         logs = stepper.end()
     stats = pipeline.stats()
     samples = int(stats["rows"])
-    new = model.get_weights()
+    new = [np.asarray(w) for w in model.get_weights()]  # a 0-d weight may come back as a numpy scalar
     untrained = [i for i, m in enumerate(local_mask(model)) if m]
     if untrained:
         averaged = _reduce_floats([np.asarray(new[i]) for i in untrained], samples, ring)

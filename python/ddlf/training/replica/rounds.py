@@ -52,7 +52,7 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
             if spec.slow_seconds_per_batch:
                 time.sleep(spec.slow_seconds_per_batch)
             logs = out
-    new = model.get_weights()
+    new = [np.asarray(w) for w in model.get_weights()]  # a 0-d weight may come back as a numpy scalar
     stats = pipeline.stats()
     result: dict[str, Any] = {
         "samples": int(stats["rows"]),
@@ -62,10 +62,10 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
     }
     payload = ops.delta(new, weights) if spec.return_delta else new
     if spec.compression in ("float16", "bfloat16"):
-        payload = ops.to_half([np.ascontiguousarray(p, dtype=np.float32) for p in payload], spec.compression)
+        payload = ops.to_half([np.require(p, dtype=np.float32, requirements="C") for p in payload], spec.compression)
     elif spec.compression == "topk":
         # Error feedback: add what earlier rounds left out, send the largest entries, keep the rest for later.
-        delta = [np.ascontiguousarray(p, dtype=np.float32) for p in payload]
+        delta = [np.require(p, dtype=np.float32, requirements="C") for p in payload]
         if session.residual is not None:
             ops.axpy_(delta, session.residual)
         sparse = ops.topk(delta, spec.topk_ratio)

@@ -314,7 +314,7 @@ class _TensorFlowStepper(_KerasStepper):
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
         self._ready(x, y)
         self._flush()
-        return [g.numpy() for g in self._gradients(x, y)]
+        return [np.asarray(g.numpy()) for g in self._gradients(x, y)]  # 0-d gradients as 0-d arrays
 
     def apply(self, gradients: list[np.ndarray]) -> None:
         self._flush()
