@@ -60,7 +60,7 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
         "compute_seconds": time.perf_counter() - t0,
         "data_wait_seconds": float(stats["wait_seconds"]),
     }
-    payload = ops.delta(new, weights) if spec.return_delta else new
+    payload: list[Any] = ops.delta(new, weights) if spec.return_delta else new
     if spec.compression in ("float16", "bfloat16"):
         payload = ops.to_half([np.require(p, dtype=np.float32, requirements="C") for p in payload], spec.compression)
     elif spec.compression == "topk":
