@@ -26,24 +26,53 @@ def _shaped(out: list[np.ndarray], like: Sequence[np.ndarray]) -> list[np.ndarra
     return [o.reshape(()) if np.ndim(a) == 0 else o for o, a in zip(out, like)]
 
 
+def is_half(a: np.ndarray) -> bool:
+    """Whether ``a`` holds float16 or bfloat16 values (Keras' ``"float16"``/``"bfloat16"`` variables)."""
+    return str(a.dtype) in ("float16", "bfloat16")
+
+
 def weighted_average(lists: Sequence[Sequence[np.ndarray]], weights: Sequence[float] | None = None) -> list[np.ndarray]:
-    """``sum_i weights[i] * lists[i] / sum(weights)``, array by array (equal weights by default)."""
+    """``sum_i weights[i] * lists[i] / sum(weights)``, array by array (equal weights by default). Half-precision
+    arrays (float16, bfloat16) are averaged in float32 and returned in their own dtype."""
     if not lists:
         return _ddlf.weighted_average([], None)
+    like = lists[0]
+    half = [i for i, a in enumerate(like) if is_half(a)]
+    if half:
+        lists = [[np.asarray(a, np.float32) if i in half else a for i, a in enumerate(lst)] for lst in lists]
     out = _ddlf.weighted_average(
         [_vectors(lst) for lst in lists], None if weights is None else [float(w) for w in weights]
     )
-    return _shaped(out, lists[0])
+    out = _shaped(out, like)
+    for i in half:
+        out[i] = out[i].astype(like[i].dtype)
+    return out
 
 
 def axpy_(weights: Sequence[np.ndarray], delta: Sequence[np.ndarray], alpha: float = 1.0) -> None:
-    """In place: ``weights[i] += alpha * delta[i]``."""
-    _ddlf.axpy_(_vectors(weights), _vectors(delta), float(alpha))
+    """In place: ``weights[i] += alpha * delta[i]`` (a half-precision weight computed in float32, then rounded)."""
+    if len(weights) != len(delta):
+        raise ValueError(f"axpy_: {len(weights)} weights but {len(delta)} deltas: one per weight")
+    half = {i for i, w in enumerate(weights) if is_half(w)}
+    pairs = [(w, d) for i, (w, d) in enumerate(zip(weights, delta)) if i not in half]
+    if pairs:
+        _ddlf.axpy_(_vectors([w for w, _ in pairs]), _vectors([d for _, d in pairs]), float(alpha))
+    for i in half:
+        w = weights[i]
+        w[...] = (w.astype(np.float32) + np.float32(alpha) * np.asarray(delta[i], np.float32)).astype(w.dtype)
 
 
 def delta(new: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """``new[i] - old[i]`` for every array."""
-    return _shaped(_ddlf.delta(_vectors(new), _vectors(old)), new)
+    """``new[i] - old[i]`` for every array (for half-precision ones, in float32: a change of a float16 weight is
+    often below float16's resolution at that weight's size)."""
+    if len(new) != len(old):
+        raise ValueError(f"delta: {len(new)} new arrays but {len(old)} old ones: one per array")
+    half = {i for i, a in enumerate(new) if is_half(a)}
+    if not half:
+        return _shaped(_ddlf.delta(_vectors(new), _vectors(old)), new)
+    wide_new = [np.asarray(a, np.float32) if i in half else a for i, a in enumerate(new)]
+    wide_old = [np.asarray(a, np.float32) if i in half else a for i, a in enumerate(old)]
+    return _shaped(_ddlf.delta(_vectors(wide_new), _vectors(wide_old)), new)
 
 
 def to_half(arrays: Sequence[np.ndarray], dtype: str = "float16") -> list[np.ndarray]:

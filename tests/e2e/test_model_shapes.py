@@ -51,3 +51,37 @@ def test_a_scalar_weight_trains_under_every_strategy(cluster: ddlf.Cluster, stra
     assert len(h.history["loss"]) == 2 and not [e for e in h.events if e["event"] == "reply_refused"], h.events
     t = app.model.get_weights()[2]
     assert np.asarray(t).shape == () and float(t) != 1.0  # still a scalar, and it learned
+
+
+class HalfWeights(ScalarWeight):
+    """Variables in float16 (a layer's dtype; not mixed precision, whose variables stay float32)."""
+
+    dataset_key = "shapes-half-weights"
+
+    def create_model(self):
+        m = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(8, activation="relu", dtype="float16"),
+                keras.layers.Dense(1, activation="sigmoid", dtype="float32"),
+            ]
+        )
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy")
+        return m
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [STRATEGIES["through-master"], STRATEGIES["ring"], STRATEGIES["gradients"], STRATEGIES["async"]],
+    ids=["through-master", "ring", "gradients", "async"],
+)
+def test_float16_variables_are_averaged_in_float32_and_stay_float16(cluster: ddlf.Cluster, strategy) -> None:
+    app = HalfWeights(cluster)
+    app.model = app.create_model()
+    start = app.model.get_weights()
+    assert start[0].dtype == np.float16
+    h = app.train(epochs=2, batch_size=32, strategy=strategy, verbose=0)
+    assert not [e for e in h.events if e["event"] == "reply_refused"], h.events
+    got = app.model.get_weights()
+    assert [w.dtype for w in got] == [w.dtype for w in start]
+    assert not np.array_equal(got[0], start[0]) and np.isfinite(got[0].astype(np.float32)).all()

@@ -101,6 +101,8 @@ def _check_weights(
         if not isinstance(a, np.ndarray):
             raise bad(f"weight {j} is a {type(a).__name__}, not an array")
         want = HALF if compression in HALF else (str(ref.dtype),)
+        if compression not in HALF and str(ref.dtype) in HALF:
+            want = (str(ref.dtype), "float32")  # a half-precision weight's change travels in float32 (ops.delta)
         if str(a.dtype) not in want:
             raise bad(f"weight {j} is {a.dtype}, expected {' or '.join(want)}")
         if a.shape != ref.shape:

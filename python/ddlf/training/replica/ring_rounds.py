@@ -55,6 +55,12 @@ def _weighted_mean(
     ``samples / unit`` (``unit``: the same on every rank, so that a weight is about 1 and a weighted value stays as
     small as the value itself: float16 ends at 65504)."""
 
+    half = [i for i, a in enumerate(arrays) if ops.is_half(a)]
+    if half:  # averaged in float32, returned in their own dtype
+        wide, total = _weighted_mean(
+            [np.asarray(a, np.float32) if i in half else a for i, a in enumerate(arrays)], samples, spec, wire, unit
+        )
+        return [w.astype(arrays[i].dtype) if i in half else w for i, w in enumerate(wide)], total
     out = list(arrays)
     total = 0.0
     weight = samples / unit
