@@ -73,10 +73,10 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
     return predicate()
 
 
-def ctrl_c_interrupts(code: str, within: float = 2.0) -> None:
+def ctrl_c_interrupts(code: str, within: float = 2.0) -> float:
     """Run ``code`` in a fresh interpreter: it prints ``calling`` before a call that blocks and ``interrupted`` when
-    ``KeyboardInterrupt`` ends it. Press Ctrl-C half a second after ``calling`` and check that the call ended
-    within ``within`` seconds."""
+    ``KeyboardInterrupt`` ends it. Press Ctrl-C half a second after ``calling``, check that the call ended within
+    ``within`` seconds, and return how long it took."""
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "calling"
@@ -85,7 +85,9 @@ def ctrl_c_interrupts(code: str, within: float = 2.0) -> None:
         p.send_signal(signal.SIGINT)
         out, _ = p.communicate(timeout=10)
         assert "interrupted" in out
-        assert time.monotonic() - t0 < within
+        took = time.monotonic() - t0
+        assert took < within
+        return took
     finally:
         p.kill()
 
