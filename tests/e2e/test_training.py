@@ -174,7 +174,7 @@ def test_failing_load_dataset_is_a_remote_error(cluster: ddlf.Cluster) -> None:
         def load_dataset(self):
             return {"images": np.zeros((4, 784), np.uint8), "labels": np.zeros(4, np.uint8)}
 
-    with pytest.raises(ddlf.RemoteError, match="needs 'x' and 'y'"):
+    with pytest.raises(ddlf.RemoteError, match=r"keys \['images', 'labels'\]; it takes 'x', 'y'"):
         WrongKeys(cluster).train(epochs=1, verbose=0)
     assert cluster.run(lambda: "still serving") == ["still serving"] * 2
 

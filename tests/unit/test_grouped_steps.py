@@ -24,8 +24,8 @@ class Recorder:
         self.calls: list[str] = []
         self.stacks: list[np.ndarray] = []
 
-    def one(self, x: object, y: object) -> None:
-        self.calls.append("one")
+    def one(self, x: object, y: object, sw: object = None) -> None:
+        self.calls.append("one" if sw is None else "weighted")
         self.steps.append((np.array(x), np.array(y)))
 
     def many(self, xs: np.ndarray, ys: np.ndarray, n: int) -> None:
@@ -158,3 +158,17 @@ def test_grouped_rounds_train_as_one_call_per_batch_on_tensorflow() -> None:
     assert result["one_each"] < 1e-5, result  # the stepper trains as train_on_batch
     assert result["grouped"] < 1e-5, result  # and so it does with its steps grouped
     assert result["logs"][1] == pytest.approx(result["logs"][0], rel=1e-5)
+
+
+def test_weighted_and_named_input_batches_step_alone_in_order() -> None:
+    """A batch with sample weights, or whose x is a dict of named inputs, cannot join a stack: it steps alone,
+    after what was gathered, with its weights."""
+    rec = Recorder()
+    grouped = _Grouped(rec.one, rec.many)
+    small = _batches([2, 2, 2])
+    grouped.add(*small[0])
+    grouped.add(*small[1], np.ones(2, np.float32))
+    grouped.add({"a": small[2][0]}, small[2][1])
+    grouped.flush()
+    assert rec.calls == ["many1", "weighted", "one"]
+    assert [int(y[0]) for _, y in rec.steps] == [0, 2, 4]

@@ -43,14 +43,15 @@ class StoredDataset:
 
 
 def _arrays(value: Any) -> list[Any]:
-    """The arrays (and encoded images) of a dataset value."""
+    """The arrays (and encoded images, and pandas frames) of a dataset value, nested dicts, tuples and lists
+    walked (a model's named inputs)."""
     kinds = (np.ndarray, EncodedImages)
-    if isinstance(value, kinds):
+    if isinstance(value, kinds) or type(value).__module__.startswith("pandas."):
         return [value]
     if isinstance(value, Mapping):
-        return [v for v in value.values() if isinstance(v, kinds)]
+        return [a for v in value.values() for a in _arrays(v)]
     if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, kinds)]
+        return [a for v in value for a in _arrays(v)]
     return []
 
 

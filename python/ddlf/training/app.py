@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from .. import data as datasets
 from .. import serialization
 from ..cluster.cluster import Cluster
 from ..data.images import EncodedImages
+from ..data.structure import concatenate_rows
+from ..errors import WorkerUnavailable
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.seeding import set_random_seed
 from ..report.training import check_report_path, write_report
@@ -34,10 +40,12 @@ from . import checkpoint
 from . import replica as remote
 from .asynchronous import train_async as _train_async
 from .callbacks import ProgressBar
+from .evaluation import contiguous_parts, evaluate_on_workers, predict_on_workers
 from .exchange import resolve as resolve_exchange
 from .history import History
 from .keras_callbacks import KerasCallback, is_keras_callback
 from .membership import Members
+from .messages import FitData
 from .options import DataConfig, ModelAveraging, RunConfig, Strategy, TrainConfig
 from .run import TrainingRun
 from .synchronous import train_sync as _train_sync
@@ -97,6 +105,11 @@ class IApp:
         batch_size: int = 32,
         *,
         validation_data: tuple[Any, Any] | None = None,
+        validation_split: float = 0.0,
+        validation_freq: int | Sequence[int] = 1,
+        shuffle: bool = True,
+        class_weight: dict[int, float] | None = None,
+        sample_weight: Any = None,
         callbacks: Sequence[Any] = (),
         verbose: int = 1,
         initial_epoch: int = 0,
@@ -108,10 +121,16 @@ class IApp:
         :class:`~ddlf.History`.
 
         Args:
-            epochs, batch_size, validation_data, callbacks, verbose, initial_epoch: as in ``fit``. ``batch_size``
-                is each worker's; ``validation_data`` ``(x, y)`` is evaluated on the master's model after each
-                epoch (``val_*`` metrics); ``callbacks`` are Keras' own (``keras.callbacks.EarlyStopping``, ...;
-                see :mod:`ddlf.training.keras_callbacks`) or ddlf's (:mod:`ddlf.callbacks`).
+            epochs, batch_size, validation_data, validation_split, validation_freq, shuffle, class_weight,
+                sample_weight, callbacks, verbose, initial_epoch: as in ``fit``. ``batch_size`` is each worker's;
+                ``validation_data`` ``(x, y)`` (arrays the master holds) is evaluated on the master's model;
+                ``validation_split`` holds out the last share of the rows the workers loaded (before shuffling),
+                evaluated on the workers where those rows are (the ``val_*`` logs are what ``evaluate`` gives over
+                all of them); ``validation_data`` wins over it, as in ``fit``. ``sample_weight``: one weight per
+                row (an array), or a function ``(x, y) -> weights`` of each batch, run on the workers (weights can
+                also come from ``load_dataset`` as a third part). ``callbacks`` are Keras' own
+                (``keras.callbacks.EarlyStopping``, ...; see :mod:`ddlf.training.keras_callbacks`) or ddlf's
+                (:mod:`ddlf.callbacks`).
             strategy: how the workers learn together (:mod:`ddlf.training.options`): :class:`~ddlf.ModelAveraging`
                 (the default: the paper's parameter averaging, one round per epoch unless ``every=`` batches),
                 :class:`~ddlf.GradientAveraging` (every step, n workers as one process at n times the batch) or
@@ -130,7 +149,11 @@ class IApp:
             data=data if data is not None else DataConfig(),
             run=run if run is not None else RunConfig(),
             verbose=verbose,
+            fit=FitData(validation_split, shuffle, class_weight, sample_weight),
+            validation_freq=validation_freq if isinstance(validation_freq, int) else tuple(validation_freq),
         )
+        if validation_data is not None and cfg.fit.validation_split:
+            cfg.fit = dataclasses.replace(cfg.fit, validation_split=0.0)  # fit's rule: validation_data wins
         self._check(cfg)
         if cfg.mode == "sync":
             return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
@@ -168,22 +191,93 @@ class IApp:
         """Asynchronous training (see :mod:`ddlf.training.asynchronous`). Override to customise."""
         return self._run(_train_async, cfg, validation_data, callbacks, initial_epoch, "async")
 
-    def evaluate(self, x: Any, y: Any, batch_size: int = 256, **kwargs: Any) -> Any:
-        """Evaluate the master's model (``model.evaluate``), applying :meth:`preprocess` first. Encoded images
-        (:class:`ddlf.datasets.EncodedImages`) are decoded batch by batch, never all at once."""
-        verbose = kwargs.pop("verbose", 0)
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int = 256,
+        *,
+        sample_weight: Any = None,
+        verbose: int = 0,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Evaluate the master's model, as Keras' ``model.evaluate``.
+
+        With ``x`` (arrays the master holds: an array, a dict of named inputs, a DataFrame...): on the master,
+        after :meth:`preprocess`; encoded images (:class:`ddlf.datasets.EncodedImages`) are decoded batch by batch,
+        never all at once. Without ``x``: on the workers, over the dataset they loaded (each a contiguous part of
+        the rows; a sharded app: each its own shard), with the master's weights: the results are ``evaluate``'s
+        over all the rows (metric states added up across the workers). Returns the loss, or a list of loss and
+        metrics, or with ``return_dict`` a dict, as Keras does."""
+        if x is None:
+            if y is not None or sample_weight is not None:
+                raise ValueError("evaluate() without x evaluates the workers' dataset: give no y or sample_weight")
+            logs = self._on_workers("evaluate", batch_size)
+            if return_dict:
+                return logs
+            values = list(logs.values())
+            return values[0] if len(values) == 1 else values
         if isinstance(x, EncodedImages):
+            if sample_weight is not None:
+                raise ValueError("evaluate() on EncodedImages takes no sample_weight")
             batches = datasets.batches([x, y], batch_size=batch_size, preprocess=self.preprocess)
             steps = -(-len(x) // batch_size)
-            return self.model.evaluate(batches, steps=steps, verbose=verbose, **kwargs)
+            return self.model.evaluate(batches, steps=steps, verbose=verbose, return_dict=return_dict, **kwargs)
         x, y = self.preprocess(x, y)
-        return self.model.evaluate(x, y, batch_size=batch_size, verbose=verbose, **kwargs)
+        if sample_weight is not None:
+            kwargs["sample_weight"] = sample_weight
+        return self.model.evaluate(x, y, batch_size=batch_size, verbose=verbose, return_dict=return_dict, **kwargs)
+
+    def predict(self, x: Any = None, batch_size: int = 256, *, verbose: int = 0, **kwargs: Any) -> Any:
+        """The master's model's predictions, as Keras' ``model.predict``: for ``x`` (after :meth:`preprocess`,
+        on the master, batch by batch), or without ``x`` for every row of the workers' dataset, computed on the
+        workers with the master's weights and returned in row order (a sharded app: shard after shard)."""
+        if x is None:
+            return self._on_workers("predict", batch_size)
+        if isinstance(x, EncodedImages):
+            rows = [x, np.zeros(len(x), np.int8)]
+            outs = [
+                self.model.predict_on_batch(bx)
+                for bx, _ in datasets.batches(rows, batch_size=batch_size, preprocess=self.preprocess)
+            ]
+            return concatenate_rows(outs)
+        x, _ = self.preprocess(x, None)
+        return self.model.predict(x, batch_size=batch_size, verbose=verbose, **kwargs)
+
+    def _on_workers(self, what: str, batch_size: int) -> Any:
+        """Evaluate or predict (``what``) on the workers over the dataset they hold, with the master's weights: a
+        short run is set up (the dataset from each worker's store, the model built there), used and torn down."""
+        if self.model is None:
+            self.model = self.create_model()
+        run_id = f"{what}-{uuid.uuid4().hex[:8]}"
+        members = Members(self, run_id, 0, History(), fit=FitData(shuffle=False))
+        live = members.live(first=True)
+        if not live:
+            raise WorkerUnavailable(f"app.{what}() needs a live worker: every worker is lost")
+        try:
+            infos = [members.info[self.cluster.addresses[w]] for w in live]
+            if self.sharded:
+                parts = [(0, int(i["rows"])) for i in infos]
+            else:
+                parts = contiguous_parts(0, int(infos[0]["rows"]), len(live), batch_size)
+            weights = [np.asarray(w) for w in self.model.get_weights()]
+            if what == "evaluate":
+                return evaluate_on_workers(self.cluster, run_id, live, weights, list(parts), batch_size)
+            return predict_on_workers(self.cluster, run_id, live, weights, parts, batch_size)
+        finally:
+            with contextlib.suppress(Exception):
+                self.cluster.call(remote.teardown, (run_id,), workers=members.candidates(), return_exceptions=True)
 
     # -- internals --------------------------------------------------------------------------------------
 
-    def validate(self, data: tuple[Any, Any]) -> dict[str, float]:
-        """Evaluate the master's model on ``(x, y)`` (after :meth:`preprocess`): Keras's ``val_*`` logs."""
-        out = self.evaluate(*data, batch_size=512, return_dict=True)
+    def validate(self, data: tuple[Any, ...]) -> dict[str, float]:
+        """Evaluate the master's model on ``(x, y)`` or ``(x, y, sample_weight)`` (after :meth:`preprocess`):
+        Keras's ``val_*`` logs."""
+        if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
+            raise ValueError("validation_data must be (x, y) or (x, y, sample_weight), as in fit")
+        sw = data[2] if len(data) == 3 else None
+        out = self.evaluate(data[0], data[1], batch_size=512, sample_weight=sw, return_dict=True)
         return {f"val_{k}": float(v) for k, v in out.items()}
 
     def shipped(self, modules: set[str] | None = None) -> bytes:
@@ -211,7 +305,7 @@ class IApp:
         resumed = checkpoint.load(cfg.run.checkpoint_dir) if cfg.run.resume and cfg.run.checkpoint_dir else None
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None
-        members = Members(self, cfg.run_id, cfg.run.seed, history, workers=workers)
+        members = Members(self, cfg.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit)
         live = members.live(first=True)
         if not live:
             live = members.wait_for_any(cfg.run.rejoin_timeout)

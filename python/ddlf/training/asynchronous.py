@@ -31,7 +31,7 @@ from .membership import Members
 from .messages import MasterRound, Rows, WorkerResult
 from .numerics import nbytes
 from .options import Asynchronous, TrainConfig
-from .plan import Chunk, chunks, shard_layout
+from .plan import Chunk, chunks, epoch_order, shard_layout
 from .replies import check_reply
 from .run import TrainingRun
 
@@ -85,12 +85,12 @@ def train_async(run: TrainingRun) -> History:
             # Each worker works through the shard it holds (rotating every k epochs if asked).
             layout = shard_layout(len(run.shard_rows), epoch, cfg.run.seed, cfg.data.rotate_shards_every)
             own = {
-                shard: chunks(ops.permutation(run.shard_rows[shard], seed, epoch), chunk_rows, shard)
+                shard: chunks(epoch_order(run.shard_rows[shard], seed, epoch, cfg.fit.shuffle), chunk_rows, shard)
                 for shard, seed in zip(layout.shards, layout.seeds)
             }
             ep = _Epoch(epoch, deque(), own, shard_of=dict(enumerate(layout.shards)))
         else:
-            ep = _Epoch(epoch, chunks(ops.permutation(run.rows, cfg.run.seed, epoch), chunk_rows))
+            ep = _Epoch(epoch, chunks(epoch_order(run.rows, cfg.run.seed, epoch, cfg.fit.shuffle), chunk_rows))
 
         def work(address: str, ep: _Epoch) -> None:
             while True:

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import WorkerUnavailable
 from ..frameworks.keras_backend import keras_backend_in_use
 from ..frameworks.seeding import uses_torch
+from ..serialization import dumps_inline
 from . import replica as remote
 
 
@@ -28,6 +29,7 @@ class Members:
         history: Any,
         rejoin_interval: float = 1.0,
         workers: list[int] | None = None,
+        fit: Any = None,
     ) -> None:
         self.app = app
         self.cluster = app.cluster
@@ -37,6 +39,8 @@ class Members:
         self.rejoin_interval = rejoin_interval
         self.modules: set[str] = set()  # local modules the app refers to: shipped before each setup
         self.blob = app.shipped(self.modules)
+        # train's data arguments (class weights, a sample-weight function by value), sent with each set-up
+        self.fit_blob = dumps_inline(fit, self.modules) if fit is not None and not fit.plain else None
         self.backend = keras_backend_in_use()  # workers run the master's Keras backend
         # Workers load PyTorch's compiler before TensorFlow only for a run that needs it (ddlf.frameworks.loading).
         self.torch = uses_torch(app.model)
@@ -77,7 +81,7 @@ class Members:
                     c._ship(self.modules, None)
                 outcomes = c.call(
                     remote.setup,
-                    (self.run_id, self.blob, self.seed, self.backend, self.torch),
+                    (self.run_id, self.blob, self.seed, self.backend, self.torch, self.fit_blob),
                     workers=need,
                     return_exceptions=True,
                 )

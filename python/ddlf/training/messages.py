@@ -26,6 +26,55 @@ def finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
+@dataclass(frozen=True, eq=False)
+class FitData:
+    """What ``train``'s data arguments ask of every worker's dataset, with ``fit``'s meanings: sent once, at set-up.
+
+    ``validation_split``: the last share of the rows (before any shuffling) is held out of training, for
+    validation on the workers. ``shuffle``: each epoch visits the training rows in a fresh seeded order (False:
+    in order). ``class_weight``: per-class weights turned into each batch's sample weights from its labels.
+    ``sample_weight``: per-row weights, an array with one entry per row, or a function ``(x, y) -> weights`` of
+    each raw batch (run on the workers)."""
+
+    validation_split: float = 0.0
+    shuffle: bool = True
+    class_weight: dict[int, float] | None = None
+    sample_weight: Any = None
+
+    def __post_init__(self) -> None:
+        split = self.validation_split
+        if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0.0 <= split < 1.0:
+            raise ValueError(f"validation_split must be a number >= 0 and < 1, not {split!r}")
+        if self.shuffle not in (True, False):
+            raise ValueError(f"shuffle must be True or False, not {self.shuffle!r}")
+        cw = self.class_weight
+        if cw is not None:
+            if not isinstance(cw, dict) or not cw:
+                raise TypeError(f"class_weight must be a dict {{class index: weight}}, not {cw!r}")
+            for k, v in cw.items():
+                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+                    raise ValueError(f"class_weight's keys must be class indices (integers >= 0), not {k!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v):
+                    raise ValueError(f"class_weight[{k}] must be a finite number, not {v!r}")
+            if self.sample_weight is not None:
+                raise ValueError("class_weight and sample_weight cannot be given together (as in fit): keep one")
+        sw = self.sample_weight
+        if sw is not None and not callable(sw):
+            a = np.asarray(sw)
+            if a.dtype.kind not in "fiu" or a.ndim < 1:
+                raise TypeError(
+                    "sample_weight must be an array of numbers with one entry per row, or a function "
+                    f"(x, y) -> weights of each batch, not {type(sw).__name__}"
+                )
+            if not np.isfinite(a.astype(np.float64)).all():
+                raise ValueError("sample_weight holds NaN or infinite values")
+
+    @property
+    def plain(self) -> bool:
+        """``fit``'s defaults: every row trains, shuffled, unweighted (nothing to send the workers)."""
+        return not self.validation_split and self.shuffle and self.class_weight is None and self.sample_weight is None
+
+
 @dataclass
 class WorkerResult:
     """What one worker's training chunk returned (``training.worker.train_chunk``)."""

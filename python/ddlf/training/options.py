@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .messages import FitData
 from .outer import OuterSpec
 from .policy import FailurePolicy
 
@@ -373,6 +374,10 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
     verbose: int = 1
+    fit: FitData = field(default_factory=FitData)
+    """``fit``'s data arguments (``validation_split``, ``shuffle``, ``class_weight``, ``sample_weight``)."""
+    validation_freq: int | tuple[int, ...] = 1
+    """As in ``fit``: validate every this many epochs, or after the epochs listed (counted from 1)."""
     exchange: ThroughMaster | Ring | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t0: float = field(default_factory=time.perf_counter)
@@ -395,6 +400,22 @@ class TrainConfig:
             raise TypeError(f"run must be a ddlf.RunConfig, not {self.run!r}")
         if isinstance(self.strategy, GradientAveraging):
             self.exchange = self.strategy.ring
+        freq = self.validation_freq
+        if isinstance(freq, (list, tuple, set, frozenset, range)):
+            freq = self.validation_freq = tuple(sorted(freq))
+            if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in freq):
+                raise ValueError(f"validation_freq as a list holds epochs counted from 1, not {freq!r}")
+        else:
+            _positive_int(freq, "validation_freq")
+        if not isinstance(self.fit, FitData):
+            raise TypeError(f"fit must be a FitData, not {self.fit!r}")
+
+    def validates(self, epoch: int) -> bool:
+        """Whether validation runs after epoch ``epoch`` (counted from 0), as ``validation_freq`` says."""
+        freq = self.validation_freq
+        if isinstance(freq, tuple):
+            return epoch + 1 in freq
+        return (epoch + 1) % freq == 0
 
     # -- resolved values the loops read ------------------------------------------------------------------------
 

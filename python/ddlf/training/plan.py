@@ -42,6 +42,12 @@ def shard_layout(n_shards: int, epoch: int, seed: int, rotate_every: int | None)
     return ShardLayout(shards, [seed * SHARD_SEED_STRIDE + s for s in shards])
 
 
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The order an epoch visits ``n`` rows in: the seeded permutation for ``(seed, epoch)``, or (``fit``'s
+    ``shuffle=False``) ``0, 1, ..., n - 1``."""
+    return ops.permutation(n, seed, epoch) if shuffle else np.arange(n, dtype=np.uint32)
+
+
 Assignment = tuple[int, Rows]
 """One worker's part of a round: ``(worker, the rows it trains)``."""
 
@@ -61,7 +67,8 @@ class SlicePlan:
         self.rows = rows
         self.n_workers = n_workers
         self.offset = 0
-        self.perm = ops.permutation(rows, cfg.run.seed, epoch) if cfg.data.send == "indices" else None
+        shuffle = cfg.fit.shuffle
+        self.perm = epoch_order(rows, cfg.run.seed, epoch, shuffle) if cfg.data.send == "indices" else None
         self.per_worker = (cfg.round_batches or 0) * cfg.batch_size  # 0: the whole epoch in one round
 
     def finished(self) -> bool:
@@ -100,7 +107,7 @@ class ShardPlan:
         self.shards, self.seeds = layout.shards, layout.seeds
         self.sizes = [shard_rows[s] for s in self.shards]
         self.perms = (
-            [ops.permutation(m, seed, epoch) for m, seed in zip(self.sizes, self.seeds)]
+            [epoch_order(m, seed, epoch, cfg.fit.shuffle) for m, seed in zip(self.sizes, self.seeds)]
             if cfg.data.send == "indices"
             else None
         )

@@ -21,9 +21,11 @@ from ..errors import (
     NonFiniteUpdate,
     ReplyRefusedWarning,
     WireOverflowWarning,
+    WorkerUnavailable,
 )
 from . import checkpoint
 from . import replica as remote
+from .evaluation import contiguous_parts, evaluate_on_workers
 from .history import History, RoundStats
 from .keras_callbacks import learning_rate
 from .membership import Members
@@ -138,13 +140,35 @@ class TrainingRun:
         app = self.app
         app.model.set_weights(weights)
         logs = weighted_logs([r for r in results if r.samples > 0])
-        if self.validation_data is not None:
-            logs.update(app.validate(self.validation_data))
+        if self.cfg.validates(epoch):
+            logs.update(self.validation_logs(weights))
         self.history.record_epoch(logs, time.perf_counter() - t_epoch)
         for cb in self.callbacks:
             cb.on_epoch_end(epoch, logs)
         app.epochs_done = epoch + 1
         return bool(app.stop_training)
+
+    def validation_logs(self, weights: list[np.ndarray]) -> dict[str, float]:
+        """``val_*`` logs of the epoch's weights: on ``validation_data`` (the master's model), or on the rows
+        ``validation_split`` held out, evaluated where they are (the workers; a lost worker's part is left out,
+        and History records it)."""
+        if self.validation_data is not None:
+            return self.app.validate(self.validation_data)
+        if not self.cfg.fit.validation_split:
+            return {}
+        live = self.members.live()
+        if self.app.sharded:
+            parts: list[tuple[int, int] | None] = [None] * len(live)  # each its own shard's held-out rows
+        else:
+            held_out = max(int(self.members.info[self.cluster.addresses[w]]["validation_rows"]) for w in live)
+            parts = list(contiguous_parts(self.rows, self.rows + held_out, len(live), self.cfg.batch_size))
+        try:
+            logs = evaluate_on_workers(self.cluster, self.cfg.run_id, live, weights, parts, self.cfg.batch_size)
+        except WorkerUnavailable as exc:
+            self.fail(exc)
+            self.members.note("validation_skipped", reason=str(exc))
+            return {}
+        return {f"val_{k}": float(v) for k, v in logs.items()}
 
     def save_checkpoint(
         self,

@@ -6,7 +6,8 @@ The functions here are the endpoints the master calls by reference (``cluster.ru
 (:mod:`ddlf.training.messages`). :mod:`.sessions` holds the runs, :mod:`.session` one run and its state,
 :mod:`.rounds` and :mod:`.ring_rounds` the two kinds of round, :mod:`.steppers` the frameworks' compiled steps,
 :mod:`.buckets` PyTorch's gradient buckets, :mod:`.state` a model's optimizer and random state, :mod:`.dataset`
-its data and :mod:`.warm` the models kept warm between runs.
+its data and batches, :mod:`.evaluation` evaluation and prediction over its rows, and :mod:`.warm` the models kept
+warm between runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..messages import GradientRound, MasterRound, RingRound
+from . import evaluation
 from .sessions import SESSIONS
 
 
@@ -32,10 +34,16 @@ def configure(
 
 
 def setup(
-    worker: Any, run_id: str, app_blob: bytes, seed: int, backend: str | None = None, torch: bool | None = None
+    worker: Any,
+    run_id: str,
+    app_blob: bytes,
+    seed: int,
+    backend: str | None = None,
+    torch: bool | None = None,
+    fit_blob: bytes | None = None,
 ) -> dict[str, Any]:
     """Set run ``run_id`` up on this worker (:meth:`.sessions.Sessions.setup`)."""
-    return SESSIONS.setup(worker, run_id, app_blob, seed, backend, torch)
+    return SESSIONS.setup(worker, run_id, app_blob, seed, backend, torch, fit_blob)
 
 
 def teardown(worker: Any, run_id: str) -> None:
@@ -73,6 +81,24 @@ def train_gradients(worker: Any, spec: GradientRound) -> dict[str, Any]:
     return SESSIONS.get(spec.run_id).train_gradients(worker, spec)
 
 
+def evaluate(
+    run_id: str, weights: list[np.ndarray] | None, part: tuple[int, int] | None, batch_size: int
+) -> dict[str, Any]:
+    """Evaluate ``weights`` on rows ``part`` of this worker's dataset (None: those ``validation_split`` holds
+    out): :func:`.evaluation.evaluate`."""
+    return evaluation.evaluate(SESSIONS.get(run_id), weights, part, batch_size)
+
+
+def metric_results(run_id: str, state: list[np.ndarray]) -> dict[str, float]:
+    """The metrics' results for the workers' metric states added up (:func:`.evaluation.metric_results`)."""
+    return evaluation.metric_results(SESSIONS.get(run_id), state)
+
+
+def predict(run_id: str, weights: list[np.ndarray] | None, part: tuple[int, int], batch_size: int) -> Any:
+    """Predictions for rows ``part`` of this worker's dataset (:func:`.evaluation.predict`)."""
+    return evaluation.predict(SESSIONS.get(run_id), weights, part, batch_size)
+
+
 def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray]:
     """The weights of the last round reduced here."""
     return SESSIONS.get(run_id).reduced_weights(round_no)
@@ -80,6 +106,9 @@ def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray
 
 __all__ = [
     "configure",
+    "evaluate",
+    "metric_results",
+    "predict",
     "reduced_weights",
     "restore_state",
     "runs",

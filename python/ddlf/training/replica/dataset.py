@@ -1,10 +1,18 @@
-"""A replica's dataset: the app's (or one shard of it) through the worker's store, and its ``(x, y)``."""
+"""A replica's dataset: the app's (or one shard of it) through the worker's store, as
+:class:`~ddlf.data.structure.Parts`, and a round's batches from it (:class:`Feed`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
+from ... import ops
 from ...data.store import STORE
+from ...data.structure import Parts, class_weights, rows_of
+from ...errors import DatasetError
+from ..messages import FitData
 
 
 def shard_key(app: Any, shard: int, n_shards: int) -> str:
@@ -25,12 +33,77 @@ def load(app: Any, identity: bytes, shard: int | None, n_shards: int) -> tuple[A
     )
 
 
-def split_xy(value: Any) -> tuple[Any, Any]:
-    """``(x, y)`` of what ``load_dataset`` returned: a pair, or a dict with ``"x"`` and ``"y"``."""
-    if isinstance(value, dict):
-        if "x" not in value or "y" not in value:
-            raise TypeError(f"load_dataset returned a dict with keys {sorted(value)}; it needs 'x' and 'y'")
-        return value["x"], value["y"]
-    if isinstance(value, (tuple, list)) and len(value) == 2:
-        return value[0], value[1]
-    raise TypeError("load_dataset must return (x, y) or {'x': ..., 'y': ...}")
+def parts_of(value: Any, fit: FitData) -> Parts:
+    """The parts of what the loader returned, with ``train(sample_weight=array)`` as their sample weights."""
+    parts = Parts.loaded(value)
+    if fit.sample_weight is not None and not callable(fit.sample_weight):
+        parts = parts.with_sample_weight(fit.sample_weight)
+    if parts.specs[1] is None:
+        raise DatasetError("the dataset has no y: load_dataset must return (x, y) (a model trains against targets)")
+    if fit.class_weight is not None and parts.specs[1] != "leaf":
+        raise DatasetError(
+            "class_weight needs a single array of labels y (as in fit: models with one output); for several "
+            "outputs give sample_weight instead"
+        )
+    return parts
+
+
+def training_rows(rows: int, fit: FitData) -> int:
+    """The rows that train: all but the last ``validation_split`` share (``fit``'s split: before shuffling)."""
+    if not fit.validation_split:
+        return rows
+    split_at = int(np.floor(rows * (1.0 - fit.validation_split)))
+    if split_at in (0, rows):
+        raise DatasetError(
+            f"validation_split={fit.validation_split} leaves {'no' if split_at == 0 else 'all'} of the "
+            f"{rows} rows for training: choose a share that splits them"
+        )
+    return split_at
+
+
+Batch = tuple[Any, Any, Any, int]
+"""``(x, y, sample_weight, rows)`` of one batch, ready for the model (after the app's ``preprocess``)."""
+
+
+class Feed:
+    """A round's batches: the rows gathered by the Rust pipeline (one pass over every array of the dataset), put
+    back into the dataset's structure, preprocessed by the app, with their sample weights (from the loader, an
+    array, ``class_weight`` or a function of the batch)."""
+
+    def __init__(
+        self,
+        parts: Parts,
+        indices: np.ndarray | None,
+        batch_size: int,
+        prefetch: int,
+        preprocess: Callable[[Any, Any], tuple[Any, Any]],
+        fit: FitData,
+    ) -> None:
+        self.parts = parts
+        self.pipeline = ops.BatchPipeline(parts.leaves, indices, batch_size, prefetch=prefetch)
+        self.preprocess = preprocess
+        self.fit = fit
+
+    def __iter__(self) -> Iterator[Batch]:
+        parts, preprocess, fit = self.parts, self.preprocess, self.fit
+        weigh = fit.class_weight is not None or callable(fit.sample_weight)
+        for raw in self.pipeline:
+            x, y, sw = parts.pack(raw)
+            if weigh:
+                sw = (
+                    class_weights(y, fit.class_weight)
+                    if fit.class_weight is not None
+                    else np.asarray(fit.sample_weight(x, y), dtype=np.float32)
+                )
+            n = rows_of(x)
+            if sw is not None and np.shape(sw)[:1] != (n,):
+                raise DatasetError(
+                    f"sample_weight(x, y) returned weights of shape {np.shape(sw)} for a batch of {n} rows: "
+                    "give one weight per row"
+                )
+            x, y = preprocess(x, y)
+            yield x, y, sw, n
+
+    def stats(self) -> dict[str, Any]:
+        """The pipeline's counters: rows gathered, seconds waited for data."""
+        return self.pipeline.stats()

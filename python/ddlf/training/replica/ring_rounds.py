@@ -198,7 +198,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     model = session.model
     stepper = session.steps()
     t0 = time.perf_counter()
-    x, y, indices = session.data_for(spec.rows)
+    feed = session.feed(spec.rows, batch_size, spec.prefetch)
     model.set_weights(start)
     if redo and session.optimizer_start is not None:
         set_optimizer_state(model, session.optimizer_start)
@@ -212,9 +212,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
             stepper.base_lr = spec.learning_rate  # the rate the linear scaling multiplies
     model.reset_metrics()
     stepper.begin()
-    pipeline = ops.BatchPipeline([x, y], indices, batch_size, prefetch=spec.prefetch)
-    batches = iter(pipeline)
-    preprocess = session.app.preprocess
+    batches = iter(feed)
     factor = None
     reduce_s = 0.0
     nonfinite = overflowed = 0
@@ -237,11 +235,10 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                 # Overlapped: the buckets go to the ring while backward runs; only the wait after it counts.
                 run, n = None, 0
                 if batch is not None:
-                    bx, by = preprocess(*batch)
-                    n = len(by)
+                    bx, by, sw, n = batch
 
-                    def run(bx: Any = bx, by: Any = by) -> None:
-                        stepper.backward(bx, by)
+                    def run(bx: Any = bx, by: Any = by, sw: Any = sw) -> None:
+                        stepper.backward(bx, by, sw)
                         if slow_seconds_per_batch:
                             time.sleep(slow_seconds_per_batch)
 
@@ -254,8 +251,8 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
             elif batch is None:
                 grads, n = stepper.zeros(), 0
             else:
-                bx, by = preprocess(*batch)
-                grads, n = stepper.gradients(bx, by), len(by)
+                bx, by, sw, n = batch
+                grads = stepper.gradients(bx, by, sw)
                 if slow_seconds_per_batch:
                     time.sleep(slow_seconds_per_batch)
                 if not all(finite(g) for g in grads):
@@ -274,7 +271,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                 stepper.apply(averaged)
     finally:
         logs = stepper.end()
-    stats = pipeline.stats()
+    stats = feed.stats()
     samples = int(stats["rows"])
     new = [np.asarray(w) for w in model.get_weights()]  # a 0-d weight may come back as a numpy scalar
     untrained = [i for i, m in enumerate(local_mask(model)) if m]

@@ -9,7 +9,7 @@ import numpy as np
 
 from ... import ops
 from ..messages import MasterRound, weights_var
-from .state import optimizer_state, set_learning_rate, set_optimizer_state
+from .state import MetricSum, keras_metrics, optimizer_state, set_learning_rate, set_optimizer_state
 from .steppers import steps_whole_rounds
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
     logs and timings, and with ``return_optimizer_state`` the optimizer state."""
     model = session.model
     t0 = time.perf_counter()
-    x, y, indices = session.data_for(spec.rows)
+    feed = session.feed(spec.rows, spec.batch_size, spec.prefetch)
     weights = spec.weights if spec.weights is not None else worker.vars[weights_var(spec.run_id)]
     model.set_weights(weights)
     if spec.optimizer_state is not None:
@@ -31,29 +31,38 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
     if spec.learning_rate is not None:
         set_learning_rate(model, spec.learning_rate)  # after the state: a rate among the optimizer's variables
     model.reset_metrics()
-    pipeline = ops.BatchPipeline([x, y], indices, spec.batch_size, prefetch=spec.prefetch)
     logs: dict[str, float] = {}
-    preprocess = session.app.preprocess
     if steps_whole_rounds(model):
         # The model's state stays in the framework for the whole round; the logs are read once, at its end.
         stepper = session.steps()
         stepper.begin()
         try:
-            for bx, by in pipeline:
-                stepper.step(*preprocess(bx, by))
+            for bx, by, sw, _n in feed:
+                stepper.step(bx, by, sw)
                 if spec.slow_seconds_per_batch:
                     time.sleep(spec.slow_seconds_per_batch)
         finally:
             logs = stepper.end()
     else:
-        for bx, by in pipeline:
-            bx, by = preprocess(bx, by)
-            out = model.train_on_batch(bx, by, return_dict=True)
+        # Keras's train_on_batch starts each batch from reset metrics: their states are added up for the
+        # round's logs (fit's running values). A TorchModel's logs run from its last reset_metrics.
+        total = MetricSum(model) if keras_metrics(model) else None
+        for bx, by, sw, _n in feed:
+            if total is not None:
+                total.begin()
+            if sw is None:  # a TorchModel takes no sample weights
+                out = model.train_on_batch(bx, by, return_dict=True)
+            else:
+                out = model.train_on_batch(bx, by, sample_weight=sw, return_dict=True)
+            if total is not None:
+                total.add()
             if spec.slow_seconds_per_batch:
                 time.sleep(spec.slow_seconds_per_batch)
             logs = out
+        if total is not None:
+            logs = total.results()
     new = [np.asarray(w) for w in model.get_weights()]  # a 0-d weight may come back as a numpy scalar
-    stats = pipeline.stats()
+    stats = feed.stats()
     result: dict[str, Any] = {
         "samples": int(stats["rows"]),
         "logs": {k: float(v) for k, v in logs.items()},

@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 
 from ... import ops
-from ..messages import GradientRound, MasterRound, RingRound, Rows
+from ...data.structure import Parts
+from ..messages import FitData, GradientRound, MasterRound, RingRound, Rows
 from ..outer import OuterMomentum, OuterSpec
 from . import ring_rounds, rounds
-from .dataset import load, split_xy
+from .dataset import Feed, load, parts_of
 from .state import optimizer_built, optimizer_state, rng_state, set_optimizer_state, set_rng_state
 from .steppers import stepper_for
 
@@ -29,9 +30,11 @@ class Session:
     run_id: str
     app: Any
     model: Any
-    x: Any
-    y: Any
+    parts: Parts
+    """The dataset (this worker's shard of it, for a sharded app)."""
     rows: int
+    """Rows that train (without those ``validation_split`` holds out)."""
+    fit: FitData = field(default_factory=FitData)
     n_shards: int = 0
     """0: the whole dataset on every worker."""
     identity: bytes = b""
@@ -82,19 +85,22 @@ class Session:
             self.stepper = stepper_for(self.model)
         return self.stepper
 
-    def data_for(self, rows: Rows) -> tuple[Any, Any, np.ndarray | None]:
-        """The dataset a round trains on (with shard rotation, another worker's shard: loaded once, then cached
-        here too) and its row indices: ``rows.indices``, or the slice ``rows.seeded`` names of a permutation
-        regenerated here."""
-        x, y, n, indices = self.x, self.y, self.rows, rows.indices
+    def feed(self, rows: Rows, batch_size: int, prefetch: int) -> Feed:
+        """The batches a round trains on: ``rows.indices``, or the slice ``rows.seeded`` names of a permutation
+        regenerated here (in order without ``shuffle``), of the dataset (with shard rotation, another worker's
+        shard: loaded once, then cached here too)."""
+        parts, n, indices = self.parts, self.rows, rows.indices
         if self.n_shards and rows.shard is not None:
             item, _ = load(self.app, self.identity, rows.shard, self.n_shards)
-            x, y = split_xy(item.value)
-            n = len(x)
+            parts = parts_of(item.value, self.fit)
+            n = parts.rows
         if rows.seeded is not None:
             seed, epoch, shares, w, start, stop = rows.seeded
-            indices = ops.partition_for(n, seed, epoch, shares, w)[start:stop]
-        return x, y, indices
+            if self.fit.shuffle:
+                indices = ops.partition_for(n, seed, epoch, shares, w)[start:stop]
+            else:
+                indices = np.arange(start, min(stop, n), dtype=np.uint32)
+        return Feed(parts, indices, batch_size, prefetch, self.app.preprocess, self.fit)
 
     # -- state for checkpoints --------------------------------------------------------------------------------
 

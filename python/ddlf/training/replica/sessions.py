@@ -21,9 +21,9 @@ from typing import Any
 from ...errors import TooManyRuns
 from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
 from ...frameworks.seeding import set_random_seed
-from ..messages import weights_var
+from ..messages import FitData, weights_var
 from . import warm
-from .dataset import load, split_xy
+from .dataset import load, parts_of, training_rows
 from .session import Session
 
 log = logging.getLogger("ddlf.training")
@@ -86,10 +86,12 @@ class Sessions:
         seed: int,
         backend: str | None = None,
         torch: bool | None = None,
+        fit_blob: bytes | None = None,
     ) -> dict[str, Any]:
         """Load (or reuse) the app's dataset and build its model on this worker, on the master's Keras
         ``backend``. ``torch``: the master's model is a ``TorchModel`` or Keras runs on torch (None: as far as this
-        worker can tell, :func:`~ddlf.frameworks.seeding.uses_torch`)."""
+        worker can tell, :func:`~ddlf.frameworks.seeding.uses_torch`). ``fit_blob``: the run's pickled
+        :class:`~..messages.FitData` (``train``'s data arguments; None: ``fit``'s defaults)."""
         import cloudpickle
 
         if torch:
@@ -101,27 +103,29 @@ class Sessions:
         else:
             keras_backend_default()
         app = cloudpickle.loads(app_blob)
+        fit = cloudpickle.loads(fit_blob) if fit_blob is not None else FitData()
         t0 = time.perf_counter()
         worker_seed = seed + 1000 * (worker.id + 1)
         set_random_seed(worker_seed, torch=torch)
         n_shards = worker.n_workers if app.sharded else 0
         identity = hashlib.sha256(app_blob).digest()
         item, cached = load(app, identity, worker.id if n_shards else None, n_shards)
-        x, y = split_xy(item.value)
+        parts = parts_of(item.value, fit)
+        rows = training_rows(parts.rows, fit)
         model = app.create_model()
         if hasattr(model, "set_rng_state"):
             set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
         self.admit(worker, run_id)
         model, stepper, key = warm.lend(model)  # an earlier run's traced model, holding this one's initial state
         self.by_id[run_id] = Session(
-            run_id, app, model, x, y, len(x), n_shards, stepper=stepper, warm_key=key, identity=identity
+            run_id, app, model, parts, rows, fit, n_shards, stepper=stepper, warm_key=key, identity=identity
         )
         self.publish()
-        log.info(
-            "training run %s (%s) set up: %d rows, %d runs here", run_id, type(app).__name__, len(x), len(self.by_id)
-        )
+        name = type(app).__name__
+        log.info("training run %s (%s) set up: %d rows, %d runs here", run_id, name, rows, len(self.by_id))
         return {
-            "rows": len(x),
+            "rows": rows,
+            "validation_rows": parts.rows - rows,
             "cached": cached,
             "load_seconds": 0.0 if cached else item.load_seconds,
             "first_load_seconds": item.load_seconds,

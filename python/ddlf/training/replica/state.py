@@ -65,3 +65,47 @@ def set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
         return  # not built yet on this worker: it builds on the first step and adopts the state next round
     for v, s in zip(variables, state):
         v.assign(s)
+
+
+def keras_metrics(model: Any) -> bool:
+    """Whether ``model`` keeps Keras metrics (a loss tracker and compiled metrics with variables)."""
+    return hasattr(model, "test_on_batch") and hasattr(model, "get_metrics_result")
+
+
+def metric_state(model: Any) -> list[np.ndarray]:
+    """A Keras model's metric state (every variable of its loss tracker and compiled metrics), in a fixed order.
+    Every Keras built-in metric keeps a state that adds up over rows (a Mean's total and count, AUC's counts)."""
+    return [np.asarray(v.numpy() if hasattr(v, "numpy") else v) for m in model.metrics for v in m.variables]
+
+
+def metric_results(model: Any, state: list[np.ndarray]) -> dict[str, float]:
+    """The results of ``model``'s metrics for ``state`` (what :func:`metric_state` gave, or several added up)."""
+    variables = [v for m in model.metrics for v in m.variables]
+    if len(variables) != len(state):
+        raise ValueError(f"metric state of {len(state)} arrays for a model with {len(variables)} metric variables")
+    for v, s in zip(variables, state):
+        v.assign(np.asarray(s, dtype=np.dtype(v.dtype)))
+    return {k: float(v) for k, v in model.get_metrics_result().items()}
+
+
+class MetricSum:
+    """Adds up a Keras model's metric state batch by batch, where each call (``train_on_batch``,
+    ``test_on_batch``) starts from reset metrics: the sum is the state of the whole run of batches."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.state: list[np.ndarray] | None = None
+
+    def begin(self) -> None:
+        """A batch is about to be stepped or evaluated: its state alone is what :meth:`add` reads (whatever the
+        Keras version's ``*_on_batch`` does with the metrics)."""
+        self.model.reset_metrics()
+
+    def add(self) -> None:
+        """Count the batch just stepped or evaluated."""
+        batch = metric_state(self.model)
+        self.state = batch if self.state is None else [a + b for a, b in zip(self.state, batch)]
+
+    def results(self) -> dict[str, float]:
+        """The metrics over every batch counted (empty before the first)."""
+        return metric_results(self.model, self.state) if self.state is not None else {}

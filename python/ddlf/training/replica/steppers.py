@@ -33,19 +33,20 @@ class Stepper:
     def begin(self) -> None:
         """A round starts (the model's variables hold its start weights)."""
 
-    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
-        """This batch's gradients of the mean loss, one array per trainable weight (zeros for unused weights);
-        the model's running loss and metrics count the batch."""
+    def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
+        """This batch's gradients of the mean loss (weighted by the rows' sample weights ``sw``, as ``fit``
+        weighs them), one array per trainable weight (zeros for unused weights); the model's running loss and
+        metrics count the batch."""
         raise NotImplementedError
 
     def apply(self, gradients: list[np.ndarray]) -> None:
         """One optimizer step with ``gradients`` (what :meth:`gradients` returned, averaged)."""
         raise NotImplementedError
 
-    def step(self, x: Any, y: Any) -> None:
+    def step(self, x: Any, y: Any, sw: Any = None) -> None:
         """One whole training step on a batch (model averaging: nothing in between). A stepper may gather several
         and run them together, in order, at the latest by :meth:`end`."""
-        self.apply(self.gradients(x, y))
+        self.apply(self.gradients(x, y, sw))
 
     def end(self) -> dict[str, float]:
         """The round ends: the model's variables hold the result. Returns the running logs."""
@@ -69,7 +70,7 @@ class Stepper:
         gradients in one compiled call (Keras on JAX or TensorFlow)."""
         return None
 
-    def backward(self, x: Any, y: Any) -> None:
+    def backward(self, x: Any, y: Any, sw: Any = None) -> None:
         """Forward and backward on a batch, leaving the gradients where :meth:`buckets`' hooks read them."""
         raise NotImplementedError
 
@@ -167,8 +168,9 @@ def _joins(stack: np.ndarray | None, a: np.ndarray) -> bool:
 class _Grouped:
     """Gathers a round's batches into a stack of :data:`GROUP_STEPS` for ``many(xs, ys, n)``, one compiled call
     that steps through the first ``n`` in order (``n`` is an argument of the call, not of its compilation: one
-    compiled loop serves full stacks and the round's last, partial one). ``one(x, y)`` steps a batch that cannot
-    join a stack (not a numpy array, or too large to gain from it). The steps and their order are those of one
+    compiled loop serves full stacks and the round's last, partial one). ``one(x, y, sw)`` steps a batch that
+    cannot join a stack (not a numpy array (a dict of named inputs), weighted, or too large to gain from it).
+    The steps and their order are those of one
     call each."""
 
     def __init__(self, one: Any, many: Any) -> None:
@@ -177,17 +179,17 @@ class _Grouped:
         self._ys: np.ndarray | None = None
         self._n = 0
 
-    def add(self, x: Any, y: Any) -> None:
-        if type(x) is not np.ndarray or type(y) is not np.ndarray:
+    def add(self, x: Any, y: Any, sw: Any = None) -> None:
+        if type(x) is not np.ndarray or type(y) is not np.ndarray or sw is not None:
             self.flush()
-            self._one(x, y)
+            self._one(x, y, sw)
             return
         xs, ys = self._xs, self._ys
         if not (_joins(xs, x) and _joins(ys, y)):
             self.flush()
             k = min(GROUP_STEPS, GROUP_BYTES // max(1, x.nbytes + y.nbytes))
             if k < 2:
-                self._one(x, y)
+                self._one(x, y, None)
                 return
             # A new stack each time: the framework may keep a reference to the last one (TensorFlow can alias a
             # numpy array's memory).
@@ -226,15 +228,15 @@ class _KerasStepper(Stepper):
         """Run the whole steps gathered so far (TensorFlow) before anything else reads or changes the model's
         state."""
 
-    def _loss(self, x: Any, y: Any, y_pred: Any) -> Any:
+    def _loss(self, x: Any, y: Any, y_pred: Any, sw: Any = None) -> Any:
         model = self.model
         compute = getattr(model, "_compute_loss", None) or model.compute_loss
-        return compute(x=x, y=y, y_pred=y_pred, sample_weight=None, training=True)
+        return compute(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=True)
 
-    def _build(self, x: Any, y: Any) -> None:
+    def _build(self, x: Any, y: Any, sw: Any = None) -> None:
         """Build what Keras builds on a model's first batch (its compiled metrics and loss), and the optimizer."""
         if x is not None:
-            self.model._symbolic_build(data_batch=(x, y, None))
+            self.model._symbolic_build(data_batch=(x, y, sw))
         self.build_optimizer()
 
     def _forward(self, x: Any) -> Any:
@@ -271,14 +273,14 @@ class _TensorFlowStepper(_KerasStepper):
         jit = bool(getattr(model, "jit_compile", False))
 
         @tf.function(reduce_retracing=True, jit_compile=jit)
-        def gradients(x: Any, y: Any) -> Any:
+        def gradients(x: Any, y: Any, sw: Any) -> Any:
             with tf.GradientTape() as tape:
                 y_pred = self._forward(x)
-                loss = self._loss(x, y, y_pred)
+                loss = self._loss(x, y, y_pred, sw)
                 model._loss_tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
                 loss = model.optimizer.scale_loss(loss)
             grads = tape.gradient(loss, trainable)
-            model.compute_metrics(x, y, y_pred, sample_weight=None)
+            model.compute_metrics(x, y, y_pred, sample_weight=sw)
             return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, trainable)]
 
         @tf.function(reduce_retracing=True, jit_compile=jit)
@@ -286,8 +288,8 @@ class _TensorFlowStepper(_KerasStepper):
             model.optimizer.apply_gradients(zip(grads, trainable))
 
         @tf.function(reduce_retracing=True, jit_compile=jit)
-        def step(x: Any, y: Any) -> None:
-            model.train_step((x, y))
+        def step(x: Any, y: Any, sw: Any) -> None:
+            model.train_step((x, y) if sw is None else (x, y, sw))
 
         @tf.function(reduce_retracing=True, jit_compile=jit)
         def steps(xs: Any, ys: Any, n: Any) -> None:
@@ -299,22 +301,22 @@ class _TensorFlowStepper(_KerasStepper):
         self._grouped = _Grouped(step, lambda xs, ys, n: steps(xs, ys, tf.constant(n, tf.int32)))
         self._built = False
 
-    def _ready(self, x: Any, y: Any) -> None:
+    def _ready(self, x: Any, y: Any, sw: Any = None) -> None:
         if not self._built:
-            self._build(x, y)
+            self._build(x, y, sw)
             self._built = True
 
-    def step(self, x: Any, y: Any) -> None:
-        self._ready(x, y)
-        self._grouped.add(x, y)
+    def step(self, x: Any, y: Any, sw: Any = None) -> None:
+        self._ready(x, y, sw)
+        self._grouped.add(x, y, sw)
 
     def _flush(self) -> None:
         self._grouped.flush()
 
-    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
-        self._ready(x, y)
+    def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
+        self._ready(x, y, sw)
         self._flush()
-        return [np.asarray(g.numpy()) for g in self._gradients(x, y)]  # 0-d gradients as 0-d arrays
+        return [np.asarray(g.numpy()) for g in self._gradients(x, y, sw)]  # 0-d gradients as 0-d arrays
 
     def apply(self, gradients: list[np.ndarray]) -> None:
         self._flush()
@@ -331,18 +333,18 @@ class _JaxStepper(_KerasStepper):
 
         self._jax = jax
 
-        def gradients(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any) -> Any:
+        def gradients(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any, sw: Any) -> Any:
             grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-            (_loss, aux), grads = grad_fn(tv, ntv, mv, x, y, None, training=True, optimizer_variables=ov)
+            (_loss, aux), grads = grad_fn(tv, ntv, mv, x, y, sw, training=True, optimizer_variables=ov)
             unscaled, y_pred, ntv, mv = aux
-            _logs, mv = model._update_metrics_variables(mv, unscaled, x, y, y_pred, None)
+            _logs, mv = model._update_metrics_variables(mv, unscaled, x, y, y_pred, sw)
             return grads, ntv, mv
 
         def apply(ov: Any, grads: Any, tv: Any) -> Any:
             return model.optimizer.stateless_apply(ov, grads, tv)
 
-        def step(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any) -> Any:
-            _logs, (tv, ntv, ov, mv) = model.train_step((tv, ntv, ov, mv), (x, y))
+        def step(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any, sw: Any) -> Any:
+            _logs, (tv, ntv, ov, mv) = model.train_step((tv, ntv, ov, mv), (x, y) if sw is None else (x, y, sw))
             return tv, ntv, mv, ov
 
         self._gradients = jax.jit(gradients)
@@ -358,20 +360,20 @@ class _JaxStepper(_KerasStepper):
     def begin(self) -> None:
         self._open = True  # the state is read at the first batch (Keras builds its metrics on it)
 
-    def _ready(self, x: Any, y: Any) -> list[list[Any]]:
+    def _ready(self, x: Any, y: Any, sw: Any = None) -> list[list[Any]]:
         if self._state is None:
             assert self._open, "begin() first"
-            self._build(x, y)
+            self._build(x, y, sw)
             self._state = [[v.value for v in group] for group in self._variables()]
         return self._state
 
-    def step(self, x: Any, y: Any) -> None:
-        state = self._ready(x, y)
-        self._state = [list(group) for group in self._step(*state, x, y)]
+    def step(self, x: Any, y: Any, sw: Any = None) -> None:
+        state = self._ready(x, y, sw)
+        self._state = [list(group) for group in self._step(*state, x, y, sw)]
 
-    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
-        tv, ntv, mv, ov = state = self._ready(x, y)
-        grads, ntv, mv = self._gradients(tv, ntv, mv, ov, x, y)
+    def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
+        tv, ntv, mv, ov = state = self._ready(x, y, sw)
+        grads, ntv, mv = self._gradients(tv, ntv, mv, ov, x, y, sw)
         state[1], state[2] = ntv, mv
         return [np.asarray(g) for g in grads]
 
@@ -405,21 +407,21 @@ class _TorchKerasStepper(_KerasStepper):
 
         self._torch = torch
 
-    def backward(self, x: Any, y: Any) -> None:
+    def backward(self, x: Any, y: Any, sw: Any = None) -> None:
         import keras
 
         model, torch = self.model, self._torch
-        x, y = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+        x, y, sw = keras.tree.map_structure(keras.ops.convert_to_tensor, (x, y, sw))
         y_pred = self._forward(x)
         model.zero_grad()
-        loss = self._loss(x, y, y_pred)
-        model._loss_tracker.update_state(loss, sample_weight=x.shape[0])
+        loss = self._loss(x, y, y_pred, sw)
+        model._loss_tracker.update_state(loss, sample_weight=keras.tree.flatten(x)[0].shape[0])
         model.optimizer.scale_loss(loss).backward()
         with torch.no_grad():
-            model.compute_metrics(x, y, y_pred, sample_weight=None)
+            model.compute_metrics(x, y, y_pred, sample_weight=sw)
 
-    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
-        self.backward(x, y)
+    def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
+        self.backward(x, y, sw)
         out = []
         for v in self.trainable:
             g = v.value.grad
@@ -436,6 +438,14 @@ class _TorchKerasStepper(_KerasStepper):
             self.model.optimizer.apply([keras.ops.convert_to_tensor(g) for g in gradients], self.trainable)
 
 
+def _no_sample_weights(sw: Any) -> None:
+    if sw is not None:
+        raise ValueError(
+            "a ddlf.TorchModel takes no sample weights (class_weight, sample_weight): weigh the rows in its loss "
+            "function instead"
+        )
+
+
 class _TorchModelStepper(Stepper):
     """:class:`TorchModel`'s training step split around the gradient exchange (see
     :class:`ddlf.training.replica.steppers.Stepper`)."""
@@ -448,13 +458,15 @@ class _TorchModelStepper(Stepper):
     def begin(self) -> None:
         pass
 
-    def backward(self, x: Any, y: Any) -> None:
+    def backward(self, x: Any, y: Any, sw: Any = None) -> None:
+        _no_sample_weights(sw)
         self.model._backward(x, y)
 
     def buckets(self, cap_bytes: int) -> Any:
         return torch_buckets(self, self.params, cap_bytes)
 
-    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+    def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
+        _no_sample_weights(sw)
         self.model._backward(x, y)
         return [
             np.zeros(tuple(p.shape), np.float32) if p.grad is None else p.grad.detach().cpu().numpy()
