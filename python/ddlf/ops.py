@@ -31,12 +31,37 @@ def is_half(a: np.ndarray) -> bool:
     return str(a.dtype) in ("float16", "bfloat16")
 
 
+def is_counter(a: np.ndarray) -> bool:
+    """Whether ``a`` holds integers (a layer's step or row counter, an optimizer's iteration count): such arrays
+    are never averaged; what the kernels below do with them is said in each."""
+    return np.asarray(a).dtype.kind in "iub"
+
+
+def add_counter_changes(
+    merged: list[np.ndarray], start: Sequence[np.ndarray], news: Sequence[Sequence[np.ndarray]]
+) -> None:
+    """In place: each integer array of ``merged`` becomes ``start`` plus the sum of every replica's change
+    (``news[k] - start``): counters count what all replicas did, as one process counts every step."""
+    for i, s in enumerate(start):
+        if is_counter(s):
+            merged[i] = np.asarray(s + sum(np.asarray(n[i]) - s for n in news)).astype(s.dtype)
+
+
 def weighted_average(lists: Sequence[Sequence[np.ndarray]], weights: Sequence[float] | None = None) -> list[np.ndarray]:
     """``sum_i weights[i] * lists[i] / sum(weights)``, array by array (equal weights by default). Half-precision
-    arrays (float16, bfloat16) are averaged in float32 and returned in their own dtype."""
+    arrays (float16, bfloat16) are averaged in float32 and returned in their own dtype; integer arrays are not
+    averaged: the result holds the first list's (:func:`add_counter_changes` sums their changes instead)."""
     if not lists:
         return _ddlf.weighted_average([], None)
     like = lists[0]
+    counters = [i for i, a in enumerate(like) if is_counter(a)]
+    if counters:  # integers are not averaged: the first list's, here (see add_counter_changes)
+        floats = [i for i in range(len(like)) if i not in counters]
+        part = weighted_average([[lst[i] for i in floats] for lst in lists], weights) if floats else []
+        out_all = [np.array(a) for a in like]
+        for i, a in zip(floats, part):
+            out_all[i] = a
+        return out_all
     half = [i for i, a in enumerate(like) if is_half(a)]
     if half:
         lists = [[np.asarray(a, np.float32) if i in half else a for i, a in enumerate(lst)] for lst in lists]
@@ -50,11 +75,16 @@ def weighted_average(lists: Sequence[Sequence[np.ndarray]], weights: Sequence[fl
 
 
 def axpy_(weights: Sequence[np.ndarray], delta: Sequence[np.ndarray], alpha: float = 1.0) -> None:
-    """In place: ``weights[i] += alpha * delta[i]`` (a half-precision weight computed in float32, then rounded)."""
+    """In place: ``weights[i] += alpha * delta[i]`` (a half-precision weight computed in float32, then rounded;
+    an integer counter takes its whole change, unscaled)."""
     if len(weights) != len(delta):
         raise ValueError(f"axpy_: {len(weights)} weights but {len(delta)} deltas: one per weight")
+    for i, w in enumerate(weights):
+        if is_counter(w):
+            w[...] = w + np.asarray(delta[i]).astype(w.dtype)
     half = {i for i, w in enumerate(weights) if is_half(w)}
-    pairs = [(w, d) for i, (w, d) in enumerate(zip(weights, delta)) if i not in half]
+    skip = half | {i for i, w in enumerate(weights) if is_counter(w)}
+    pairs = [(w, d) for i, (w, d) in enumerate(zip(weights, delta)) if i not in skip]
     if pairs:
         _ddlf.axpy_(_vectors([w for w, _ in pairs]), _vectors([d for _, d in pairs]), float(alpha))
     for i in half:
@@ -64,9 +94,17 @@ def axpy_(weights: Sequence[np.ndarray], delta: Sequence[np.ndarray], alpha: flo
 
 def delta(new: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> list[np.ndarray]:
     """``new[i] - old[i]`` for every array (for half-precision ones, in float32: a change of a float16 weight is
-    often below float16's resolution at that weight's size)."""
+    often below float16's resolution at that weight's size; integer counters in their own dtype)."""
     if len(new) != len(old):
         raise ValueError(f"delta: {len(new)} new arrays but {len(old)} old ones: one per array")
+    counters = [i for i, a in enumerate(new) if is_counter(a)]
+    if counters:
+        floats = [i for i in range(len(new)) if i not in counters]
+        part = delta([new[i] for i in floats], [old[i] for i in floats]) if floats else []
+        out: list[np.ndarray] = [np.asarray(np.subtract(np.asarray(n), np.asarray(o))) for n, o in zip(new, old)]
+        for i, a in zip(floats, part):
+            out[i] = a
+        return out
     half = {i for i, a in enumerate(new) if is_half(a)}
     if not half:
         return _shaped(_ddlf.delta(_vectors(new), _vectors(old)), new)

@@ -85,3 +85,35 @@ def test_float16_variables_are_averaged_in_float32_and_stay_float16(cluster: ddl
     got = app.model.get_weights()
     assert [w.dtype for w in got] == [w.dtype for w in start]
     assert not np.array_equal(got[0], start[0]) and np.isfinite(got[0].astype(np.float32)).all()
+
+
+class RowCounter(keras.layers.Layer):
+    """Counts the rows it trained on in an integer variable (not trainable, never averaged)."""
+
+    def build(self, input_shape):
+        self.rows = self.add_weight(shape=(), dtype="int32", initializer="zeros", trainable=False, name="rows")
+
+    def call(self, x, training=False):
+        if training:
+            self.rows.assign_add(keras.ops.cast(keras.ops.shape(x)[0], "int32"))
+        return x
+
+
+class Counting(ScalarWeight):
+    dataset_key = "shapes-scalar-weight"  # the same data: 512 rows
+
+    def create_model(self):
+        m = keras.Sequential([keras.Input((4,)), RowCounter(), keras.layers.Dense(1, activation="sigmoid")])
+        m.compile(optimizer="adam", loss="binary_crossentropy")
+        return m
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
+def test_an_integer_counter_counts_every_workers_steps_as_fit_would(cluster: ddlf.Cluster, strategy) -> None:
+    """Integer variables are not averaged: the master's counter is its start plus every worker's change, the
+    count ``fit`` keeps in one process (2 epochs of 512 rows), under every strategy and compression; it stays int32."""
+    app = Counting(cluster)
+    h = app.train(epochs=2, batch_size=32, strategy=strategy, verbose=0)
+    assert not [e for e in h.events if e["event"] == "reply_refused"], h.events
+    (counter,) = [w for w in app.model.get_weights() if w.dtype.kind == "i"]
+    assert counter.dtype == np.int32 and int(counter) == 2 * 512

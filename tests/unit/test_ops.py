@@ -209,3 +209,20 @@ def test_topk_and_densify() -> None:
         ops.topk([x], 0.0)
     with pytest.raises(TypeError, match="float32"):
         ops.topk([x.astype(np.float64)], 0.5)
+
+
+def test_integer_counters_are_never_averaged_and_sum_every_replicas_change() -> None:
+    """A layer's int counter beside float weights: delta keeps its dtype, weighted_average leaves it alone,
+    add_counter_changes sums the replicas' changes, axpy_ adds its whole change whatever alpha."""
+    start = [np.zeros(3, np.float32), np.array(10, np.int32)]
+    a = [np.ones(3, np.float32), np.array(14, np.int32)]
+    b = [np.full(3, 3.0, np.float32), np.array(12, np.int32)]
+    d = ops.delta(a, start)
+    assert d[1].dtype == np.int32 and d[1].shape == () and int(d[1]) == 4
+    merged = ops.weighted_average([a, b], [1.0, 1.0])
+    assert merged[0].tolist() == [2.0, 2.0, 2.0] and int(merged[1]) == 14
+    ops.add_counter_changes(merged, start, [a, b])
+    assert int(merged[1]) == 16 and merged[1].dtype == np.int32
+    w = [np.zeros(3, np.float32), np.array(1, np.int64)]
+    ops.axpy_(w, [np.ones(3, np.float32), np.array(5, np.int64)], 0.5)
+    assert w[0].tolist() == [0.5, 0.5, 0.5] and int(w[1]) == 6

@@ -25,8 +25,13 @@ def decode_payload(arrays: list[Any], like: list[np.ndarray] | None = None) -> l
     arrays shaped like ``like``; anything else passes through."""
     if arrays and isinstance(arrays[0], tuple):
         return ops.densify(arrays, like if like is not None else [])
-    if arrays and str(arrays[0].dtype) in ("float16", "bfloat16"):
-        return ops.from_half(arrays)
+    half = [i for i, a in enumerate(arrays) if ops.is_half(a)]
+    if half:  # integer counters travel as they are, beside the half-precision floats
+        wide = ops.from_half([arrays[i] for i in half])
+        out = list(arrays)
+        for i, a in zip(half, wide):
+            out[i] = a
+        return out
     return arrays
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import ops
 from ..errors import BadWorkerReply, NonFiniteUpdate
 from .messages import WorkerResult, finite
 from .numerics import decode_payload
@@ -100,7 +101,7 @@ def _check_weights(
     for j, (a, ref) in enumerate(zip(raw, like)):
         if not isinstance(a, np.ndarray):
             raise bad(f"weight {j} is a {type(a).__name__}, not an array")
-        want = HALF if compression in HALF else (str(ref.dtype),)
+        want = HALF if compression in HALF and not ops.is_counter(ref) else (str(ref.dtype),)
         if compression not in HALF and str(ref.dtype) in HALF:
             want = (str(ref.dtype), "float32")  # a half-precision weight's change travels in float32 (ops.delta)
         if str(a.dtype) not in want:
@@ -108,7 +109,7 @@ def _check_weights(
         if a.shape != ref.shape:
             raise bad(f"weight {j} has shape {a.shape}, expected {ref.shape}")
     if compression in HALF:
-        if len({str(a.dtype) for a in raw}) > 1:
+        if len({str(a.dtype) for a in raw if not ops.is_counter(a)}) > 1:
             raise bad("half-precision weights of mixed dtypes")
         return decode_payload(list(raw))
     return [np.require(a, requirements="C") for a in raw]

@@ -90,9 +90,11 @@ def train_sync(run: TrainingRun) -> History:
                 payloads = [r.payload for r in live_results]
                 merged = ops.weighted_average(payloads, samples)
                 start = [w.copy() for w in weights] if outer is not None else weights
-                if cfg.compression is not None:  # workers sent deltas
+                if cfg.compression is not None:  # workers sent deltas (a counter's: the sum of them)
+                    ops.add_counter_changes(merged, [np.zeros_like(w) for w in weights], payloads)
                     ops.axpy_(weights, merged)
                 else:
+                    ops.add_counter_changes(merged, weights, payloads)  # counters: every worker's steps
                     weights = merged
                 if outer is not None:
                     weights = outer.step(start, weights, trained)

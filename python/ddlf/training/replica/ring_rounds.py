@@ -87,6 +87,22 @@ def _weighted_mean(
     return out, total
 
 
+def _sum_counter_changes(start: list[np.ndarray], new: list[np.ndarray], out: list[np.ndarray], spec: RingSpec) -> None:
+    """In place: each integer array of ``out`` (a counter a layer keeps) becomes ``start`` plus every member's
+    change (``new - start``) summed over the ring (in float64: exact below 2**53), as one process counts every
+    step. Every member has the same arrays, so all of them call the ring or none."""
+    idx = [i for i, s in enumerate(start) if ops.is_counter(s)]
+    if not idx:
+        return
+    flat = np.concatenate([np.ravel(np.asarray(new[i], np.float64) - np.asarray(start[i], np.float64)) for i in idx])
+    reduce_scratch(flat, spec, "sum")
+    at = 0
+    for i in idx:
+        s = np.asarray(start[i])
+        out[i] = (s + np.rint(flat[at : at + s.size]).reshape(s.shape)).astype(s.dtype)
+        at += s.size
+
+
 def train_reduce(session: Session, worker: Any, spec: RingRound) -> dict[str, Any]:
     """One synchronous round on the ring (:class:`~ddlf.Ring`): train the rows, then average the weights (weighted by
     the samples each trained) with the round's other workers over the ring, worker to worker. Returns samples,
@@ -145,6 +161,7 @@ def train_reduce(session: Session, worker: Any, spec: RingRound) -> dict[str, An
             log.warning("run %s: round %d's average overflowed %s: not applied", run_id, round_no, compression)
             averaged = list(start)
             result["wire_overflow_steps"] = 1
+    _sum_counter_changes(start, new, averaged, ring)
     model = session.model
     if session.outer is not None and outer is not None:
         trained = [not m for m in local_mask(model)]
@@ -279,6 +296,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         averaged = _reduce_floats([np.asarray(new[i]) for i in untrained], samples, ring)
         for i, a in zip(untrained, averaged):
             new[i] = a
+    _sum_counter_changes(start, new, new, ring)
     session.reduced = (round_no, start, new)
     session.last_used = time.monotonic()
     return {

@@ -71,7 +71,13 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
     }
     payload: list[Any] = ops.delta(new, weights) if spec.return_delta else new
     if spec.compression in ("float16", "bfloat16"):
-        payload = ops.to_half([np.require(p, dtype=np.float32, requirements="C") for p in payload], spec.compression)
+        floats = [i for i, p in enumerate(payload) if not ops.is_counter(p)]  # counters travel as they are
+        halves = ops.to_half(
+            [np.require(payload[i], dtype=np.float32, requirements="C") for i in floats], spec.compression
+        )
+        payload = list(payload)
+        for i, h in zip(floats, halves):
+            payload[i] = h
     elif spec.compression == "topk":
         # Error feedback: add what earlier rounds left out, send the largest entries, keep the rest for later.
         delta = [np.require(p, dtype=np.float32, requirements="C") for p in payload]
