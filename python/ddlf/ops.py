@@ -56,6 +56,14 @@ def weighted_average(lists: Sequence[Sequence[np.ndarray]], weights: Sequence[fl
     like = lists[0]
     counters = [i for i, a in enumerate(like) if is_counter(a)]
     if counters:  # integers are not averaged: the first list's, here (see add_counter_changes)
+        for lst in lists:
+            if len(lst) != len(like):
+                raise ValueError(f"weighted_average: lists of {len(like)} and {len(lst)} arrays")
+            for i in counters:
+                if np.shape(lst[i]) != np.shape(like[i]):
+                    raise ValueError(
+                        f"weighted_average: array {i} has shape {np.shape(lst[i])} and {np.shape(like[i])}"
+                    )
         floats = [i for i in range(len(like)) if i not in counters]
         part = weighted_average([[lst[i] for i in floats] for lst in lists], weights) if floats else []
         out_all = [np.array(a) for a in like]

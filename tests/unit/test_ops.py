@@ -41,8 +41,10 @@ def test_weighted_average_bad_inputs() -> None:
         ops.weighted_average([a, [np.ones(4, np.float32)]])
     with pytest.raises(ValueError, match="arrays"):
         ops.weighted_average([a, a + a])
-    with pytest.raises(TypeError):
-        ops.weighted_average([[np.ones(3, np.int64)], [np.ones(3, np.int64)]])
+    # integers (counters) are not averaged: the first list's, shapes still checked
+    assert ops.weighted_average([[np.ones(3, np.int64)], [np.full(3, 5, np.int64)]])[0].tolist() == [1, 1, 1]
+    with pytest.raises(ValueError, match="shape"):
+        ops.weighted_average([[np.ones(3, np.int64)], [np.ones(4, np.int64)]])
     with pytest.raises(ValueError, match="contiguous"):
         ops.weighted_average([[np.ones((4, 4), np.float32)[:, ::2]], [np.ones((4, 2), np.float32)]])
 
