@@ -34,7 +34,7 @@ def is_half(a: np.ndarray) -> bool:
 def is_counter(a: np.ndarray) -> bool:
     """Whether ``a`` holds integers (a layer's step or row counter, an optimizer's iteration count): such arrays
     are never averaged; what the kernels below do with them is said in each."""
-    return np.asarray(a).dtype.kind in "iub"
+    return np.asarray(a).dtype.kind in "iu"
 
 
 def add_counter_changes(
