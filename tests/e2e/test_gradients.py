@@ -42,6 +42,45 @@ def test_n_workers_equal_one_process_on_the_global_batches(n: int, frequency: in
         assert sum(s.samples for s in h.stats) == 2 * ROWS
 
 
+class OwnStep(Linear):
+    """The same model with its own ``train_step`` (Keras' guide *Customizing what happens in fit*): a scaled loss,
+    so that running the compiled loss instead would show."""
+
+    def create_model(self):
+        import keras
+        import tensorflow as tf
+
+        class Stepped(keras.Sequential):
+            def train_step(self, data):
+                x, y = data[0], data[1]
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    loss = 3.0 * self.compute_loss(y=y, y_pred=y_pred)
+                grads = tape.gradient(loss, self.trainable_variables)
+                self.optimizer.apply(grads, self.trainable_variables)
+                return {"loss": loss}
+
+        base = super().create_model()
+        model = Stepped(base.layers)
+        model.compile(optimizer=keras.optimizers.SGD(self.learning_rate), loss="binary_crossentropy")
+        return model
+
+
+def test_a_custom_train_step_averages_its_own_gradients_as_one_process() -> None:
+    """Two workers averaging gradients run the model's own ``train_step`` (its optimizer's apply caught, the
+    gradients averaged, then applied): the weights are one process's on the global batches with that same step."""
+    with ddlf.Cluster.local(2, threads=1) as c:
+        app = OwnStep(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        app.train(epochs=1, batch_size=16, verbose=0, strategy=ddlf.GradientAveraging(), run=ddlf.RunConfig(seed=4))
+        got = app.model.get_weights()
+    want = one_process(app, start, global_batches(2, 16, 1, 4, None))
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(got, start))
+    assert diff < 2e-5 and moved > 100 * diff, (diff, moved)
+
+
 def test_scaled_learning_rate_equals_one_process_at_n_times_the_rate() -> None:
     with ddlf.Cluster.local(2, threads=1) as c:
         app = Linear(c)

@@ -46,7 +46,8 @@ from .history import History
 from .keras_callbacks import KerasCallback, is_keras_callback
 from .membership import Members
 from .messages import FitData
-from .options import DataConfig, ModelAveraging, RunConfig, Strategy, TrainConfig
+from .options import DataConfig, GradientAveraging, ModelAveraging, RunConfig, Strategy, TrainConfig
+from .replica.steppers import check_steppable
 from .run import TrainingRun
 from .synchronous import train_sync as _train_sync
 
@@ -302,6 +303,8 @@ class IApp:
         set_random_seed(cfg.run.seed)
         if self.model is None:
             self.model = self.create_model()
+        if isinstance(cfg.strategy, GradientAveraging):
+            check_steppable(self.model, len(cfg.run.workers) if cfg.run.workers is not None else len(self.cluster))
         resumed = checkpoint.load(cfg.run.checkpoint_dir) if cfg.run.resume and cfg.run.checkpoint_dir else None
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None

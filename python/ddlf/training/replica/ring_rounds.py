@@ -189,6 +189,28 @@ def _adopt(state: list[np.ndarray], holder: bool, spec: RingSpec) -> list[np.nda
     return [np.rint(m).astype(a.dtype) if a.dtype.kind in "iub" else m for m, a in zip(mean, state)]
 
 
+def _alone(
+    stepper: Any, batches: Any, steps: int, learning_rate_factor: tuple[float, float] | None, slow: float
+) -> None:
+    """A ring of one: nothing to average, so the model takes whole steps with its own ``train_step`` (a custom
+    one included), exactly as ``fit`` steps; the learning-rate warm-up as on a ring."""
+    factor = None
+    for step in range(steps):
+        batch = next(batches, None)
+        if batch is None:
+            return
+        if learning_rate_factor is not None:
+            first, last = learning_rate_factor
+            f = first + (last - first) * step / max(1, steps - 1)
+            if f != factor:
+                stepper.set_learning_rate_factor(f)
+                factor = f
+        bx, by, sw, _n = batch
+        stepper.step(bx, by, sw)
+        if slow:
+            time.sleep(slow)
+
+
 def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[str, Any]:
     """One synchronous round of :class:`~ddlf.GradientAveraging`: ``steps`` optimizer steps in lockstep with the ring's
     other workers. Each step this worker computes the gradients of its next batch, the ring averages them (weighted
@@ -239,8 +261,9 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         def reduce(flat: np.ndarray) -> None:
             reduce_scratch(flat, ring, "sum", wire=compression)
 
+    members = ring.local.total if ring.local is not None else len(ring.addresses)
     try:
-        for step in range(steps):
+        for step in range(steps if members > 1 else 0):
             if learning_rate_factor is not None:
                 first, last = learning_rate_factor
                 f = first + (last - first) * step / max(1, steps - 1)
@@ -286,6 +309,8 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                 continue
             if total > 0:
                 stepper.apply(averaged)
+        if members == 1:
+            _alone(stepper, batches, steps, learning_rate_factor, slow_seconds_per_batch)
     finally:
         logs = stepper.end()
     stats = feed.stats()

@@ -140,6 +140,30 @@ def check_scalable(model: Any) -> None:
         )
 
 
+def overrides_train_step(model: Any) -> bool:
+    """Whether ``model`` brings its own ``train_step`` (Keras' guide *Customizing what happens in fit*)."""
+    for cls in type(model).__mro__:
+        if "train_step" in vars(cls):
+            return not cls.__module__.startswith("keras.")
+    return False
+
+
+def check_steppable(model: Any, workers: int) -> None:
+    """Refuse gradient averaging across ``workers`` > 1 for a model with its own ``train_step`` on JAX. On
+    TensorFlow and torch the step runs as written and its optimizer's ``apply`` is caught: the gradients it hands
+    over are averaged, then applied (one apply per batch); on one worker the model's own step runs, as in
+    ``fit``."""
+    if workers > 1 and overrides_train_step(model):
+        import keras
+
+        if keras.backend.backend() == "jax":
+            raise ValueError(
+                f"GradientAveraging on {workers} workers cannot run {type(model).__name__}'s own train_step on JAX "
+                "(its gradients stay inside one compiled, stateless step): train it with ModelAveraging(every=1) "
+                "or Asynchronous(), on one worker (RunConfig(workers=[0])), or with Keras on TensorFlow or torch"
+            )
+
+
 def local_mask(model: Any) -> list[bool]:
     """For each array of ``model.get_weights()``: True where it is a float weight the optimizer does not train
     (BatchNorm's moving mean and variance), which each replica updates from its own batches."""
@@ -263,6 +287,36 @@ class _KerasStepper(Stepper):
         optimizer.learning_rate = self.base_lr * factor
 
 
+class _CatchApply:
+    """While open, the optimizer's ``apply`` (which ``apply_gradients`` calls too) records the gradients and
+    variables a custom ``train_step`` hands it, and applies nothing: the gradients are averaged first."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.pairs: list[tuple[Any, Any]] = []
+
+    @property
+    def variables(self) -> list[Any]:
+        return [v for _, v in self.pairs]
+
+    def __enter__(self) -> _CatchApply:
+        def catch(grads: Any, trainable_variables: Any = None) -> None:
+            if self.pairs:
+                raise ValueError(
+                    "GradientAveraging: this train_step applies gradients more than once per batch (several "
+                    "optimizers, a GAN's two steps); train it with ModelAveraging or Asynchronous"
+                )
+            self.pairs = list(zip(grads, trainable_variables))
+
+        self.optimizer.apply = catch  # an instance attribute: found before the class's method
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.optimizer.apply
+        if exc[0] is None and not self.pairs:
+            raise ValueError("GradientAveraging: this train_step applied no gradients (it calls no optimizer)")
+
+
 class _TensorFlowStepper(_KerasStepper):
     def __init__(self, model: Any) -> None:
         super().__init__(model)
@@ -297,6 +351,21 @@ class _TensorFlowStepper(_KerasStepper):
                 model.train_step((xs[i], ys[i]))
 
         self._gradients, self._apply = gradients, apply
+        if overrides_train_step(model):
+            # The model's own train_step computes the gradients; the optimizer's apply is caught (not run) and
+            # the averaged gradients are applied to the variables it was given.
+            @tf.function(reduce_retracing=True, jit_compile=jit)
+            def caught(x: Any, y: Any, sw: Any) -> Any:
+                with _CatchApply(model.optimizer) as catch:
+                    model.train_step((x, y) if sw is None else (x, y, sw))
+                self.trainable = catch.variables
+                return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in catch.pairs]
+
+            @tf.function(reduce_retracing=True, jit_compile=jit)
+            def apply_caught(grads: Any) -> None:
+                model.optimizer.apply(grads, self.trainable)
+
+            self._gradients, self._apply = caught, apply_caught
         # n as a tensor: a Python int would trace the loop again for each count
         self._grouped = _Grouped(step, lambda xs, ys, n: steps(xs, ys, tf.constant(n, tf.int32)))
         self._built = False
@@ -406,6 +475,7 @@ class _TorchKerasStepper(_KerasStepper):
         import torch
 
         self._torch = torch
+        self._custom = overrides_train_step(model)
 
     def backward(self, x: Any, y: Any, sw: Any = None) -> None:
         import keras
@@ -421,6 +491,14 @@ class _TorchKerasStepper(_KerasStepper):
             model.compute_metrics(x, y, y_pred, sample_weight=sw)
 
     def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
+        if self._custom:  # the model's own train_step, its optimizer's apply caught (see _CatchApply)
+            with _CatchApply(self.model.optimizer) as catch:
+                self.model.train_step((x, y) if sw is None else (x, y, sw))
+            self.trainable = catch.variables
+            return [
+                np.zeros(tuple(v.shape), np.dtype(v.dtype)) if g is None else np.asarray(g.detach().cpu().numpy())
+                for g, v in catch.pairs
+            ]
         self.backward(x, y, sw)
         out = []
         for v in self.trainable:
@@ -429,6 +507,8 @@ class _TorchKerasStepper(_KerasStepper):
         return out
 
     def buckets(self, cap_bytes: int) -> Any:
+        if self._custom:
+            return None  # its gradients come from its own train_step, not from backward()
         return torch_buckets(self, [v.value for v in self.trainable], cap_bytes)
 
     def apply(self, gradients: list[np.ndarray]) -> None:
