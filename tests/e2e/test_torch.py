@@ -169,6 +169,67 @@ def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch
         assert cluster.run(lambda: "alive") == ["alive"]
 
 
+# A notebook's order: Keras on TensorFlow imported first, then a TorchModel app trained. Its own process: this one
+# loaded PyTorch's compiler first (conftest.py).
+TENSORFLOW_THEN_TORCH = """
+import sys
+
+import keras  # TensorFlow backend
+import numpy as np
+import torch
+
+import ddlf
+from ddlf.models import TorchModel
+
+
+class TorchApp(ddlf.IApp):
+    dataset_key = "tensorflow-then-torch"
+    built = False
+
+    def load_dataset(self):
+        x = np.random.default_rng(0).random((64, 4), dtype=np.float32)
+        return x, (x.sum(axis=1) > 2).astype(np.int64)
+
+    def create_model(self):
+        net = torch.nn.Linear(4, 2)
+        # built: the optimizer is made before TorchModel could check (its constructor loads the compiler)
+        optimizer = torch.optim.Adam(net.parameters()) if self.built else (lambda p: torch.optim.Adam(p))
+        return TorchModel(net, optimizer, torch.nn.CrossEntropyLoss())
+
+
+with ddlf.Cluster.local(1) as cluster:
+    for built in (False, True):
+        app = TorchApp(cluster)
+        app.built = built
+        try:
+            app.train(epochs=1, batch_size=16, verbose=0)
+        except ddlf.FrameworkClash as exc:
+            print("refused:", built, exc)
+    print("worker alive:", cluster.run(lambda: "yes"), "compiler loaded:", "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not loading.clash_possible(), reason="needs TF, torch, triton")
+def test_torch_after_tensorflow_in_the_master_is_an_error_not_an_abort(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "notebook.py"
+    script.write_text(TENSORFLOW_THEN_TORCH)
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow"}
+    env.pop("DDLF_PRELOAD", None)  # what a user gets: workers preload Keras on TensorFlow
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)  # -6 (SIGABRT) before the guard
+    assert "LLVM ERROR" not in out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split(" TensorFlow is loaded")[0] for line in lines[:2]] == ["refused: False", "refused: True"]
+    assert "Load PyTorch first" in lines[1] and "restart its kernel" in lines[1]
+    assert lines[2] == "worker alive: ['yes'] compiler loaded: False"
+
+
 # What a worker has loaded (a lambda, so that it travels by value: a reference to this module would import torch).
 _loaded = lambda: tuple(m in __import__("sys").modules for m in ("torch", "torch._dynamo", "tensorflow"))  # noqa: E731
 
