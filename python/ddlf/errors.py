@@ -238,6 +238,12 @@ class TooManyRuns(DdlfError, RuntimeError):
     """The daemon holds ``max_runs`` training runs already; none of them is idle long enough to evict."""
 
 
+class FrameworkClash(DdlfError, RuntimeError):
+    """Loading a framework now would abort the process: PyTorch's compiler (``torch._dynamo``, which every
+    ``torch.optim`` optimizer loads) after TensorFlow, where ``triton`` is installed (two copies of LLVM). The
+    message says what to do; nothing was loaded (see :mod:`ddlf.frameworks.loading`)."""
+
+
 # -- warnings -------------------------------------------------------------------------------------------------
 
 
@@ -378,6 +384,7 @@ __all__ = [
     "DdlfError",
     "DdlfWarning",
     "DeadlineExceeded",
+    "FrameworkClash",
     "InsecureConfiguration",
     "LaunchError",
     "MemoryBudgetExceeded",

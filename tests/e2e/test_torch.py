@@ -169,6 +169,67 @@ def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch
         assert cluster.run(lambda: "alive") == ["alive"]
 
 
+# A notebook's order: Keras on TensorFlow imported first, then a TorchModel app trained. Its own process: this one
+# loaded PyTorch's compiler first (conftest.py).
+TENSORFLOW_THEN_TORCH = """
+import sys
+
+import keras  # TensorFlow backend
+import numpy as np
+import torch
+
+import ddlf
+from ddlf.models import TorchModel
+
+
+class TorchApp(ddlf.IApp):
+    dataset_key = "tensorflow-then-torch"
+    built = False
+
+    def load_dataset(self):
+        x = np.random.default_rng(0).random((64, 4), dtype=np.float32)
+        return x, (x.sum(axis=1) > 2).astype(np.int64)
+
+    def create_model(self):
+        net = torch.nn.Linear(4, 2)
+        # built: the optimizer is made before TorchModel could check (its constructor loads the compiler)
+        optimizer = torch.optim.Adam(net.parameters()) if self.built else (lambda p: torch.optim.Adam(p))
+        return TorchModel(net, optimizer, torch.nn.CrossEntropyLoss())
+
+
+with ddlf.Cluster.local(1) as cluster:
+    for built in (False, True):
+        app = TorchApp(cluster)
+        app.built = built
+        try:
+            app.train(epochs=1, batch_size=16, verbose=0)
+        except ddlf.FrameworkClash as exc:
+            print("refused:", built, exc)
+    print("worker alive:", cluster.run(lambda: "yes"), "compiler loaded:", "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not loading.clash_possible(), reason="needs TF, torch, triton")
+def test_torch_after_tensorflow_in_the_master_is_an_error_not_an_abort(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "notebook.py"
+    script.write_text(TENSORFLOW_THEN_TORCH)
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow"}
+    env.pop("DDLF_PRELOAD", None)  # what a user gets: workers preload Keras on TensorFlow
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)  # -6 (SIGABRT) before the guard
+    assert "LLVM ERROR" not in out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split(" TensorFlow is loaded")[0] for line in lines[:2]] == ["refused: False", "refused: True"]
+    assert "Load PyTorch first" in lines[1] and "restart its kernel" in lines[1]
+    assert lines[2] == "worker alive: ['yes'] compiler loaded: False"
+
+
 # What a worker has loaded (a lambda, so that it travels by value: a reference to this module would import torch).
 _loaded = lambda: tuple(m in __import__("sys").modules for m in ("torch", "torch._dynamo", "tensorflow"))  # noqa: E731
 
@@ -279,3 +340,210 @@ def test_buckets_follow_backward_order_and_launch_in_order() -> None:
     )
     poison.remove()
     buckets.close()
+
+
+# -- structured batches: inputs by name or position, several outputs, a loss per output -----------------------------
+
+
+class TwoHeads(torch.nn.Module):
+    """Two named inputs (``forward(image, extra)``), two outputs by name: class logits and a regression value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(12 + 3, 16)
+        self.digit = torch.nn.Linear(16, 2)
+        self.size = torch.nn.Linear(16, 1)
+
+    def forward(self, image, extra):
+        h = torch.tanh(self.body(torch.cat([image, extra], dim=1)))
+        return {"digit": self.digit(h), "size": self.size(h).squeeze(-1)}
+
+
+class OneDict(TwoHeads):
+    """The same network taking the whole dict (``forward(batch)``)."""
+
+    def forward(self, batch):  # type: ignore[override]
+        return super().forward(batch["image"], batch["extra"])
+
+
+class ByPosition(TwoHeads):
+    """The same network taking and returning tuples."""
+
+    def forward(self, image, extra):
+        out = super().forward(image, extra)
+        return out["digit"], out["size"]
+
+
+def _two_heads_data(n: int = 64, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 15)).astype(np.float32)
+    digit = (x[:, :12].sum(axis=1) > 0).astype(np.int64)
+    size = x[:, 12:] @ np.array([1.0, -2.0, 0.5])  # float64: becomes float32 ("auto")
+    return {"image": x[:, :12], "extra": x[:, 12:]}, {"digit": digit, "size": size}
+
+
+def _sgd(p):
+    return torch.optim.SGD(p, lr=0.1)
+
+
+def test_named_inputs_and_a_loss_per_output_train_as_torch_computes() -> None:
+    x, y = _two_heads_data()
+    losses = {"digit": torch.nn.CrossEntropyLoss(), "size": torch.nn.MSELoss()}
+    m = TorchModel(TwoHeads(), _sgd, losses, loss_weights={"size": 0.5})
+    # torch by hand on the same start: the same gradients
+    ref = TwoHeads()
+    out = ref(**{k: torch.from_numpy(v) for k, v in x.items()})
+    want = losses["digit"](out["digit"], torch.from_numpy(y["digit"])) + 0.5 * losses["size"](
+        out["size"], torch.from_numpy(y["size"]).float()
+    )
+    want.backward()
+    m._backward(x, y)
+    for a, b in zip(m.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    logs = m.get_metrics_result()
+    assert list(logs) == ["loss", "digit_loss", "size_loss", "digit_accuracy"]  # no accuracy for a regression
+    assert (
+        logs["loss"]
+        == pytest.approx(float(want.detach()))
+        == pytest.approx(logs["digit_loss"] + 0.5 * logs["size_loss"])
+    )
+    m.reset_metrics()
+    first = m.train_on_batch(x, y, return_dict=True)
+    for _ in range(100):
+        logs = m.train_on_batch(x, y, return_dict=True)
+    assert logs["loss"] < first["loss"] and logs["size_loss"] < first["size_loss"]
+    evaluated = m.evaluate(x, y, batch_size=10, return_dict=True)
+    assert list(evaluated) == list(logs) and evaluated["digit_accuracy"] > 0.8
+    predicted = m.predict(x, batch_size=10)
+    assert {k: v.shape for k, v in predicted.items()} == {"digit": (64, 2), "size": (64,)}
+    assert predicted["size"].dtype == np.float32
+
+
+def test_every_form_of_a_structured_batch_takes_the_same_steps() -> None:
+    """The dict by keyword or whole, tuples by position, one loss over the structures or one per output: the same
+    descent, and an array batch given as a 1-tuple the same as the array (the fast path)."""
+    x, y = _two_heads_data()
+    ce, mse = torch.nn.CrossEntropyLoss(), torch.nn.MSELoss()
+
+    def whole(out, target):
+        return ce(out["digit"], target["digit"]) + 0.5 * mse(out["size"], target["size"])
+
+    forms = {
+        "by keyword": (TorchModel(TwoHeads(), _sgd, {"digit": ce, "size": mse}, loss_weights={"size": 0.5}), x, y),
+        "whole dict": (TorchModel(OneDict(), _sgd, {"digit": ce, "size": mse}, loss_weights={"size": 0.5}), x, y),
+        "one loss": (TorchModel(TwoHeads(), _sgd, whole), x, y),
+        "by position": (
+            TorchModel(ByPosition(), _sgd, [ce, mse], loss_weights=[1.0, 0.5]),
+            (x["image"], x["extra"]),
+            (y["digit"], y["size"]),
+        ),
+    }
+    logs = {}
+    for name, (model, bx, by) in forms.items():
+        for _ in range(5):
+            logs[name] = model.train_on_batch(bx, by, return_dict=True)
+    weights = {name: model.get_weights() for name, (model, _, _) in forms.items()}
+    for name in forms:
+        for a, b in zip(weights[name], weights["by keyword"]):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert list(logs["whole dict"]) == ["loss", "digit_loss", "size_loss", "digit_accuracy"]
+    assert list(logs["one loss"]) == ["loss", "digit_accuracy"]  # outputs and targets pair up by name
+    assert list(logs["by position"]) == ["loss", "output_0_loss", "output_1_loss", "output_0_accuracy"]
+    assert logs["by position"]["output_0_accuracy"] == logs["by keyword"]["digit_accuracy"]
+    assert logs["by position"]["loss"] == pytest.approx(logs["by keyword"]["loss"])
+
+    def mlp() -> TorchModel:  # no dropout: the two must match exactly
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        return TorchModel(net, lambda p: torch.optim.Adam(p, lr=1e-3), torch.nn.CrossEntropyLoss())
+
+    array, packed = mlp(), mlp()
+    rng = np.random.default_rng(1)
+    bx, by = rng.random((32, 784), dtype=np.float32), rng.integers(0, 10, 32).astype(np.uint8)
+    for _ in range(3):
+        array_logs = array.train_on_batch(bx, by, return_dict=True)
+        packed_logs = packed.train_on_batch((bx,), by, return_dict=True)
+    assert array_logs == packed_logs and list(array_logs) == ["loss", "accuracy"]
+    for a, b in zip(array.get_weights(), packed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_targets_convert_per_output_and_accuracy_only_where_defined() -> None:
+    x, y = _two_heads_data()
+    ce, mse = torch.nn.CrossEntropyLoss(), torch.nn.MSELoss()
+    m = TorchModel(TwoHeads(), _sgd, {"digit": ce, "size": mse}, target_dtype={"digit": "long", "size": "float32"})
+    converted = m._targets({"digit": y["digit"].astype(np.uint8), "size": y["size"]})
+    assert (converted["digit"].dtype, converted["size"].dtype) == (torch.long, torch.float32)
+    assert set(m.train_on_batch(x, y, return_dict=True)) == {"loss", "digit_loss", "size_loss", "digit_accuracy"}
+    with pytest.raises(ValueError, match="per output, but the targets are one array"):
+        m._targets(y["digit"])
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        TorchModel(TwoHeads(), _sgd, ce, target_dtype="int77")
+    with pytest.raises(ValueError, match=r"loss is given for target 'size', but the targets are keys \['digit'\]"):
+        m.train_on_batch(x, {"digit": y["digit"]})
+    # A regression: no accuracy (its default metric is not defined there), evaluate gives the loss alone.
+    reg = TorchModel(torch.nn.Linear(15, 1), _sgd, torch.nn.MSELoss(), target_dtype="float32")
+    features = np.concatenate([x["image"], x["extra"]], axis=1)
+    assert list(reg.train_on_batch(features, y["size"][:, None], return_dict=True)) == ["loss"]
+    assert isinstance(reg.evaluate(features, y["size"][:, None]), float)
+    # Sequence labels (a class per position): the share of positions right, in [0, 1].
+    seq = TorchModel(torch.nn.Linear(4, 3), _sgd, lambda o, t: ce(o.reshape(-1, 3), t.reshape(-1)))
+    logs = seq.train_on_batch(np.ones((8, 5, 4), np.float32), np.zeros((8, 5), np.int64), return_dict=True)
+    assert 0.0 <= logs["accuracy"] <= 1.0 and logs["accuracy"] in (0.0, 1.0)  # the same input at every position
+
+
+class TwoHeadsApp(ddlf.IApp):
+    """Rows of 15 features and 2 targets; preprocess hands the model named inputs and named targets (until the
+    data plane carries dicts itself)."""
+
+    dataset_key = "torch-two-heads"
+    by_position = False
+
+    def load_dataset(self):
+        x, y = _two_heads_data(600, seed=3)
+        return np.concatenate([x["image"], x["extra"]], axis=1), np.stack([y["digit"], y["size"]], axis=1)
+
+    def preprocess(self, x, y):
+        if self.by_position:
+            return (x[:, :12], x[:, 12:]), (y[:, 0].astype(np.int64), y[:, 1])
+        return {"image": x[:, :12], "extra": x[:, 12:]}, {"digit": y[:, 0].astype(np.int64), "size": y[:, 1]}
+
+    def create_model(self):
+        ce, mse = torch.nn.CrossEntropyLoss(), torch.nn.MSELoss()
+        if self.by_position:
+            return TorchModel(ByPosition(), _sgd, [ce, mse], loss_weights=[1.0, 0.5])
+        return TorchModel(TwoHeads(), lambda p: torch.optim.Adam(p, lr=1e-2), {"digit": ce, "size": mse})
+
+
+def test_named_inputs_and_two_outputs_train_on_a_cluster(cluster: ddlf.Cluster) -> None:
+    app = TwoHeadsApp(cluster)
+    validation = app.load_dataset()
+    h = app.train(epochs=3, batch_size=16, verbose=0, validation_data=validation, strategy=ddlf.ModelAveraging(every=5))
+    per_output = ["loss", "digit_loss", "size_loss", "digit_accuracy"]
+    assert set(h.history) >= {*per_output, *(f"val_{k}" for k in per_output)}
+    assert not any("size_accuracy" in k for k in h.history)
+    assert h.history["size_loss"][-1] < h.history["size_loss"][0]
+    assert h.history["val_digit_accuracy"][-1] > 0.8
+    assert app.evaluate(*validation, return_dict=True)["digit_accuracy"] == h.history["val_digit_accuracy"][-1]
+
+
+@pytest.mark.slow
+def test_tuples_with_a_loss_per_output_average_gradients_as_one_process() -> None:
+    from .apps import global_batches
+
+    with ddlf.Cluster.local(2, threads=1) as c:
+        app = TwoHeadsApp(c)
+        app.by_position = True
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        h = app.train(epochs=2, batch_size=16, verbose=0, strategy=ddlf.GradientAveraging(), run=ddlf.RunConfig(seed=4))
+        assert "output_1_loss" in h.history and "output_1_accuracy" not in h.history
+        x, y = app.load_dataset()
+        ref = app.create_model()
+        ref.set_weights(start)
+        for rows in global_batches(2, 16, 2, 4, None):
+            ref.train_on_batch(*app.preprocess(x[rows], y[rows]))
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), ref.get_weights()))
+        assert diff < 2e-5, diff
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), start)) > 100 * diff

@@ -203,5 +203,16 @@ def test_torch_compiler_after_tensorflow_is_refused_with_the_fix(monkeypatch) ->
     monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
     with pytest.raises(RuntimeError, match=r"Load PyTorch first.*--preload torch,keras"):
         frameworks.check_torch_compiler_can_load()
+    # The import itself is refused, whatever asks for it (an optimizer built before its TorchModel); once installed
+    guard = frameworks._TorchCompilerGuard()
+    with pytest.raises(ddlf.FrameworkClash, match="Load PyTorch first"):
+        guard.find_spec("torch._dynamo", None)
+    assert guard.find_spec("torch.optim", None) is None
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    frameworks.guard_torch_compiler()
+    frameworks.guard_torch_compiler()
+    assert sum(isinstance(f, frameworks._TorchCompilerGuard) for f in sys.meta_path) == 1
+    assert isinstance(sys.meta_path[0], frameworks._TorchCompilerGuard)
     monkeypatch.delitem(sys.modules, "tensorflow")
     frameworks.check_torch_compiler_can_load()  # TensorFlow not loaded: nothing to refuse
+    assert guard.find_spec("torch._dynamo", None) is None

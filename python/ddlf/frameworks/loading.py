@@ -3,16 +3,24 @@
 With ``triton`` installed (PyPI's Linux wheel of torch brings it), loading ``torch._dynamo`` (which every
 ``torch.optim`` optimizer does on first use) *after* TensorFlow aborts the process (``LLVM ERROR: inconsistency in
 registered CommandLine options``); the other order works. ddlf loads PyTorch's compiler first where a run needs
-it (a ``TorchModel`` or Keras on torch: ``training.common.set_random_seed``, the master telling its workers) and in a
+it (a ``TorchModel`` or Keras on torch: ``seeding.set_random_seed``, the master telling its workers) and in a
 daemon that preloads TensorFlow (a later run may bring a ``TorchModel``), and turns the abort into an error
-everywhere else (``TorchModel``). Nowhere else: it costs 3.3 s and about 900 MB of mappings per process.
+everywhere else: ``TorchModel`` checks, and :func:`guard_torch_compiler` (installed when an app or a worker starts)
+refuses the import itself, wherever it comes from (an optimizer built before its ``TorchModel``, ``torch.compile``).
+Nowhere else: it costs 3.3 s and about 900 MB of mappings per process.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from ..errors import FrameworkClash
 
 
 def installed(name: str) -> bool:
@@ -37,11 +45,33 @@ def load_torch_compiler_first() -> None:
 
 
 def check_torch_compiler_can_load() -> None:
-    """Before PyTorch's compiler loads: refuse, with the fix, where it would abort the process."""
+    """Before PyTorch's compiler loads: refuse with :class:`~ddlf.errors.FrameworkClash`, and the fix, where it
+    would abort the process."""
     if "tensorflow" in sys.modules and "torch._dynamo" not in sys.modules and installed("triton"):
-        raise RuntimeError(
+        raise FrameworkClash(
             "TensorFlow is loaded in this process and PyTorch's compiler (torch._dynamo, loaded by every torch "
             "optimizer) is not: with triton installed, loading it now would abort the process (two copies of "
-            "LLVM). Load PyTorch first (`import torch._dynamo` before anything imports tensorflow or keras), or run "
-            "Keras on another backend (KERAS_BACKEND=jax); on a worker daemon, start it with --preload torch,keras"
+            "LLVM). Load PyTorch first (`import torch._dynamo` before anything imports tensorflow or keras; in a "
+            "notebook, restart its kernel first), or run Keras on another backend (KERAS_BACKEND=jax); on a worker "
+            "daemon, start it with --preload torch,keras"
         )
+
+
+class _TorchCompilerGuard(importlib.abc.MetaPathFinder):
+    """Asked first about every import: refuses ``torch._dynamo`` where loading it would abort the process."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "torch._dynamo":
+            check_torch_compiler_can_load()
+        return None  # the other finders find it
+
+
+def guard_torch_compiler() -> None:
+    """From now on, importing PyTorch's compiler where it would abort this process (after TensorFlow, triton
+    installed) raises :class:`~ddlf.errors.FrameworkClash` instead, whatever imports it: a ``torch.optim``
+    optimizer built before its ``TorchModel`` could check, for one. Called when an app or a worker starts (ddlf
+    changes nothing at import); once per process."""
+    if not any(isinstance(f, _TorchCompilerGuard) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchCompilerGuard())

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 import sys
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
+from .console import quiet_start
 from .keras_backend import keras_backend_in_use
 
 
@@ -27,12 +29,15 @@ def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
         # backend: where torch and triton are installed too, torch's compiler must be in first (frameworks.loading).
         # Only then: it costs 3.3 s and about 900 MB of mappings, which a Keras run on TensorFlow does not need.
         load_torch_compiler_first()
-    try:
-        import keras
-    except ImportError:  # a torch-only installation
-        pass
-    else:
-        keras.utils.set_random_seed(seed)
+    # Keras imports its backend, and keras.utils.set_random_seed TensorFlow: their start-up notices stay off the
+    # console (frameworks.console).
+    with quiet_start() if "tensorflow" not in sys.modules or "keras" not in sys.modules else nullcontext():
+        try:
+            import keras
+        except ImportError:  # a torch-only installation
+            pass
+        else:
+            keras.utils.set_random_seed(seed)
     loaded = sys.modules.get("torch")
     if loaded is not None:
         loaded.manual_seed(seed)

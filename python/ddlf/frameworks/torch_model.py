@@ -7,8 +7,9 @@ as a compiled Keras model. torch is imported only when a ``TorchModel`` is made.
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,99 @@ def _arrays(tensors: Sequence[Any]) -> list[np.ndarray]:
     return [t.detach().cpu().numpy().copy() for t in tensors]
 
 
+# -- batches that are structures: a dict name -> array, or a tuple or list of arrays (nested alike) -----------------
+
+
+def _structured(value: Any) -> bool:
+    return isinstance(value, (dict, tuple, list))
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn`` applied to every array of ``value``, the structure kept (a list stays a list)."""
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(fn, v) for v in value)
+    return fn(value)
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _slice(value: Any, start: int, end: int) -> Any:
+    """Rows ``start:end`` of every array of ``value``."""
+    return _map(lambda a: a[start:end], value)
+
+
+def _rows(value: Any) -> int:
+    """The batch's number of samples: the length of its first array."""
+    leaves = _leaves(value)
+    if not leaves:
+        raise ValueError("an empty dict, tuple or list holds no samples")
+    return len(leaves[0])
+
+
+def _entry(value: Any, key: str | int, what: str) -> Any:
+    """Output or target ``key`` of a structure, with what went wrong if it has none."""
+    if isinstance(value, dict) and isinstance(key, str) and key in value:
+        return value[key]
+    if isinstance(value, (tuple, list)) and isinstance(key, int) and key < len(value):
+        return value[key]
+    have = f"keys {sorted(value)}" if isinstance(value, dict) else f"{len(value)} entries"
+    if not _structured(value):
+        have = "one tensor"
+    raise ValueError(f"the loss is given for {what} {key!r}, but the {what}s are {have}")
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if hasattr(value, "detach") else value
+
+
+def _numpy(value: Any) -> Any:
+    """An output as numpy (anything that is not a tensor as it is)."""
+    return value.detach().cpu().numpy() if hasattr(value, "detach") else value
+
+
+def _output_name(key: str | int) -> str:
+    return key if isinstance(key, str) else f"output_{key}"
+
+
+def _per_output(spec: Any, what: str) -> list[tuple[str | int, Any]]:
+    """A dict or sequence given per output as ``(key, value)`` pairs (dict keys, or indices)."""
+    if isinstance(spec, Mapping):
+        return list(spec.items())
+    if isinstance(spec, Sequence) and not isinstance(spec, str):
+        return list(enumerate(spec))
+    raise TypeError(f"{what} must be one for all outputs, a dict by output name or a list by position, got {spec!r}")
+
+
+def _takes_keywords(module: Any, names: tuple[str, ...]) -> bool:
+    """Whether ``module.forward`` takes parameters ``names`` (a dict's keys) by keyword: it has ``**kwargs`` or all of
+    them. If not, it must take one positional argument (the dict)."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # no signature to read (a builtin): pass the dict
+        return False
+    params = list(signature.parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return True
+    if set(names) <= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}:
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(required) > 1 or not (positional or any(p.kind is p.VAR_POSITIONAL for p in params)):
+        raise TypeError(
+            f"the batch's inputs are a dict with keys {list(names)}, but {type(module).__name__}.forward{signature} "
+            "takes neither those names as parameters nor one dict"
+        )
+    return False
+
+
 class TorchModel:
     """A ``torch.nn.Module`` with a Keras-like training API.
 
@@ -31,23 +125,40 @@ class TorchModel:
             (integer buffers, such as batch-norm counters, stay local to each copy).
         optimizer: a ``torch.optim.Optimizer`` over ``module.parameters()``, or a function taking the parameters
             and returning one (``lambda p: torch.optim.Adam(p, lr=1e-3)``).
-        loss_fn: ``loss_fn(outputs, targets)`` returning a scalar tensor, e.g. ``torch.nn.CrossEntropyLoss()``.
-        metrics: ``("accuracy",)`` (argmax of the outputs against integer targets) or ``()``.
-        target_dtype: the dtype targets are converted to (``"long"`` suits class labels, ``"float32"`` regression).
+        loss_fn: ``loss_fn(outputs, targets)`` returning a scalar tensor, e.g. ``torch.nn.CrossEntropyLoss()``, on
+            whatever the module returns and the batch's targets (a dict or tuple of them included); or one loss per
+            output: a dict by output name (the module returns a dict) or a list by position (it returns a tuple),
+            each ``loss(output, target)`` on that output and the target of the same name or position; ``None``
+            leaves an output out. The loss is then their sum, weighted by ``loss_weights`` (a dict or list alike;
+            default 1 each), and the logs hold each one as ``<name>_loss`` (``output_<i>_loss`` by position).
+        metrics: ``("accuracy",)`` or ``()``: the share of argmax of an output matching its integer class targets,
+            logged as ``accuracy`` for a single output and ``<name>_accuracy`` for each of several, and only where it
+            is defined (integer targets, outputs with one more axis: the classes).
+        target_dtype: the dtype targets are converted to: ``"long"`` suits class labels, ``"float32"`` regression,
+            ``None`` keeps each array's. For a dict or tuple of targets, one for all of them or a dict or list by
+            output. The default, ``"auto"``: an array becomes ``long`` (class labels); in a dict or tuple, integer
+            arrays become ``long`` and floating ones ``float32``.
+        loss_weights: with one loss per output, their weights.
 
-    ``get_weights``/``set_weights``, ``train_on_batch``, ``evaluate``, ``predict``, ``reset_metrics``, ``save``,
-    ``save_weights``/``load_weights`` behave like Keras's; the optimizer's state and the random generator's state
-    are reachable through ``get_optimizer_state``/``set_optimizer_state`` and ``get_rng_state``/``set_rng_state``
-    (``ModelAveraging(optimizer_state=True)`` and checkpoints use them).
+    A batch's inputs ``x`` are an array (``module(x)``), a tuple or list of arrays (``module(*x)``) or a dict name
+    -> array: ``module(**x)`` when ``module.forward`` takes those names as parameters (or ``**kwargs``), else
+    ``module(x)`` with the dict of tensors, as a ``forward(self, batch)`` expects it. Targets ``y`` are an array, a
+    tuple or a dict, matching the outputs the losses take; ``predict`` returns what the module returns, as numpy.
+
+    ``get_weights``/``set_weights``, ``train_on_batch``, ``evaluate``, ``predict``, ``reset_metrics``,
+    ``get_metrics_result``, ``save``, ``save_weights``/``load_weights`` behave like Keras's; the optimizer's state
+    and the random generator's state are reachable through ``get_optimizer_state``/``set_optimizer_state`` and
+    ``get_rng_state``/``set_rng_state`` (``ModelAveraging(optimizer_state=True)`` and checkpoints use them).
     """
 
     def __init__(
         self,
         module: Any,
         optimizer: Any,
-        loss_fn: Callable[[Any, Any], Any],
+        loss_fn: Callable[[Any, Any], Any] | Mapping[str, Any] | Sequence[Any],
         metrics: Sequence[str] = ("accuracy",),
-        target_dtype: str = "long",
+        target_dtype: str | Mapping[str, str | None] | Sequence[str | None] | None = "auto",
+        loss_weights: Mapping[str, float] | Sequence[float] | None = None,
     ) -> None:
         import torch
 
@@ -59,15 +170,50 @@ class TorchModel:
             raise ValueError(f"unknown metrics {unknown}: TorchModel computes {list(_METRICS)}")
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self._torch = torch
         self.module = module
+        self.loss_fn = loss_fn
+        if isinstance(loss_fn, torch.nn.ModuleDict):  # losses that are modules, by output
+            loss_fn = dict(loss_fn.items())
+        elif isinstance(loss_fn, torch.nn.ModuleList):
+            loss_fn = list(loss_fn)
+        self._losses = self._per_output_losses(loss_fn, loss_weights)
+        self.metrics = tuple(metrics)
+        per_output = target_dtype is not None and not isinstance(target_dtype, str)
+        self._target_dtype = "auto" if per_output else self._dtype(target_dtype)
+        self._array_target_dtype = torch.long if self._target_dtype == "auto" else self._target_dtype
+        self._class_dtypes = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
+        self._target_dtypes: dict[str | int, Any] | None = None
+        if per_output:
+            self._target_dtypes = {k: self._dtype(v) for k, v in _per_output(target_dtype, "target_dtype")}
+        self._kwargs_calls: dict[tuple[str, ...], bool] = {}
         self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(module.parameters())
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer or a function returning one")
-        self.loss_fn = loss_fn
-        self.metrics = tuple(metrics)
-        self._target_dtype = getattr(torch, target_dtype)
-        self._torch = torch
         self.reset_metrics()
+
+    def _dtype(self, name: Any) -> Any:
+        if name is None or name == "auto":
+            return name
+        if not isinstance(name, str) or not isinstance(getattr(self._torch, name, None), self._torch.dtype):
+            raise ValueError(f"target_dtype: {name!r} is not a torch dtype (e.g. 'long', 'float32')")
+        return getattr(self._torch, name)
+
+    @staticmethod
+    def _per_output_losses(loss_fn: Any, loss_weights: Any) -> list[tuple[str | int, Any, float]] | None:
+        """``(output key, loss, weight)`` for each output a loss is given for; None for one loss over everything."""
+        if callable(loss_fn) and not isinstance(loss_fn, (Mapping, Sequence)):
+            if loss_weights is not None:
+                raise ValueError("loss_weights weigh one loss per output: give loss_fn as a dict or list of losses")
+            return None
+        given = _per_output(loss_fn, "loss_fn")
+        losses = [(k, fn) for k, fn in given if fn is not None]
+        if not losses or any(not callable(fn) for _, fn in losses):
+            raise TypeError(f"loss_fn: a loss (a callable) or None per output, got {loss_fn!r}")
+        weights = dict(_per_output(loss_weights, "loss_weights")) if loss_weights is not None else {}
+        if unknown := [k for k in weights if k not in dict(given)]:
+            raise ValueError(f"loss_weights for {unknown}, which loss_fn does not name")
+        return [(k, fn, float(weights.get(k, 1.0))) for k, fn in losses]
 
     # -- weights ----------------------------------------------------------------------------------------------
 
@@ -108,74 +254,193 @@ class TorchModel:
             warnings.simplefilter("ignore", UserWarning)
             return self._torch.from_numpy(np.asarray(a))
 
+    def _inputs(self, x: Any) -> Any:
+        return _map(self._tensor, x) if _structured(x) else self._tensor(x)
+
     def _targets(self, y: Any) -> Any:
-        return self._tensor(y).to(self._target_dtype)
+        if not _structured(y):
+            if self._target_dtypes is not None:
+                raise ValueError("target_dtype is given per output, but the targets are one array")
+            dtype = self._array_target_dtype
+            return self._tensor(y).to(dtype) if dtype is not None else self._tensor(y)
+        if isinstance(y, dict):
+            return {k: self._target(v, k) for k, v in y.items()}
+        return type(y)(self._target(v, i) for i, v in enumerate(y))
+
+    def _target(self, a: Any, key: str | int) -> Any:
+        """Target ``key`` of a dict or tuple of targets, converted as ``target_dtype`` says."""
+        dtype = self._target_dtype if self._target_dtypes is None else self._target_dtypes.get(key)
+        t = _map(self._tensor, a)
+        if dtype is None or _structured(t):
+            return t
+        if dtype == "auto":
+            if t.is_floating_point():
+                return t.to(self._torch.float32)
+            return t.to(self._torch.long) if not t.is_complex() and t.dtype != self._torch.bool else t
+        return t.to(dtype)
+
+    def _forward(self, inputs: Any) -> Any:
+        """The module on a batch's inputs: ``module(x)``, ``module(*x)`` for a tuple or list, ``module(**x)`` or
+        ``module(x)`` for a dict (see the class's docstring)."""
+        if isinstance(inputs, dict):
+            return self.module(**inputs) if self._by_keyword(tuple(inputs)) else self.module(inputs)
+        if isinstance(inputs, (tuple, list)):
+            return self.module(*inputs)
+        return self.module(inputs)
+
+    def _by_keyword(self, names: tuple[str, ...]) -> bool:
+        """Whether ``module.forward`` takes a dict's entries ``names`` as keyword arguments (else: the dict)."""
+        known = self._kwargs_calls.get(names)
+        if known is None:
+            known = self._kwargs_calls[names] = _takes_keywords(self.module, names)
+        return known
+
+    def _loss(self, out: Any, target: Any) -> tuple[Any, dict[str, Any]]:
+        """The loss to minimise, and each output's (per-output losses only), by log name."""
+        if self._losses is None:
+            return self.loss_fn(out, target), {}  # type: ignore[operator]
+        total: Any = None
+        parts: dict[str, Any] = {}
+        for key, fn, weight in self._losses:
+            value = fn(_entry(out, key, "output"), _entry(target, key, "target"))
+            parts[f"{_output_name(key)}_loss"] = value
+            total = value * weight if total is None else total + value * weight
+        return total, parts
+
+    def _accuracies(self, out: Any, target: Any) -> dict[str, float]:
+        """The accuracy of each output where it is defined (integer class targets, outputs with one more axis),
+        in samples (the share of the batch's targets right, times its rows): ``accuracy`` for one output,
+        ``<name>_accuracy`` for several."""
+        if "accuracy" not in self.metrics:
+            return {}
+        if not _structured(out) or not _structured(target):
+            if _structured(out) or _structured(target):
+                return {}
+            share = self._accuracy(out, target)
+            return {} if share is None else {"accuracy": share}
+        if isinstance(out, dict) != isinstance(target, dict):
+            return {}
+        keys: list[Any] = list(out) if isinstance(out, dict) else list(range(len(out)))
+        found = {}
+        for key in keys:
+            o = out.get(key) if isinstance(out, dict) else out[key]
+            t = target.get(key) if isinstance(target, dict) else (target[key] if key < len(target) else None)
+            if t is None or _structured(o) or _structured(t):
+                continue
+            share = self._accuracy(o, t)
+            if share is not None:
+                found[f"{_output_name(key)}_accuracy"] = share
+        return found
+
+    def _accuracy(self, out: Any, target: Any) -> float | None:
+        if not self._torch.is_tensor(out) or not self._torch.is_tensor(target):
+            return None
+        if target.dtype not in self._class_dtypes or out.dim() != target.dim() + 1 or out.shape[:-1] != target.shape:
+            return None
+        if target.numel() == 0:
+            return None
+        right = int((out.argmax(dim=-1) == target).sum())
+        n, total = len(target), target.numel()
+        return right if total == n else right * n / total  # one target per sample: the count itself, exactly
 
     def reset_metrics(self) -> None:
         """Start the running loss and metrics afresh (as Keras's ``model.reset_metrics``)."""
         self._seen = 0
-        self._loss_sum = 0.0
-        self._correct = 0
+        self._sums: dict[str, float] = {}
 
-    def _logs(self, loss_sum: float, correct: int, seen: int, return_dict: bool) -> Any:
-        logs = {"loss": loss_sum / max(seen, 1)}
-        if "accuracy" in self.metrics:
-            logs["accuracy"] = correct / max(seen, 1)
+    def _count(self, sums: dict[str, float], n: int, loss: Any, parts: dict[str, Any], out: Any, target: Any) -> None:
+        """Add a batch of ``n`` samples to running ``sums`` (of each log's value times samples)."""
+        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * n
+        for name, value in parts.items():
+            sums[name] = sums.get(name, 0.0) + float(value.detach()) * n
+        for name, right in self._accuracies(out, target).items():
+            sums[name] = sums.get(name, 0.0) + right
+
+    @staticmethod
+    def _logs(sums: dict[str, float], seen: int, return_dict: bool) -> Any:
+        logs = {k: v / max(seen, 1) for k, v in sums.items()} or {"loss": 0.0}
         if return_dict:
             return logs
         values = list(logs.values())
         return values[0] if len(values) == 1 else values
 
-    def _count_correct(self, out: Any, target: Any) -> int:
-        if "accuracy" not in self.metrics:
-            return 0
-        return int((out.argmax(dim=-1) == target).sum())
+    def get_metrics_result(self) -> dict[str, float]:
+        """The running loss and metrics since :meth:`reset_metrics` (as Keras's)."""
+        return self._logs(self._sums, self._seen, True)
 
     def _backward(self, x: Any, y: Any) -> None:
         """Forward and backward on a batch (the gradients are in the parameters' ``.grad``); the running loss and
-        accuracy count it."""
+        metrics count it. ``x`` and ``y``: arrays, or dicts, tuples or lists of them."""
         self.module.train()
-        inputs, target = self._tensor(x), self._targets(y)
+        if self._losses is None and not isinstance(x, (dict, tuple, list)) and not isinstance(y, (dict, tuple, list)):
+            # An array in, an array of targets, one loss: the common case, with as little around torch as can be.
+            inputs, target = self._tensor(x), self._tensor(y)
+            if self._array_target_dtype is not None:
+                target = target.to(self._array_target_dtype)
+            self.optimizer.zero_grad(set_to_none=True)
+            out = self.module(inputs)
+            loss = self.loss_fn(out, target)  # type: ignore[operator]
+            loss.backward()
+            n = len(target)
+            self._seen += n
+            sums = self._sums
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * n
+            if "accuracy" in self.metrics and target.dtype in self._class_dtypes and out.dim() == target.dim() + 1:
+                right = int((out.detach().argmax(dim=-1) == target).sum())
+                if target.dim() > 1:  # several targets per sample (a sequence's): the share, in samples
+                    right = right * n / target.numel()
+                sums["accuracy"] = sums.get("accuracy", 0.0) + right
+            return
+        inputs, target = self._inputs(x), self._targets(y)
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.module(inputs)
-        loss = self.loss_fn(out, target)
+        out = self._forward(inputs)
+        loss, parts = self._loss(out, target)
         loss.backward()
-        n = len(target)
+        n = _rows(target)
         self._seen += n
-        self._loss_sum += float(loss.detach()) * n
-        self._correct += self._count_correct(out.detach(), target)
+        self._count(self._sums, n, loss, parts, _map(_detached, out), target)
 
     def train_on_batch(self, x: Any, y: Any, return_dict: bool = False) -> Any:
-        """One optimizer step on a batch; returns the running loss (and accuracy) since :meth:`reset_metrics`."""
+        """One optimizer step on a batch; returns the running loss (and metrics) since :meth:`reset_metrics`."""
         self._backward(x, y)
         self.optimizer.step()
-        return self._logs(self._loss_sum, self._correct, self._seen, return_dict)
+        return self._logs(self._sums, self._seen, return_dict)
 
     def evaluate(
         self, x: Any, y: Any, batch_size: int = 32, verbose: int = 0, return_dict: bool = False, **_: Any
     ) -> Any:
-        """Mean loss (and accuracy) over ``x, y``, in evaluation mode without gradients."""
+        """Mean loss (and metrics) over ``x, y``, in evaluation mode without gradients."""
         self.module.eval()
-        loss_sum, correct, seen = 0.0, 0, 0
+        sums: dict[str, float] = {}
+        seen = 0
+        rows = _rows(x)
         with self._torch.no_grad():
-            for start in range(0, len(x), batch_size):
-                inputs, target = (
-                    self._tensor(x[start : start + batch_size]),
-                    self._targets(y[start : start + batch_size]),
-                )
-                out = self.module(inputs)
-                n = len(target)
-                loss_sum += float(self.loss_fn(out, target)) * n
-                correct += self._count_correct(out, target)
+            for start in range(0, rows, batch_size):
+                inputs = self._inputs(_slice(x, start, start + batch_size))
+                target = self._targets(_slice(y, start, start + batch_size))
+                out = self._forward(inputs)
+                loss, parts = self._loss(out, target)
+                n = _rows(target)
+                self._count(sums, n, loss, parts, out, target)
                 seen += n
-        return self._logs(loss_sum, correct, seen, return_dict)
+        return self._logs(sums, seen, return_dict)
 
-    def predict(self, x: Any, batch_size: int = 32, verbose: int = 0) -> np.ndarray:
-        """The module's outputs on ``x``, as one numpy array."""
+    def predict(self, x: Any, batch_size: int = 32, verbose: int = 0) -> Any:
+        """The module's outputs on ``x``, as numpy: one array, or the dict or tuple of them the module returns."""
         self.module.eval()
+        parts = []
         with self._torch.no_grad():
-            parts = [self.module(self._tensor(x[s : s + batch_size])).numpy() for s in range(0, len(x), batch_size)]
-        return np.concatenate(parts) if parts else np.empty((0,))
+            for s in range(0, _rows(x), batch_size):
+                out = self._forward(self._inputs(_slice(x, s, s + batch_size)))
+                parts.append(_map(_numpy, out))
+        if not parts:
+            return np.empty((0,))
+        if not _structured(parts[0]):
+            return np.concatenate(parts)
+        first = parts[0]
+        if isinstance(first, dict):
+            return {k: np.concatenate([p[k] for p in parts]) for k in first}
+        return type(first)(np.concatenate([p[i] for p in parts]) for i in range(len(first)))
 
     # -- gradient averaging -------------------------------------------------------------------------------------
 

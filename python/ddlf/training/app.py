@@ -34,6 +34,7 @@ from ..data.images import EncodedImages
 from ..data.structure import concatenate_rows
 from ..errors import WorkerUnavailable
 from ..frameworks.keras_backend import keras_backend_default
+from ..frameworks.loading import guard_torch_compiler
 from ..frameworks.seeding import set_random_seed
 from ..report.training import check_report_path, write_report
 from . import checkpoint
@@ -70,6 +71,7 @@ class IApp:
 
     def __init__(self, cluster: Cluster) -> None:
         keras_backend_default()  # the master builds the model too: the same backend as its workers
+        guard_torch_compiler()  # a TorchModel's optimizer after TensorFlow: an error, not an abort
         self.cluster = cluster
         self.model: Any = None
         self.stop_training = False

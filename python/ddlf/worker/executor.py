@@ -381,13 +381,16 @@ def _preload(modules: list[str]) -> None:
     import logging
     import time
 
+    from ..frameworks.console import quiet_start
+
     log = logging.getLogger("ddlf.worker")
     for name in modules:
         t0 = time.perf_counter()
         try:
-            module = importlib.import_module(name)
-            if name == "keras":
-                module.backend.backend()  # loads the backend's own framework too
+            with quiet_start():  # the framework's start-up notices go to this daemon's log, not stderr
+                module = importlib.import_module(name)
+                if name == "keras":
+                    module.backend.backend()  # loads the backend's own framework too
         except BaseException as exc:  # a worker must serve whatever its preload does
             log.warning("preloading %s failed: %s: %s", name, type(exc).__name__, exc)
             continue

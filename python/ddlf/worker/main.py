@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from .. import _ddlf
 from ..errors import WorkerStartError
 from ..frameworks.keras_backend import keras_backend_default
+from ..frameworks.loading import guard_torch_compiler
 from ..process import die_with_parent, in_effect, prepare_process, thread_env
 from ..settings import MAX_LANE_SPIN_US, check_lane_spin_us, module_list
 from .executor import Executor
@@ -196,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before any framework loads (the preload included): they read it once, when they initialise CUDA.
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
     keras_backend_default()
+    guard_torch_compiler()  # user code loading torch's compiler after TensorFlow: an error, not an abort
     prepare_process()
     from ..training import replica
 

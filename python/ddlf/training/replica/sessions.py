@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import TooManyRuns
+from ...frameworks.console import quiet_start
 from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
 from ...frameworks.seeding import set_random_seed
 from ..messages import FitData, weights_var
@@ -102,8 +103,9 @@ class Sessions:
             follow_keras_backend(backend)
         else:
             keras_backend_default()
-        app = cloudpickle.loads(app_blob)
-        fit = cloudpickle.loads(fit_blob) if fit_blob is not None else FitData()
+        with quiet_start():  # the app's module may import a framework: its start-up notices go to the log
+            app = cloudpickle.loads(app_blob)
+            fit = cloudpickle.loads(fit_blob) if fit_blob is not None else FitData()
         t0 = time.perf_counter()
         worker_seed = seed + 1000 * (worker.id + 1)
         set_random_seed(worker_seed, torch=torch)

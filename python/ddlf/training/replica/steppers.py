@@ -560,8 +560,7 @@ class _TorchModelStepper(Stepper):
         m.optimizer.step()
 
     def end(self) -> dict[str, float]:
-        m = self.model
-        return {k: float(v) for k, v in m._logs(m._loss_sum, m._correct, m._seen, True).items()}
+        return {k: float(v) for k, v in self.model.get_metrics_result().items()}
 
     def zeros(self) -> list[np.ndarray]:
         return [np.zeros(tuple(p.shape), np.float32) for p in self.params]
