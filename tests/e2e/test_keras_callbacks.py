@@ -71,6 +71,15 @@ def test_a_keras_callback_gets_fits_hooks_logs_and_model(cluster: ddlf.Cluster, 
     assert batches and all("loss" in c[2] for c in batches)  # one per round or merged chunk, with its logs
     assert probe.model is app.model
     assert probe.params["epochs"] == 2 and probe.params["steps"] == 1500 // 32 + 1
+    # fit's batch index: counted from each epoch's start, rising, the epoch's last batch at its end
+    per_epoch: list[list[int]] = []
+    for kind, index, _ in probe.calls:
+        if kind == "epoch_begin":
+            per_epoch.append([])
+        elif kind == "batch_end":
+            per_epoch[-1].append(index)
+    for indices in per_epoch:
+        assert indices == sorted(indices) and indices[0] >= 0 and indices[-1] == probe.params["steps"] - 1, indices
 
 
 def test_early_stopping_stops_training_on_every_worker(cluster: ddlf.Cluster) -> None:
@@ -114,3 +123,70 @@ def test_csv_logger_and_model_checkpoint_write_as_in_fit(cluster: ddlf.Cluster, 
     model = app.create_model()
     model.load_weights(str(ckpt))
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), app.model.get_weights()))
+
+
+def test_backup_and_restore_resumes_an_interrupted_run_as_fit_does(cluster: ddlf.Cluster, tmp_path: Path) -> None:
+    """``keras.callbacks.BackupAndRestore``: a run interrupted after its second epoch is resumed by the next
+    ``train`` with the same backup directory from its third epoch, the master's model (and so every worker)
+    starting from the backed-up weights, as ``fit`` resumes."""
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("preempted")
+
+    backup_dir = str(tmp_path / "backup")
+    app = SmallMnist(cluster)
+    with pytest.raises(RuntimeError, match="preempted"):
+        app.train(
+            epochs=4,
+            batch_size=64,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup_dir), Interrupt()],
+            strategy=ddlf.ModelAveraging(every=20),
+        )
+    backed_up = [np.array(w) for w in app.model.get_weights()]  # the backup was written before the interruption
+
+    resumed = SmallMnist(cluster)
+    seen: dict[str, list] = {"epochs": [], "start": []}
+    probe = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs: seen["start"].append([np.array(w) for w in resumed.model.get_weights()]),
+        on_epoch_begin=lambda epoch, logs: seen["epochs"].append(epoch),
+    )
+    history = resumed.train(
+        epochs=4,
+        batch_size=64,
+        verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup_dir), probe],
+        strategy=ddlf.ModelAveraging(every=20),
+    )
+    assert seen["epochs"] == [2, 3] and len(history.history["loss"]) == 2
+    for got, want in zip(seen["start"][0], backed_up):
+        np.testing.assert_array_equal(got, want)
+    assert next(e for e in history.events if e["event"] == "resumed")["epochs_done"] == 2
+
+
+def test_tensorboard_and_progbar_logger_behave_as_in_fit(
+    cluster: ddlf.Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str], mnist_test_split
+) -> None:
+    """``TensorBoard`` writes its train and validation event files; ``ProgbarLogger`` prints fit's per-epoch bar,
+    which reaches the epoch's steps (``on_train_batch_end`` carries fit's batch index)."""
+    log_dir = tmp_path / "tb"
+    app = SmallMnist(cluster)
+    app.train(
+        epochs=2,
+        batch_size=64,
+        verbose=1,  # as in fit, ProgbarLogger prints nothing at verbose=0
+        validation_data=mnist_test_split,
+        callbacks=[keras.callbacks.TensorBoard(str(log_dir)), keras.callbacks.ProgbarLogger()],
+        strategy=ddlf.ModelAveraging(every=10),
+    )
+    for part in ("train", "validation"):
+        events = list((log_dir / part).glob("events.out.tfevents.*"))
+        assert events and all(e.stat().st_size > 0 for e in events), part
+    out = capsys.readouterr().out
+    steps = 1500 // 64 + 1
+    # Keras' bar replaces ddlf's (as fit adds none of its own): each epoch's bar ends full, with the validation logs
+    ends = [line for line in out.replace("\r", "\n").splitlines() if "val_loss" in line]
+    assert len(ends) == 2 and all(f"{steps}/{steps}" in line for line in ends), out
+    assert "Epoch 1/2 - " not in out and out.count("Epoch 1/2") == 1, out  # ddlf's own per-epoch line stepped aside

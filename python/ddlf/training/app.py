@@ -44,7 +44,7 @@ from .callbacks import ProgressBar
 from .evaluation import contiguous_parts, evaluate_on_workers, predict_on_workers
 from .exchange import resolve as resolve_exchange
 from .history import History
-from .keras_callbacks import KerasCallback, is_keras_callback
+from .keras_callbacks import KerasCallback, is_keras_callback, is_progbar_logger
 from .membership import Members
 from .messages import FitData
 from .options import DataConfig, GradientAveraging, ModelAveraging, RunConfig, Strategy, TrainConfig
@@ -351,7 +351,9 @@ class IApp:
             members.note("resumed", epochs_done=initial_epoch, checkpoint=where)
         cbs = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         if cfg.verbose:
-            cbs.insert(0, ProgressBar(cfg.epochs, rows))
+            # as fit adds its bar only where the callbacks hold no ProgbarLogger, the user's bar replaces ddlf's
+            if not any(is_progbar_logger(cb) for cb in callbacks):
+                cbs.insert(0, ProgressBar(cfg.epochs, rows))
             cached = sum(bool(i["cached"]) for i in infos)
             saved = sum(i["first_load_seconds"] for i in infos if i["cached"])
             print(
@@ -365,9 +367,18 @@ class IApp:
         for cb in cbs:
             cb.set_app(self)
             if isinstance(cb, KerasCallback):
-                cb.set_params({"epochs": cfg.epochs, "steps": steps, "verbose": cfg.verbose})
+                cb.set_params({"epochs": cfg.epochs, "steps": steps, "verbose": cfg.verbose}, rows)
             cb.history = history
+        if hasattr(self.model, "_initial_epoch"):
+            self.model._initial_epoch = None  # as fit starts: a callback may set it (below)
+        for cb in cbs:
             cb.on_train_begin()
+        # keras.callbacks.BackupAndRestore restored the master's model from its backup and says where to resume,
+        # as fit reads it; the workers start from the master's (restored) weights.
+        restored = getattr(self.model, "_initial_epoch", None)
+        if restored:
+            initial_epoch = max(initial_epoch, int(restored))
+            members.note("resumed", epochs_done=initial_epoch, checkpoint="keras.callbacks.BackupAndRestore")
         run = TrainingRun(
             app=self,
             cfg=cfg,

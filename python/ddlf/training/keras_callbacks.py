@@ -3,10 +3,13 @@
 ``app.train`` wraps each in a :class:`KerasCallback`: ``self.model`` is the master's model, ``params`` holds
 ``epochs``, ``steps`` (batches a worker trains per epoch) and ``verbose``, and the hooks get ``fit``'s ``logs``
 (``val_*`` included). ``on_train_batch_end`` runs once per round (sync) or merged chunk (async), with the round's
-logs: distributed training has no per-batch view on the master. What a callback does to the model reaches the
-workers: ``model.stop_training = True`` (EarlyStopping, TerminateOnNaN) ends training after the epoch, and a new
-learning rate on the master's optimizer (ReduceLROnPlateau, LearningRateScheduler) is what every worker trains
-with from the next round (:func:`learning_rate`, carried by each round's ``learning_rate``).
+logs and, as its ``batch``, the index (from the epoch's start) of the last batch a worker has run by then, as
+``fit`` reports it with ``steps_per_execution``: distributed training has no per-batch view on the master. What
+a callback does to the model reaches the workers: ``model.stop_training = True`` (EarlyStopping, TerminateOnNaN)
+ends training after the epoch, and a new learning rate on the master's optimizer (ReduceLROnPlateau,
+LearningRateScheduler) is what every worker trains with from the next round (:func:`learning_rate`, carried by each
+round's ``learning_rate``). ``BackupAndRestore`` resumes where its backup says, as in ``fit``: the master's model
+restored, the workers starting from it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ def is_keras_callback(callback: Any) -> bool:
 
     keras = sys.modules.get("keras")
     return keras is not None and isinstance(callback, keras.callbacks.Callback)
+
+
+def is_progbar_logger(callback: Any) -> bool:
+    """Whether ``callback`` is Keras' ``ProgbarLogger``, which takes the place of ddlf's own bar (as in ``fit``)."""
+    import sys
+
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(callback, keras.callbacks.ProgbarLogger)
 
 
 def learning_rate(model: Any) -> float | None:
@@ -44,6 +55,8 @@ class KerasCallback(Callback):
     def __init__(self, callback: Any) -> None:
         self.callback = callback
         self.params: dict[str, Any] = {}
+        self.rows = 0
+        """Rows an epoch trains (all workers): a round's ``samples_done`` over it gives fit's batch index."""
 
     def set_app(self, app: Any) -> None:
         super().set_app(app)
@@ -51,9 +64,10 @@ class KerasCallback(Callback):
             app.model.stop_training = False  # as fit starts
         self.callback.set_model(app.model)
 
-    def set_params(self, params: dict[str, Any]) -> None:
-        """``fit``'s ``params``: ``epochs``, ``steps`` and ``verbose``."""
+    def set_params(self, params: dict[str, Any], rows: int = 0) -> None:
+        """``fit``'s ``params``: ``epochs``, ``steps`` and ``verbose``; ``rows``: what an epoch trains."""
         self.params = dict(params)
+        self.rows = rows
         self.callback.set_params(self.params)
 
     def _after(self) -> None:
@@ -69,8 +83,16 @@ class KerasCallback(Callback):
         self._after()
 
     def on_round_end(self, round: int, logs: dict[str, Any] | None = None) -> None:
-        fit_logs = {k: v for k, v in (logs or {}).items() if k != "samples_done"}
-        self.callback.on_train_batch_end(round, fit_logs)
+        logs = dict(logs or {})
+        done = logs.pop("samples_done", None)
+        steps = int(self.params.get("steps") or 0)
+        if done is not None and self.rows and steps:
+            # fit's index of the last batch run, counted from the epoch's start (as with steps_per_execution):
+            # the share of the epoch's rows done, in a worker's batches (so ProgbarLogger ends at `steps`)
+            batch = min(steps, math.ceil(steps * float(done) / self.rows)) - 1
+        else:
+            batch = round
+        self.callback.on_train_batch_end(max(0, batch), logs)
         self._after()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

@@ -481,7 +481,8 @@ class _TorchKerasStepper(_KerasStepper):
         import keras
 
         model, torch = self.model, self._torch
-        x, y, sw = keras.tree.map_structure(keras.ops.convert_to_tensor, (x, y, sw))
+        x, y = keras.tree.map_structure(keras.ops.convert_to_tensor, (x, y))
+        sw = None if sw is None else keras.ops.convert_to_tensor(sw)
         y_pred = self._forward(x)
         model.zero_grad()
         loss = self._loss(x, y, y_pred, sw)
