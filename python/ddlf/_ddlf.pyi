@@ -1,5 +1,6 @@
 """Type stubs for ``ddlf._ddlf``, the Rust extension module (see rust/ddlf-py)."""
 
+import os
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -115,6 +116,8 @@ class Client:
         timeout: float | None = None,
     ) -> list[Reply]: ...
     def status(self, targets: Sequence[int], timeout: float | None = None) -> list[dict[str, Any] | BaseException]: ...
+    def stacks(self, targets: Sequence[int], timeout: float | None = None) -> list[dict[str, Any] | BaseException]:
+        """Every Python thread's stack and what the interpreter thread serves, per target, or an exception."""
     def logs(
         self, targets: Sequence[int], lines: int = 100, timeout: float | None = None
     ) -> list[tuple[list[str], int] | BaseException]:
@@ -154,6 +157,9 @@ class ServingDaemon:
 
     def runs(self) -> list[str]:
         """The training runs the daemon reports."""
+
+    def set_stack_dumper(self, signal: int, path: str | os.PathLike[str]) -> None:
+        """Answer stack requests by raising ``signal`` (faulthandler registered on it, appending to ``path``)."""
 
 @final
 class BatchPipeline:

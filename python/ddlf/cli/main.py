@@ -1,6 +1,7 @@
 """The ``ddlf`` command: ``ddlf worker`` (the daemon), ``ddlf status`` (a table of workers), ``ddlf logs`` (a
-worker's recent log lines), ``ddlf up`` / ``ddlf down`` (start / stop a cluster.toml's workers over SSH),
-``ddlf demo`` (the README's local MNIST run). The benchmarks run from a checkout: ``python -m benchmarks NAME``."""
+worker's recent log lines), ``ddlf stacks`` (every worker's Python stacks), ``ddlf up`` / ``ddlf down`` (start /
+stop a cluster.toml's workers over SSH), ``ddlf demo`` (the README's local MNIST run). The benchmarks run from a
+checkout: ``python -m benchmarks NAME``."""
 
 from __future__ import annotations
 
@@ -65,6 +66,40 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def format_stacks(report: dict[str, Any]) -> str:
+    """One worker's answer to ``ddlf stacks`` as text: a header line, what its interpreter thread serves, then
+    every Python thread's stack."""
+    who = report.get("name") or report["address"]
+    head = f"==> {who} ({report['address']}, {report['hostname']}, pid {report['pid']}) <=="
+    running = report.get("running")
+    serving = f"serving {running} for {report['running_for_s']:.1f} s" if running else "idle"
+    serving += f"; {report['queue_depth']} queued"
+    if report.get("runs"):
+        serving += "; runs: " + ", ".join(report["runs"])
+    body = report.get("python") or f"(no Python stacks: {report.get('error')})"
+    return f"{head}\n{serving}\n{body.rstrip()}"
+
+
+def _cmd_stacks(args: argparse.Namespace) -> int:
+    """Print every worker's Python stacks (all threads) and what its interpreter thread serves."""
+    from ..cluster.cluster import Cluster
+
+    found = _targets(args, "stacks")
+    if found is None:
+        return 2
+    addresses, kw = found
+    failed = False
+    for address in addresses:  # one connection each: a worker that does not answer does not hide the others
+        try:
+            with Cluster([address], connect_timeout=args.timeout, timeout=args.timeout, **kw) as c:
+                print(format_stacks(c.stacks(timeout=args.timeout)[0]))
+        except DdlfError as exc:
+            print(f"ddlf stacks: {address}: {getattr(exc, 'reason', None) or exc}", file=sys.stderr)
+            failed = True
+        sys.stdout.flush()
+    return 1 if failed else 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     script = os.path.join(os.getcwd(), "examples", "mnist_sync.py")
     if not os.path.exists(script):
@@ -92,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     lg.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     lg.add_argument("-n", "--lines", type=int, default=100, help="how many of the last lines (0: all kept)")
     lg.add_argument("--timeout", type=float, default=3.0, help="seconds allowed per worker (default 3)")
+    sk = sub.add_parser(
+        "stacks", help="every worker's Python stacks (all threads) and what it serves, even when it is stuck"
+    )
+    sk.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    sk.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
+    sk.add_argument("--timeout", type=float, default=2.0, help="seconds allowed per worker (default 2)")
     upp = sub.add_parser("up", help="start the workers of a cluster.toml over ssh, check versions, show status")
     upp.add_argument("config", help="cluster.toml (workers, token_file, [launch] ssh settings)")
     upp.add_argument("--timeout", type=float, default=30.0, help="seconds for ssh and for workers to answer")
@@ -106,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_status(args)
         if args.command == "logs":
             return _cmd_logs(args)
+        if args.command == "stacks":
+            return _cmd_stacks(args)
         if args.command in ("up", "down"):
             from . import launch
 

@@ -485,6 +485,14 @@ class Cluster(Collectives):
         lines, _dropped = raise_for(self._client.logs(self._targets([worker]), n, timeout))[0]
         return lines
 
+    def stacks(self, workers: Sequence[int] | None = None, *, timeout: float | None = 2.0) -> list[dict[str, Any]]:
+        """Where each worker is now: ``python``, every thread of its interpreter with its stack (most recent call
+        first, faulthandler's format; the thread serving requests is the one in ``ddlf/worker``), and what its
+        interpreter thread serves: ``running`` (the request, ``op:name``, or None), ``running_for_s``,
+        ``queue_depth``, ``runs``. Answered by each daemon's network side without its interpreter's lock, so a
+        worker stuck in a computation or deadlocked answers too. ``workers``: indices (default all)."""
+        return raise_for(self._client.stacks(self._targets(workers), timeout))
+
     def shutdown(self, *, timeout: float | None = 10.0) -> None:
         """Stop every worker daemon (their state is lost)."""
         raise_for(self._client.shutdown(list(range(len(self))), timeout))

@@ -26,6 +26,7 @@ from .. import _ddlf, serialization
 from ..errors import MemoryBudgetExceeded
 from ..shipping import files_digest, in_package, module_files, source_path
 from .memory_budget import MemoryBudget
+from .stacks import StackDumps
 
 OPS = _ddlf.OPS
 KINDS = _ddlf.ERROR_KINDS
@@ -108,6 +109,7 @@ class Executor:
         self.context = WorkerContext(self)
         self.address = ""
         self._ready_file = ready_file
+        self._stacks: StackDumps | None = None
         self._module_dir: Path | None = Path(module_dir) if module_dir else None
         self._own_module_dir = False
         # (uploaded module, shipped automatically?) -> the digest of the version in use
@@ -148,7 +150,10 @@ class Executor:
         return self._module_dir
 
     def close(self) -> None:
-        """Remove what this worker created on disk (its uploaded-modules directory)."""
+        """Remove what this worker created on disk (its uploaded-modules directory, its stack file)."""
+        if self._stacks is not None:
+            self._stacks.close()
+            self._stacks = None
         if self._own_module_dir and self._module_dir is not None:
             shutil.rmtree(self._module_dir, ignore_errors=True)
             self._own_module_dir = False
@@ -159,6 +164,8 @@ class Executor:
         worker serves, which its status requests report."""
         self.address = address
         from ..training import replica
+
+        self._stacks = StackDumps(daemon)
 
         replica.configure(report_runs=daemon.set_runs)
         if self.preload:

@@ -12,7 +12,7 @@ use ddlf_core::shm;
 use ddlf_proto::worker_client::WorkerClient;
 use ddlf_proto::{
     CallReply, CallRequest, HelloReply, HelloRequest, LogsRequest, PingRequest, ShutdownRequest,
-    StatusReply, StatusRequest, PROTOCOL_VERSION, VERSION,
+    StacksReply, StacksRequest, StatusReply, StatusRequest, PROTOCOL_VERSION, VERSION,
 };
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
@@ -402,6 +402,15 @@ impl WorkerConn {
         })
         .await
         .map(|r| (r.lines, r.dropped))
+    }
+
+    /// Every Python thread's stack and what the interpreter thread serves (answered without the interpreter).
+    pub async fn stacks(&self, timeout: Option<Duration>) -> Result<StacksReply, NetError> {
+        self.unary(
+            timeout,
+            |mut c| async move { c.stacks(StacksRequest {}).await },
+        )
+        .await
     }
 
     /// Ask the daemon to exit.

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use ddlf_core::auth::Token;
 use ddlf_net::pool::{Call, Outcome};
 use ddlf_net::{Answer, ClientConfig, ClientTls, NetError, Outgoing, Pool, WorkerConn};
-use ddlf_proto::StatusReply;
+use ddlf_proto::{StacksReply, StatusReply};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -143,6 +143,22 @@ fn status_dict<'py>(py: Python<'py>, address: &str, s: StatusReply) -> PyResult<
     d.set_item("instance", s.instance)?;
     d.set_item("connections_open", s.connections_open)?;
     d.set_item("connections_refused", s.connections_refused)?;
+    Ok(d.into_any())
+}
+
+fn stacks_dict<'py>(py: Python<'py>, address: &str, s: StacksReply) -> PyResult<Bound<'py, PyAny>> {
+    let d = PyDict::new(py);
+    d.set_item("address", address)?;
+    d.set_item("name", s.name)?;
+    d.set_item("hostname", s.hostname)?;
+    d.set_item("pid", s.pid)?;
+    d.set_item("python", (!s.python.is_empty()).then_some(s.python))?;
+    d.set_item("error", (!s.error.is_empty()).then_some(s.error))?;
+    d.set_item("running", (!s.running.is_empty()).then_some(s.running))?;
+    d.set_item("running_for_s", s.running_for_ms as f64 / 1000.0)?;
+    d.set_item("queue_depth", s.queue_depth)?;
+    d.set_item("runs", s.runs)?;
+    d.set_item("connections_open", s.connections_open)?;
     Ok(d.into_any())
 }
 
@@ -399,6 +415,25 @@ impl Client {
         let results = detached(py, |i| pool.logs(&targets, lines, timeout, i))?;
         per_target(py, &targets, results, |py, _, (lines, dropped)| {
             Ok((lines, dropped).into_pyobject(py)?.into_any().unbind())
+        })
+    }
+
+    /// Stacks dict per target (or an exception instance): every Python thread's stack and what the
+    /// interpreter thread serves, answered without the worker's interpreter.
+    #[pyo3(signature = (targets, timeout = None))]
+    fn stacks(
+        &self,
+        py: Python<'_>,
+        targets: Vec<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let timeout = seconds(timeout)?;
+        let pool = &self.pool;
+        let results = detached(py, |i| pool.stacks(&targets, timeout, i))?;
+        let addresses = self.addresses();
+        per_target(py, &targets, results, |py, w, s| {
+            let address = addresses.get(w).map_or("", String::as_str);
+            Ok(stacks_dict(py, address, s)?.unbind())
         })
     }
 

@@ -38,6 +38,16 @@ impl ServingDaemon {
     fn runs(&self) -> Vec<String> {
         self.state.runs()
     }
+
+    /// Answer `Stacks` requests (`ddlf stacks`, `Cluster.stacks()`) by raising `signal`, on which Python's
+    /// faulthandler is registered (all threads) to append to the file at `path`. Raises ValueError when the
+    /// signal has no handler.
+    fn set_stack_dumper(&self, signal: i32, path: std::path::PathBuf) -> PyResult<()> {
+        self.state
+            .stacks
+            .install(ddlf_worker::stacks::StackDumper { signal, path })
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
 }
 
 /// How long the interpreter thread waits for a job before checking for signals (SIGINT/SIGTERM).

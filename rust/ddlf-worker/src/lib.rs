@@ -11,6 +11,7 @@
 //! * [`lanes`]: the daemon's end of direct lanes (handshake, reading requests, writing replies).
 //! * [`requests`]: what every request goes through, whichever way it came (screening, labels, logging).
 //! * [`state`]: what the daemon knows about itself (uptime, counters, what is running).
+//! * [`stacks`]: every Python thread's stack, taken without the interpreter's lock.
 //! * [`logs`]: its recent log lines, kept in memory for the `Logs` RPC.
 
 pub mod daemon;
@@ -19,6 +20,7 @@ pub mod lanes;
 pub mod logs;
 pub mod requests;
 pub mod service;
+pub mod stacks;
 pub mod state;
 
 pub use daemon::{Daemon, DaemonConfig, DaemonError};

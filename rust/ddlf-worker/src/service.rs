@@ -7,8 +7,8 @@ use std::time::Instant;
 use ddlf_proto::worker_server::Worker;
 use ddlf_proto::{
     CallReply, CallRequest, HelloReply, HelloRequest, LogsReply, LogsRequest, PingReply,
-    PingRequest, ShutdownReply, ShutdownRequest, StatusReply, StatusRequest, PROTOCOL_VERSION,
-    VERSION,
+    PingRequest, ShutdownReply, ShutdownRequest, StacksReply, StacksRequest, StatusReply,
+    StatusRequest, PROTOCOL_VERSION, VERSION,
 };
 use std::pin::Pin;
 
@@ -173,6 +173,35 @@ impl Worker for WorkerService {
     async fn logs(&self, request: Request<LogsRequest>) -> Result<Response<LogsReply>, Status> {
         let (lines, dropped) = crate::logs::ring().tail(request.into_inner().lines as usize);
         Ok(Response::new(LogsReply { lines, dropped }))
+    }
+
+    async fn stacks(&self, _: Request<StacksRequest>) -> Result<Response<StacksReply>, Status> {
+        let state = self.state.clone();
+        // Off the runtime's threads: the dump is file I/O and a signal handler walking every Python frame.
+        let dumped = tokio::task::spawn_blocking(move || state.stacks.dump())
+            .await
+            .map_err(|e| Status::internal(format!("the stack dump failed: {e}")))?;
+        let (python, error) = match dumped {
+            Ok(text) => (text, String::new()),
+            Err(e) => (String::new(), e.to_string()),
+        };
+        let (running, running_for) = self
+            .state
+            .running()
+            .map(|(op, d)| (op, d.as_millis() as u64))
+            .unwrap_or_default();
+        Ok(Response::new(StacksReply {
+            python,
+            error,
+            hostname: self.state.hostname.clone(),
+            pid: std::process::id() as u64,
+            running,
+            running_for_ms: running_for,
+            queue_depth: self.state.queued.load(Ordering::Relaxed),
+            runs: self.state.runs(),
+            connections_open: self.state.connections.open.load(Ordering::Relaxed),
+            name: self.state.name.clone(),
+        }))
     }
 
     async fn shutdown(

@@ -20,6 +20,8 @@ pub struct WorkerState {
     /// Open and refused connections (shared with the admission guard).
     pub connections: Arc<ddlf_net::ConnStats>,
     running: Mutex<Option<(String, Instant)>>,
+    /// The Python threads' stacks, for the `Stacks` RPC (installed by the interpreter side).
+    pub stacks: crate::stacks::Stacks,
     /// The training runs served now, as the interpreter side last reported them (`set_runs`).
     runs: Mutex<Vec<String>>,
 }
@@ -36,6 +38,7 @@ impl WorkerState {
             instance: new_instance(),
             connections: Arc::default(),
             running: Mutex::new(None),
+            stacks: crate::stacks::Stacks::default(),
             runs: Mutex::new(Vec::new()),
         }
     }

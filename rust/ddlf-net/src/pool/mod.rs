@@ -26,7 +26,7 @@ use std::io;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
-use ddlf_proto::{CallReply, ErrorKind, StatusReply, Value};
+use ddlf_proto::{CallReply, ErrorKind, StacksReply, StatusReply, Value};
 use futures_util::future::join_all;
 
 pub use dispatch::LANES_AT_ONCE_BYTES;
@@ -385,6 +385,20 @@ impl Pool {
         self.each(
             targets,
             move |c| async move { c.logs(lines, timeout).await },
+            interrupt,
+        )
+    }
+
+    /// Each target's Python stacks and what its interpreter thread serves.
+    pub fn stacks(
+        &self,
+        targets: &[usize],
+        timeout: Option<Duration>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<PerWorker<StacksReply>, PoolError> {
+        self.each(
+            targets,
+            move |c| async move { c.stacks(timeout).await },
             interrupt,
         )
     }

@@ -1,0 +1,41 @@
+"""Every thread's Python stack on request (``ddlf stacks``, ``Cluster.stacks()``), even from a stuck interpreter.
+
+Python's :mod:`faulthandler` is registered on a real-time signal, appending every thread's stack to a private
+file; the daemon's network side (``rust/ddlf-worker/src/stacks.rs``) empties the file, raises the signal on one of
+its own threads and reads the text back. faulthandler's handler is C code that walks the frames without the GIL,
+so a worker whose interpreter thread is deep in a computation, or deadlocked, answers within milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import tempfile
+from typing import IO, Any
+
+#: The signal the daemon raises to take the stacks: a real-time one, which nothing else in a worker uses (Slurm's
+#: ``--signal`` and users' own handlers take SIGUSR1/SIGUSR2).
+STACK_SIGNAL = signal.SIGRTMIN + 6
+
+
+class StackDumps:
+    """The registration and its file, kept for the daemon's life; :meth:`close` undoes both."""
+
+    def __init__(self, daemon: Any) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="ddlf-stacks-", suffix=".txt")  # mode 0600: the user's only
+        os.close(fd)
+        self._file: IO[str] | None = open(self.path, "a")  # noqa: SIM115 - appending: see the module docstring
+        faulthandler.register(STACK_SIGNAL, file=self._file, all_threads=True, chain=False)
+        daemon.set_stack_dumper(int(STACK_SIGNAL), self.path)
+
+    def close(self) -> None:
+        """Unregister and remove the file."""
+        if self._file is None:
+            return
+        faulthandler.unregister(STACK_SIGNAL)
+        self._file.close()
+        self._file = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)

@@ -1,0 +1,101 @@
+"""``cluster.stacks()`` and ``ddlf stacks``: every worker's Python stacks, from a busy, a stuck and an idle worker,
+answered by the daemon's network side without the interpreter."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import ddlf
+
+from ..conftest import Daemon
+
+
+def _train_of_thought(seconds: float) -> str:
+    """A function the test looks for on the worker's stack, busy in pure Python."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
+    return "thought"
+
+
+def _hold_the_gil(n: int) -> bool:
+    """A regular expression that backtracks for seconds inside C, never letting go of the GIL."""
+    return re.match(r"(a+)+$", "a" * n + "b") is not None
+
+
+def _stacks_while(cluster: ddlf.Cluster, fn: object, *args: object) -> tuple[list[dict], float, object]:
+    result: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: result.setdefault("value", cluster.run_on(0, fn, *args)))
+    runner.start()
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    stacks = cluster.stacks()
+    took = time.perf_counter() - t0
+    runner.join(120)
+    return stacks, took, result.get("value")
+
+
+def test_stacks_of_a_busy_worker_show_the_user_function(cluster: ddlf.Cluster) -> None:
+    stacks, took, value = _stacks_while(cluster, _train_of_thought, 3.0)
+    assert value == "thought"
+    assert took < 2.0, took
+    busy, idle = stacks
+    assert busy["running"] == "run:_train_of_thought" and busy["running_for_s"] > 0.5, busy
+    assert "_train_of_thought" in busy["python"] and "test_stacks.py" in busy["python"], busy["python"]
+    assert "most recent call first" in busy["python"] and busy["error"] is None
+    assert idle["running"] is None and "_train_of_thought" not in idle["python"]
+    assert busy["pid"] != idle["pid"] and busy["address"] == cluster.addresses[0]
+    assert cluster.run_on(0, lambda: 5) == 5  # the worker still serves
+
+
+def test_stacks_of_a_worker_holding_the_gil_are_answered_without_it(cluster: ddlf.Cluster) -> None:
+    # Calibrated here: the match takes long enough to ask during it on this machine, whatever its speed.
+    t0 = time.perf_counter()
+    cluster.run_on(0, _hold_the_gil, 18)
+    per_step = time.perf_counter() - t0
+    n = 18
+    while per_step < 2.5 and n < 32:
+        n += 1
+        per_step *= 2
+    stacks, took, value = _stacks_while(cluster, _hold_the_gil, n)
+    assert value is False
+    assert took < 2.0, took  # the interpreter never let go of the GIL meanwhile
+    assert "_hold_the_gil" in stacks[0]["python"], stacks[0]["python"]
+    assert stacks[0]["running"] == "run:_hold_the_gil"
+
+
+def test_stacks_bad_input(cluster: ddlf.Cluster) -> None:
+    with pytest.raises(IndexError):
+        cluster.stacks([5])
+    one = cluster.stacks([1])
+    assert len(one) == 1 and one[0]["address"] == cluster.addresses[1]
+    assert "ddlf/worker" in one[0]["python"]  # the interpreter thread, waiting for its next request
+
+
+def test_ddlf_stacks_command(daemon: Daemon) -> None:
+    env = {**os.environ, "DDLF_TOKEN": daemon.token or ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "ddlf.cli", "stacks", daemon.address],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("==> ") and daemon.address in out.stdout, out.stdout
+    assert "idle; 0 queued" in out.stdout and "most recent call first" in out.stdout, out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "ddlf.cli", "stacks", daemon.address, "127.0.0.1:1", "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert bad.returncode == 1 and "127.0.0.1:1" in bad.stderr and daemon.address in bad.stdout
