@@ -234,6 +234,18 @@ class LaunchError(DdlfError):
     """A worker could not be started or did not come up as expected (``ddlf up``)."""
 
 
+class Preempted(DdlfError):
+    """Training stopped at a round boundary because the scheduler signalled (``RunConfig.preemption_signals``):
+    the checkpoint of the last merged round is written (``checkpoint``), and ``requeued`` says whether the master
+    requeued its Slurm job. A script that trains again with ``resume=True`` goes on from there."""
+
+    def __init__(self, message: str, *, signal: str, checkpoint: str | None, requeued: bool) -> None:
+        super().__init__(message)
+        self.signal = signal
+        self.checkpoint = checkpoint
+        self.requeued = requeued
+
+
 class TooManyRuns(DdlfError, RuntimeError):
     """The daemon holds ``max_runs`` training runs already; none of them is idle long enough to evict."""
 
@@ -391,6 +403,7 @@ __all__ = [
     "NonFiniteGradientsWarning",
     "NonFiniteUpdate",
     "NotFoundError",
+    "Preempted",
     "ProtocolError",
     "RemoteError",
     "ReplyRefusedWarning",

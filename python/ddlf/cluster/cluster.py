@@ -26,6 +26,7 @@ from .collectives import Collectives
 from .dispatch import Dispatch
 from .local import LocalWorkers, start_local
 from .rings import Rings
+from .slurm import SlurmWorkers
 
 log = logging.getLogger("ddlf")
 
@@ -86,7 +87,7 @@ class Cluster(Collectives):
         tls_domain: str | None = None,
         direct_lane: bool = True,
         lane_spin_us: int | None = None,
-        _local: LocalWorkers | None = None,
+        _local: LocalWorkers | SlurmWorkers | None = None,
     ) -> None:
         if isinstance(addresses, str):
             addresses = [addresses]
@@ -188,6 +189,37 @@ class Cluster(Collectives):
         return cls(cfg.workers, **{**cfg.cluster_kwargs(), **overrides})
 
     @classmethod
+    def from_slurm(
+        cls,
+        *,
+        per: str = "task",
+        python: str | None = None,
+        start_timeout: float = 120.0,
+        worker_args: Sequence[str] = (),
+        run_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> Cluster:
+        """Start a worker daemon per task of the Slurm allocation this script runs in (``sbatch``, ``salloc``)
+        with one ``srun`` step, and connect to them; closing the cluster stops them.
+
+        No SSH, no cluster file, no fixed port: each worker binds a free port and reports it (with an HMAC under a
+        token made for this job, passed in ``srun``'s environment) to this process (:mod:`ddlf.cluster.slurm`).
+        ``per="gpu"``: one worker per GPU of each node (``--gpus-per-task=1``). ``python``: the workers'
+        interpreter (default this one). Worker logs go to ``run_dir`` (default ``DDLF_RUN_DIR``, else
+        ``./ddlf-<job id>``), one file per worker. Other keyword arguments go to :class:`Cluster`. Outside an
+        allocation: :class:`~ddlf.errors.LaunchError`."""
+        from .slurm import SlurmWorkers
+
+        workers = SlurmWorkers(
+            per=per, python=python, start_timeout=start_timeout, worker_args=worker_args, run_dir=run_dir
+        )
+        try:
+            return cls(workers.addresses, workers.token, _local=workers, **kwargs)
+        except BaseException:
+            workers.terminate()
+            raise
+
+    @classmethod
     def from_kubernetes(
         cls,
         service: str = "ddlf-workers",
@@ -211,7 +243,7 @@ class Cluster(Collectives):
         return cls(addresses, **kwargs)
 
     def close(self) -> None:
-        """Disconnect; for a :meth:`local` cluster, also stop its daemons. Idempotent."""
+        """Disconnect; for a :meth:`local` or :meth:`from_slurm` cluster, also stop its daemons. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -223,7 +255,7 @@ class Cluster(Collectives):
             # Dropping the connections lets the daemons' graceful shutdown finish at once.
             del client
             if self._local is not None:
-                self._local.wait(3.0)
+                self._local.wait(getattr(self._local, "exit_grace", 3.0))
                 self._local.terminate()
 
     def __enter__(self) -> Cluster:
@@ -246,7 +278,7 @@ class Cluster(Collectives):
         return self._closed
 
     def __repr__(self) -> str:
-        kind = "local " if self._local is not None else ""
+        kind = "" if self._local is None else "local " if isinstance(self._local, LocalWorkers) else "slurm "
         return f"<ddlf.Cluster {kind}workers={self.addresses}>"
 
     @property

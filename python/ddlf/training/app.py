@@ -48,6 +48,7 @@ from .keras_callbacks import KerasCallback, is_keras_callback, is_progbar_logger
 from .membership import Members
 from .messages import FitData
 from .options import DataConfig, GradientAveraging, ModelAveraging, RunConfig, Strategy, TrainConfig
+from .preemption import Preemption
 from .replica.steppers import check_steppable
 from .run import TrainingRun
 from .synchronous import train_sync as _train_sync
@@ -390,9 +391,12 @@ class IApp:
             initial_epoch=initial_epoch,
             validation_data=validation_data,
             resumed=resumed,
+            resume_position=int(resumed.get("epoch_position", 0)) if resumed is not None else 0,
         )
+        catching = cfg.run.preemption_signals if cfg.run.checkpoint_dir else ()
         try:
-            loop(run)
+            with Preemption(catching) as run.preemption:
+                loop(run)
         except BaseException:
             if cfg.run.report:  # the report of a failed run helps; failing to write it must not hide why it failed
                 with contextlib.suppress(Exception):

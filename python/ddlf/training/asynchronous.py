@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,8 +100,8 @@ def train_async(run: TrainingRun) -> History:
                 except ValueError:
                     return  # removed from the cluster
                 with lock:
-                    if state["error"] is not None:
-                        return
+                    if state["error"] is not None or run.preempted():
+                        return  # preempted: no new chunk; the ones in flight finish (or fail with their workers)
                     item = ep.take(w)
                     if item is None:
                         return
@@ -178,9 +179,11 @@ def train_async(run: TrainingRun) -> History:
                     logs = dict(res.logs, samples_done=ep.done)
                 run.round_end(round_no, logs)
 
-        _supervise(cluster, members, ep, work, lock, state, cfg)
+        _supervise(cluster, members, ep, work, lock, state, cfg, run.preempted)
         if state["error"] is not None:
             raise state["error"]
+        # Preempted mid-epoch: the weights so far are kept, and the resumed run trains this epoch again.
+        run.stop_if_preempted(epoch, 0, weights, None, "async")
         members.live()  # record this epoch's events in History
         stop = run.end_epoch(weights, ep.results, epoch, t_epoch)
         run.save_checkpoint(epoch + 1, weights, None, "async")
@@ -197,14 +200,18 @@ def _supervise(
     lock: threading.Lock,
     state: dict[str, Any],
     cfg: TrainConfig,
+    preempted: Callable[[], bool],
 ) -> None:
-    """Run one worker thread per live worker until the epoch's chunks are done; start threads for workers that
-    join during the epoch; wait for a lost cluster to come back for up to ``rejoin_timeout``."""
+    """Run one worker thread per live worker until the epoch's chunks are done (or, once ``preempted()``, the
+    chunks in flight); start threads for workers that join during the epoch; wait for a lost cluster to come back
+    for up to ``rejoin_timeout``."""
     threads: dict[str, threading.Thread] = {}
     alone_since: float | None = None
     while True:
         with lock:
             remaining, in_flight, failed = ep.remaining(), ep.in_flight, state["error"] is not None
+            if preempted():
+                remaining = 0
         running = [t for t in threads.values() if t.is_alive()]
         if failed or (remaining == 0 and in_flight == 0 and not running):
             break

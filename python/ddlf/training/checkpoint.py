@@ -48,12 +48,15 @@ def save(
     worker_states: dict[int, Any],
     history: History,
     outer_state: list[np.ndarray] | None = None,
+    position: int = 0,
 ) -> Path:
-    """Write the checkpoint atomically; returns its path."""
+    """Write the checkpoint atomically; returns its path. ``position``: how far into epoch ``epochs_done`` the
+    run got (the epoch plan's :meth:`position`, 0 at an epoch's end): a preempted run resumes there."""
     final = path_in(directory)
     state = {
         "format": FORMAT,
         "epochs_done": epochs_done,
+        "epoch_position": position,
         "mode": mode,
         "seed": seed,
         "weights": weights,

@@ -300,7 +300,10 @@ class RunConfig:
     ``failure_policy``: what a worker's failure does (:class:`ddlf.FailurePolicy`). ``rejoin_timeout``: when every
     worker is lost, how long to wait for one to come back. ``nonfinite``: a worker's reply holding NaN or infinity
     is left out of its round (``"skip"``: a :class:`~ddlf.errors.ReplyRefusedWarning` and an event) or stops
-    training (``"raise"``: :class:`~ddlf.errors.NonFiniteUpdate`)."""
+    training (``"raise"``: :class:`~ddlf.errors.NonFiniteUpdate`). ``preemption_signals``: with a
+    ``checkpoint_dir``, these signals end training at a round boundary with a checkpoint of the last merged round
+    (and, for SIGUSR1 in a Slurm job, requeue it), then raise :class:`~ddlf.errors.Preempted`
+    (:mod:`ddlf.training.preemption`); ``()``: none caught."""
 
     workers: tuple[int, ...] | None = None
     seed: int = 0
@@ -310,8 +313,18 @@ class RunConfig:
     failure_policy: FailurePolicy = field(default_factory=FailurePolicy)
     rejoin_timeout: float = 60.0
     nonfinite: Literal["skip", "raise"] = "skip"
+    preemption_signals: tuple[str | int, ...] = ("SIGUSR1", "SIGTERM")
 
     def __post_init__(self) -> None:
+        from .preemption import signal_number
+
+        if isinstance(self.preemption_signals, (str, int)):
+            raise TypeError(f"RunConfig.preemption_signals must be a tuple of signals, not {self.preemption_signals!r}")
+        for s in self.preemption_signals:
+            signal_number(s)  # ValueError naming it
+        if any(signal_number(s) == 2 for s in self.preemption_signals):
+            raise ValueError("RunConfig.preemption_signals cannot take SIGINT: Ctrl-C stops training at once")
+        object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
         if self.workers is not None:
             w = self.workers
             if isinstance(w, (str, bytes)) or not all(

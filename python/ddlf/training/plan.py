@@ -78,6 +78,14 @@ class SlicePlan:
         """The share of the epoch's rows handed out so far (0 to 1)."""
         return self.offset / self.rows if self.rows else 1.0
 
+    def position(self) -> int:
+        """Rows handed out so far this epoch (what :meth:`seek` takes back)."""
+        return self.offset
+
+    def seek(self, position: int) -> None:
+        """Go on from ``position`` rows into the epoch (a run resumed after a preemption)."""
+        self.offset = min(max(0, int(position)), self.rows)
+
     def next_round(self, live: list[int]) -> list[Assignment]:
         left = self.rows - self.offset
         total = min(left, self.per_worker * len(live)) if self.per_worker else left
@@ -121,6 +129,14 @@ class ShardPlan:
     def progress(self) -> float:
         """The share of the epoch's rounds handed out so far (0 to 1)."""
         return self.r / self.n_rounds
+
+    def position(self) -> int:
+        """Rounds handed out so far this epoch (what :meth:`seek` takes back)."""
+        return self.r
+
+    def seek(self, position: int) -> None:
+        """Go on from round ``position`` of the epoch (a run resumed after a preemption)."""
+        self.r = min(max(0, int(position)), self.n_rounds)
 
     def next_round(self, live: list[int]) -> list[Assignment]:
         start, stop = self.r * self.per_round, (self.r + 1) * self.per_round

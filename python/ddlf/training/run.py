@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..errors import (
     BadWorkerReply,
     NonFiniteGradientsWarning,
     NonFiniteUpdate,
+    Preempted,
     ReplyRefusedWarning,
     WireOverflowWarning,
     WorkerUnavailable,
@@ -32,6 +34,7 @@ from .membership import Members
 from .messages import WorkerResult
 from .options import TrainConfig
 from .policy import FailurePolicy
+from .preemption import Preemption
 
 
 def weighted_logs(results: list[WorkerResult]) -> dict[str, float]:
@@ -60,6 +63,10 @@ class TrainingRun:
     start_learning_rate: float | None = None
     """The master's learning rate when training began (None: not a plain Keras rate)."""
     learning_rate_changed: bool = False
+    preemption: Preemption | None = None
+    """The signals that end this run at a round boundary (:mod:`.preemption`; None: none caught)."""
+    resume_position: int = 0
+    """Where in ``initial_epoch`` a preempted run resumes (its plan's :meth:`seek`)."""
 
     def __post_init__(self) -> None:
         self.start_learning_rate = learning_rate(self.app.model)
@@ -170,6 +177,48 @@ class TrainingRun:
             return {}
         return {f"val_{k}": float(v) for k, v in logs.items()}
 
+    def preempted(self) -> bool:
+        """Whether a preemption signal arrived (:mod:`.preemption`)."""
+        return self.preemption is not None and self.preemption.requested is not None
+
+    def stop_if_preempted(
+        self,
+        epochs_done: int,
+        position: int,
+        weights: list[np.ndarray] | Callable[[], list[np.ndarray]],
+        opt_state: list[np.ndarray] | None,
+        mode: str,
+        outer_state: list[np.ndarray] | None = None,
+    ) -> None:
+        """After a preemption signal: write the checkpoint of ``epochs_done`` epochs and ``position`` into the
+        next, requeue the Slurm job where the signal asks for it, and raise :class:`~ddlf.errors.Preempted`.
+        ``weights`` may be a callable (the ring's, fetched from the workers): if it fails, the last checkpoint
+        written stands."""
+        p = self.preemption
+        if p is None or p.requested is None:
+            return
+        path: str | None = None
+        why = ""
+        # Noted first, so the checkpoint's History says how the run ended (the resumed run shows it too).
+        self.members.note("preempted", signal=p.requested, epochs_done=epochs_done, position=position)
+        event = self.history.events[-1]
+        try:
+            now = weights() if callable(weights) else weights
+            path = self.save_checkpoint(epochs_done, now, opt_state, mode, outer_state, position=position)
+        except Exception as exc:  # the workers went with the signal: the previous checkpoint stands
+            why = f" (no new checkpoint: {type(exc).__name__}: {exc})"
+            path = str(checkpoint.path_in(self.cfg.run.checkpoint_dir)) if self.cfg.run.checkpoint_dir else None
+        requeued = p.requeue()
+        event.update(checkpoint=path, requeued=requeued)
+        raise Preempted(
+            f"{p.requested}: training stopped after {epochs_done} epochs and {position} "
+            f"{'rounds' if self.app.sharded else 'rows'} of the next; checkpoint {path}{why}"
+            + ("; the Slurm job was requeued" if requeued else ""),
+            signal=p.requested,
+            checkpoint=path,
+            requeued=requeued,
+        )
+
     def save_checkpoint(
         self,
         epochs_done: int,
@@ -177,11 +226,13 @@ class TrainingRun:
         opt_state: list[np.ndarray] | None,
         mode: str,
         outer_state: list[np.ndarray] | None = None,
-    ) -> None:
-        """Write the run's checkpoint, with each live worker's own state (optimizer, random generators)."""
+        position: int = 0,
+    ) -> str | None:
+        """Write the run's checkpoint, with each live worker's own state (optimizer, random generators); returns
+        its path (None: the run has no checkpoint directory). ``position``: how far into epoch ``epochs_done``."""
         cfg = self.cfg
         if not cfg.run.checkpoint_dir:
-            return
+            return None
         live = self.members.live()
         states = self.cluster.call(remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True)
         worker_states = {w: s for w, s in zip(live, states) if not isinstance(s, BaseException)}
@@ -195,4 +246,6 @@ class TrainingRun:
             worker_states=worker_states,
             history=self.history,
             outer_state=outer_state,
+            position=position,
         )
+        return str(checkpoint.path_in(cfg.run.checkpoint_dir))

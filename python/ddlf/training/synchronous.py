@@ -61,9 +61,22 @@ def train_sync(run: TrainingRun) -> History:
     for epoch in range(run.initial_epoch, cfg.epochs):
         t_epoch = run.begin_epoch(epoch)
         plan = ShardPlan(run.shard_rows, cfg, epoch) if app.sharded else SlicePlan(run.rows, len(cluster), cfg, epoch)
+        if epoch == run.initial_epoch and run.resume_position:
+            plan.seek(run.resume_position)  # a preempted run goes on at the round after its last merged one
+        merged_at = plan.position()
         epoch_results: list[WorkerResult] = []
         done = 0
         while not plan.finished():
+            # Preempted: checkpoint the last merged round (with the ring the workers hold the weights: fetched if
+            # they still answer, else the epoch's checkpoint stands) and stop.
+            run.stop_if_preempted(
+                epoch,
+                merged_at,
+                ring.weights if ring is not None else weights,
+                opt_state,
+                "sync",
+                outer.state() if outer is not None else None,
+            )
             run.members.round = round_no
             live = run.members.live() or run.members.wait_for_any(cfg.run.rejoin_timeout)
             progress = plan.progress()
@@ -119,6 +132,8 @@ def train_sync(run: TrainingRun) -> History:
                         comm_seconds=max(0.0, comm - r.compute_seconds),
                     )
                 )
+            if live_results:
+                merged_at = plan.position()
             epoch_results += results
             done += sum(r.samples for r in results)
             round_logs: dict[str, Any] = weighted_logs(live_results) if live_results else {}

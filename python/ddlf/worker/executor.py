@@ -99,8 +99,10 @@ class Executor:
         module_dir: str | None = None,
         preload: Sequence[str] = (),
         max_memory: int | None = None,
+        on_ready: Callable[[str], None] | None = None,
     ) -> None:
         self.preload = list(preload)
+        self._on_ready = on_ready
         self.budget = MemoryBudget(max_memory)
         """Resident memory this worker may hold (``--max-memory``): see :mod:`ddlf.worker.memory_budget`."""
         self.variables: dict[str, Any] = {}
@@ -175,6 +177,8 @@ class Executor:
             with open(tmp, "w") as f:
                 f.write(address)
             os.replace(tmp, self._ready_file)
+        if self._on_ready is not None:
+            self._on_ready(address)
 
     def handle(self, op: int, name: str, digest: str, pickle: bytes, buffers: list[Any]) -> tuple[Any, ...]:
         """Run one operation. Returns ``(0, pickle, buffers)`` or ``(kind, (type, message, traceback))``."""

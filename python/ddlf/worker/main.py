@@ -11,7 +11,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 from .. import _ddlf
 from ..errors import WorkerStartError
@@ -160,6 +161,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the GPU(s) this daemon may use, e.g. 0 or 0,1 (sets CUDA_VISIBLE_DEVICES before any framework "
         "loads); 'none': no GPU. Default: whatever the environment allows",
     )
+    p.add_argument(
+        "--rendezvous",
+        default=None,
+        metavar="HOST:PORT",
+        help="once listening, report this worker's port to the master waiting there, with an HMAC under the token "
+        "(Cluster.from_slurm starts workers so; default: DDLF_RENDEZVOUS, a port on SLURM_LAUNCH_NODE_IPADDR)",
+    )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -229,7 +237,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before serving, on this thread: a TorchModel run on this daemon must still be able to load torch's
         # compiler once TensorFlow is in (frameworks.loading); in a background thread it would race the requests.
         load_torch_compiler_first()
-    executor = Executor(ready_file=args.ready_file, preload=preload, max_memory=args.max_memory)
+    report_to = _rendezvous_target(args.rendezvous)
+    if report_to is not None and not token:
+        print("ddlf-worker: --rendezvous needs the token (DDLF_TOKEN or --token-file)", file=sys.stderr)
+        return 2
+    if report_to is not None and args.name is None:
+        args.name = f"{os.environ.get('SLURMD_NODENAME', 'worker')}-{os.environ.get('SLURM_LOCALID', '0')}"
+    executor = Executor(
+        ready_file=args.ready_file,
+        preload=preload,
+        max_memory=args.max_memory,
+        on_ready=_reporter(report_to, token or "", args.name or "") if report_to else None,
+    )
     try:
         _ddlf.serve_worker(
             executor,
@@ -255,6 +274,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         executor.close()
         _let_go_of_datasets()
     return 0
+
+
+def _rendezvous_target(given: str | None) -> str | None:
+    """Where to report this worker's port: ``--rendezvous``, else ``DDLF_RENDEZVOUS`` (``HOST:PORT``, or a port on
+    the node that ran srun, ``SLURM_LAUNCH_NODE_IPADDR``: the master's, with ``Cluster.from_slurm``)."""
+    target = given or os.environ.get("DDLF_RENDEZVOUS")
+    if not target:
+        return None
+    if target.isdigit():
+        host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR")
+        if not host:
+            raise SystemExit("ddlf-worker: DDLF_RENDEZVOUS is a port, but SLURM_LAUNCH_NODE_IPADDR is not set")
+        target = f"{host}:{target}"
+    return target
+
+
+def _reporter(target: str, token: str, name: str) -> Callable[[str], None]:
+    """Report the bound port to the master at ``target`` (in the background: serving starts meanwhile)."""
+
+    def report_port(address: str) -> None:
+        from ..cluster.rendezvous import report
+
+        port = int(address.rpartition(":")[2])
+        rank = int(os.environ.get("SLURM_PROCID", "0"))
+
+        def run() -> None:
+            try:
+                report(target, token, rank, port, name)
+            except OSError as exc:
+                logging.getLogger("ddlf.worker").error("could not report to the master at %s: %s", target, exc)
+
+        threading.Thread(target=run, name="ddlf-rendezvous", daemon=True).start()
+
+    return report_port
 
 
 def _let_go_of_datasets() -> None:

@@ -1,0 +1,92 @@
+"""Preemption and time limits: a signal ends the run at a round boundary with a checkpoint, and requeues the job.
+
+A batch scheduler warns before it takes the nodes away: Slurm sends the signal named by
+``#SBATCH --signal=B:USR1@120`` before the time limit, and SIGTERM when it preempts, requeues (``scontrol
+requeue``) or cancels a job (``deploy/slurm/ddlf.sbatch`` passes both to the master). While ``train()`` runs with a
+``checkpoint_dir``, :class:`Preemption` catches them (``RunConfig.preemption_signals``) instead of letting the
+process die:
+
+* the loop finishes the round in flight (SIGUSR1: the workers are still there) or abandons it (SIGTERM: Slurm
+  signalled the workers too, and the round fails), then writes the checkpoint of the last merged round: weights,
+  History and the position in the epoch's permutation, so the resumed run starts at the next round. Work lost:
+  at most the round in flight (asynchronous training: the epoch in flight).
+* on SIGUSR1 inside a Slurm job the master requeues it (``scontrol requeue``); on SIGTERM it does not (Slurm
+  requeues a preempted job itself, and a cancelled one must stay cancelled);
+* ``train()`` raises :class:`~ddlf.errors.Preempted`. The requeued job runs the same script, whose
+  ``resume=True`` picks the checkpoint up, on whatever nodes and worker count it gets.
+
+A second signal of the same kind while the checkpoint is being written is ignored; Ctrl-C (SIGINT) keeps its
+meaning (stop now).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("ddlf.preemption")
+
+#: The signals caught by default while a run with a checkpoint directory trains.
+DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
+#: The signals after which the master requeues its Slurm job itself (the scheduler's advance warning).
+REQUEUE_ON = ("SIGUSR1",)
+
+
+def signal_number(name: str | int) -> int:
+    """``"SIGUSR1"``, ``"USR1"`` or ``10`` -> 10; ValueError for anything else."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        return int(signal.Signals(name))
+    text = str(name).upper()
+    try:
+        return int(signal.Signals[text if text.startswith("SIG") else "SIG" + text])
+    except KeyError:
+        raise ValueError(f"{name!r} is not a signal name (e.g. 'SIGUSR1', 'SIGTERM')") from None
+
+
+class Preemption:
+    """Catches ``signals`` for the duration of a ``with`` block (in the main thread only: elsewhere Python cannot
+    install handlers, and nothing is caught). :attr:`requested` names the first signal caught."""
+
+    def __init__(self, signals: tuple[str | int, ...]) -> None:
+        self.signals = [signal_number(s) for s in signals]
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._caught)
+        elif self.signals:
+            log.info("train() runs outside the main thread: preemption signals are not caught")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous.clear()
+
+    def _caught(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
+            log.warning("%s: checkpointing at the end of this round, then stopping", self.requested)
+
+    def requeue(self) -> bool:
+        """Requeue this Slurm job if the signal was the scheduler's advance warning; whether it was requeued."""
+        job = os.environ.get("SLURM_JOB_ID")
+        if self.requested not in REQUEUE_ON or not job:
+            return False
+        scontrol = shutil.which("scontrol")
+        if scontrol is None:
+            log.warning("SLURM_JOB_ID is set but scontrol is not on PATH: job %s not requeued", job)
+            return False
+        done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            log.warning("scontrol requeue %s failed: %s", job, done.stderr.strip())
+            return False
+        return True

@@ -1,0 +1,93 @@
+"""Preemption and time limits (``ddlf.training.preemption``): a scheduler's signal ends training at a round boundary
+with a checkpoint of the last merged round, and the resumed run goes on from the next round: in sync mode it ends
+with the weights of a run never interrupted. (Slurm itself, with requeue: ``tests/slurm/``.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf.training import checkpoint
+
+from .apps import FaultApp
+
+
+class SignalAt(ddlf.callbacks.Callback):
+    """Send this process ``signum`` when round ``at`` ends (as Slurm's warning would arrive mid-epoch)."""
+
+    def __init__(self, at: int, signum: int) -> None:
+        self.at, self.signum = at, signum
+
+    def on_round_end(self, round: int, logs=None) -> None:
+        if round == self.at:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+def test_a_preempted_sync_run_resumes_at_the_next_round_and_ends_as_an_uninterrupted_one(
+    cluster: ddlf.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signame: str
+) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # not a Slurm job: nothing to requeue
+    kw = dict(batch_size=32, strategy=ddlf.ModelAveraging(every=5), verbose=0)
+    straight = FaultApp(cluster)
+    straight.train(epochs=2, run=ddlf.RunConfig(seed=3), **kw)
+
+    ckpt = tmp_path / "ckpt"
+    first = FaultApp(cluster)
+    # 6,000 rows, 2 workers x 5 batches of 32 a round: 19 rounds an epoch (0-18); round 23 is the second's fifth.
+    with pytest.raises(ddlf.Preempted) as info:
+        first.train(
+            epochs=2,
+            run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt),
+            callbacks=[SignalAt(23, getattr(signal, signame))],
+            **kw,
+        )
+    err = info.value
+    assert err.signal == signame and not err.requeued and err.checkpoint == str(checkpoint.path_in(ckpt))
+    assert "after 1 epochs and 1600 rows" in str(err), str(err)
+    saved = checkpoint.load(ckpt)
+    assert saved["epochs_done"] == 1 and saved["epoch_position"] == 5 * 2 * 5 * 32  # rounds 19-23 merged
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handlers are put back
+    assert [e["event"] for e in saved["history"]["events"]] == ["preempted"]
+
+    resumed = FaultApp(cluster)
+    h = resumed.train(epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt, resume=True), **kw)
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert len(h.history["loss"]) == 2
+    assert [e["event"] for e in h.events] == ["preempted", "resumed"]
+    assert cluster.run(lambda: 1) == [1, 1]
+
+
+def test_a_preempted_async_run_keeps_its_weights_and_trains_the_epoch_again(
+    cluster: ddlf.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    ckpt = tmp_path / "ckpt"
+    kw = dict(batch_size=32, strategy=ddlf.Asynchronous(chunk=5), verbose=0)
+    first = FaultApp(cluster)
+    with pytest.raises(ddlf.Preempted, match="SIGUSR1"):
+        first.train(
+            epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt), callbacks=[SignalAt(5, signal.SIGUSR1)], **kw
+        )
+    saved = checkpoint.load(ckpt)
+    assert saved["epochs_done"] == 0
+    for a, b in zip(saved["weights"], first.model.get_weights()):
+        assert a.shape == b.shape
+    h = FaultApp(cluster).train(epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt, resume=True), **kw)
+    assert len(h.history["loss"]) == 2 and h.history["accuracy"][-1] > 0.7
+
+
+def test_preemption_signals_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a signal name"):
+        ddlf.RunConfig(checkpoint_dir=tmp_path, preemption_signals=("SIGNOPE",))
+    with pytest.raises(ValueError, match="SIGINT"):
+        ddlf.RunConfig(checkpoint_dir=tmp_path, preemption_signals=("INT",))
+    with pytest.raises(TypeError, match="tuple of signals"):
+        ddlf.RunConfig(checkpoint_dir=tmp_path, preemption_signals="SIGUSR1")
+    assert ddlf.RunConfig(preemption_signals=("USR2", 15)).preemption_signals == ("USR2", 15)

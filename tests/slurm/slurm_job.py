@@ -1,0 +1,53 @@
+"""The master of the Slurm tests, run by ``sbatch deploy/slurm/ddlf.sbatch tests/slurm/slurm_job.py OUT.json``
+on the first node of a real (namespace) Slurm cluster: it starts the allocation's workers with
+``Cluster.from_slurm()``, trains the tests' small MNIST model and appends one JSON line about the run to OUT.json.
+
+Environment: ``EPOCHS`` (default 2), ``CKPT`` (a checkpoint directory: resume from it, and checkpoint there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import ddlf  # noqa: E402
+from tests.e2e.apps import SmallMnist  # noqa: E402
+
+
+class SlurmMnist(SmallMnist):
+    dataset_key = "mnist-slurm"
+    rows = 6000
+
+
+def main(out: str) -> None:
+    t0 = time.time()
+    ckpt = os.environ.get("CKPT")
+    run = ddlf.RunConfig(checkpoint_dir=ckpt, resume=True, seed=7) if ckpt else ddlf.RunConfig(seed=7)
+    record: dict[str, object] = {"job": os.environ["SLURM_JOB_ID"], "restart": os.environ.get("SLURM_RESTART_COUNT")}
+    with ddlf.Cluster.from_slurm(per="task") as cluster:
+        info = cluster.worker_info()
+        record["workers"] = [(i["hostname"], i["name"]) for i in info]
+        record["addresses"] = cluster.addresses
+        app = SlurmMnist(cluster)
+        try:
+            history = app.train(epochs=int(os.environ.get("EPOCHS", "2")), batch_size=64, verbose=0, run=run)
+            record["status"] = "done"
+            record["epochs"] = len(history.history["loss"])
+            record["events"] = [e["event"] for e in history.events]
+        except ddlf.Preempted as exc:
+            record["status"] = "preempted"
+            record["preempted"] = str(exc)
+        x, y = app.load_dataset()
+        x, y = app.preprocess(x[:1000], y[:1000])
+        record["accuracy"] = float(app.model.evaluate(x, y, verbose=0, return_dict=True)["accuracy"])
+    record["seconds"] = time.time() - t0
+    with open(out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
