@@ -26,6 +26,7 @@ BENCHMARKS = {
     "exchange": "benchmarks.exchange",
     "chaos": "benchmarks.chaos",
     "exhaustion": "benchmarks.exhaustion",
+    "preemption": "benchmarks.preemption",
     "outer": "benchmarks.outer",
     "smallmodel": "benchmarks.smallmodel",
     "nodestore": "benchmarks.nodestore",

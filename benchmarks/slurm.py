@@ -52,7 +52,7 @@ def available() -> tuple[bool, str]:
 class SlurmCluster:
     """``nodes`` Slurm nodes with ``cpus`` CPUs each, in a directory of their own. Use as a context manager."""
 
-    def __init__(self, work: str | os.PathLike[str], nodes: int = 2, cpus: int = 2, kill_wait: int = 5) -> None:
+    def __init__(self, work: str | os.PathLike[str], nodes: int = 2, cpus: int = 2, kill_wait: int = 30) -> None:
         self.work = Path(work).resolve()
         self.net = netns.VirtualNetwork(nodes)
         self.nodes = [f"node{i}" for i in range(nodes)]

@@ -14,8 +14,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import ddlf  # noqa: E402
-from tests.e2e.apps import SmallMnist  # noqa: E402
+import ddlf
+from tests.e2e.apps import SmallMnist
 
 
 class SlurmMnist(SmallMnist):
@@ -33,18 +33,28 @@ def main(out: str) -> None:
         record["workers"] = [(i["hostname"], i["name"]) for i in info]
         record["addresses"] = cluster.addresses
         app = SlurmMnist(cluster)
+        strategy = ddlf.ModelAveraging(every=int(os.environ.get("EVERY", "10")))
         try:
-            history = app.train(epochs=int(os.environ.get("EPOCHS", "2")), batch_size=64, verbose=0, run=run)
-            record["status"] = "done"
-            record["epochs"] = len(history.history["loss"])
-            record["events"] = [e["event"] for e in history.events]
+            history = app.train(
+                epochs=int(os.environ.get("EPOCHS", "2")), batch_size=64, verbose=0, run=run, strategy=strategy
+            )
         except ddlf.Preempted as exc:
-            record["status"] = "preempted"
-            record["preempted"] = str(exc)
+            # Written at once: Slurm ends this job KillWait seconds after its SIGTERM.
+            record.update(status="preempted", preempted=str(exc), requeued=exc.requeued, seconds=time.time() - t0)
+            _write(out, record)
+            raise
+        record["status"] = "done"
+        record["epochs"] = len(history.history["loss"])
+        record["events"] = [e["event"] for e in history.events]
+        record["samples"] = sum(s.samples for s in history.stats)
         x, y = app.load_dataset()
         x, y = app.preprocess(x[:1000], y[:1000])
         record["accuracy"] = float(app.model.evaluate(x, y, verbose=0, return_dict=True)["accuracy"])
     record["seconds"] = time.time() - t0
+    _write(out, record)
+
+
+def _write(out: str, record: dict[str, object]) -> None:
     with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
 

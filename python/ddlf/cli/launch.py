@@ -110,3 +110,51 @@ def down(cfg: ClusterConfig, *, timeout: float = 10.0, out: TextIO = sys.stdout)
         finally:
             c.close()
     return 1 if failed else 0
+
+
+def up_slurm(path: str, *, timeout: float = 120.0, out: TextIO = sys.stdout) -> int:
+    """``ddlf up --slurm cluster.toml``: inside a Slurm allocation, start a worker per task with ``srun``
+    (:class:`ddlf.cluster.slurm.SlurmWorkers`), write ``cluster.toml`` (and the job's token beside it, mode 0600)
+    for scripts that connect with ``Cluster.from_config``, and keep the workers until SIGTERM or Ctrl-C."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from ..cluster.cluster import Cluster
+    from ..cluster.slurm import SlurmWorkers
+    from .status_table import status_rows, table
+
+    target = Path(path).resolve()
+    workers = SlurmWorkers(start_timeout=timeout)
+    try:
+        token_file = target.with_name(target.stem + ".token")
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(workers.token + "\n")
+        listed = ", ".join(f'"{a}"' for a in workers.addresses)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(
+            f"# written by `ddlf up --slurm` for Slurm job {workers.alloc.job_id}\n"
+            f'workers = [{listed}]\ntoken_file = "{token_file}"\n'
+        )
+        os.replace(tmp, target)
+        print(table(status_rows(workers.addresses, {"token": workers.token}, 5.0)), file=out)
+        print(f"ddlf up --slurm: {len(workers.addresses)} workers in {target}; Ctrl-C or SIGTERM stops them", file=out)
+        out.flush()
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            while workers.process is not None and workers.process.poll() is None:
+                time.sleep(0.5)
+            print("ddlf up --slurm: the workers' step ended", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            with Cluster(workers.addresses, workers.token, _local=workers):
+                pass  # closing it shuts the daemons down and ends the step
+            return 0
+    finally:
+        workers.terminate()
+
+
+def _stop(signum: int, frame: object) -> None:
+    """SIGTERM ends ``ddlf up --slurm`` as Ctrl-C does: the workers are shut down."""
+    raise KeyboardInterrupt

@@ -134,7 +134,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sk.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     sk.add_argument("--timeout", type=float, default=2.0, help="seconds allowed per worker (default 2)")
     upp = sub.add_parser("up", help="start the workers of a cluster.toml over ssh, check versions, show status")
-    upp.add_argument("config", help="cluster.toml (workers, token_file, [launch] ssh settings)")
+    upp.add_argument("config", help="cluster.toml (workers, token_file, [launch] ssh settings); written with --slurm")
+    upp.add_argument(
+        "--slurm",
+        action="store_true",
+        help="inside a Slurm allocation: start a worker per task with srun, write the cluster.toml and keep the "
+        "workers until stopped (Ctrl-C, SIGTERM)",
+    )
     upp.add_argument("--timeout", type=float, default=30.0, help="seconds for ssh and for workers to answer")
     dn = sub.add_parser("down", help="stop the workers of a cluster.toml")
     dn.add_argument("config", help="cluster.toml")
@@ -149,6 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_logs(args)
         if args.command == "stacks":
             return _cmd_stacks(args)
+        if args.command == "up" and args.slurm:
+            from . import launch
+
+            try:
+                return launch.up_slurm(args.config, timeout=max(args.timeout, 120.0))
+            except DdlfError as exc:
+                print(f"ddlf up --slurm: {exc}", file=sys.stderr)
+                return 1
         if args.command in ("up", "down"):
             from . import launch
 

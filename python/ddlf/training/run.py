@@ -110,7 +110,10 @@ class TrainingRun:
         self.members.note("wire_overflow", updates=steps)
 
     def fail(self, exc: BaseException) -> None:
-        """A worker failed: raise unless the policy says to carry on without it."""
+        """A worker failed: raise unless the policy says to carry on without it, or the run is preempted (the
+        scheduler stopped its workers too: the round is abandoned and the checkpoint written)."""
+        if self.preempted():
+            return
         if self.policy.decide(exc) == "raise":
             raise exc
 
@@ -234,7 +237,12 @@ class TrainingRun:
         if not cfg.run.checkpoint_dir:
             return None
         live = self.members.live()
-        states = self.cluster.call(remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True)
+        # Preempted: the scheduler may be stopping the workers too, and ends this process soon; a worker that does
+        # not answer at once is left out (its state restarts fresh on resume).
+        timeout = 3.0 if self.preempted() else None
+        states = self.cluster.call(
+            remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True, timeout=timeout
+        )
         worker_states = {w: s for w, s in zip(live, states) if not isinstance(s, BaseException)}
         checkpoint.save(
             cfg.run.checkpoint_dir,
