@@ -39,6 +39,8 @@ def _run(cluster: slurm.SlurmCluster, work: Path, name: str, epochs: int, how: s
         "CKPT": str(ckpt),
     }
     t0 = time.monotonic()
+    queued = 0.0
+    at_signal = None
     job = cluster.sbatch(
         [
             f"--job-name={name}",
@@ -68,14 +70,29 @@ def _run(cluster: slurm.SlurmCluster, work: Path, name: str, epochs: int, how: s
         argv = (
             ["scontrol", "requeue", str(job)] if how == "requeue" else ["scancel", "--batch", "--signal=USR1", str(job)]
         )
+        at_signal = checkpoint.load(ckpt)
         done = cluster.client(argv)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)}: {done.stderr}")
+        # How long the requeued job then waits in the queue (Slurm's hold on requeued jobs), apart from ddlf's time.
+        pending = running = None
+        while running is None and time.monotonic() - t0 < 900:
+            s = cluster.job(job).get("JobState")
+            if s == "PENDING" and pending is None:
+                pending = time.monotonic()
+            if s == "RUNNING" and pending is not None:
+                running = time.monotonic()
+            time.sleep(0.2)
+        queued = (running or time.monotonic()) - (pending or time.monotonic())
     state = cluster.wait_job(job, 900)
     wall = time.monotonic() - t0
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     last = records[-1] if records else {}
+    resumed_from = last.get("resumed_from")
     return {
+        "queued": queued if how is not None else 0.0,
+        "resumed_from": resumed_from,
+        "epoch_checkpoint": [at_signal["epochs_done"], 0] if how is not None and at_signal else None,
         "state": state,
         "restarts": int(cluster.job(job).get("Restarts", "0")),
         "wall": wall,
@@ -116,9 +133,14 @@ def main(argv: list[str] | None = None) -> None:
         samples = statistics.median(r["samples"] for r in rs)
         acc = statistics.median(r["accuracy"] for r in rs)
         states = ", ".join(sorted({f"{r['state']} after {r['restarts']} requeue(s)" for r in rs}))
+        queued = statistics.median(r["queued"] for r in rs)
+        ddlf_wall = wall - queued
+        froms = "; ".join(
+            f"epoch {r['resumed_from'][0]} + {r['resumed_from'][1]:,} rows" if r["resumed_from"] else "-" for r in rs
+        )
         rows.append(
-            f"| {labels[kind]} | {states} | {wall:.1f} s ({wall / base:.2f}x) | {samples:,.0f} of {full:,} "
-            f"({samples - full:+,.0f}) | {acc:.3f} |"
+            f"| {labels[kind]} | {states} | {froms} | {wall:.1f} s | {queued:.1f} s | {ddlf_wall:.1f} s "
+            f"({ddlf_wall / base:.2f}x) | {samples:,.0f} of {full:,} | {acc:.3f} |"
         )
     notes = [r["preempted_at"] for rs in runs.values() for r in rs if r["preempted_at"]]
     body = "\n".join(
@@ -129,11 +151,14 @@ def main(argv: list[str] | None = None) -> None:
             f"`benchmarks/slurm.py`, KillWait 30 s); the job: `deploy/slurm/ddlf.sbatch tests/slurm/slurm_job.py`, "
             f"2 workers, {args.epochs} epochs of {ROWS:,} MNIST rows, `ModelAveraging(every=5)`, checkpoints on; "
             f"medians of {args.repeat} run(s) each. Wall time: submission to completion, requeue and the second "
-            "start included. Rows: rows trained in all, against the undisturbed run (negative: rows of the round "
-            "in flight lost; positive: trained twice).",
+            "start included; Slurm holds a requeued job about 120 s before it may start again, shown apart. Resumed "
+            "from: the checkpoint the requeued job went on from (the preemption's own: the last merged round "
+            "before the signal; an epoch's: everything since that epoch redone). Rows in the final History: "
+            "below the undisturbed run's by the rows of the round abandoned in flight, if any.",
             "",
-            "| run | outcome | wall time (vs undisturbed) | rows trained (vs undisturbed) | accuracy |",
-            "| --- | --- | --- | --- | --- |",
+            "| run | outcome | resumed from | wall time | of it queued (Slurm's requeue hold) | the rest (vs "
+            "undisturbed) | rows in the final History | accuracy |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
             *rows,
             "",
             "Where the preempted runs stopped: " + "; ".join(f"“{n}”" for n in notes),

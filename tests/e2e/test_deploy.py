@@ -4,6 +4,7 @@ with ``Cluster.from_kubernetes``) and the Slurm batch script (run for real with 
 
 from __future__ import annotations
 
+import ast
 import os
 import socket
 import stat
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import ddlf
-from ddlf.cluster.cluster_file import kubernetes_addresses, load
+from ddlf.cluster.cluster_file import kubernetes_addresses
 
 from ..conftest import REPO, wait_until
 
@@ -82,50 +83,36 @@ def test_kubernetes_addresses_namespace_and_discovery(monkeypatch: pytest.Monkey
 
 
 STUB_SRUN = """#!/bin/bash
-# Stand-in for srun: run the command once per task slot, on this machine, with Slurm's task variables.
+# Stand-in for srun (no Slurm here): run the command once per task of the stub allocation, on this machine, with
+# Slurm's task variables. tests/slurm/ runs the same script against a real Slurm (root and namespaces).
 while [[ "$1" == --* ]]; do shift; done
 pids=()
+rank=0
 for node in $STUB_NODES; do
   for ((i = 0; i < ${SLURM_NTASKS_PER_NODE:-1}; i++)); do
-    SLURM_LOCALID=$i SLURMD_NODENAME=$node "$@" &
+    SLURM_PROCID=$rank SLURM_LOCALID=$i SLURMD_NODENAME=$node SLURM_LAUNCH_NODE_IPADDR=127.0.0.1 "$@" &
     pids+=($!)
+    rank=$((rank + 1))
   done
 done
 trap 'kill "${pids[@]}" 2>/dev/null' TERM
 wait
 """
-STUB_SCONTROL = """#!/bin/bash
-# Stand-in for `scontrol show hostnames`: the nodes of the stub allocation.
-for n in $STUB_NODES; do echo "$n"; done
+MASTER = """import ddlf
+with ddlf.Cluster.from_slurm() as c:
+    print("ids", c.run(lambda worker: worker.id), "names", sorted(i["name"] for i in c.worker_info()))
+    print("addresses", c.addresses)
 """
-MASTER = """import os, ddlf
-with ddlf.Cluster.from_config(os.environ["DDLF_CLUSTER_CONFIG"]) as c:
-    print("ids", c.run(lambda worker: worker.id), "names", sorted(s["address"] for s in c.status()))
-"""
-
-
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-        with socket.socket() as b:
-            try:
-                b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def test_slurm_batch_script_starts_workers_runs_the_master_and_stops(tmp_path: Path) -> None:
+    """deploy/slurm/ddlf.sbatch and Cluster.from_slurm with a stand-in srun: workers on free ports, enlisted with
+    the job's token, stopped when the master's script ends."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL)):
-        (stubs / name).write_text(text)
-        (stubs / name).chmod(stat.S_IRWXU)
+    (stubs / "srun").write_text(STUB_SRUN)
+    (stubs / "srun").chmod(stat.S_IRWXU)
     (tmp_path / "train.py").write_text(MASTER)
-    port = _free_port_pair()
     run_dir = tmp_path / "run"
     env = {
         **os.environ,
@@ -136,7 +123,6 @@ def test_slurm_batch_script_starts_workers_runs_the_master_and_stops(tmp_path: P
         "SLURM_NTASKS_PER_NODE": "2",
         "SLURM_CPUS_PER_TASK": "1",
         "DDLF_PYTHON": sys.executable,
-        "DDLF_PORT": str(port),
         "DDLF_RUN_DIR": str(run_dir),
     }
     env.pop("DDLF_TOKEN", None)
@@ -144,14 +130,16 @@ def test_slurm_batch_script_starts_workers_runs_the_master_and_stops(tmp_path: P
         ["bash", str(SBATCH), str(tmp_path / "train.py")], env=env, capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "ids [0, 1]" in done.stdout
-    cfg = load(run_dir / "cluster.toml")
-    assert cfg.workers == [f"localhost:{port}", f"localhost:{port + 1}"]
-    assert len(cfg.token() or "") == 48 and (run_dir / "token").stat().st_mode & 0o077 == 0
+    assert "ids [0, 1]" in done.stdout and "names ['localhost-0', 'localhost-1']" in done.stdout, done.stdout
+    assert "the master exited with status 0" in done.stdout
+    addresses = ast.literal_eval(done.stdout.split("addresses ", 1)[1].splitlines()[0])
+    ports = [int(a.rsplit(":", 1)[1]) for a in addresses]
+    assert len(set(ports)) == 2 and all(p > 1024 for p in ports)  # free ports, not a fixed range
+    assert (run_dir.stat().st_mode & 0o077) == 0  # the run directory is the job user's only
 
     # The job's exit stopped its workers.
     def closed(p: int) -> bool:
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", p)) != 0
 
-    assert wait_until(lambda: closed(port) and closed(port + 1), 15)
+    assert wait_until(lambda: all(closed(p) for p in ports), 15)

@@ -52,16 +52,25 @@ def test_a_preempted_sync_run_resumes_at_the_next_round_and_ends_as_an_uninterru
     assert "after 1 epochs and 1600 rows" in str(err), str(err)
     saved = checkpoint.load(ckpt)
     assert saved["epochs_done"] == 1 and saved["epoch_position"] == 5 * 2 * 5 * 32  # rounds 19-23 merged
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handlers are put back
+    # Preempted: the handlers stay and ignore what follows (the scheduler's SIGTERM after a requeue)
+    assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL
+    os.kill(os.getpid(), getattr(signal, signame))  # ignored: this process goes on
     assert [e["event"] for e in saved["history"]["events"]] == ["preempted"]
 
     resumed = FaultApp(cluster)
     h = resumed.train(epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt, resume=True), **kw)
+    for s in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)  # this test's process: as it was
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert len(h.history["loss"]) == 2
     assert [e["event"] for e in h.events] == ["preempted", "resumed"]
     assert cluster.run(lambda: 1) == [1, 1]
+
+
+def test_a_run_that_was_not_preempted_puts_the_handlers_back(cluster: ddlf.Cluster, tmp_path: Path) -> None:
+    FaultApp(cluster).train(epochs=1, batch_size=64, verbose=0, run=ddlf.RunConfig(checkpoint_dir=tmp_path))
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_preempted_async_run_keeps_its_weights_and_trains_the_epoch_again(
@@ -75,6 +84,7 @@ def test_a_preempted_async_run_keeps_its_weights_and_trains_the_epoch_again(
         first.train(
             epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt), callbacks=[SignalAt(5, signal.SIGUSR1)], **kw
         )
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     saved = checkpoint.load(ckpt)
     assert saved["epochs_done"] == 0
     for a, b in zip(saved["weights"], first.model.get_weights()):

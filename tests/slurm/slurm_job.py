@@ -46,6 +46,11 @@ def main(out: str) -> None:
         record["status"] = "done"
         record["epochs"] = len(history.history["loss"])
         record["events"] = [e["event"] for e in history.events]
+        resumed = [e for e in history.events if e["event"] == "resumed"]
+        preempted = [e for e in history.events if e["event"] == "preempted"]
+        if resumed:  # where the resumed run started: the preemption's checkpoint, or an epoch's
+            at = preempted[-1] if preempted else {"epochs_done": resumed[-1]["epochs_done"], "position": 0}
+            record["resumed_from"] = [at["epochs_done"], at.get("position", 0)]
         record["samples"] = sum(s.samples for s in history.stats)
         x, y = app.load_dataset()
         x, y = app.preprocess(x[:1000], y[:1000])

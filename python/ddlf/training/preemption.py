@@ -15,7 +15,8 @@ process die:
 * ``train()`` raises :class:`~ddlf.errors.Preempted`. The requeued job runs the same script, whose
   ``resume=True`` picks the checkpoint up, on whatever nodes and worker count it gets.
 
-A second signal of the same kind while the checkpoint is being written is ignored; Ctrl-C (SIGINT) keeps its
+Signals after the first are ignored, during the checkpoint and after ``train()`` returns (the script may write
+what it wants before it exits; the scheduler's SIGKILL ends a process that lingers). Ctrl-C (SIGINT) keeps its
 meaning (stop now).
 """
 
@@ -67,8 +68,12 @@ class Preemption:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
+        if self.requested is None:
+            for s, previous in self._previous.items():
+                signal.signal(s, previous)
+        # Preempted: the handlers stay, ignoring the signals that follow (Slurm's SIGTERM after the master's own
+        # requeue, the batch shell's forwarded copy), so the script can finish writing what it wants before it
+        # exits; the scheduler's SIGKILL after KillWait still ends a process that lingers.
         self._previous.clear()
 
     def _caught(self, signum: int, frame: FrameType | None) -> None:
