@@ -104,7 +104,7 @@ def _run(cluster: slurm.SlurmCluster, work: Path, name: str, epochs: int, how: s
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks preemption", description=__doc__)
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=8, help="epochs per run (the signal comes after the first)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each kind (medians are reported)")
     p.add_argument("--out", default="RELIABILITY.md")
     args = p.parse_args(argv)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = [r["preempted_at"] for rs in runs.values() for r in rs if r["preempted_at"]]
     body = "\n".join(
         [
-            "## Preemption under Slurm (`sudo python -m benchmarks preemption`)",
+            f"## Preemption under Slurm (`sudo python -m benchmarks preemption --epochs {args.epochs}`)",
             "",
             f"Machine: {report.machine()}. A real Slurm (slurmctld and 2 slurmd in network namespaces, "
             f"`benchmarks/slurm.py`, KillWait 30 s); the job: `deploy/slurm/ddlf.sbatch tests/slurm/slurm_job.py`, "
