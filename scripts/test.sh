@@ -45,5 +45,5 @@ cargo test --workspace --exclude ddlf-py
 section "pytest: unit"
 .venv/bin/python -m pytest tests/unit -q
 
-section "pytest: end to end and network namespaces"
-.venv/bin/python -m pytest tests/e2e tests/netns --durations=15 "$@"
+section "pytest: end to end, network namespaces and Slurm"
+.venv/bin/python -m pytest tests/e2e tests/netns tests/slurm --durations=15 "$@"
