@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from ddlf.cluster import rendezvous
+from ddlf import rendezvous
 from ddlf.cluster.slurm import SlurmAllocation, expand_counts, expand_nodelist, srun_command
 from ddlf.errors import LaunchError
 

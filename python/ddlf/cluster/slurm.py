@@ -1,7 +1,7 @@
 """Workers for the Slurm allocation a script runs in: ``Cluster.from_slurm()`` and ``ddlf up --slurm``.
 
 Inside an allocation (``sbatch``, ``salloc``) the master starts one worker daemon per task (or per GPU) with a
-single ``srun`` step, never SSH. Each worker binds a free port and enlists through :mod:`.rendezvous` with the
+single ``srun`` step, never SSH. Each worker binds a free port and enlists through :mod:`ddlf.rendezvous` with the
 job's token: a fresh random token per job, handed to the workers in ``srun``'s environment (readable by the job's
 user and root only, never written to a shared file). The step's output goes to one log per worker under the run
 directory (``DDLF_RUN_DIR``, default ``./ddlf-<job id>``). Closing the cluster stops the daemons and the step.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LaunchError
-from .rendezvous import Enlisted, Rendezvous
+from ..rendezvous import Enlisted, Rendezvous
 
 #: The environment variables a worker started by :class:`SlurmWorkers` reads (see ``ddlf.worker.main``).
 RENDEZVOUS_ENV = "DDLF_RENDEZVOUS"

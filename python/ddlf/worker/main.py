@@ -294,7 +294,7 @@ def _reporter(target: str, token: str, name: str) -> Callable[[str], None]:
     """Report the bound port to the master at ``target`` (in the background: serving starts meanwhile)."""
 
     def report_port(address: str) -> None:
-        from ..cluster.rendezvous import report
+        from ..rendezvous import report
 
         port = int(address.rpartition(":")[2])
         rank = int(os.environ.get("SLURM_PROCID", "0"))

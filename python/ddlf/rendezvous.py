@@ -1,4 +1,5 @@
-"""How workers that a scheduler started tell the master where they listen (``Cluster.from_slurm``).
+"""How workers that a scheduler started tell the master where they listen (``Cluster.from_slurm``): the
+contract both programs import (the worker reports, the master listens), like ``ring_spec``.
 
 A worker started by ``srun`` binds a free port (``--listen 0.0.0.0:0``: two jobs on one node never collide), then
 connects to the master's rendezvous port and sends one line of JSON: its rank, that port, its name and host, and
@@ -17,7 +18,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from ..errors import LaunchError
+from .errors import LaunchError
 
 #: Bytes a worker's report may take (one short JSON line).
 MAX_REPORT = 4096
