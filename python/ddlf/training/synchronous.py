@@ -69,14 +69,15 @@ def train_sync(run: TrainingRun) -> History:
         while not plan.finished():
             # Preempted: checkpoint the last merged round (with the ring the workers hold the weights: fetched if
             # they still answer, else the epoch's checkpoint stands) and stop.
-            run.stop_if_preempted(
-                epoch,
-                merged_at,
-                ring.weights if ring is not None else weights,
-                opt_state,
-                "sync",
-                outer.state() if outer is not None else None,
-            )
+            if run.preempted():  # checked first: the outer optimizer's state is copied only when it is needed
+                run.stop_if_preempted(
+                    epoch,
+                    merged_at,
+                    ring.weights if ring is not None else weights,
+                    opt_state,
+                    "sync",
+                    outer.state() if outer is not None else None,
+                )
             run.members.round = round_no
             live = run.members.live() or run.members.wait_for_any(cfg.run.rejoin_timeout)
             progress = plan.progress()

@@ -133,11 +133,7 @@ impl Worker for WorkerService {
     }
 
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
-        let (running, running_for) = self
-            .state
-            .running()
-            .map(|(op, d)| (op, d.as_millis() as u64))
-            .unwrap_or_default();
+        let (running, running_for) = self.state.running_ms();
         Ok(Response::new(StatusReply {
             worker_version: VERSION.to_string(),
             uptime_ms: self.state.started.elapsed().as_millis() as u64,
@@ -185,11 +181,7 @@ impl Worker for WorkerService {
             Ok(text) => (text, String::new()),
             Err(e) => (String::new(), e.to_string()),
         };
-        let (running, running_for) = self
-            .state
-            .running()
-            .map(|(op, d)| (op, d.as_millis() as u64))
-            .unwrap_or_default();
+        let (running, running_for) = self.state.running_ms();
         Ok(Response::new(StacksReply {
             python,
             error,

@@ -72,6 +72,13 @@ impl WorkerState {
         self.runs.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The running operation (empty when idle) and for how long, in milliseconds, as status replies carry it.
+    pub fn running_ms(&self) -> (String, u64) {
+        self.running()
+            .map(|(op, d)| (op, d.as_millis() as u64))
+            .unwrap_or_default()
+    }
+
     /// The running operation and for how long it has run.
     pub fn running(&self) -> Option<(String, std::time::Duration)> {
         self.running
