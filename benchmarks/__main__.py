@@ -23,6 +23,7 @@ BENCHMARKS = {
     "gpu": "benchmarks.gpu",
     "scaling": "benchmarks.scaling",
     "averaging": "benchmarks.averaging",
+    "accuracy": "benchmarks.accuracy",
     "exchange": "benchmarks.exchange",
     "chaos": "benchmarks.chaos",
     "exhaustion": "benchmarks.exhaustion",

@@ -99,10 +99,14 @@ def _installed_roots() -> list[str]:
 
 
 def _local_roots() -> list[str]:
-    """Where a user's own modules live: the script's directory (``sys.path[0]``) and the working directory."""
+    """Where a user's own modules live: the script's directory (``sys.path[0]`` at start, and the directory of
+    ``__main__``'s file, which stays right when the script puts another path first) and the working directory."""
     cwd = os.getcwd()
     first = sys.path[0] if sys.path else ""
     roots = {os.path.realpath(first or cwd), os.path.realpath(cwd)}
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(script, str) and script:
+        roots.add(os.path.dirname(os.path.realpath(script)))
     return [r.rstrip(os.sep) + os.sep for r in roots]
 
 

@@ -317,7 +317,9 @@ def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training
         # Found by the master's heartbeat, not by the ring's stall timeout: nominally interval + timeout + one
         # reconnection attempt (3.5 s; measured alone 3.47 s). The slack is for scheduling on a loaded 2-core
         # machine (the full suite once took 5.68 s here); it stays far below the 300 s the ring would wait.
-        assert lost[0]["reason"].startswith("heartbeat failed"), lost[0]
+        # Either way a heartbeat found it: it failed, or (the stopped process answering nothing, its kernel
+        # keeping the connection) met no answer within the keepalive timeout.
+        assert lost[0]["reason"].startswith(("heartbeat failed", "no answer to a heartbeat")), lost[0]
         bound = 0.5 + 2.0 + 1.0 + 4.0
         detect = lost[0]["time"] - when["t"]
         assert 0 <= detect < bound, detect

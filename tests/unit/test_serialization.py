@@ -146,6 +146,29 @@ def test_local_modules_are_noted_and_their_imports_followed(tmp_path, monkeypatc
         upload._verdicts.clear()
 
 
+def test_a_module_beside_the_script_stays_local_when_the_script_puts_another_path_first(tmp_path, monkeypatch) -> None:
+    # A script that does sys.path.insert(0, "/somewhere/else") before importing its neighbour: sys.path[0] is no
+    # longer its directory, and the neighbour was taken for an installed module the workers could not import.
+    script_dir, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    script_dir.mkdir()
+    elsewhere.mkdir()
+    (script_dir / "main.py").write_text("")
+    (script_dir / "loc_near.py").write_text("X = 1\n")
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.syspath_prepend(str(script_dir))
+    monkeypatch.syspath_prepend(str(elsewhere / "lib"))  # sys.path[0] is now neither the script's nor cwd
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script_dir / "main.py"), raising=False)
+    upload._verdicts.clear()
+    import loc_near  # noqa: F401
+
+    try:
+        assert upload.is_local("loc_near")
+        assert not upload.is_local("numpy")
+    finally:
+        sys.modules.pop("loc_near", None)
+        upload._verdicts.clear()
+
+
 def test_a_local_module_over_the_limit_is_refused_by_name(tmp_path, monkeypatch) -> None:
     (tmp_path / "loc_big.py").write_text("X = " + repr("x" * 2000) + "\n")
     monkeypatch.chdir(tmp_path)

@@ -1,6 +1,7 @@
 """Asynchronous training: every worker at its own pace.
 
-Each epoch's permutation is cut into chunks of ``Asynchronous.chunk`` batches (default: 10), queued, and each
+Each epoch's permutation is cut into chunks of ``Asynchronous.chunk`` batches (default: 2 on two workers, 1 on
+more, :meth:`~.options.Asynchronous.chunk_batches`), queued, and each
 worker repeatedly takes the next chunk, pulls the newest global weights with their version, trains, and pushes
 its delta. The master applies each delta atomically (in Rust, in place) and bumps the version. A delta computed
 from weights ``s`` versions old has staleness ``s``: with ``staleness=DynSGD()`` it is scaled by ``1/(s+1)``;
@@ -36,7 +37,6 @@ from .plan import Chunk, chunks, epoch_order, shard_layout
 from .replies import check_reply
 from .run import TrainingRun
 
-DEFAULT_CHUNK_BATCHES = 10
 SUPERVISE_EVERY = 0.2  # seconds between the supervisor's looks at the workers
 
 
@@ -76,12 +76,12 @@ def train_async(run: TrainingRun) -> History:
     app, cfg, history, cluster, members = run.app, run.cfg, run.history, run.cluster, run.members
     strategy = cfg.strategy
     assert isinstance(strategy, Asynchronous)
-    chunk_rows = strategy.chunk * cfg.batch_size
     weights = [np.require(w, requirements="C") for w in app.model.get_weights()]
     lock = threading.Lock()
     state: dict[str, Any] = {"version": 0, "round": 0, "error": None}
     for epoch in range(run.initial_epoch, cfg.epochs):
         t_epoch = run.begin_epoch(epoch)
+        chunk_rows = strategy.chunk_batches(len(members.live())) * cfg.batch_size
         if app.sharded:
             # Each worker works through the shard it holds (rotating every k epochs if asked).
             layout = shard_layout(len(run.shard_rows), epoch, cfg.run.seed, cfg.data.rotate_shards_every)

@@ -129,3 +129,12 @@ def test_train_takes_fits_arguments_and_the_four_options() -> None:
     assert len(params) - 1 <= 14  # room for fit's remaining arguments, and no more
     assert {"strategy", "data", "run", "validation_data", "callbacks", "verbose", "initial_epoch"} <= set(params)
     assert not [p for p in params if p.startswith("_")]  # no test hooks in the public signature
+
+
+def test_the_default_async_chunk_follows_the_worker_count() -> None:
+    """Issue 37: the default chunk keeps a merged change about two of the other workers' steps stale (one worker:
+    never stale, 10); a chunk the user sets wins."""
+    a = ddlf.Asynchronous()
+    assert a.chunk is None
+    assert [a.chunk_batches(n) for n in (1, 2, 3, 4, 8)] == [10, 2, 1, 1, 1]
+    assert ddlf.Asynchronous(chunk=7).chunk_batches(4) == 7
