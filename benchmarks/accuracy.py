@@ -151,7 +151,6 @@ def run_case(task: str, case: str, n: int, seed: int) -> dict[str, Any]:
     t = TASKS[task]
     x, y, xt, yt = data(task)
     keras.utils.set_random_seed(seed)
-    val = (prepare(task, xt), yt)
     stop = _stopper(t.target, t.epochs)
     if case.startswith("single"):
         net = build(task)
@@ -162,7 +161,7 @@ def run_case(task: str, case: str, n: int, seed: int) -> dict[str, Any]:
             y,
             batch_size=b,
             epochs=t.max_epochs,
-            validation_data=val,
+            validation_data=(prepare(task, xt), yt),
             verbose=0,
             callbacks=[stop, _timer(seconds)],
         )
@@ -188,7 +187,7 @@ def run_case(task: str, case: str, n: int, seed: int) -> dict[str, Any]:
             epochs=t.max_epochs,
             batch_size=t.batch,
             strategy=strategy(case),
-            validation_data=val,
+            validation_data=(xt, yt),  # raw rows, as the workers hold them: ddlf runs preprocess on them
             callbacks=[stop],
             run=ddlf.RunConfig(seed=seed),
             verbose=0,
