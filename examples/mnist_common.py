@@ -71,7 +71,7 @@ def run(default_mode: str, description: str) -> None:
         type=int,
         default=None,
         help="batches per round: sync, between averagings (default 50; 0: once per epoch); async, per pushed "
-        "delta (default 10)",
+        "delta (default: ddlf's, from the number of workers)",
     )
     p.add_argument("--report", default=None, help="write an HTML training report here (and its numbers as .json)")
     p.add_argument("--tensorboard", default=None, help="write TensorBoard event files under this directory")
@@ -87,7 +87,7 @@ def run(default_mode: str, description: str) -> None:
         compression = ddlf.TopK() if args.compression == "topk" else args.compression
         strategy: ddlf.ModelAveraging | ddlf.Asynchronous
         if args.mode == "async":
-            strategy = ddlf.Asynchronous(chunk=args.averaging_frequency or 10, compression=compression)
+            strategy = ddlf.Asynchronous(chunk=args.averaging_frequency or None, compression=compression)
         else:
             # every 50 batches: what reached 99% test accuracy in 10 epochs (BENCHMARKS.md)
             exchange = ddlf.ThroughMaster(compression=compression)

@@ -43,8 +43,9 @@ class Mlp(ddlf.IApp):
 
 @pytest.fixture(scope="module")
 def test_rows():
+    """2,000 test rows, raw as the workers hold theirs (``app.evaluate`` runs ``preprocess`` on them)."""
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
-    return xt[:2000].reshape(2000, -1).astype(np.float32) / 255.0, yt[:2000]
+    return xt[:2000], yt[:2000]
 
 
 def _one_process(seed: int, test_rows) -> float:
@@ -53,13 +54,14 @@ def _one_process(seed: int, test_rows) -> float:
     x, y = app.preprocess(*app.load_dataset())
     model = app.create_model()
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
-    return float(model.evaluate(*test_rows, verbose=0)[1])
+    return float(model.evaluate(*app.preprocess(*test_rows), verbose=0)[1])
 
 
 @pytest.mark.slow
 def test_async_on_four_workers_learns_as_one_process(test_rows) -> None:
     """Four workers, ``Asynchronous()``: the test accuracy after the same epochs within 2 points of one process at
-    the same batch (measured: within 1 at 12,000 rows; chunks of 10 batches were 15-27 points below)."""
+    the same batch (measured: within 1 at 12,000 rows; chunks of 10 batches were 15-27 points below there, and
+    here 44.6% against one process's 89.0%)."""
     single = _one_process(0, test_rows)
     with ddlf.Cluster.local(4, threads=1) as cluster:
         app = Mlp(cluster)
@@ -67,5 +69,5 @@ def test_async_on_four_workers_learns_as_one_process(test_rows) -> None:
         _, acc = app.evaluate(*test_rows)
     assert len(h.history["loss"]) == EPOCHS
     assert max(s.staleness for s in h.stats) >= 1  # the four really ran at once
-    assert {s.samples for s in h.stats} <= {BATCH, ROWS % BATCH}  # chunks of one batch on four workers
     assert acc >= single - 0.02, (acc, single)
+    assert {s.samples for s in h.stats} <= {BATCH, ROWS % BATCH}  # chunks of one batch on four workers

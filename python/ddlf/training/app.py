@@ -127,7 +127,8 @@ class IApp:
         Args:
             epochs, batch_size, validation_data, validation_split, validation_freq, shuffle, class_weight,
                 sample_weight, callbacks, verbose, initial_epoch: as in ``fit``. ``batch_size`` is each worker's;
-                ``validation_data`` ``(x, y)`` (arrays the master holds) is evaluated on the master's model;
+                ``validation_data`` ``(x, y)`` (arrays the master holds, raw as
+                :meth:`load_dataset`'s rows: :meth:`preprocess` runs on them) is evaluated on the master's model;
                 ``validation_split`` holds out the last share of the rows the workers loaded (before shuffling),
                 evaluated on the workers where those rows are (the ``val_*`` logs are what ``evaluate`` gives over
                 all of them); ``validation_data`` wins over it, as in ``fit``. ``sample_weight``: one weight per
