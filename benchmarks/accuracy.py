@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import report
+from .apps import task_app
 from .backends import DATA
 
 
@@ -168,18 +169,9 @@ def run_case(task: str, case: str, n: int, seed: int) -> dict[str, Any]:
         return _result(h.history["val_accuracy"], seconds, t)
     import ddlf
 
-    class TaskApp(ddlf.IApp):
-        dataset_key = f"accuracy-bench-{task}"
-
-        def load_dataset(self) -> Any:
-            return data(task)[:2]
-
-        def preprocess(self, bx: Any, by: Any) -> Any:
-            return prepare(task, bx), by
-
-        def create_model(self) -> Any:
-            return build(task)
-
+    TaskApp = task_app(
+        f"accuracy-bench-{task}", lambda: data(task)[:2], lambda bx: prepare(task, bx), lambda: build(task)
+    )
     with ddlf.Cluster.local(n) as cluster:
         app = TaskApp(cluster)
         app.train(epochs=0, verbose=0)  # start the workers and load the dataset, once per cluster

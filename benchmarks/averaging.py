@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import report
+from .apps import task_app
 from .backends import fit_epochs
 
 TASKS = {
@@ -84,17 +85,9 @@ def run_case(task: str, case: str, n: int, seed: int, frequency: int) -> dict[st
         return {"accuracy": float(acc), "seconds": report.median(seconds[1:] or seconds)}
     import ddlf
 
-    class Task(ddlf.IApp):
-        dataset_key = f"averaging-bench-{task}"
-
-        def load_dataset(self) -> Any:
-            return data(task)[:2]
-
-        def preprocess(self, bx: Any, by: Any) -> Any:
-            return prepare(task, bx), by
-
-        def create_model(self) -> Any:
-            return build(task)
+    Task = task_app(
+        f"averaging-bench-{task}", lambda: data(task)[:2], lambda bx: prepare(task, bx), lambda: build(task)
+    )
 
     strategy: ddlf.ModelAveraging | ddlf.GradientAveraging = (
         ddlf.ModelAveraging(every=frequency)
