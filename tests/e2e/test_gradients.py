@@ -181,6 +181,21 @@ def test_options_that_do_not_fit_are_refused_before_training(cluster: ddlf.Clust
     assert h.history["loss"]
 
 
+def test_a_model_averaging_checkpoint_is_not_resumed_by_gradient_averaging(cluster: ddlf.Cluster, tmp_path) -> None:
+    """Model averaging leaves each worker its own optimizer state; gradient averaging resuming it would start its
+    replicas apart. It is refused by name before any round, the checkpoint is kept, and the strategy that wrote
+    it resumes it."""
+    app = Linear(cluster)
+    app.optimizer = "adam"
+    run = ddlf.RunConfig(checkpoint_dir=str(tmp_path), seed=1)
+    app.train(1, 32, strategy=ddlf.ModelAveraging(every=4), run=run, verbose=0)
+    resume = ddlf.RunConfig(checkpoint_dir=str(tmp_path), seed=1, resume=True)
+    with pytest.raises(ValueError, match="written by ModelAveraging; resuming it with GradientAveraging"):
+        app.train(2, 32, strategy=ddlf.GradientAveraging(), run=resume, verbose=0)
+    h = app.train(2, 32, strategy=ddlf.ModelAveraging(every=4), run=resume, verbose=0)
+    assert len(h.history["loss"]) == 2 and any(e["event"] == "resumed" for e in h.events)
+
+
 @pytest.mark.parametrize(("wire", "tol"), [("float16", 2e-3), ("bfloat16", 2e-2)])
 def test_half_precision_gradients_stay_near_one_process_and_replicas_identical(wire: str, tol: float) -> None:
     with ddlf.Cluster.local(3, threads=1) as c:

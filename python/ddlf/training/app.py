@@ -310,6 +310,8 @@ class IApp:
         if isinstance(cfg.strategy, GradientAveraging):
             check_steppable(self.model, len(cfg.run.workers) if cfg.run.workers is not None else len(self.cluster))
         resumed = checkpoint.load(cfg.run.checkpoint_dir) if cfg.run.resume and cfg.run.checkpoint_dir else None
+        if resumed is not None:
+            checkpoint.check_resumable(resumed, isinstance(cfg.strategy, GradientAveraging))
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None
         members = Members(self, cfg.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit)

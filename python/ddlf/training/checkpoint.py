@@ -49,15 +49,18 @@ def save(
     history: History,
     outer_state: list[np.ndarray] | None = None,
     position: int = 0,
+    strategy: str | None = None,
 ) -> Path:
     """Write the checkpoint atomically; returns its path. ``position``: how far into epoch ``epochs_done`` the
-    run got (the epoch plan's :meth:`position`, 0 at an epoch's end): a preempted run resumes there."""
+    run got (the epoch plan's :meth:`position`, 0 at an epoch's end): a preempted run resumes there.
+    ``strategy``: the run's strategy class name (:func:`check_resumable` reads it)."""
     final = path_in(directory)
     state = {
         "format": FORMAT,
         "epochs_done": epochs_done,
         "epoch_position": position,
         "mode": mode,
+        "strategy": strategy,
         "seed": seed,
         "weights": weights,
         "optimizer_state": optimizer_state,
@@ -111,6 +114,20 @@ def load(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not a ddlf checkpoint of format {FORMAT} (found {found!r})")
     return state
+
+
+def check_resumable(saved: dict[str, Any], gradient_averaging: bool) -> None:
+    """Refuse to resume under gradient averaging a checkpoint another strategy wrote: its workers' optimizer
+    states differ (each took its own steps), and gradient averaging keeps replicas identical only from identical
+    states, so they would drift apart unnoticed. Checkpoints that do not name their strategy (written before it
+    was recorded) are let through."""
+    written = saved.get("strategy")
+    if gradient_averaging and written not in (None, "GradientAveraging"):
+        raise ValueError(
+            f"this checkpoint was written by {written}; resuming it with GradientAveraging would start the "
+            "workers from different optimizer states. Resume with the strategy that wrote it, or train into a "
+            "new checkpoint_dir"
+        )
 
 
 def restore_history(history: History, saved: dict[str, Any]) -> None:

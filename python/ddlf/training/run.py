@@ -255,5 +255,6 @@ class TrainingRun:
             history=self.history,
             outer_state=outer_state,
             position=position,
+            strategy=type(cfg.strategy).__name__,
         )
         return str(checkpoint.path_in(cfg.run.checkpoint_dir))

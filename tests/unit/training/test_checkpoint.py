@@ -90,3 +90,32 @@ def test_an_unwritable_directory_is_a_checkpoint_error_that_keeps_the_previous(t
     assert isinstance(info.value, OSError) and "epoch 2" in str(info.value) and "resume=True" in str(info.value)
     state = checkpoint.load(tmp_path)
     assert state is not None and state["epochs_done"] == 1
+
+
+@pytest.mark.parametrize("written", ["ModelAveraging", "Asynchronous"])
+def test_gradient_averaging_refuses_a_checkpoint_another_strategy_wrote(tmp_path: Path, written: str) -> None:
+    # Its workers' optimizer states differ; gradient averaging would start its replicas apart and never notice.
+    checkpoint.save(
+        tmp_path,
+        epochs_done=1,
+        mode="sync" if written == "ModelAveraging" else "async",
+        seed=0,
+        weights=[np.zeros(2, np.float32)],
+        optimizer_state=None,
+        worker_states={},
+        history=History(),
+        strategy=written,
+    )
+    state = checkpoint.load(tmp_path)
+    assert state is not None and state["strategy"] == written
+    with pytest.raises(ValueError, match=f"written by {written}; resuming it with GradientAveraging"):
+        checkpoint.check_resumable(state, gradient_averaging=True)
+    checkpoint.check_resumable(state, gradient_averaging=False)  # any other strategy resumes it
+
+
+def test_a_checkpoint_of_gradient_averaging_or_of_an_unnamed_strategy_resumes_under_it(tmp_path: Path) -> None:
+    _save(tmp_path)  # written without a strategy name, as before it was recorded
+    state = checkpoint.load(tmp_path)
+    assert state is not None and state["strategy"] is None
+    checkpoint.check_resumable(state, gradient_averaging=True)
+    checkpoint.check_resumable({**state, "strategy": "GradientAveraging"}, gradient_averaging=True)
