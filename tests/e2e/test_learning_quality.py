@@ -42,31 +42,31 @@ class Mlp(ddlf.IApp):
 
 
 @pytest.fixture(scope="module")
-def test_rows():
+def mnist_rows():
     """2,000 test rows, raw as the workers hold theirs (``app.evaluate`` runs ``preprocess`` on them)."""
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
     return xt[:2000], yt[:2000]
 
 
-def _one_process(seed: int, test_rows) -> float:
+def _one_process(seed: int, mnist_rows) -> float:
     keras.utils.set_random_seed(seed)
     app = Mlp(None)
     x, y = app.preprocess(*app.load_dataset())
     model = app.create_model()
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
-    return float(model.evaluate(*app.preprocess(*test_rows), verbose=0)[1])
+    return float(model.evaluate(*app.preprocess(*mnist_rows), verbose=0)[1])
 
 
 @pytest.mark.slow
-def test_async_on_four_workers_learns_as_one_process(test_rows) -> None:
+def test_async_on_four_workers_learns_as_one_process(mnist_rows) -> None:
     """Four workers, ``Asynchronous()``: the test accuracy after the same epochs within 2 points of one process at
     the same batch (measured: within 1 at 12,000 rows; chunks of 10 batches were 15-27 points below there, and
     here 44.6% against one process's 89.0%)."""
-    single = _one_process(0, test_rows)
+    single = _one_process(0, mnist_rows)
     with ddlf.Cluster.local(4, threads=1) as cluster:
         app = Mlp(cluster)
         h = app.train(EPOCHS, BATCH, strategy=ddlf.Asynchronous(), run=ddlf.RunConfig(seed=0), verbose=0)
-        _, acc = app.evaluate(*test_rows)
+        _, acc = app.evaluate(*mnist_rows)
     assert len(h.history["loss"]) == EPOCHS
     assert max(s.staleness for s in h.stats) >= 1  # the four really ran at once
     assert acc >= single - 0.02, (acc, single)
