@@ -32,29 +32,42 @@ from . import netns, report
 TOKEN = "bench-collective"
 
 
-def fill(worker: Any, elements: int, seed: int) -> int:
-    """Run on a worker: the variable ``x`` holds ``elements`` float32 values of its own."""
+def fill(worker: Any, elements: int, seed: int, parts: int = 4) -> int:
+    """Run on a worker: the variable ``x`` holds ``elements`` float32 values of its own, and ``xs`` as many as a
+    list of ``parts`` arrays (model weights are lists)."""
     worker.vars["x"] = np.random.default_rng(seed).standard_normal(elements, dtype=np.float32)
+    worker.vars["xs"] = [a.copy() for a in np.array_split(worker.vars["x"], parts)]
     return int(worker.vars["x"].nbytes)
 
 
 def measure(
     cluster: ddlf.Cluster, mb: float, repeat: int, streams: int = 1, hierarchical: bool | None = None
 ) -> dict[str, Any]:
-    """Median seconds of ``cluster.allreduce`` over ``mb`` megabytes, and its bandwidths."""
+    """Median seconds of ``cluster.allreduce`` over ``mb`` megabytes as one array and as a list of four arrays
+    (interleaved), and the one array's bandwidths."""
     n = len(cluster)
     elements = int(mb * 1e6) // 4
     size = cluster.run_each(fill, [(elements, i) for i in range(n)])[0]
-    cluster.allreduce("x", "sum", streams=streams, hierarchical=hierarchical)  # warm-up: opens the ring's links
-    times = []
+    times: dict[str, list[float]] = {"x": [], "xs": []}
+    for name in times:  # warm-up: opens the ring's links, maps the shared memory
+        cluster.allreduce(name, "sum", streams=streams, hierarchical=hierarchical)
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        cluster.allreduce("x", "sum", streams=streams, hierarchical=hierarchical)
-        times.append(time.perf_counter() - t0)
-    t = report.median(times)
+        for name, got in times.items():
+            t0 = time.perf_counter()
+            cluster.allreduce(name, "sum", streams=streams, hierarchical=hierarchical)
+            got.append(time.perf_counter() - t0)
+    t = report.median(times["x"])
     algbw = size / t
     mode = {None: "auto", True: "hierarchical", False: "flat"}[hierarchical]
-    return {"n": n, "mode": mode, "bytes": size, "seconds": t, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n}
+    return {
+        "n": n,
+        "mode": mode,
+        "bytes": size,
+        "seconds": t,
+        "list_seconds": report.median(times["xs"]),
+        "algbw": algbw,
+        "busbw": algbw * 2 * (n - 1) / n,
+    }
 
 
 def memcpy(nbytes: int, repeat: int) -> float:
@@ -165,9 +178,11 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             r["raw_bw"] = r["bytes"] / raw
             r["memcpy_bw"] = r["bytes"] / copy
+            r["memcpy_seconds"] = copy
             local_rows.append(r)
             print(
-                f"loopback n={n} {r['mode']}: {r['seconds']:.3f} s, busbw {r['busbw'] / 1e9:.2f} GB/s, raw socket "
+                f"loopback n={n} {r['mode']}: {r['seconds']:.3f} s (list of 4: {r['list_seconds']:.3f} s), busbw "
+                f"{r['busbw'] / 1e9:.2f} GB/s, raw socket "
                 f"{r['raw_bw'] / 1e9:.2f} GB/s, memcpy {r['memcpy_bw'] / 1e9:.2f} GB/s"
             )
     ns_rows = []
@@ -246,13 +261,18 @@ def _markdown(args: argparse.Namespace, local_rows: list[dict], ns_rows: list[di
             "Loopback, local workers (one process each) on one host: *flat* is the ring over loopback TCP; "
             "*hierarchical* (the default when a host runs several workers) sums through shared memory and opens "
             "no socket. Anchors from the same run: one raw TCP socket moving the same bytes, and one numpy copy "
-            "of them (the hierarchical stage reads every member's array and writes the result back to each):",
+            "of them (the hierarchical stage reads every member's array and writes the result back to each). "
+            "*list of 4* reduces the same bytes as a list of four arrays (model weights are lists), interleaved "
+            "with the one array; *copies* is the one array's time in numpy copies of its size:",
             "",
             report.table(
                 [
                     "workers",
                     "mode",
                     "seconds",
+                    "list of 4 s",
+                    "list / one array",
+                    "copies",
                     "algbw GB/s",
                     "busbw GB/s",
                     "raw socket GB/s",
@@ -264,6 +284,9 @@ def _markdown(args: argparse.Namespace, local_rows: list[dict], ns_rows: list[di
                         r["n"],
                         r["mode"],
                         f"{r['seconds']:.3f}",
+                        f"{r['list_seconds']:.3f}",
+                        f"{r['list_seconds'] / r['seconds']:.2f}",
+                        f"{r['seconds'] / r['memcpy_seconds']:.1f}",
                         f"{r['algbw'] / 1e9:.2f}",
                         f"{r['busbw'] / 1e9:.2f}",
                         f"{r['raw_bw'] / 1e9:.2f}",

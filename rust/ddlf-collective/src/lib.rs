@@ -368,6 +368,19 @@ impl Ring {
         data: &mut [T],
         op: Op,
     ) -> Result<(), CollectiveError> {
+        self.allreduce_parts_over::<T, C>(&mut [data], op)
+    }
+
+    /// [`Ring::allreduce_over`] of several slices reduced as one (their concatenation, in order; every rank
+    /// passes the same total, however it is cut). A hierarchical rank copies each part into shared memory and
+    /// the result back into it, as it does one slice: a list costs what one array of its size does. A flat
+    /// ring's passes need one contiguous buffer: several parts are gathered into one and scattered back after
+    /// the reduction succeeded (so on failure they are unchanged); one part is reduced where it lies.
+    pub fn allreduce_parts_over<T: Elem, C: Codec<T>>(
+        &mut self,
+        parts: &mut [&mut [T]],
+        op: Op,
+    ) -> Result<(), CollectiveError> {
         if let Some(why) = &self.spent {
             return Err(CollectiveError::Spent(why.clone()));
         }
@@ -379,7 +392,7 @@ impl Ring {
                 // steps run one after the other, each borrowing the ring.
                 let this = std::cell::RefCell::new(&mut *self);
                 let r = node.allreduce(
-                    data,
+                    parts,
                     op,
                     || {
                         let mut ring = this.borrow_mut();
@@ -397,7 +410,24 @@ impl Ring {
                 r
             }
             None if self.n() == 1 => return Ok(()),
-            None => self.reduce::<T, C>(data, op),
+            None => match parts {
+                [one] => self.reduce::<T, C>(one, op),
+                _ => {
+                    let mut flat: Vec<T> = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+                    for p in parts.iter() {
+                        flat.extend_from_slice(p);
+                    }
+                    let r = self.reduce::<T, C>(&mut flat, op);
+                    if r.is_ok() {
+                        let mut at = 0;
+                        for p in parts.iter_mut() {
+                            p.copy_from_slice(&flat[at..at + p.len()]);
+                            at += p.len();
+                        }
+                    }
+                    r
+                }
+            },
         };
         if let Err(e) = &result {
             // Close the links now: both neighbours fail at once instead of stalling out.

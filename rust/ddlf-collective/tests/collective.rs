@@ -547,3 +547,60 @@ fn hierarchical_members_that_disagree_on_the_shape_fail_together_at_once() {
         assert!(err.contains("disagree"), "{err}");
     }
 }
+
+#[test]
+fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
+    use ddlf_collective::Plain;
+    let ds = daemons(4, "parts");
+    let len = 10_007usize;
+    // A flat ring of three, and a hierarchical ring of two hosts of two (shared memory, then the leaders).
+    let flat: Vec<RingSpec> = (0..3).map(|r| spec(&ds[..3], 41, r, 2)).collect();
+    for specs in [flat, hierarchical(&ds, &[vec![0, 1], vec![2, 3]], 42)] {
+        let n = specs.len();
+        let outs: Vec<Result<Vec<Vec<f32>>, CollectiveError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = specs
+                .into_iter()
+                .enumerate()
+                .map(|(r, spec)| {
+                    s.spawn(move || {
+                        let mut ring = Ring::new(spec, Token::new("parts"))?;
+                        let mut got = Vec::new();
+                        for op in [Op::Sum, Op::Mean] {
+                            let data: Vec<f32> =
+                                (0..len).map(|i| (r * 5 + i % 13) as f32).collect();
+                            // Each rank cuts the same elements differently: r + 1 parts, one of them empty.
+                            let mut pieces: Vec<Vec<f32>> = Vec::new();
+                            let mut at = 0;
+                            for k in 0..=r {
+                                let end = if k == r { len } else { at + 997 * (k + 1) };
+                                pieces.push(data[at..end].to_vec());
+                                at = end;
+                            }
+                            pieces.insert(1, Vec::new());
+                            let mut parts: Vec<&mut [f32]> =
+                                pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
+                            ring.allreduce_parts_over::<f32, Plain>(&mut parts, op)?;
+                            got.push(pieces.concat());
+                        }
+                        Ok(got)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for out in &outs {
+            let out = out.as_ref().unwrap();
+            for (got, mean) in out.iter().zip([false, true]) {
+                for (i, v) in got.iter().enumerate() {
+                    let sum: f32 = (0..n).map(|r| (r * 5 + i % 13) as f32).sum();
+                    let want = if mean {
+                        (sum as f64 / n as f64) as f32
+                    } else {
+                        sum
+                    };
+                    assert_eq!(*v, want, "element {i} of {n} ranks");
+                }
+            }
+        }
+    }
+}

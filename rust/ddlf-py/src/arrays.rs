@@ -150,8 +150,8 @@ impl View {
             return &mut [];
         }
         // SAFETY: as in `slice`, and the buffer was exported writable. Exclusive access: the callers (`axpy_`,
-        // `Ring.allreduce_`) take one mutable slice per array at a time, check no other input overlaps it, and
-        // hold no other reference to this memory while they write (`Ring.allreduce_` in place: its one array).
+        // `Ring.allreduce_`) take at most one mutable slice per array, check that no other input overlaps it, and
+        // hold no other reference to this memory while they write (`Ring.allreduce_` checks its arrays pairwise).
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len) }
     }
 

@@ -187,8 +187,9 @@ impl Ring {
 
     /// Reduce `arrays` (C-contiguous, writable, all float32 or all float64) with the other ranks, in place.
     /// `op`: "sum" or "mean". Raises `ddlf.errors.CollectiveError` naming the neighbour at fault; with `atomic`
-    /// (the default) the arrays are then unchanged. `atomic=False` with one array reduces it where it lies, with
-    /// no copy, and leaves its contents undefined after a failure (for scratch buffers). `wire`: "float16" or
+    /// (the default) the arrays are then unchanged. A list costs what one array of the same bytes does.
+    /// `atomic=False` with one array reduces it where it lies on every ring, with no copy, and leaves its
+    /// contents undefined after a failure (for scratch buffers). `wire`: "float16" or
     /// "bfloat16" sends float32 elements at half precision (sums stay float32; every rank ends with the same
     /// bits); every rank must pass the same `wire`.
     #[pyo3(signature = (arrays, op = "mean", atomic = true, wire = None))]
@@ -267,28 +268,25 @@ enum Wire {
     Bf16,
 }
 
-/// Gather, reduce, scatter back (only on success); one array is reduced where it lies when `atomic` is off or
-/// the ring leaves its data untouched on failure anyway (a hierarchical rank: two copies fewer).
+/// Reduce the arrays in place. A hierarchical rank (or a ring of one) writes them only after the last step that can
+/// fail, and takes a list as it takes one array: each goes into shared memory and the result back into it, with no
+/// buffer in between. A flat ring gathers several arrays into one buffer and scatters it back on success; one
+/// array it reduces where it lies, unless `atomic` asks for it to be unchanged after a failure (then through a
+/// copy, since a flat ring's passes write as they go).
 fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut ddlf_collective::Ring,
     views: &[View],
     op: Op,
     atomic: bool,
 ) -> Result<(), CollectiveError> {
-    if let ([one], false) = (views, atomic && !ring.leaves_data_on_failure()) {
-        return ring.allreduce_over::<T, C>(one.slice_mut::<T>(), op);
+    if !atomic || views.len() != 1 || ring.leaves_data_on_failure() {
+        let mut parts: Vec<&mut [T]> = views.iter().map(|v| v.slice_mut::<T>()).collect();
+        return ring.allreduce_parts_over::<T, C>(&mut parts, op);
     }
-    let total = views.iter().map(|v| v.len).sum();
-    let mut flat: Vec<T> = Vec::with_capacity(total);
-    for v in views {
-        flat.extend_from_slice(v.slice::<T>());
-    }
+    let one = &views[0];
+    let mut flat: Vec<T> = one.slice::<T>().to_vec();
     ring.allreduce_over::<T, C>(&mut flat, op)?;
-    let mut at = 0;
-    for v in views {
-        v.slice_mut::<T>().copy_from_slice(&flat[at..at + v.len]);
-        at += v.len;
-    }
+    one.slice_mut::<T>().copy_from_slice(&flat);
     Ok(())
 }
 

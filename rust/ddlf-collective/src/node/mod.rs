@@ -164,9 +164,13 @@ impl Node {
     ///
     /// The leader runs `prepare` before the local stage (opening its ring links, so that a failure here closes
     /// them and the other hosts' leaders fail at once instead of waiting for links that never come).
+    ///
+    /// `parts` are reduced as one sequence of elements (their concatenation, in order): a list of arrays goes
+    /// through shared memory as one array of the same size would, each part copied into this member's slot and
+    /// the result copied back into it, with no buffer in between.
     pub fn allreduce<T: Elem>(
         &mut self,
-        data: &mut [T],
+        parts: &mut [&mut [T]],
         op: Op,
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
@@ -174,7 +178,7 @@ impl Node {
         if let Some(why) = &self.spent {
             return Err(CollectiveError::Spent(why.clone()));
         }
-        let result = self.run(data, op, prepare, inter);
+        let result = self.run(parts, op, prepare, inter);
         if let Err(e) = &result {
             let why = e.to_string();
             let blamed = match e {
@@ -209,7 +213,7 @@ impl Node {
 
     fn run<T: Elem>(
         &mut self,
-        data: &mut [T],
+        parts: &mut [&mut [T]],
         op: Op,
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
@@ -217,7 +221,7 @@ impl Node {
         let (k, j, len, elem) = (
             self.members(),
             self.spec.index,
-            data.len(),
+            parts.iter().map(|p| p.len()).sum::<usize>(),
             std::mem::size_of::<T>(),
         );
         if self.control.is_none() {
@@ -278,7 +282,12 @@ impl Node {
         let slot = seg.region::<T>(j);
         // SAFETY: `region` checked that `len` elements of `T` at `slot` lie inside the mapping, aligned. Slot `j`
         // is written by this member only, and read by others only after the barrier below.
-        unsafe { std::slice::from_raw_parts_mut(slot, len) }.copy_from_slice(data);
+        let slot = unsafe { std::slice::from_raw_parts_mut(slot, len) };
+        let mut at = 0;
+        for part in parts.iter() {
+            slot[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
         self.wait_all()?;
         // Every member has mapped the data file: nobody needs its name any more.
         self.segments[current].unlink();
@@ -317,12 +326,17 @@ impl Node {
         // SAFETY: the leader finished (barrier passed); the result region is only read until the next call's
         // second barrier, which every member reaches only after this copy.
         let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(k), len) };
-        match op {
-            Op::Sum => data.copy_from_slice(all),
-            Op::Mean => {
-                let by = 1.0 / self.spec.total as f64;
-                for (d, s) in data.iter_mut().zip(all) {
-                    *d = s.scale(by);
+        let by = 1.0 / self.spec.total as f64;
+        let mut at = 0;
+        for part in parts.iter_mut() {
+            let src = &all[at..at + part.len()];
+            at += part.len();
+            match op {
+                Op::Sum => part.copy_from_slice(src),
+                Op::Mean => {
+                    for (d, s) in part.iter_mut().zip(src) {
+                        *d = s.scale(by);
+                    }
                 }
             }
         }
