@@ -25,6 +25,7 @@ BENCHMARKS = {
     "averaging": "benchmarks.averaging",
     "accuracy": "benchmarks.accuracy",
     "exchange": "benchmarks.exchange",
+    "exactsync": "benchmarks.exactsync",
     "chaos": "benchmarks.chaos",
     "exhaustion": "benchmarks.exhaustion",
     "preemption": "benchmarks.preemption",

@@ -176,8 +176,9 @@ def main(argv: list[str]) -> None:
             ["model", "run", "device", "s/epoch (steady)", "vs one process", "first epoch s", "test accuracy"], rows
         )
         + '\n\n`ddlf` is `app.train()` with its defaults on `Cluster.local(gpus="auto")` (one worker, that GPU '
-        'only visible to it); `ddlf-gradients` the same with `strategy=ddlf.GradientAveraging()`. Steady: median '
-        "of the epochs after the first. The baseline is `model.fit` in one process on the same GPU, measured in the same run.\n"
+        "only visible to it); `ddlf-gradients` the same with `strategy=ddlf.GradientAveraging()`. Steady: median "
+        "of the epochs after the first. The baseline is `model.fit` in one process on the same GPU, measured in the "
+        "same run.\n"
     )
     print(body)
     report.write_section("gpu", body)

@@ -188,10 +188,11 @@ class GradientAveraging:
     times the batch (see :mod:`ddlf.training.replica.steppers`).
 
     ``scale_learning_rate``: multiply the compiled learning rate by the number of workers (Goyal et al. 2017's linear
-    scaling rule), reached linearly over ``warmup_epochs``. ``bucket_cap_mb``: on PyTorch, gradients go to the ring
-    in buckets of about this many MB while backward still runs (DDP's ``bucket_cap_mb``; ``None``: one buffer after
-    backward). ``check_in_every``: batches between the workers' replies to the master (progress, faults; default one
-    per epoch's partition)."""
+    scaling rule), reached linearly over ``warmup_epochs``. ``bucket_cap_mb``: on PyTorch and on Keras with
+    TensorFlow, gradients go to the ring in buckets of about this many MB while backward still runs (DDP's
+    ``bucket_cap_mb``; on TensorFlow the reduction and the optimizer's step run inside the step's graph; ``None``:
+    one buffer after backward). ``check_in_every``: batches between the workers' replies to the master (progress,
+    faults; default one per epoch's partition)."""
 
     scale_learning_rate: bool = False
     warmup_epochs: float = 0.0

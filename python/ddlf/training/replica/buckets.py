@@ -30,6 +30,9 @@ import numpy as np
 class Buckets:
     """Bucketed, overlapped gradient exchange for a list of float32 torch parameters (see the module docs)."""
 
+    op = "sum"
+    """What the ring does with the buckets (the weighted sums are divided here)."""
+
     def __init__(self, params: list[Any], cap_bytes: int) -> None:
         self.params = params
         self.sizes = [int(p.numel()) for p in params]

@@ -224,8 +224,9 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     (each weighted by its batch's share of ``batch_size``, so a weighted gradient is no larger than the gradient);
     a step whose average overflowed float16 is skipped on every member alike (``wire_overflow_steps``). A redo of
     a failed round starts again from the weights and optimizer state this worker started it with.
-    ``bucket_cap_mb``: where the backend allows (PyTorch), exchange the gradients in buckets of about this size
-    while the backward pass runs (:mod:`.buckets`); ``None``: in one buffer after it. Returns samples, logs and
+    ``bucket_cap_mb``: where the backend allows (PyTorch: :mod:`.buckets`; TensorFlow: :mod:`.graph_buckets`),
+    exchange the gradients in buckets of about this size while the backward pass runs; ``None``: in one buffer
+    after it. Returns samples, logs and
     timings (``reduce_seconds``: the time steps waited for the exchange after their backward), never the
     weights."""
 
@@ -255,11 +256,11 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     factor = None
     reduce_s = 0.0
     nonfinite = overflowed = 0
-    buckets = stepper.buckets(int(bucket_cap_mb * 2**20)) if bucket_cap_mb else None
+    buckets = stepper.buckets(int(bucket_cap_mb * 2**20), compression) if bucket_cap_mb else None
     if buckets is not None:
 
         def reduce(flat: np.ndarray) -> None:
-            reduce_scratch(flat, ring, "sum", wire=compression)
+            reduce_scratch(flat, ring, buckets.op, wire=compression)
 
     members = ring.local.total if ring.local is not None else len(ring.addresses)
     try:
@@ -304,6 +305,8 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                 t_reduce = time.perf_counter()
                 averaged, total = _weighted_mean(grads, float(n), ring, wire=compression, unit=batch_size)
                 reduce_s += time.perf_counter() - t_reduce
+            if averaged is None:
+                continue  # the exchange took the optimizer's step itself (TensorFlow: in the step's graph)
             if compression is not None and total > 0 and not all(finite(a) for a in averaged):
                 overflowed += 1  # the same bits on every member: all skip this step
                 continue

@@ -64,10 +64,11 @@ class Stepper:
         """Scale the optimizer's learning rate to ``factor`` times the one the model was compiled with."""
         raise NotImplementedError
 
-    def buckets(self, cap_bytes: int) -> Any:
-        """A :class:`~.buckets.Buckets` that exchanges this model's gradients while its backward pass
-        runs (then :meth:`backward` computes a batch's gradients), or ``None`` where the backend computes all
-        gradients in one compiled call (Keras on JAX or TensorFlow)."""
+    def buckets(self, cap_bytes: int, wire: str | None = None) -> Any:
+        """An exchange that reduces this model's gradients while its backward pass runs (then :meth:`backward`
+        hands it a batch): :class:`~.buckets.Buckets` on PyTorch, :class:`~.graph_buckets.GraphBuckets` on
+        TensorFlow; ``None`` where the gradients come from one compiled, stateless call (Keras on JAX) or the
+        model is not supported (``wire``: the ring's half-precision wire type, if any)."""
         return None
 
     def backward(self, x: Any, y: Any, sw: Any = None) -> None:
@@ -328,14 +329,7 @@ class _TensorFlowStepper(_KerasStepper):
 
         @tf.function(reduce_retracing=True, jit_compile=jit)
         def gradients(x: Any, y: Any, sw: Any) -> Any:
-            with tf.GradientTape() as tape:
-                y_pred = self._forward(x)
-                loss = self._loss(x, y, y_pred, sw)
-                model._loss_tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
-                loss = model.optimizer.scale_loss(loss)
-            grads = tape.gradient(loss, trainable)
-            model.compute_metrics(x, y, y_pred, sample_weight=sw)
-            return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, trainable)]
+            return self.graph_gradients(x, y, sw)
 
         @tf.function(reduce_retracing=True, jit_compile=jit)
         def apply(grads: Any) -> None:
@@ -369,6 +363,48 @@ class _TensorFlowStepper(_KerasStepper):
         # n as a tensor: a Python int would trace the loop again for each count
         self._grouped = _Grouped(step, lambda xs, ys, n: steps(xs, ys, tf.constant(n, tf.int32)))
         self._built = False
+        self._batch: tuple[Any, Any, Any] | None = None
+        self._graph_buckets: tuple[int, Any] | None = None
+
+    def graph_gradients(self, x: Any, y: Any, sw: Any) -> list[Any]:
+        """Inside a ``tf.function``: this batch's gradients (Keras's ``train_step`` up to the optimizer), the
+        model's loss tracker and metrics updated."""
+        tf, model, trainable = self._tf, self.model, self.trainable
+        with tf.GradientTape() as tape:
+            y_pred = self._forward(x)
+            loss = self._loss(x, y, y_pred, sw)
+            model._loss_tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+            loss = model.optimizer.scale_loss(loss)
+        grads = tape.gradient(loss, trainable)
+        model.compute_metrics(x, y, y_pred, sample_weight=sw)
+        return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, trainable)]
+
+    def buckets(self, cap_bytes: int, wire: str | None = None) -> Any:
+        """A :class:`~.graph_buckets.GraphBuckets` (the reduction inside the step's graph), or ``None`` for a
+        model it does not support or with half precision on the wire (whose overflow check reads the averages
+        as arrays)."""
+        from .graph_buckets import GraphBuckets
+
+        if wire is not None or overrides_train_step(self.model):
+            return None  # its own train_step computes its gradients (caught at its optimizer's apply)
+        if not GraphBuckets.supports(self.model, self.trainable):
+            return None
+        if self._graph_buckets is None or self._graph_buckets[0] != cap_bytes:
+            self._graph_buckets = (cap_bytes, GraphBuckets(self, cap_bytes))
+        return self._graph_buckets[1]
+
+    def backward(self, x: Any, y: Any, sw: Any = None) -> None:
+        """Hold the batch for :meth:`take_batch`: the in-graph exchange computes its gradients."""
+        self._ready(x, y, sw)
+        self._flush()
+        self._batch = (x, y, sw)
+
+    def take_batch(self) -> tuple[Any, Any, Any]:
+        """The batch :meth:`backward` was given."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            raise RuntimeError("take_batch() without a batch: backward() first")
+        return batch
 
     def _ready(self, x: Any, y: Any, sw: Any = None) -> None:
         if not self._built:
@@ -507,7 +543,7 @@ class _TorchKerasStepper(_KerasStepper):
             out.append(np.zeros(tuple(v.shape), np.dtype(v.dtype)) if g is None else g.detach().cpu().numpy())
         return out
 
-    def buckets(self, cap_bytes: int) -> Any:
+    def buckets(self, cap_bytes: int, wire: str | None = None) -> Any:
         if self._custom:
             return None  # its gradients come from its own train_step, not from backward()
         return torch_buckets(self, [v.value for v in self.trainable], cap_bytes)
@@ -543,7 +579,7 @@ class _TorchModelStepper(Stepper):
         _no_sample_weights(sw)
         self.model._backward(x, y)
 
-    def buckets(self, cap_bytes: int) -> Any:
+    def buckets(self, cap_bytes: int, wire: str | None = None) -> Any:
         return torch_buckets(self, self.params, cap_bytes)
 
     def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
