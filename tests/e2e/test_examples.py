@@ -33,3 +33,12 @@ def test_cifar10_example_reads_the_binary_format(tmp_path) -> None:
 def test_mnist_example_runs_one_quick_epoch() -> None:
     out = _run([os.path.join("examples", "mnist_sync.py"), "--epochs", "1", "--limit", "2000"])
     assert "test accuracy:" in out and "sync, 2 workers, 1 epochs" in out
+
+
+@pytest.mark.slow
+def test_the_transformer_example_learns_the_standard_librarys_bytes_with_exact_gradients() -> None:
+    tiny = ["--mb", "0.06", "--context", "32", "--layers", "1", "--width", "32", "--heads", "2", "--batch-size", "8"]
+    out = _run(["examples/char_transformer.py", "--strategy", "ga", *tiny, "--learning-rate", "3e-3"])
+    assert "tokens/s" in out, out
+    held = float(out.split("held-out loss:")[1].split("(")[1].split(" bits/byte")[0])
+    assert held < 6.0, out  # below 8 bits per byte (uniform over bytes): it learned the text's statistics

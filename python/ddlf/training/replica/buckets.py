@@ -27,6 +27,23 @@ from typing import Any
 import numpy as np
 
 
+def cut(sizes: list[int], cap_bytes: int) -> list[list[int]]:
+    """The indices of parameters of ``sizes`` float32 elements, last first (the order backward finishes them),
+    cut into buckets that each hold at least ``cap_bytes`` (the last one whatever is left)."""
+    members: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in reversed(range(len(sizes))):
+        current.append(i)
+        used += sizes[i]
+        if used * 4 >= cap_bytes:
+            members.append(current)
+            current, used = [], 0
+    if current:
+        members.append(current)
+    return members
+
+
 class Buckets:
     """Bucketed, overlapped gradient exchange for a list of float32 torch parameters (see the module docs)."""
 
@@ -38,18 +55,12 @@ class Buckets:
         self.sizes = [int(p.numel()) for p in params]
         self.bucket_of: list[int] = [0] * len(params)
         self.offset: list[int] = [0] * len(params)
-        self.members: list[list[int]] = []
-        current: list[int] = []
-        used = 0
-        for i in reversed(range(len(params))):  # backward finishes the last layers first
-            self.bucket_of[i], self.offset[i] = len(self.members), used
-            current.append(i)
-            used += self.sizes[i]
-            if used * 4 >= cap_bytes:
-                self.members.append(current)
-                current, used = [], 0
-        if current:
-            self.members.append(current)
+        self.members = cut(self.sizes, cap_bytes)
+        for b, m in enumerate(self.members):
+            used = 0
+            for i in m:
+                self.bucket_of[i], self.offset[i] = b, used
+                used += self.sizes[i]
         self.lengths = [sum(self.sizes[i] for i in m) for m in self.members]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddlf-buckets")

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from .buckets import cut
+
 _WRITES_THROUGH: bool | None = None
 
 
@@ -75,17 +77,7 @@ class GraphBuckets:
         self._tf = tf
         trainable = stepper.trainable
         self.sizes = [int(np.prod(tuple(v.shape))) for v in trainable]
-        self.members: list[list[int]] = []
-        current: list[int] = []
-        used = 0
-        for i in reversed(range(len(trainable))):  # backward finishes the last layers first
-            current.append(i)
-            used += self.sizes[i]
-            if used * 4 >= cap_bytes:
-                self.members.append(current)
-                current, used = [], 0
-        if current:
-            self.members.append(current)
+        self.members = cut(self.sizes, cap_bytes)  # backward finishes the last layers first
         self.waited = 0.0
         """Seconds the last step spent inside the ring's reductions (overlapped with backward where it could)."""
         self._reduce: Callable[[np.ndarray], None] | None = None
