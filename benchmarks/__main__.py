@@ -26,6 +26,7 @@ BENCHMARKS = {
     "accuracy": "benchmarks.accuracy",
     "exchange": "benchmarks.exchange",
     "exactsync": "benchmarks.exactsync",
+    "lm": "benchmarks.lm",
     "chaos": "benchmarks.chaos",
     "exhaustion": "benchmarks.exhaustion",
     "preemption": "benchmarks.preemption",
