@@ -130,8 +130,17 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     args = p.parse_args()
+    for name in ("workers", "epochs", "batch_size", "context", "layers", "width", "heads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.mb <= 0 or args.learning_rate <= 0:
+        p.error("--mb and --learning-rate must be positive")
+    if args.width % args.heads:
+        p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
 
     train, held = split(stdlib_text(args.mb))
+    if len(train) < 2 * args.context or len(held) < args.context + 1:
+        p.error(f"--mb {args.mb} gives too little text for windows of --context {args.context}")
     x, y = windows(train, args.context)
     xv, yv = windows(held, args.context)
     global_batch = args.batch_size * args.workers  # one process steps on what the workers step on together

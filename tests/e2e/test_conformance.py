@@ -321,6 +321,7 @@ class OwnTestStep(keras.Model):
     # Keras' Model.test_step overridden (not a pytest test: pytest collects no class outside Test*). What fails
     # it is check_validation below: val_loss missing or non-finite for every epoch in every mode.
     def test_step(self, data: Any) -> dict[str, Any]:
+        # Keras' hook, not a pytest test; check_validation fails it (no finite val_loss from this step).
         x, y = data
         y_pred = self(x, training=False)
         loss = self.compute_loss(y=y, y_pred=y_pred)

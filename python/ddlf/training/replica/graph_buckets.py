@@ -141,11 +141,10 @@ class GraphBuckets:
                 # already, and the division is skipped (it would multiply by exactly 1).
                 total = reduced[-1]
                 scale = tf.math.divide_no_nan(tf.constant(1.0, tf.float32), total)
+                scaled = tf.cond(tf.equal(total, 1.0), lambda r=reduced: r, lambda r=reduced, s=scale: r * s)
                 at = 0
                 for i in m:
-                    piece = reduced[at : at + self.sizes[i]]
-                    piece = tf.cond(tf.equal(total, 1.0), lambda p=piece: p, lambda p=piece, s=scale: p * s)
-                    out[i] = tf.reshape(piece, shapes[i])
+                    out[i] = tf.reshape(scaled[at : at + self.sizes[i]], shapes[i])
                     at += self.sizes[i]
                 totals.append(total)
             return out, tf.stack(totals)

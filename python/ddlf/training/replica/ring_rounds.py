@@ -285,7 +285,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
 
                 averaged, totals, bad = buckets.exchange(run, n / batch_size, reduce)
                 reduce_s += buckets.waited
-                total = max(totals) * batch_size
+                total = max(totals) * batch_size  # only its sign is read: > 0 when some rank had rows
                 if bad:
                     log.warning("run %s: non-finite gradients on a batch of %d rows: left out of the step", run_id, n)
                     nonfinite += 1
