@@ -225,3 +225,14 @@ class Ring:
         raises ``ddlf.errors.CollectiveError`` (the arrays then unchanged, unless ``atomic=False``: one array
         reduced where it lies, no copy, undefined after a failure). ``wire="float16"|"bfloat16"``: float32
         elements travel at half precision, sums stay float32, every rank ends with the same bits."""
+    def shard(self, len: int) -> tuple[int, int]:
+        """``(start, stop)``: the elements of an array of ``len`` this rank owns between :meth:`reduce_scatter_`
+        and :meth:`allgather_` (disjoint across ranks, covering the array, the same on every call)."""
+    def reduce_scatter_(self, array: Any, op: str = "mean", wire: str | None = None) -> tuple[int, int]:
+        """The first half of an all-reduce, in place: ``array[start:stop]`` (this rank's shard, returned) ends
+        with the sum or mean over the ranks, the rest with values that mean nothing. Raises
+        ``ddlf.errors.CollectiveError`` (the array then undefined)."""
+    def allgather_(self, array: Any, wire: str | None = None) -> None:
+        """The second half of an all-reduce, in place: every rank passes ``array`` with its shard filled in and
+        ends with every rank's shard (``wire``: each shard travels rounded to half precision, and its owner keeps
+        the rounded value). Raises ``ddlf.errors.CollectiveError`` (the array then undefined)."""

@@ -49,6 +49,7 @@ from .membership import Members
 from .messages import FitData
 from .options import DataConfig, GradientAveraging, ModelAveraging, RunConfig, Strategy, TrainConfig
 from .preemption import Preemption
+from .replica.sharded import check_shardable
 from .replica.steppers import check_steppable
 from .run import TrainingRun
 from .synchronous import train_sync as _train_sync
@@ -309,9 +310,12 @@ class IApp:
             self.model = self.create_model()
         if isinstance(cfg.strategy, GradientAveraging):
             check_steppable(self.model, len(cfg.run.workers) if cfg.run.workers is not None else len(self.cluster))
+            if cfg.strategy.shard_optimizer:
+                check_shardable(self.model)  # here, before any round: the workers' models are the master's
         resumed = checkpoint.load(cfg.run.checkpoint_dir) if cfg.run.resume and cfg.run.checkpoint_dir else None
         if resumed is not None:
-            checkpoint.check_resumable(resumed, isinstance(cfg.strategy, GradientAveraging))
+            sharded = isinstance(cfg.strategy, GradientAveraging) and cfg.strategy.shard_optimizer
+            checkpoint.check_resumable(resumed, isinstance(cfg.strategy, GradientAveraging), sharded)
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None
         members = Members(self, cfg.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit)
@@ -339,6 +343,7 @@ class IApp:
             "exchange": "allreduce" if cfg.ring is not None else "master",
             "averaging": cfg.averaging,
             "bucket_cap_mb": cfg.gradients.bucket_cap_mb if cfg.gradients is not None else None,
+            "shard_optimizer": bool(cfg.gradients is not None and cfg.gradients.shard_optimizer),
             "outer_optimizer": "nesterov" if cfg.outer() is not None else None,
             "run_id": cfg.run_id,  # what the workers' status and logs call this run
         }
@@ -347,7 +352,10 @@ class IApp:
             self.model.set_weights(resumed["weights"])
             checkpoint.restore_history(history, resumed["history"])
             checkpoint.restore_rng(resumed)
-            states = resumed["worker_states"]
+            states = dict(resumed["worker_states"])
+            whole = next((s["optimizer_shard"] for s in states.values() if s.get("optimizer_shard")), None)
+            if whole is not None:  # sharded optimizer state: every worker takes it, to cut its shard from
+                states.update({w: {"optimizer_shard": whole} for w in live if w not in states})
             targets = [w for w in live if w in states]
             if targets:
                 self.cluster.run_each(remote.restore_state, [(cfg.run_id, states[w]) for w in targets], workers=targets)

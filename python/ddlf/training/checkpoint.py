@@ -116,11 +116,22 @@ def load(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return state
 
 
-def check_resumable(saved: dict[str, Any], gradient_averaging: bool) -> None:
+def check_resumable(saved: dict[str, Any], gradient_averaging: bool, sharded: bool = False) -> None:
     """Refuse to resume under gradient averaging a checkpoint another strategy wrote: its workers' optimizer
     states differ (each took its own steps), and gradient averaging keeps replicas identical only from identical
     states, so they would drift apart unnoticed. Checkpoints that do not name their strategy (written before it
-    was recorded) are let through."""
+    was recorded) are let through. Refuse too to resume sharded optimizer state unsharded (``sharded``: the run
+    shards it) or the other way round: the state would silently restart from zeros."""
+    states = [s for s in (saved.get("worker_states") or {}).values() if isinstance(s, dict)]
+    has_shards = any(s.get("optimizer_shard") is not None for s in states)
+    has_whole = any(s.get("optimizer") is not None for s in states)
+    if gradient_averaging and has_shards != sharded and (has_shards or has_whole):
+        held, run = ("sharded", "without") if has_shards else ("whole", "with")
+        raise ValueError(
+            f"this checkpoint holds {held} optimizer state; resuming it {run} "
+            "GradientAveraging(shard_optimizer=True) would restart the optimizer from zeros. Resume with the "
+            "setting that wrote it, or train into a new checkpoint_dir"
+        )
     written = saved.get("strategy")
     if gradient_averaging and written not in (None, "GradientAveraging"):
         raise ValueError(

@@ -72,6 +72,13 @@ class RingExchange:
         """The last round reduced."""
         self.fallback = weights
         """The newest weights the master holds (the start, or the last fetched)."""
+        self.sharded_ring: tuple[tuple[int, int], ...] | None = None
+        """With sharded optimizer state: the members (worker, daemon instance) of the last round, whose shards
+        the workers hold..."""
+        self.shards_held = bool(
+            run.resumed and any((s or {}).get("optimizer_shard") for s in run.resumed.get("worker_states", {}).values())
+        )
+        """...and whether any worker holds optimizer state (after a round, or restored from a checkpoint)."""
 
     # -- what the loop asks ---------------------------------------------------------------------------------
 
@@ -110,7 +117,7 @@ class RingExchange:
         pending = list(assignments)
         send_s: dict[int, tuple[float, float]] = {}
         t_sent = time.perf_counter()
-        for _ in range(MAX_REDOS):
+        for attempt in range(MAX_REDOS):
             if not pending:
                 return [], t_sent, send_s, {}
             targets = [w for w, _ in pending]
@@ -137,6 +144,7 @@ class RingExchange:
                 # adopt the others' optimizer state first.
                 steps = max(-(-assigned_rows(part) // cfg.batch_size) for _, part in pending)
                 adopt = bool(fresh) and len(fresh) < len(targets)
+                shard = self._shard_plan(targets, attempt) if cfg.gradients and cfg.gradients.shard_optimizer else None
             outer = cfg.outer()
             new_rate = run.learning_rate()
             for w, rows in pending:
@@ -162,6 +170,7 @@ class RingExchange:
                         adopt=adopt,
                         bucket_cap_mb=cfg.gradients.bucket_cap_mb if cfg.gradients else None,
                         learning_rate_factor=learning_rate_factor if cfg.scale_learning_rate else None,
+                        shard=shard,
                     )
                 else:
                     # New members adopt the outer momentum of the others (when all are new: of those that hold
@@ -191,6 +200,12 @@ class RingExchange:
             if not lost and not failed_ring:
                 self.synced = {w: cluster.instance(w) for w in targets}
                 self.round = round_no
+                if gradients and cfg.gradients is not None and cfg.gradients.shard_optimizer:
+                    self.sharded_ring = tuple((w, cluster.instance(w)) for w in targets)
+                    self.shards_held = True
+                    lost_state = max((int(o.get("optimizer_elements_lost") or 0) for o in outcomes), default=0)
+                    if lost_state and shard not in ("fresh", None):
+                        run.optimizer_state_lost(lost_state)
                 row_counts = {w: assigned_rows(part) for w, part in pending}
                 results = []
                 for w, out in zip(targets, outcomes):
@@ -223,6 +238,15 @@ class RingExchange:
             cluster.retire_ring(ring)  # spent: the next attempt forms a new one
             pending = self._drop(pending, lost, epoch, round_no, t0)
         raise RuntimeError(f"round {round_no}: the all-reduce failed {MAX_REDOS} times in a row")
+
+    def _shard_plan(self, targets: list[int], attempt: int) -> str:
+        """What the workers do with their optimizer shards this round (``ShardedOptimizer.begin``)."""
+        if attempt > 0:
+            return "redo"
+        members = tuple((w, self.run.cluster.instance(w)) for w in targets)
+        if members == self.sharded_ring:
+            return "keep"
+        return "reshard" if self.shards_held else "fresh"
 
     def _drop(
         self, pending: list[tuple[int, Rows]], lost: list[int], epoch: int, round_no: int, t0: float

@@ -32,6 +32,8 @@ class RoundStats:
     start: float = 0.0  # when the round began for this worker, in seconds since training started (master clock)
     send_seconds: float = 0.0  # the master sending this worker the weights (sync: the round's broadcast)
     comm_seconds: float = 0.0  # request and reply on the wire (call seconds less the worker's compute)
+    optimizer_state_bytes: int = 0  # gradient averaging: the optimizer state the worker holds (its shard, sharded)
+    resident_bytes: int = 0  # gradient averaging: the worker process's resident memory at the round's end
 
 
 _SUMS = (

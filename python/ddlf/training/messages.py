@@ -88,6 +88,10 @@ class WorkerResult:
     data_wait_seconds: float
     logs: dict[str, float] = field(default_factory=dict)
     optimizer_state: list[np.ndarray] | None = None
+    optimizer_state_bytes: int = 0
+    """Gradient averaging: the optimizer state the worker holds (its shard, with sharded state)..."""
+    resident_bytes: int = 0
+    """...and its process's resident memory at the round's end."""
     payload: list[np.ndarray] = field(default_factory=list)
     """``weights`` decoded (float32, shaped like the model's), set by :func:`~.replies.check_reply` once the
     reply passed its checks (empty for an all-reduce round: the workers averaged among themselves)."""
@@ -102,6 +106,8 @@ class WorkerResult:
             data_wait_seconds=float(reply["data_wait_seconds"]),
             logs=dict(reply.get("logs", {})),
             optimizer_state=reply.get("optimizer_state"),
+            optimizer_state_bytes=int(reply.get("optimizer_state_bytes") or 0),
+            resident_bytes=int(reply.get("resident_bytes") or 0),
         )
 
 
@@ -182,7 +188,8 @@ class RingRound(RoundSpec):
 class GradientRound(RoundSpec):
     """A gradient-averaging round: ``steps`` optimizer steps in lockstep with the ring's other members.
     ``adopt``: new members take the others' optimizer state first; ``learning_rate_factor``: ``(first, last)``
-    multiples of the compiled learning rate over the steps; ``bucket_cap_mb``: gradient buckets on PyTorch."""
+    multiples of the compiled learning rate over the steps; ``bucket_cap_mb``: gradient buckets on PyTorch and
+    TensorFlow; ``shard``: sharded optimizer state."""
 
     round_no: int
     ring: RingSpec
@@ -191,3 +198,6 @@ class GradientRound(RoundSpec):
     adopt: bool = False
     learning_rate_factor: tuple[float, float] | None = None
     bucket_cap_mb: float | None = None
+    shard: str | None = None
+    """With sharded optimizer state (:mod:`.replica.sharded`): ``"keep"``, ``"redo"``, ``"reshard"`` or
+    ``"fresh"`` (see ``ShardedOptimizer.begin``); None: every worker holds the whole state."""

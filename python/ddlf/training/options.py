@@ -192,13 +192,23 @@ class GradientAveraging:
     TensorFlow, gradients go to the ring in buckets of about this many MB while backward still runs (DDP's
     ``bucket_cap_mb``; on TensorFlow the reduction and the optimizer's step run inside the step's graph; ``None``:
     one buffer after backward). ``check_in_every``: batches between the workers' replies to the master (progress,
-    faults; default one per epoch's partition)."""
+    faults; default one per epoch's partition).
+
+    ``shard_optimizer``: each worker keeps the optimizer state of ``1/n`` of the weights only (DeepSpeed's ZeRO
+    stage 1; :mod:`ddlf.training.replica.sharded`): the ring reduce-scatters the gradients, each worker steps its
+    shard with the model's own optimizer, and the ring all-gathers the new weights. The same bytes on the wire as
+    an all-reduce and the same result (bit-identical replicas); optimizer state per worker ``1/n``. For Keras
+    models with an element-wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion,
+    Ftrl) and float32 weights; anything else is refused with the reason before training starts.
+    ``bucket_cap_mb`` does not apply (the gradients go in one buffer after backward). Checkpoints hold the whole
+    state and resume on any number of workers; a lost worker's shard restarts from zeros (History notes it)."""
 
     scale_learning_rate: bool = False
     warmup_epochs: float = 0.0
     bucket_cap_mb: float | None = 25.0
     check_in_every: int | None = None
     ring: Ring = field(default_factory=Ring)
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.scale_learning_rate, bool):
@@ -209,6 +219,8 @@ class GradientAveraging:
         if self.bucket_cap_mb is not None:
             _number(self.bucket_cap_mb, "GradientAveraging.bucket_cap_mb", low=0.0, open_low=True)
         _positive_int(self.check_in_every, "GradientAveraging.check_in_every", none=True)
+        if not isinstance(self.shard_optimizer, bool):
+            raise TypeError(f"GradientAveraging.shard_optimizer must be True or False, not {self.shard_optimizer!r}")
         if not isinstance(self.ring, Ring):
             raise TypeError(f"GradientAveraging.ring must be a ddlf.Ring, not {self.ring!r}")
 

@@ -23,6 +23,7 @@ from ..errors import (
     Preempted,
     ReplyRefusedWarning,
     WireOverflowWarning,
+    WorkerLostWarning,
     WorkerUnavailable,
 )
 from . import checkpoint
@@ -35,6 +36,7 @@ from .messages import WorkerResult
 from .options import TrainConfig
 from .policy import FailurePolicy
 from .preemption import Preemption
+from .replica.sharded import join as join_shards
 
 
 def weighted_logs(results: list[WorkerResult]) -> dict[str, float]:
@@ -97,6 +99,17 @@ class TrainingRun:
             raise NonFiniteUpdate(f"{what}: its model diverged, or its data holds NaN", worker_id=worker)
         warnings.warn(f"{what}; they were left out of their steps", NonFiniteGradientsWarning, stacklevel=2)
         self.members.note("nonfinite_gradients", worker=worker, batches=batches)
+
+    def optimizer_state_lost(self, elements: int) -> None:
+        """With sharded optimizer state, the ring changed and ``elements`` weights' optimizer state was held by no
+        worker of the new one (a lost worker's shard): it restarts from zeros. Warn and record it."""
+        warnings.warn(
+            f"the optimizer state of {elements} weights went with a lost worker (shard_optimizer=True keeps one "
+            "copy): it restarts from zeros",
+            WorkerLostWarning,
+            stacklevel=2,
+        )
+        self.members.note("optimizer_state_lost", elements=elements)
 
     def wire_overflow(self, steps: int) -> None:
         """The ring's average of ``steps`` steps (or a round) overflowed float16 on the wire (the same on every
@@ -244,6 +257,11 @@ class TrainingRun:
             remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True, timeout=timeout
         )
         worker_states = {w: s for w, s in zip(live, states) if not isinstance(s, BaseException)}
+        shards = [s["optimizer_shard"] for s in worker_states.values() if s.get("optimizer_shard") is not None]
+        if shards:  # sharded optimizer state: the checkpoint holds it whole (pickled once, shared by every state)
+            whole = join_shards(shards)
+            for s in worker_states.values():
+                s["optimizer_shard"] = whole
         checkpoint.save(
             cfg.run.checkpoint_dir,
             epochs_done=epochs_done,

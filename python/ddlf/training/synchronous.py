@@ -131,6 +131,8 @@ def train_sync(run: TrainingRun) -> History:
                         start=t0 - cfg.t0,
                         send_seconds=send_s.get(r.worker, (0.0, t_sent - t0))[1],
                         comm_seconds=max(0.0, comm - r.compute_seconds),
+                        optimizer_state_bytes=r.optimizer_state_bytes,
+                        resident_bytes=r.resident_bytes,
                     )
                 )
             if live_results:

@@ -28,6 +28,7 @@ pub mod ring;
 pub mod tls;
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::ops::Range;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -36,7 +37,7 @@ use ddlf_net::guard::Slot;
 
 pub use link::Link;
 pub use node::LocalSpec;
-pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Plain, RingError, Side, Watch};
+pub use ring::{Bf16Wire, Codec, Elem, F16Wire, Op, Phase, Plain, RingError, Side, Watch};
 pub use tls::PeerTls;
 
 /// The token this process presents on the peer links it opens: the one its daemon was started with (set by
@@ -381,43 +382,35 @@ impl Ring {
         parts: &mut [&mut [T]],
         op: Op,
     ) -> Result<(), CollectiveError> {
-        if let Some(why) = &self.spent {
-            return Err(CollectiveError::Spent(why.clone()));
-        }
-        let result = match self.node.take() {
+        let hosts = self.n();
+        self.guarded(move |ring| match ring.node.take() {
             Some(mut node) => {
                 // The host's members sum through shared memory; the leader sums the hosts' results on the ring.
-                let leads = node.is_leader() && self.n() > 1;
+                let leads = node.is_leader() && hosts > 1;
                 // The leader opens its links before the local stage and reduces on them after it: the two
                 // steps run one after the other, each borrowing the ring.
-                let this = std::cell::RefCell::new(&mut *self);
+                let this = std::cell::RefCell::new(&mut *ring);
                 let r = node.allreduce(
                     parts,
                     op,
-                    || {
-                        let mut ring = this.borrow_mut();
-                        if leads && ring.streams.is_none() {
-                            ring.streams = Some(ring.connect()?);
-                        }
-                        Ok(())
-                    },
+                    || this.borrow_mut().open_if(leads),
                     |all| match leads {
                         true => this.borrow_mut().reduce::<T, C>(all, Op::Sum),
                         false => Ok(()),
                     },
                 );
-                self.node = Some(node);
+                ring.node = Some(node);
                 r
             }
-            None if self.n() == 1 => return Ok(()),
+            None if hosts == 1 => Ok(()),
             None => match parts {
-                [one] => self.reduce::<T, C>(one, op),
+                [one] => ring.reduce::<T, C>(one, op),
                 _ => {
                     let mut flat: Vec<T> = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
                     for p in parts.iter() {
                         flat.extend_from_slice(p);
                     }
-                    let r = self.reduce::<T, C>(&mut flat, op);
+                    let r = ring.reduce::<T, C>(&mut flat, op);
                     if r.is_ok() {
                         let mut at = 0;
                         for p in parts.iter_mut() {
@@ -428,15 +421,162 @@ impl Ring {
                     r
                 }
             },
-        };
+        })
+    }
+
+    /// The elements of `len` this rank owns between [`Ring::reduce_scatter_over`] and [`Ring::allgather_over`]:
+    /// chunk `rank` of a flat ring; on a hierarchical one, this member's sub-chunk of its host's chunk. The
+    /// ranks' shards are disjoint, cover `0..len` and are the same on every call with `len` elements.
+    pub fn shard(&self, len: usize) -> Range<usize> {
+        match &self.node {
+            Some(node) => node.shard(len, self.spec.rank, self.n()),
+            None => ring::shard(len, self.n(), self.spec.rank),
+        }
+    }
+
+    /// The first half of an all-reduce (a sharded optimizer's gradients): afterwards `data[self.shard(len)]`
+    /// holds the reduction over every rank; the rest of `data` means nothing. Each rank sends about `(n-1)/n`
+    /// times the data, half of what an all-reduce sends. The flat ring runs it on its first stream. Returns the
+    /// shard. A failure leaves `data` changed, and the ring spent.
+    pub fn reduce_scatter_over<T: Elem, C: Codec<T>>(
+        &mut self,
+        data: &mut [T],
+        op: Op,
+    ) -> Result<Range<usize>, CollectiveError> {
+        let mine = self.shard(data.len());
+        let hosts = self.n();
+        let shard = mine.clone();
+        self.guarded(move |ring| match ring.node.take() {
+            Some(mut node) => {
+                let leads = node.is_leader() && hosts > 1;
+                let this = std::cell::RefCell::new(&mut *ring);
+                let r = node.reduce_scatter(
+                    data,
+                    op,
+                    shard,
+                    || this.borrow_mut().open_if(leads),
+                    |all| match leads {
+                        true => this
+                            .borrow_mut()
+                            .phase::<T, C>(all, Op::Sum, Phase::Scatter),
+                        false => Ok(()),
+                    },
+                );
+                ring.node = Some(node);
+                r
+            }
+            None if hosts == 1 => Ok(()),
+            None => ring.phase::<T, C>(data, op, Phase::Scatter),
+        })?;
+        Ok(mine)
+    }
+
+    /// The second half of an all-reduce (a sharded optimizer's new weights): every rank passes `data` with its
+    /// [`Ring::shard`] filled in, and all end with every rank's shard. With a half-precision `C` each shard
+    /// travels rounded (its owner keeps the rounded value too), so every rank ends with the same bits.
+    pub fn allgather_over<T: Elem, C: Codec<T>>(
+        &mut self,
+        data: &mut [T],
+    ) -> Result<(), CollectiveError> {
+        let shard = self.shard(data.len());
+        let hosts = self.n();
+        self.guarded(move |ring| match ring.node.take() {
+            Some(mut node) => {
+                let leads = node.is_leader() && hosts > 1;
+                let this = std::cell::RefCell::new(&mut *ring);
+                let r = node.allgather(
+                    data,
+                    shard,
+                    || this.borrow_mut().open_if(leads),
+                    |all| match leads {
+                        true => this.borrow_mut().phase::<T, C>(all, Op::Sum, Phase::Gather),
+                        false => Ok(()),
+                    },
+                );
+                ring.node = Some(node);
+                r
+            }
+            None if hosts == 1 => Ok(()),
+            None => ring.phase::<T, C>(data, Op::Sum, Phase::Gather),
+        })
+    }
+
+    /// Run `call`, refusing it on a spent ring and spending the ring when it fails.
+    fn guarded<R>(
+        &mut self,
+        call: impl FnOnce(&mut Ring) -> Result<R, CollectiveError>,
+    ) -> Result<R, CollectiveError> {
+        if let Some(why) = &self.spent {
+            return Err(CollectiveError::Spent(why.clone()));
+        }
+        let result = call(self);
         if let Err(e) = &result {
-            // Close the links now: both neighbours fail at once instead of stalling out.
             self.spent = Some(e.to_string());
             self.streams = None;
             self.watcher = None;
             peer::mailbox().forget(self.spec.group);
         }
         result
+    }
+
+    /// Open the leader's links now (before a local stage: see [`node::Node::allreduce`]).
+    fn open_if(&mut self, leads: bool) -> Result<(), CollectiveError> {
+        if leads && self.streams.is_none() {
+            self.streams = Some(self.connect()?);
+        }
+        Ok(())
+    }
+
+    /// One half of the ring's pass over `data`, on the first stream.
+    fn phase<T: Elem, C: Codec<T>>(
+        &mut self,
+        data: &mut [T],
+        op: Op,
+        phase: Phase,
+    ) -> Result<(), CollectiveError> {
+        let mut streams = match self.streams.take() {
+            Some(s) => s,
+            None => self.connect()?,
+        };
+        let Some(watcher) = self.watcher.as_ref() else {
+            return Err(CollectiveError::Invalid(
+                "a ring's links without their watcher".into(),
+            ));
+        };
+        let probe = |side: Side| watcher.probe(side);
+        let watch = Watch {
+            stall: self.spec.timeout,
+            probe_every: watcher.every,
+            probe: Some(&probe),
+        };
+        let (rank, n) = (self.spec.rank, self.n());
+        let links = &mut streams[0].links;
+        let r = match phase {
+            Phase::Gather => ring::allgather_over::<T, C>(data, rank, n, links, watch),
+            _ => ring::reduce_scatter_over::<T, C>(data, rank, n, links, op, watch).map(|_| ()),
+        };
+        if let Err(source) = r {
+            return Err(self.blame(source));
+        }
+        self.streams = Some(streams);
+        Ok(())
+    }
+
+    /// The error of a failed pass, naming the neighbour it blames.
+    fn blame(&self, source: RingError) -> CollectiveError {
+        let side = match &source {
+            RingError::Io { side, .. }
+            | RingError::Closed { side }
+            | RingError::Stalled { side, .. }
+            | RingError::Unresponsive { side, .. } => *side,
+            RingError::Mismatch { .. } | RingError::BadHeader => Side::Left,
+        };
+        let (rank, address) = self.neighbour(side);
+        CollectiveError::Ring {
+            rank,
+            address,
+            source,
+        }
     }
 
     fn reduce<T: Elem, C: Codec<T>>(
@@ -498,19 +638,7 @@ impl Ring {
         };
         for r in results {
             if let Err(source) = r {
-                let side = match &source {
-                    RingError::Io { side, .. }
-                    | RingError::Closed { side }
-                    | RingError::Stalled { side, .. }
-                    | RingError::Unresponsive { side, .. } => *side,
-                    RingError::Mismatch { .. } | RingError::BadHeader => Side::Left,
-                };
-                let (rank, address) = self.neighbour(side);
-                return Err(CollectiveError::Ring {
-                    rank,
-                    address,
-                    source,
-                });
+                return Err(self.blame(source));
             }
         }
         self.streams = Some(streams);

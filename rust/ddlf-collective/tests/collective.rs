@@ -604,3 +604,124 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
         }
     }
 }
+
+#[test]
+fn a_reduce_scatter_then_an_all_gather_is_an_all_reduce_and_the_shards_tile_the_data() {
+    use ddlf_collective::{Bf16Wire, Plain};
+    let ds = daemons(5, "zero");
+    // Fewer elements than ranks, a prime length, and an even one.
+    for len in [3usize, 10_007, 4096] {
+        let flat: Vec<RingSpec> = (0..3)
+            .map(|r| spec(&ds[..3], 60 + len as u128, r, 2))
+            .collect();
+        let topologies = [
+            flat,
+            hierarchical(&ds, &[vec![0, 1], vec![2, 3]], 70 + len as u128),
+            hierarchical(&ds, &[vec![0, 1, 2], vec![3]], 80 + len as u128),
+            hierarchical(&ds, &[vec![3, 4]], 90 + len as u128),
+        ];
+        for specs in topologies {
+            let n = specs.len();
+            let outs: Vec<Result<_, CollectiveError>> = std::thread::scope(|s| {
+                let hs: Vec<_> = specs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, spec)| {
+                        s.spawn(move || {
+                            let mut ring = Ring::new(spec, Token::new("zero"))?;
+                            let value = |i: usize| (r * 5 + i % 13) as f32;
+                            // The mean's shard, then the shards gathered (each rank first spoils the rest).
+                            let mut data: Vec<f32> = (0..len).map(value).collect();
+                            let mine =
+                                ring.reduce_scatter_over::<f32, Plain>(&mut data, Op::Mean)?;
+                            assert_eq!(mine, ring.shard(len));
+                            let shard = data[mine.clone()].to_vec();
+                            for (i, x) in data.iter_mut().enumerate() {
+                                if !mine.contains(&i) {
+                                    *x = f32::NAN;
+                                }
+                            }
+                            ring.allgather_over::<f32, Plain>(&mut data)?;
+                            // And an all-gather over bfloat16 (each shard rounded once, by its owner).
+                            let mut half: Vec<f32> =
+                                (0..len).map(|i| 1.0 + (i as f32) / 3.0).collect();
+                            ring.allgather_over::<f32, Bf16Wire>(&mut half)?;
+                            Ok((mine, shard, data, half))
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let mean = |i: usize| {
+                let sum: f32 = (0..n).map(|r| (r * 5 + i % 13) as f32).sum();
+                (sum as f64 / n as f64) as f32
+            };
+            let mut covered = vec![0usize; len];
+            let halves: Vec<Vec<f32>> =
+                outs.iter().map(|o| o.as_ref().unwrap().3.clone()).collect();
+            for out in &outs {
+                let (mine, shard, data, _) = out.as_ref().unwrap();
+                for (k, i) in mine.clone().enumerate() {
+                    covered[i] += 1;
+                    assert_eq!(shard[k], mean(i), "shard element {i} of {n} ranks");
+                }
+                for (i, v) in data.iter().enumerate() {
+                    assert_eq!(
+                        *v,
+                        mean(i),
+                        "gathered element {i} of {n} ranks, {len} elements"
+                    );
+                }
+            }
+            assert!(covered.iter().all(|&c| c == 1), "{covered:?}");
+            for h in &halves {
+                assert_eq!(h.len(), len);
+                assert!(h
+                    .iter()
+                    .zip(&halves[0])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                for (i, v) in h.iter().enumerate() {
+                    let exact = 1.0 + (i as f32) / 3.0;
+                    assert!((v - exact).abs() <= exact / 128.0, "{v} against {exact}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_that_make_different_halves_fail_instead_of_mixing_them() {
+    use ddlf_collective::Plain;
+    let ds = daemons(4, "mix");
+    let flat: Vec<RingSpec> = (0..2).map(|r| spec(&ds[..2], 101, r, 1)).collect();
+    for specs in [flat, hierarchical(&ds, &[vec![0, 1, 2]], 102)] {
+        let outs: Vec<Result<(), CollectiveError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = specs
+                .into_iter()
+                .enumerate()
+                .map(|(r, spec)| {
+                    s.spawn(move || {
+                        let mut ring = Ring::new(spec, Token::new("mix"))?;
+                        let mut data = vec![1f32; 64];
+                        match r {
+                            0 => ring
+                                .reduce_scatter_over::<f32, Plain>(&mut data, Op::Sum)
+                                .map(|_| ()),
+                            _ => ring.allgather_over::<f32, Plain>(&mut data),
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for out in &outs {
+            let err = out.as_ref().unwrap_err().to_string();
+            assert!(
+                err.contains("reduce-scatter")
+                    || err.contains("disagree")
+                    || err.contains("closed"),
+                "{err}"
+            );
+        }
+    }
+}

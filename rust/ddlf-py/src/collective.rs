@@ -249,6 +249,87 @@ impl Ring {
         });
         result.map_err(|e| collective_error(py, &e))
     }
+
+    /// `(start, stop)`: the elements of an array of `len` this rank owns between `reduce_scatter_` and
+    /// `allgather_` (disjoint across ranks, covering the array, the same on every call of that length).
+    fn shard(&self, len: usize) -> (usize, usize) {
+        let ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let r = ring.shard(len);
+        (r.start, r.end)
+    }
+
+    /// The first half of an all-reduce, in place: afterwards `array[start:stop]` (this rank's `shard`, returned)
+    /// holds the sum or mean over the ranks, and the rest of the array means nothing. One C-contiguous,
+    /// writable float32 or float64 array; `wire` as for `allreduce_`. Raises `ddlf.errors.CollectiveError`
+    /// (the array then undefined).
+    #[pyo3(signature = (array, op = "mean", wire = None))]
+    fn reduce_scatter_(
+        &self,
+        py: Python<'_>,
+        array: Bound<'_, PyAny>,
+        op: &str,
+        wire: Option<&str>,
+    ) -> PyResult<(usize, usize)> {
+        let (view, wire) = half_view(&array, wire, "reduce_scatter")?;
+        let op = parse_op(op)?;
+        let result = py.detach(|| {
+            let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            match (view.dtype, wire) {
+                (DType::F64, _) => ring.reduce_scatter_over::<f64, Plain>(view.slice_mut(), op),
+                (_, Wire::F16) => ring.reduce_scatter_over::<f32, F16Wire>(view.slice_mut(), op),
+                (_, Wire::Bf16) => ring.reduce_scatter_over::<f32, Bf16Wire>(view.slice_mut(), op),
+                (_, Wire::Plain) => ring.reduce_scatter_over::<f32, Plain>(view.slice_mut(), op),
+            }
+        });
+        let r = result.map_err(|e| collective_error(py, &e))?;
+        Ok((r.start, r.end))
+    }
+
+    /// The second half of an all-reduce, in place: every rank passes `array` with its `shard` filled in and
+    /// ends with every rank's shard. `wire`: each shard travels rounded to half precision (its owner keeps the
+    /// rounded value too). Raises `ddlf.errors.CollectiveError` (the array then undefined).
+    #[pyo3(signature = (array, wire = None))]
+    fn allgather_(
+        &self,
+        py: Python<'_>,
+        array: Bound<'_, PyAny>,
+        wire: Option<&str>,
+    ) -> PyResult<()> {
+        let (view, wire) = half_view(&array, wire, "allgather")?;
+        let result = py.detach(|| {
+            let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            match (view.dtype, wire) {
+                (DType::F64, _) => ring.allgather_over::<f64, Plain>(view.slice_mut()),
+                (_, Wire::F16) => ring.allgather_over::<f32, F16Wire>(view.slice_mut()),
+                (_, Wire::Bf16) => ring.allgather_over::<f32, Bf16Wire>(view.slice_mut()),
+                (_, Wire::Plain) => ring.allgather_over::<f32, Plain>(view.slice_mut()),
+            }
+        });
+        result.map_err(|e| collective_error(py, &e))
+    }
+}
+
+/// One writable float32 or float64 array for a half of the ring, and its wire type (checked).
+fn half_view(array: &Bound<'_, PyAny>, wire: Option<&str>, what: &str) -> PyResult<(View, Wire)> {
+    let wire = parse_wire(wire)?;
+    let view = View::new(array, what)?;
+    if !matches!(view.dtype, DType::F32 | DType::F64) {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: the array is {}, not float32 or float64",
+            name(view.dtype)
+        )));
+    }
+    if view.readonly {
+        return Err(PyValueError::new_err(format!(
+            "{what}: the array is read-only"
+        )));
+    }
+    if wire != Wire::Plain && view.dtype != DType::F32 {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: half precision on the wire is for float32 arrays"
+        )));
+    }
+    Ok((view, wire))
 }
 
 fn name(dtype: DType) -> &'static str {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from ... import ops
 from ...ring_spec import RingSpec
+from ...worker import collective
 from ...worker.collective import reduce_scratch
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
@@ -240,6 +242,8 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     t0 = time.perf_counter()
     feed = session.feed(spec.rows, batch_size, spec.prefetch)
     model.set_weights(start)
+    if spec.shard is not None:
+        return _train_sharded(session, spec, start, t0, feed)
     if redo and session.optimizer_start is not None:
         set_optimizer_state(model, session.optimizer_start)
     if spec.adopt:
@@ -316,6 +320,25 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
             _alone(stepper, batches, steps, learning_rate_factor, slow_seconds_per_batch)
     finally:
         logs = stepper.end()
+    state_bytes = sum(a.nbytes for a in optimizer_state(model)) if optimizer_built(model) else 0
+    return _end_round(session, spec, start, t0, feed, logs, reduce_s, nonfinite, overflowed, state_bytes)
+
+
+def _end_round(
+    session: Session,
+    spec: GradientRound,
+    start: list[np.ndarray],
+    t0: float,
+    feed: Any,
+    logs: dict[str, float],
+    reduce_s: float,
+    nonfinite: int,
+    overflowed: int,
+    state_bytes: int,
+) -> dict[str, Any]:
+    """A gradient-averaging round's end: the untrained weights averaged, the counters summed, the result kept for
+    the next round, and the reply."""
+    model, ring = session.model, spec.ring
     stats = feed.stats()
     samples = int(stats["rows"])
     new = [np.asarray(w) for w in model.get_weights()]  # a 0-d weight may come back as a numpy scalar
@@ -325,7 +348,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         for i, a in zip(untrained, averaged):
             new[i] = a
     _sum_counter_changes(start, new, new, ring)
-    session.reduced = (round_no, start, new)
+    session.reduced = (spec.round_no, start, new)
     session.last_used = time.monotonic()
     return {
         "samples": samples,
@@ -333,7 +356,79 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         "compute_seconds": time.perf_counter() - t0,
         "data_wait_seconds": float(stats["wait_seconds"]),
         "reduce_seconds": reduce_s,
-        "steps": steps,
+        "steps": spec.steps,
         "nonfinite_batches": nonfinite,
         "wire_overflow_steps": overflowed,
+        "optimizer_state_bytes": int(state_bytes),
+        "resident_bytes": resident_bytes(),
     }
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where ``/proc`` does not say)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _train_sharded(session: Session, spec: GradientRound, start: list[np.ndarray], t0: float, feed: Any) -> dict:
+    """:func:`train_gradients` with sharded optimizer state (:mod:`.sharded`): the same lockstep of steps, each
+    reduce-scattering the gradients, stepping this rank's shard and all-gathering the weights."""
+    model, wire, batch_size = session.model, spec.compression, spec.batch_size
+    sharded = session.shards()
+    stepper = session.steps()
+    index = {id(w): i for i, w in enumerate(model.weights)}
+    trainable = [np.asarray(start[index[id(v)]]) for v in model.trainable_weights]
+    ring = collective.ring(spec.ring)
+    if spec.learning_rate is not None:
+        set_learning_rate(model, spec.learning_rate)
+        if getattr(stepper, "base_lr", None) is not None:
+            stepper.base_lr = spec.learning_rate  # the rate the linear scaling multiplies
+    reduce_s = 0.0
+    nonfinite = overflowed = 0
+    model.reset_metrics()
+    stepper.begin()
+    batches = iter(feed)
+    factor = None
+    try:
+        try:
+            missing = sharded.begin(ring, spec.shard or "fresh", spec.fresh, session.restored_shard, trainable)
+            session.restored_shard = None
+            for step in range(spec.steps):
+                if spec.learning_rate_factor is not None:
+                    first, last = spec.learning_rate_factor
+                    f = first + (last - first) * step / max(1, spec.steps - 1)
+                    if f != factor:
+                        stepper.set_learning_rate_factor(f)
+                        factor = f
+                batch = next(batches, None)
+                grads, weight = None, 0.0
+                if batch is not None:
+                    bx, by, sw, n = batch
+                    grads = stepper.gradients(bx, by, sw)
+                    weight = n / batch_size
+                    if spec.slow_seconds_per_batch:
+                        time.sleep(spec.slow_seconds_per_batch)
+                    if not all(finite(g) for g in grads):
+                        log.warning(
+                            "run %s: non-finite gradients on a batch of %d rows: left out of the step", spec.run_id, n
+                        )
+                        grads, weight = None, 0.0
+                        nonfinite += 1
+                t_reduce = time.perf_counter()
+                taken = sharded.step(grads, weight, ring, wire)
+                reduce_s += time.perf_counter() - t_reduce
+                if taken == "overflow":
+                    overflowed += 1
+                elif taken == "step":
+                    stepper.set_trainable(sharded.weight_views)
+        except BaseException:
+            collective.forget(spec.ring.group)  # the ring is spent (or out of step): the master retires it
+            raise
+    finally:
+        logs = stepper.end()
+    out = _end_round(session, spec, start, t0, feed, logs, reduce_s, nonfinite, overflowed, sharded.state_bytes())
+    out["optimizer_elements_lost"] = missing
+    return out

@@ -51,6 +51,11 @@ class Session:
     """On the ring with an outer optimizer: its momentum..."""
     outer_start: list[np.ndarray] | None = None
     """...and the momentum the last round started from."""
+    sharded: Any = None
+    """With ``GradientAveraging(shard_optimizer=True)``: this rank's :class:`~.sharded.ShardedOptimizer`..."""
+    restored_shard: Any = None
+    """...and the whole optimizer state a checkpoint restored (:class:`~.sharded.Held`), until a round
+    redistributes it."""
     warm_key: str | None = None
     """What identifies the model's architecture among kept warm models (:mod:`.warm`); None: not kept."""
     started: float = field(default_factory=time.time)
@@ -85,6 +90,16 @@ class Session:
             self.stepper = stepper_for(self.model)
         return self.stepper
 
+    def shards(self) -> Any:
+        """The model's :class:`~.sharded.ShardedOptimizer` (made on first use; the model's own optimizer is then
+        never built here)."""
+        if self.sharded is None:
+            from .sharded import ShardedOptimizer
+
+            self.sharded = ShardedOptimizer(self.model)
+            self.steps().sharded = True
+        return self.sharded
+
     def feed(self, rows: Rows, batch_size: int, prefetch: int) -> Feed:
         """The batches a round trains on: ``rows.indices``, or the slice ``rows.seeded`` names of a permutation
         regenerated here (in order without ``shuffle``), of the dataset (with shard rotation, another worker's
@@ -109,8 +124,12 @@ class Session:
         generators' state, its top-k residual and its outer momentum. Saved in checkpoints, so a resumed run
         continues identically."""
         model = self.model
+        held = self.sharded.held() if self.sharded is not None else None
+        if held is None and self.restored_shard is not None:
+            held = self.restored_shard
         return {
             "optimizer": optimizer_state(model) if optimizer_built(model) else None,
+            "optimizer_shard": held.to_dict() if held is not None else None,
             "rng": rng_state(model),
             "residual": self.residual,
             "outer": self.outer.state() if self.outer is not None else None,
@@ -124,6 +143,10 @@ class Session:
                 model.optimizer.build(model.trainable_variables)
             set_optimizer_state(model, state["optimizer"])
         set_rng_state(model, state.get("rng", []))
+        if state.get("optimizer_shard") is not None:
+            from .sharded import Held
+
+            self.restored_shard = Held.from_dict(state["optimizer_shard"], restored=True)
         self.residual = state.get("residual")
         if state.get("outer") is not None:
             self.outer = OuterMomentum(OuterSpec())  # the spec comes with the next round

@@ -75,6 +75,14 @@ class Stepper:
         """Forward and backward on a batch, leaving the gradients where :meth:`buckets`' hooks read them."""
         raise NotImplementedError
 
+    sharded = False
+    """Set by a sharded optimizer (:mod:`.sharded`): the model's own optimizer is never built (its state lives
+    in shards), and the new weights come through :meth:`set_trainable`."""
+
+    def set_trainable(self, values: list[np.ndarray]) -> None:
+        """Write ``values`` into the trainable weights (in order)."""
+        raise NotImplementedError
+
 
 def torch_buckets(stepper: Any, params: list[Any], cap_bytes: int) -> Any:
     """The torch steppers' :meth:`Stepper.buckets`: one per stepper and cap, ``None`` unless every parameter is
@@ -262,7 +270,8 @@ class _KerasStepper(Stepper):
         """Build what Keras builds on a model's first batch (its compiled metrics and loss), and the optimizer."""
         if x is not None:
             self.model._symbolic_build(data_batch=(x, y, sw))
-        self.build_optimizer()
+        if not self.sharded:
+            self.build_optimizer()
 
     def _forward(self, x: Any) -> Any:
         model = self.model
@@ -270,6 +279,11 @@ class _KerasStepper(Stepper):
 
     def zeros(self) -> list[np.ndarray]:
         return [np.zeros(tuple(v.shape), dtype=np.dtype(v.dtype)) for v in self.trainable]
+
+    def set_trainable(self, values: list[np.ndarray]) -> None:
+        self._flush()
+        for v, a in zip(self.trainable, values):
+            v.assign(a)
 
     def build_optimizer(self) -> None:
         if not self.model.optimizer.built:
@@ -487,6 +501,12 @@ class _JaxStepper(_KerasStepper):
         tv, ov = self._apply(ov, gradients, tv)
         state[0], state[3] = list(tv), list(ov)
 
+    def set_trainable(self, values: list[np.ndarray]) -> None:
+        if self._state is None:
+            super().set_trainable(values)
+            return
+        self._state[0] = [self._jax.numpy.array(a) for a in values]  # a copy: the caller reuses its buffer
+
     def end(self) -> dict[str, float]:
         if self._state is not None:
             for group, values in zip(self._variables(), self._state):
@@ -553,6 +573,10 @@ class _TorchKerasStepper(_KerasStepper):
 
         with self._torch.no_grad():
             self.model.optimizer.apply([keras.ops.convert_to_tensor(g) for g in gradients], self.trainable)
+
+    def set_trainable(self, values: list[np.ndarray]) -> None:
+        with self._torch.no_grad():
+            super().set_trainable(values)
 
 
 def _no_sample_weights(sw: Any) -> None:

@@ -14,7 +14,14 @@
 //! 3. the leader all-reduces the result with the other hosts' leaders (the inter-host ring, sum); **barrier**;
 //! 4. every member copies the result out (scaled by `1/n` for a mean over all `n` ranks of every host).
 //!
-//! Every member ends with the same bits (it copies the same result; the local sum runs in slot order). A barrier
+//! Every member ends with the same bits (it copies the same result; the local sum runs in slot order).
+//!
+//! The halves of a call, for sharded optimizers ([`Node::reduce_scatter`], [`Node::allgather`]): a member's
+//! shard is its `1/k` sub-chunk of its host's chunk of the hosts' ring ([`Node::shard`]). The reduce-scatter runs
+//! steps 0-2, the leaders' ring runs only its own reduce-scatter in step 3, and step 4 copies out the shard
+//! alone. The all-gather skips the slots: after step 0 every member writes its shard straight into the result
+//! region; **barrier**; the leaders' ring all-gathers the hosts' chunks; **barrier**; every member copies the
+//! whole result out. A barrier
 //! waits while it may (the ring's `timeout`: a member may still be computing), probing the daemon of a member
 //! it waits on every quarter of the liveness bound ([`crate::peer::probe`]): a member whose process died or
 //! stopped fails the call on every member within that bound. Any member that fails marks the control file failed with
@@ -27,6 +34,7 @@ mod segment;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -76,6 +84,17 @@ pub struct Node {
 
 /// Call shapes whose files a node keeps mapped.
 const KEEP_SEGMENTS: usize = 4;
+
+/// Which call a member makes (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Mode {
+    /// The whole all-reduce.
+    Both,
+    /// The reduce-scatter: only this member's shard (these elements) comes out.
+    Scatter(Range<usize>),
+    /// The all-gather: only this member's shard (these elements) goes in.
+    Gather(Range<usize>),
+}
 
 impl Node {
     /// Check `spec` and resolve the members' addresses; the shared-memory files are made on the first call.
@@ -175,10 +194,54 @@ impl Node {
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
     ) -> Result<(), CollectiveError> {
+        self.call(parts, op, Mode::Both, prepare, inter)
+    }
+
+    /// This member's shard of `len` elements (see the module docs), given its host's rank among `hosts`.
+    pub fn shard(&self, len: usize, host: usize, hosts: usize) -> Range<usize> {
+        let ours = crate::ring::chunk(len, hosts, host);
+        let sub = crate::ring::chunk(ours.len(), self.members(), self.spec.index);
+        ours.start + sub.start..ours.start + sub.end
+    }
+
+    /// The reduce-scatter: afterwards `data[shard]` holds the reduction over every rank of every host (the rest
+    /// of `data` as it was). `shard`: [`Node::shard`]; `inter`: the leaders' reduce-scatter over the hosts (a sum,
+    /// leaving each host's chunk whole). See [`Node::allreduce`] for `prepare`.
+    pub fn reduce_scatter<T: Elem>(
+        &mut self,
+        data: &mut [T],
+        op: Op,
+        shard: Range<usize>,
+        prepare: impl FnOnce() -> Result<(), CollectiveError>,
+        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        self.call(&mut [data], op, Mode::Scatter(shard), prepare, inter)
+    }
+
+    /// The all-gather: `data[shard]` goes to every rank, and `data` ends with every rank's shard. `inter`: the
+    /// leaders' all-gather of the hosts' chunks.
+    pub fn allgather<T: Elem>(
+        &mut self,
+        data: &mut [T],
+        shard: Range<usize>,
+        prepare: impl FnOnce() -> Result<(), CollectiveError>,
+        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        self.call(&mut [data], Op::Sum, Mode::Gather(shard), prepare, inter)
+    }
+
+    fn call<T: Elem>(
+        &mut self,
+        parts: &mut [&mut [T]],
+        op: Op,
+        mode: Mode,
+        prepare: impl FnOnce() -> Result<(), CollectiveError>,
+        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
         if let Some(why) = &self.spent {
             return Err(CollectiveError::Spent(why.clone()));
         }
-        let result = self.run(parts, op, prepare, inter);
+        let result = self.run(parts, op, mode, prepare, inter);
         if let Err(e) = &result {
             let why = e.to_string();
             let blamed = match e {
@@ -215,6 +278,7 @@ impl Node {
         &mut self,
         parts: &mut [&mut [T]],
         op: Op,
+        mode: Mode,
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
     ) -> Result<(), CollectiveError> {
@@ -236,9 +300,21 @@ impl Node {
         control
             .word(W_SHAPE + 2 * j)
             .store(len as u64, Ordering::Relaxed);
+        let code = match &mode {
+            Mode::Both => 0u64,
+            Mode::Scatter(_) => 1,
+            Mode::Gather(_) => 2,
+        };
+        if let Mode::Scatter(r) | Mode::Gather(r) = &mode {
+            if r.end > len || r.start > r.end {
+                return Err(CollectiveError::Invalid(format!(
+                    "a shard {r:?} of {len} elements"
+                )));
+            }
+        }
         control
             .word(W_SHAPE + 2 * j + 1)
-            .store(elem as u64, Ordering::Relaxed);
+            .store(elem as u64 | code << 32, Ordering::Relaxed);
         self.wait_all()?;
         if let Some(control) = self.control.as_mut() {
             // Every member has mapped the control file: nobody needs its name any more.
@@ -250,13 +326,19 @@ impl Node {
                 control.word(W_SHAPE + 2 * i).load(Ordering::Relaxed) as usize,
                 control.word(W_SHAPE + 2 * i + 1).load(Ordering::Relaxed) as usize,
             );
-            if theirs != (len, elem) {
+            if theirs != (len, elem | (code as usize) << 32) {
+                let call = |c: usize| {
+                    ["an all-reduce", "a reduce-scatter", "an all-gather"][(c >> 32).min(2)]
+                };
                 return Err(self.fail(
                     i,
                     format!(
-                        "members disagree: member {i} reduces {} elements of {} bytes, member {j} {len} of \
-                         {elem}",
-                        theirs.0, theirs.1
+                        "members disagree: member {i} makes {} of {} elements of {} bytes, member {j} {} of \
+                         {len} of {elem}",
+                        call(theirs.1),
+                        theirs.0,
+                        theirs.1 & 0xffff_ffff,
+                        call((code as usize) << 32),
                     ),
                 ));
             }
@@ -277,6 +359,9 @@ impl Node {
                 self.segments.len() - 1
             }
         };
+        if let Mode::Gather(shard) = &mode {
+            return self.gather(current, parts, shard.clone(), inter);
+        }
         // 1. Every member's data into its slot.
         let seg = &self.segments[current];
         let slot = seg.region::<T>(j);
@@ -312,7 +397,7 @@ impl Node {
             }
         }
         self.wait_all()?;
-        // 3. The hosts' sums, on the leaders' ring.
+        // 3. The hosts' sums (or, for a reduce-scatter, each host's chunk of them), on the leaders' ring.
         if self.is_leader() {
             let seg = &self.segments[current];
             // SAFETY: every member finished its chunk (barrier passed); until the next barrier only the leader
@@ -321,25 +406,72 @@ impl Node {
             inter(all)?;
         }
         self.wait_all()?;
-        // 4. The result, to every member.
+        // 4. The result (or this member's shard of it), to every member.
         let seg = &self.segments[current];
         // SAFETY: the leader finished (barrier passed); the result region is only read until the next call's
         // second barrier, which every member reaches only after this copy.
         let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(k), len) };
         let by = 1.0 / self.spec.total as f64;
+        let copy = |dst: &mut [T], src: &[T]| match op {
+            Op::Sum => dst.copy_from_slice(src),
+            Op::Mean => {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = s.scale(by);
+                }
+            }
+        };
+        if let Mode::Scatter(shard) = &mode {
+            if let [data] = parts {
+                copy(&mut data[shard.clone()], &all[shard.clone()]);
+            }
+            return Ok(());
+        }
         let mut at = 0;
         for part in parts.iter_mut() {
             let src = &all[at..at + part.len()];
             at += part.len();
-            match op {
-                Op::Sum => part.copy_from_slice(src),
-                Op::Mean => {
-                    for (d, s) in part.iter_mut().zip(src) {
-                        *d = s.scale(by);
-                    }
-                }
-            }
+            copy(part, src);
         }
+        Ok(())
+    }
+
+    /// The all-gather's steps after the shapes agreed (see the module docs).
+    fn gather<T: Elem>(
+        &mut self,
+        current: usize,
+        parts: &mut [&mut [T]],
+        shard: Range<usize>,
+        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        let [data] = parts else {
+            return Err(CollectiveError::Invalid(
+                "an all-gather takes one array".into(),
+            ));
+        };
+        let (k, len) = (self.members(), data.len());
+        let seg = &self.segments[current];
+        // SAFETY: the result region holds `len` elements (checked by `region`). Every member passed this call's
+        // first barrier, so none still reads the region for an earlier call; each writes only its own shard
+        // (the members' shards are disjoint), and nobody reads the region before the next barrier.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(seg.region::<T>(k).add(shard.start), shard.len())
+        };
+        out.copy_from_slice(&data[shard]);
+        self.wait_all()?;
+        self.segments[current].unlink();
+        if self.is_leader() {
+            let seg = &self.segments[current];
+            // SAFETY: every member wrote its shard (barrier passed); until the next barrier only the leader
+            // touches the result region.
+            let all = unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(k), len) };
+            inter(all)?;
+        }
+        self.wait_all()?;
+        let seg = &self.segments[current];
+        // SAFETY: the leader finished (barrier passed); the region is only read until the next call's first
+        // barrier, which every member reaches only after this copy.
+        let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(k), len) };
+        data.copy_from_slice(all);
         Ok(())
     }
 

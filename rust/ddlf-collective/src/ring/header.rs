@@ -5,13 +5,13 @@
 use std::ops::Range;
 
 use super::wait::{io_error, retry, wait, Clock, Watch};
-use super::{Codec, Elem, Links, RingError, Side};
+use super::{Codec, Elem, Links, Phase, RingError, Side};
 
 const MAGIC: u32 = 0x444c_5246; // "DLRF"
 
-/// The header's type word: the element type in the low byte, the wire type in the next.
-fn type_word<T: Elem, C: Codec<T>>() -> u32 {
-    T::CODE | (C::CODE << 8)
+/// The header's type word: the element type in the low byte, the wire type in the next, the phase in the third.
+fn type_word<T: Elem, C: Codec<T>>(phase: Phase) -> u32 {
+    T::CODE | (C::CODE << 8) | (phase.code() << 16)
 }
 
 fn type_name(word: u32) -> String {
@@ -20,21 +20,28 @@ fn type_name(word: u32) -> String {
         2 => "float64",
         _ => "unknown",
     };
-    let wire = match word >> 8 {
+    let wire = match (word >> 8) & 0xff {
         0 => "",
         1 => " over float16",
         2 => " over bfloat16",
         _ => " over an unknown wire type",
     };
-    format!("{elem}{wire}")
+    let phase = match word >> 16 {
+        0 => "",
+        1 => " (reduce-scatter)",
+        2 => " (all-gather)",
+        _ => " (an unknown call)",
+    };
+    format!("{elem}{wire}{phase}")
 }
 
 pub(super) fn exchange_header<T: Elem, C: Codec<T>>(
     len: u64,
+    phase: Phase,
     links: &mut Links,
     watch: Watch<'_>,
 ) -> Result<(), RingError> {
-    let ours_word = type_word::<T, C>();
+    let ours_word = type_word::<T, C>(phase);
     let mut ours = [0u8; 16];
     ours[..4].copy_from_slice(&MAGIC.to_le_bytes());
     ours[4..8].copy_from_slice(&ours_word.to_le_bytes());
@@ -77,7 +84,7 @@ pub(super) fn exchange_header<T: Elem, C: Codec<T>>(
             their_len,
             their_type: type_name(their_code),
             our_len: len,
-            our_type: format!("{}{}", T::NAME, C::NAME),
+            our_type: type_name(ours_word),
         });
     }
     Ok(())

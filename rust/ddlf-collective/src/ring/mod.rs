@@ -45,6 +45,7 @@ pub use wait::{Probe, Watch};
 
 use header::exchange_header;
 use pass::Pass;
+pub use pass::Phase;
 use wait::io_error;
 
 /// What one reduction does with the summed values.
@@ -179,13 +180,62 @@ pub fn allreduce_over<T: Elem, C: Codec<T>>(
     if n <= 1 {
         return Ok(());
     }
-    exchange_header::<T, C>(data.len() as u64, links, watch)?;
-    Pass::new(data.len(), rank, n).run::<T, C>(data, links, watch)?;
+    exchange_header::<T, C>(data.len() as u64, Phase::Both, links, watch)?;
+    Pass::new(data.len(), rank, n, Phase::Both).run::<T, C>(data, links, watch)?;
     if op == Op::Mean {
-        let by = 1.0 / n as f64;
-        for x in data.iter_mut() {
-            *x = x.scale(by);
-        }
+        scale(data, n);
     }
     Ok(())
+}
+
+fn scale<T: Elem>(data: &mut [T], n: usize) {
+    let by = 1.0 / n as f64;
+    for x in data.iter_mut() {
+        *x = x.scale(by);
+    }
+}
+
+/// The elements rank `rank` of `n` owns between [`reduce_scatter_over`] and [`allgather_over`]: chunk `rank`.
+pub fn shard(len: usize, n: usize, rank: usize) -> Range<usize> {
+    chunk(len, n, rank)
+}
+
+/// The first half of [`allreduce_over`]: afterwards this rank's [`shard`] of `data` holds the reduction over the
+/// ranks (the sum, or the mean), and the rest of `data` partial sums that mean nothing. Each rank sends and
+/// receives `(n-1)/n` times the data. Returns the shard.
+pub fn reduce_scatter_over<T: Elem, C: Codec<T>>(
+    data: &mut [T],
+    rank: usize,
+    n: usize,
+    links: &mut Links,
+    op: Op,
+    watch: Watch<'_>,
+) -> Result<Range<usize>, RingError> {
+    let mine = shard(data.len(), n.max(1), rank);
+    if n <= 1 {
+        return Ok(mine);
+    }
+    exchange_header::<T, C>(data.len() as u64, Phase::Scatter, links, watch)?;
+    Pass::new(data.len(), rank, n, Phase::Scatter).run::<T, C>(data, links, watch)?;
+    if op == Op::Mean {
+        scale(&mut data[mine.clone()], n);
+    }
+    Ok(mine)
+}
+
+/// The second half of [`allreduce_over`]: each rank's [`shard`] of `data` goes to every rank, so that all end
+/// with the same `data` (with a half-precision `C`, each shard leaves its owner rounded, and the owner keeps the
+/// rounded value too). Each rank sends and receives `(n-1)/n` times the data.
+pub fn allgather_over<T: Elem, C: Codec<T>>(
+    data: &mut [T],
+    rank: usize,
+    n: usize,
+    links: &mut Links,
+    watch: Watch<'_>,
+) -> Result<(), RingError> {
+    if n <= 1 {
+        return Ok(());
+    }
+    exchange_header::<T, C>(data.len() as u64, Phase::Gather, links, watch)?;
+    Pass::new(data.len(), rank, n, Phase::Gather).run::<T, C>(data, links, watch)
 }

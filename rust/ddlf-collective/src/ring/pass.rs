@@ -9,11 +9,39 @@ use super::{chunk, Codec, Elem, Links, RingError, Side};
 /// Bytes read from the left per `read` call at most (the scratch buffer; a few socket buffers' worth).
 const SCRATCH_BYTES: usize = 1 << 20;
 
+/// Which steps of the ring a pass runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Both halves: every rank ends with every chunk's sum (the all-reduce).
+    Both,
+    /// The first `n - 1` steps only: rank `r` ends with chunk `r`'s sum (the reduce-scatter); the other chunks
+    /// hold partial sums.
+    Scatter,
+    /// The last `n - 1` steps only: rank `r` starts with chunk `r` and ends with every rank's chunk (the
+    /// all-gather).
+    Gather,
+}
+
+impl Phase {
+    /// The header's code for the phase (ranks that run different phases fail instead of mixing them).
+    pub(super) fn code(self) -> u32 {
+        match self {
+            Phase::Both => 0,
+            Phase::Scatter => 1,
+            Phase::Gather => 2,
+        }
+    }
+}
+
 /// The progress of one pass.
 pub(super) struct Pass {
     len: usize,
-    rank: usize,
+    /// Where this rank's chunk rotation starts: its rank for the all-reduce, one before it for the halves (so
+    /// that rank `r` owns chunk `r` between them).
+    base: usize,
     n: usize,
+    /// The first step and the step after the last.
+    first: usize,
     steps: usize,
     /// Send side: step, and bytes of that step's chunk written.
     send_step: usize,
@@ -24,32 +52,39 @@ pub(super) struct Pass {
 }
 
 impl Pass {
-    pub(super) fn new(len: usize, rank: usize, n: usize) -> Self {
+    pub(super) fn new(len: usize, rank: usize, n: usize, phase: Phase) -> Self {
+        let (base, first, steps) = match phase {
+            Phase::Both => (rank, 0, 2 * (n - 1)),
+            Phase::Scatter => ((rank + n - 1) % n, 0, n - 1),
+            Phase::Gather => ((rank + n - 1) % n, n - 1, 2 * (n - 1)),
+        };
         Pass {
             len,
-            rank,
+            base,
             n,
-            steps: 2 * (n - 1),
-            send_step: 0,
+            first,
+            steps,
+            send_step: first,
             sent: 0,
-            recv_step: 0,
+            recv_step: first,
             done: 0,
         }
     }
 
     fn send_chunk(&self, t: usize) -> Range<usize> {
-        chunk(self.len, self.n, (self.rank + 2 * self.n - t) % self.n)
+        chunk(self.len, self.n, (self.base + 2 * self.n - t) % self.n)
     }
 
     fn recv_chunk(&self, t: usize) -> Range<usize> {
-        chunk(self.len, self.n, (self.rank + 2 * self.n - t - 1) % self.n)
+        chunk(self.len, self.n, (self.base + 2 * self.n - t - 1) % self.n)
     }
 
-    /// Elements of the current send step's chunk that are ready: all of them in step 0 (this rank's own data) and
-    /// once the previous step's receive is complete; otherwise those the previous step has received so far.
+    /// Elements of the current send step's chunk that are ready: all of them in the first step (this rank's own
+    /// data) and once the previous step's receive is complete; otherwise those the previous step has received so
+    /// far.
     fn ready(&self) -> usize {
         let whole = self.send_chunk(self.send_step).len();
-        if self.send_step == 0 || self.recv_step >= self.send_step {
+        if self.send_step == self.first || self.recv_step >= self.send_step {
             whole
         } else {
             self.done
@@ -79,7 +114,7 @@ impl Pass {
         let mut filled = 0usize;
         // Bytes this pass still receives: reads never go past them (into the next call's header, which a fast
         // left neighbour may already have sent).
-        let mut expected: usize = (0..self.steps)
+        let mut expected: usize = (self.first..self.steps)
             .map(|t| self.recv_chunk(t).len() * size)
             .sum();
         let mut clock = Clock::new();

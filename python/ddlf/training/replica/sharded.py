@@ -1,0 +1,332 @@
+"""Sharded optimizer state for :class:`~ddlf.GradientAveraging` (``shard_optimizer=True``: ZeRO stage 1).
+
+Each of a ring's ``n`` ranks keeps the optimizer state (Adam's two moments, momentum, ...) of one ``1/n`` shard of
+the model's trainable weights only. A step:
+
+1. backward gives this batch's gradients; they go, weighted by the batch's rows, into one flat float32 buffer;
+2. the ring **reduce-scatters** it (``Ring.reduce_scatter_``): this rank ends with the sum of its shard only, and a
+   one-element all-reduce sums the rows, so the shard becomes the rows-weighted mean, as unsharded gradient
+   averaging computes it;
+3. this rank's own optimizer (a copy of the model's compiled optimizer, its config and schedule, built on one flat
+   variable: the shard of the weights) takes the step on the shard;
+4. the ring **all-gathers** the new weights (``Ring.allgather_``), and every rank writes them into its model.
+
+Each rank sends ``2 (n-1)/n`` times the weights per step, as an all-reduce of the gradients does, and holds
+``1/n`` of the optimizer state. Exact for element-wise optimizers (:data:`ELEMENTWISE`), whose step on a flat
+shard is their step on each weight: replicas stay bit-identical (the all-gather hands every rank the same bits).
+Everything else is refused by :func:`check_shardable` before training starts, with the reason.
+
+The shards are cut by the ring (``Ring.shard``). When the ring changes (a worker lost, one joining, a run resumed
+from a checkpoint on another number of workers), :func:`redistribute` moves the state to the new shards: every
+rank adds what it holds into full-length buffers, the ring sums them, and each rank takes its new shard (the
+elements no survivor held, a lost worker's shard, restart from zeros: reported, and warned about by the master).
+Checkpoints hold the whole state (the master joins the shards, :func:`join`); a resumed run redistributes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl")
+"""The Keras optimizers whose step treats every element on its own, so that a step on a flat shard is exactly
+the step on each weight (Lamb and Adafactor look at whole weights: their state cannot be cut this way)."""
+
+
+def check_shardable(model: Any) -> None:
+    """Raise ``ValueError`` (with the reason and what to do) unless ``model``'s optimizer state can be sharded:
+    a Keras model, its own ``train_step`` not overridden, float32 trainable weights, an optimizer of
+    :data:`ELEMENTWISE` without per-weight clipping (``clipnorm``, ``global_clipnorm``), averaging (``use_ema``)
+    or accumulation, and with weight decay (if any) for every weight alike."""
+    from ...frameworks.torch_model import TorchModel
+    from .steppers import overrides_train_step
+
+    what = "GradientAveraging(shard_optimizer=True)"
+    if isinstance(model, TorchModel):
+        raise ValueError(f"{what} supports Keras models; train a ddlf.TorchModel with shard_optimizer=False")
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(f"{what} needs a compiled model (create_model must compile it)")
+    if overrides_train_step(model):
+        raise ValueError(f"{what} cannot run {type(model).__name__}'s own train_step: use shard_optimizer=False")
+    cls = type(optimizer)
+    if cls.__name__ not in ELEMENTWISE or not cls.__module__.startswith("keras"):
+        raise ValueError(
+            f"{what}: the optimizer {cls.__module__}.{cls.__name__} is not one whose state can be cut into shards "
+            f"(element-wise Keras optimizers only: {', '.join(ELEMENTWISE)}); use shard_optimizer=False"
+        )
+    for option in ("clipnorm", "global_clipnorm", "use_ema", "gradient_accumulation_steps"):
+        if getattr(optimizer, option, None):
+            raise ValueError(
+                f"{what}: the optimizer's {option}={getattr(optimizer, option)!r} needs whole weights (or all of "
+                "them) on one worker; use clipvalue, or shard_optimizer=False"
+            )
+    weights = list(model.trainable_weights)
+    odd = [w for w in weights if np.dtype(w.dtype) != np.float32]
+    if odd:
+        raise ValueError(
+            f"{what}: trainable weights must be float32 (the shard is one float32 buffer); "
+            f"{odd[0].path if hasattr(odd[0], 'path') else odd[0].name} is {np.dtype(odd[0].dtype)}"
+        )
+    if getattr(optimizer, "weight_decay", None):
+        decayed = {bool(optimizer._use_weight_decay(w)) for w in weights}
+        if len(decayed) > 1:
+            raise ValueError(
+                f"{what}: the optimizer decays some weights and not others (exclude_from_weight_decay); a shard "
+                "mixes them: use shard_optimizer=False"
+            )
+
+
+@dataclass
+class Held:
+    """Optimizer state this rank holds: ``slots[k][i]`` is slot ``k`` (Adam: first and second moment) of element
+    ``start + i`` of the flat weights (``length`` elements in all); ``scalars``: the optimizer's scalar state
+    (its step count), the same on every rank; ``restored``: taken from a checkpoint (kept when this worker is new
+    to the ring)."""
+
+    length: int
+    start: int
+    slots: list[np.ndarray]
+    scalars: list[np.ndarray]
+    restored: bool = False
+
+    @property
+    def stop(self) -> int:
+        return self.start + (len(self.slots[0]) if self.slots else 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "length": self.length,
+            "start": self.start,
+            "slots": self.slots,
+            "scalars": self.scalars,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], restored: bool = False) -> Held:
+        return cls(int(d["length"]), int(d["start"]), list(d["slots"]), list(d["scalars"]), restored)
+
+
+def join(states: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The whole optimizer state from the ranks' shards (:meth:`Held.to_dict` each; a checkpoint stores it):
+    ``start`` 0 and full-length slots, the elements no shard covered left at zero (``missing`` counts them)."""
+    if not states:
+        return None
+    length = int(states[0]["length"])
+    kinds = len(states[0]["slots"])
+    slots = [np.zeros(length, np.float32) for _ in range(kinds)]
+    covered = np.zeros(length, bool)
+    for s in states:
+        if int(s["length"]) != length or len(s["slots"]) != kinds:
+            raise ValueError("optimizer shards of different models cannot be joined")
+        a = int(s["start"])
+        for k, part in enumerate(s["slots"]):
+            slots[k][a : a + len(part)] = part
+            if k == 0:
+                covered[a : a + len(part)] = True
+    return {
+        "length": length,
+        "start": 0,
+        "slots": slots,
+        "scalars": list(states[0]["scalars"]),
+        "missing": int(length - covered.sum()),
+    }
+
+
+class ShardedOptimizer:
+    """One rank's part of a model's training step with sharded optimizer state (see the module docs)."""
+
+    def __init__(self, model: Any) -> None:
+        check_shardable(model)
+        self.model = model
+        self.variables = list(model.trainable_weights)
+        self.shapes = [tuple(v.shape) for v in self.variables]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.length = int(sum(self.sizes))
+        self.grads = np.empty(self.length, np.float32)
+        self.weights = np.empty(self.length, np.float32)
+        self.weight_views = self._views(self.weights)
+        self.range: tuple[int, int] | None = None
+        self.optimizer: Any = None
+        self.shard: Any = None  # the keras.Variable the optimizer steps: this rank's shard of the weights
+        self.slots: list[Any] = []
+        self.scalars: list[Any] = []
+        self.start: Held | None = None  # the state when the round started (a redo restarts from it)
+
+    def _views(self, flat: np.ndarray) -> list[np.ndarray]:
+        out, at = [], 0
+        for shape, size in zip(self.shapes, self.sizes):
+            out.append(flat[at : at + size].reshape(shape))
+            at += size
+        return out
+
+    # -- the shard ------------------------------------------------------------------------------------------
+
+    def _build(self, start: int, stop: int) -> None:
+        """A new optimizer (the model's config) on the shard ``start:stop`` (its state zeros, step 0)."""
+        import keras
+
+        source = self.model.optimizer
+        self.optimizer = type(source).from_config(source.get_config())
+        self.shard = keras.Variable(
+            np.zeros(stop - start, np.float32), dtype="float32", trainable=True, name="ddlf_shard"
+        )
+        self.optimizer.build([self.shard])
+        own = {id(self.shard)}
+        self.slots = [v for v in self.optimizer.variables if len(v.shape) == 1 and id(v) not in own]
+        self.scalars = [v for v in self.optimizer.variables if len(v.shape) == 0]
+        self.range = (start, stop)
+
+    def held(self) -> Held | None:
+        """The state this rank holds (None before its first round)."""
+        if self.range is None:
+            return None
+        return Held(
+            self.length,
+            self.range[0],
+            [np.array(v.numpy(), np.float32) for v in self.slots],
+            [np.array(v.numpy()) for v in self.scalars],
+        )
+
+    def load(self, held: Held) -> None:
+        """Put back :meth:`held`'s state (this rank's range must be the same)."""
+        assert self.range == (held.start, held.stop), (self.range, held.start, held.stop)
+        for v, a in zip(self.slots, held.slots):
+            v.assign(a)
+        for v, a in zip(self.scalars, held.scalars):
+            _assign_scalar(v, a)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return int(sum(int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize for v in self.slots))
+
+    def begin(self, ring: Any, plan: str, fresh: bool, restored: Held | None, start: list[np.ndarray]) -> int:
+        """A round starts from the model weights ``start`` (trainable ones, in order) on ``ring`` (this rank's
+        ``ddlf._ddlf.Ring``). ``plan``: ``"keep"`` (the ring of the last round: the state stays), ``"redo"`` (that
+        round failed: back to its start, then redistributed over the new ring), ``"reshard"`` (the members
+        changed: redistributed), ``"fresh"`` (nothing held anywhere: zeros). ``fresh``: this worker is new to the
+        ring (what it may still hold is stale; a ``restored`` checkpoint state is not). Returns the elements whose
+        state no rank held (restarting from zeros)."""
+        if plan == "redo" and self.start is not None:
+            self._rebuild_at(self.start.start, self.start.stop)
+            self.load(self.start)
+        a, b = ring.shard(self.length)
+        missing = 0
+        if plan == "keep":
+            if self.range != (a, b):
+                raise RuntimeError(
+                    f"told to keep optimizer shard {self.range} on a ring that gives this worker {(a, b)}"
+                )
+        elif plan == "fresh":
+            self._build(a, b)
+        else:
+            held = restored if restored is not None else (None if fresh else self.held())
+            kinds = self._kinds()
+            slots, scalars, missing = redistribute(held, self.length, kinds, (a, b), ring)
+            self._build(a, b)
+            for v, s in zip(self.slots, slots):
+                v.assign(s)
+            if scalars is not None:
+                for v, s in zip(self.scalars, scalars):
+                    _assign_scalar(v, s)
+        for view, w in zip(self.weight_views, start):
+            view[...] = w
+        self.shard.assign(self.weights[a:b])
+        self.start = self.held()
+        return missing
+
+    def _rebuild_at(self, start: int, stop: int) -> None:
+        if self.range != (start, stop):
+            self._build(start, stop)
+
+    def _kinds(self) -> tuple[int, int]:
+        """How many slot and scalar variables this optimizer has (a throwaway build when none is yet)."""
+        if self.optimizer is None:
+            self._build(0, 0)
+        return len(self.slots), len(self.scalars)
+
+    # -- a step ---------------------------------------------------------------------------------------------
+
+    def step(self, grads: list[np.ndarray] | None, weight: float, ring: Any, wire: str | None) -> str:
+        """One step: this rank's ``grads`` (None: no batch, or left out) with ``weight`` (its rows over the
+        batch size) reduce-scattered, the shard stepped, the weights all-gathered into :attr:`weights`. Returns
+        ``"step"``; ``"none"`` when no rank had a row, ``"overflow"`` when some rank's shard of the average is not
+        finite (half precision on the wire overflowed): then no rank steps and nothing changed anywhere."""
+        if grads is None:
+            self.grads.fill(0.0)
+        else:
+            at = 0
+            for g, size in zip(grads, self.sizes):
+                np.multiply(np.ravel(g), np.float32(weight), out=self.grads[at : at + size])
+                at += size
+        a, b = ring.reduce_scatter_(self.grads, "sum", wire=wire)
+        mean = self.grads[a:b]
+        # The rows, and whether any rank's shard overflowed, in one call.
+        total = np.array([weight, 0.0 if np.isfinite(mean).all() else 1.0], np.float64)
+        ring.allreduce_([total], "sum")
+        if total[0] <= 0:
+            return "none"
+        if total[1] > 0:
+            return "overflow"
+        mean *= np.float32(1.0 / total[0])
+        self._sync_learning_rate()
+        if b > a:
+            import keras
+
+            self.optimizer.apply([keras.ops.convert_to_tensor(mean)], [self.shard])
+            self.weights[a:b] = np.asarray(self.shard.numpy())
+        else:
+            self.optimizer.iterations.assign_add(1)
+        ring.allgather_(self.weights)
+        return "step"
+
+    def _sync_learning_rate(self) -> None:
+        """Take the model's optimizer's learning rate (a warm-up, ``set_learning_rate``, a callback change it
+        there); a schedule is the shard optimizer's own, driven by the same step count."""
+        source = getattr(self.model.optimizer, "_learning_rate", None)
+        own = getattr(self.optimizer, "_learning_rate", None)
+        if hasattr(source, "assign") and hasattr(own, "assign"):
+            own.assign(np.asarray(source.numpy() if hasattr(source, "numpy") else source))
+
+
+def _assign_scalar(variable: Any, value: Any) -> None:
+    dtype = np.dtype(variable.dtype)
+    a = np.asarray(value, np.float64)
+    variable.assign((np.rint(a) if dtype.kind in "iu" else a).astype(dtype))
+
+
+def redistribute(
+    held: Held | None, length: int, kinds: tuple[int, int], new: tuple[int, int], ring: Any
+) -> tuple[list[np.ndarray], list[np.ndarray] | None, int]:
+    """Every rank of ``ring`` calls this with what it holds: each takes the slots of its ``new`` shard (the mean
+    of what the ranks that held an element held: they hold the same) and the scalars of any holder. Returns the
+    slots, the scalars (None: nobody held any) and the elements nobody held (zeros)."""
+    n_slots, n_scalars = kinds
+    a, b = new
+    count = np.zeros(length, np.float32)
+    if held is not None:
+        count[held.start : held.stop] += 1.0
+    ring.allreduce_([count], "sum")
+    have = count[a:b]
+    missing = int(np.count_nonzero(count == 0))
+    slots = []
+    for k in range(n_slots):
+        buf = np.zeros(length, np.float32)
+        if held is not None and k < len(held.slots):
+            buf[held.start : held.stop] = held.slots[k]
+        ring.allreduce_([buf], "sum")
+        mine = buf[a:b]
+        np.divide(mine, np.maximum(have, 1.0), out=mine)
+        slots.append(np.array(mine))
+        del buf
+    wide = np.zeros(n_scalars + 1, np.float64)
+    if held is not None and len(held.scalars) == n_scalars:
+        wide[:n_scalars] = [float(np.asarray(s)) for s in held.scalars]
+        wide[n_scalars] = 1.0
+    ring.allreduce_([wide], "sum")
+    scalars = None
+    if wide[n_scalars] > 0:
+        scalars = [np.asarray(v / wide[n_scalars]) for v in wide[:n_scalars]]
+    return slots, scalars, missing
