@@ -20,7 +20,7 @@ import time
 
 from . import report
 
-STRATEGIES = ("single", "ma", "ga")
+STRATEGIES = ("single", "ma", "ga", "zero")
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "char_transformer.py")
 
 
@@ -78,8 +78,10 @@ def main(argv: list[str]) -> None:
         "`examples/char_transformer.py`: a decoder-only transformer trained byte by byte on the first "
         f"{args.mb} MB of the Python standard library's `.py` files (5% held out), AdamW with warm-up and cosine "
         f"decay, global batch {args.workers * args.batch_size} in every case: *single* is `model.fit` in one "
-        f"process, *ma* `ModelAveraging(every=10)` and *ga* `GradientAveraging()` on {args.workers} local "
-        "workers. Tokens per second of the last epoch (the first compiles), the training loss per epoch, the "
+        f"process, *ma* `ModelAveraging(every=10)`, *ga* `GradientAveraging()` and *zero* "
+        f"`GradientAveraging(shard_optimizer=True)` (each worker holds 1/{args.workers} of AdamW's state) on "
+        f"{args.workers} local workers. Tokens per second of the last epoch (the first compiles), the training "
+        "loss per epoch, the "
         "held-out loss in bits per byte (8 for uniform bytes).\n\n"
         + report.table(["strategy", "tokens/s", "vs single", "loss per epoch", "held-out bits/byte"], rows)
         + "\n"

@@ -1,6 +1,6 @@
 """Train a small decoder-only transformer, byte by byte, on the Python standard library's own source files.
 
-    python examples/char_transformer.py [--strategy ga|ma|single] [--workers 2] [--layers 4] [--width 256]
+    python examples/char_transformer.py [--strategy ga|zero|ma|single] [--workers 2] [--layers 4] [--width 256]
 
 Real text that every machine with Python has: the ``.py`` files of the standard library (``sysconfig``'s
 ``stdlib`` path), read in sorted order, the first ``--mb`` megabytes of them; the last 5% is held out. Each row is
@@ -9,9 +9,10 @@ byte and position embeddings, ``--layers`` pre-norm blocks (causal multi-head at
 wide), a final norm and a 256-way softmax; AdamW with linear warm-up and cosine decay.
 
 ``--strategy ga`` trains with :class:`ddlf.GradientAveraging` (every worker steps on the average of the workers'
-gradients: one process at ``workers x batch``, exactly), ``ma`` with :class:`ddlf.ModelAveraging` every 10
-batches, ``single`` with ``model.fit`` in this process at that global batch. Printed: tokens per second per
-epoch, the training loss, and the held-out loss in bits per byte.
+gradients: one process at ``workers x batch``, exactly), ``zero`` the same with each worker holding the AdamW
+state of its ``1/workers`` of the weights only (``shard_optimizer=True``), ``ma`` with
+:class:`ddlf.ModelAveraging` every 10 batches, ``single`` with ``model.fit`` in this process at that global
+batch. Printed: tokens per second per epoch, the training loss, and the held-out loss in bits per byte.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def bits_per_byte(loss: float) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", choices=["ga", "ma", "single"], default="ga")
+    p.add_argument("--strategy", choices=["ga", "zero", "ma", "single"], default="ga")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=16, help="rows per worker per step")
@@ -183,7 +184,11 @@ def main() -> None:
         )
         held_loss = float(model.evaluate(xv.astype(np.int32), yv.astype(np.int32), verbose=0))
     else:
-        strategy: Any = ddlf.GradientAveraging() if args.strategy == "ga" else ddlf.ModelAveraging(every=10)
+        strategy: Any = {
+            "ga": ddlf.GradientAveraging(),
+            "zero": ddlf.GradientAveraging(shard_optimizer=True),
+            "ma": ddlf.ModelAveraging(every=10),
+        }[args.strategy]
         with ddlf.Cluster.local(args.workers) as cluster:
             app = StdlibText(cluster)
             h = app.train(epochs=args.epochs, batch_size=args.batch_size, strategy=strategy, verbose=0)

@@ -12,13 +12,17 @@ import pytest
 from ..conftest import REPO
 
 SCRIPT = """
-import numpy as np, ddlf
+import os, numpy as np, ddlf
 from tests.e2e.apps import Linear, global_batches, one_process
+shard = os.environ["SHARD"] == "1"
 with ddlf.Cluster.local(2, threads=1) as c:
     app = Linear(c)
+    if shard:  # Adam: state to shard
+        app.optimizer, app.learning_rate = "adam", 0.01
     app.model = app.create_model()
     start = app.model.get_weights()
-    h = app.train(epochs=1, batch_size=16, strategy=ddlf.GradientAveraging(), run=ddlf.RunConfig(seed=4), verbose=0)
+    strategy = ddlf.GradientAveraging(shard_optimizer=shard)
+    h = app.train(epochs=1, batch_size=16, strategy=strategy, run=ddlf.RunConfig(seed=4), verbose=0)
     want = one_process(app, start, global_batches(2, 16, 1, 4, None))
     got = app.model.get_weights()
     print("DIFF", max(float(np.max(np.abs(a - b))) for a, b in zip(got, want)))
@@ -28,10 +32,19 @@ with ddlf.Cluster.local(2, threads=1) as c:
 """
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
-def test_gradient_averaging_equals_one_process_on(backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "shard"), [("tensorflow", False), ("torch", False), ("tensorflow", True), ("torch", True)]
+)
+def test_gradient_averaging_equals_one_process_on(backend: str, shard: bool) -> None:
+    """Unsharded, and with sharded optimizer state (Adam)."""
     pytest.importorskip(backend)
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": REPO}
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": backend,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONPATH": REPO,
+        "SHARD": "1" if shard else "0",
+    }
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     values = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ", 1)[0].isupper())

@@ -38,8 +38,9 @@ the step on each weight (Lamb and Adafactor look at whole weights: their state c
 def check_shardable(model: Any) -> None:
     """Raise ``ValueError`` (with the reason and what to do) unless ``model``'s optimizer state can be sharded:
     a Keras model, its own ``train_step`` not overridden, float32 trainable weights, an optimizer of
-    :data:`ELEMENTWISE` without per-weight clipping (``clipnorm``, ``global_clipnorm``), averaging (``use_ema``)
-    or accumulation, and with weight decay (if any) for every weight alike."""
+    :data:`ELEMENTWISE` without per-weight clipping (``clipnorm``; ``global_clipnorm`` is kept: the ranks sum their
+    shards' squared norms), averaging (``use_ema``) or accumulation, and with weight decay (if any) for every
+    weight alike."""
     from ...frameworks.torch_model import TorchModel
     from .steppers import overrides_train_step
 
@@ -57,7 +58,7 @@ def check_shardable(model: Any) -> None:
             f"{what}: the optimizer {cls.__module__}.{cls.__name__} is not one whose state can be cut into shards "
             f"(element-wise Keras optimizers only: {', '.join(ELEMENTWISE)}); use shard_optimizer=False"
         )
-    for option in ("clipnorm", "global_clipnorm", "use_ema", "gradient_accumulation_steps"):
+    for option in ("clipnorm", "use_ema", "gradient_accumulation_steps"):
         if getattr(optimizer, option, None):
             raise ValueError(
                 f"{what}: the optimizer's {option}={getattr(optimizer, option)!r} needs whole weights (or all of "
@@ -154,6 +155,7 @@ class ShardedOptimizer:
         self.slots: list[Any] = []
         self.scalars: list[Any] = []
         self.start: Held | None = None  # the state when the round started (a redo restarts from it)
+        self.clip: float | None = None  # the optimizer's global_clipnorm
 
     def _views(self, flat: np.ndarray) -> list[np.ndarray]:
         out, at = [], 0
@@ -169,7 +171,13 @@ class ShardedOptimizer:
         import keras
 
         source = self.model.optimizer
-        self.optimizer = type(source).from_config(source.get_config())
+        config = source.get_config()
+        rate = getattr(source, "_learning_rate", None)
+        if callable(rate):  # a schedule (the user's own class too): the same object, driven by this step count
+            config["learning_rate"] = rate
+        self.clip = config.get("global_clipnorm")
+        config["global_clipnorm"] = None  # clipped here, by the norm over every rank's shard
+        self.optimizer = type(source).from_config(config)
         self.shard = keras.Variable(
             np.zeros(stop - start, np.float32), dtype="float32", trainable=True, name="ddlf_shard"
         )
@@ -263,14 +271,20 @@ class ShardedOptimizer:
                 at += size
         a, b = ring.reduce_scatter_(self.grads, "sum", wire=wire)
         mean = self.grads[a:b]
-        # The rows, and whether any rank's shard overflowed, in one call.
-        total = np.array([weight, 0.0 if np.isfinite(mean).all() else 1.0], np.float64)
+        # The rows, whether any rank's shard overflowed, and (to clip by the global norm) the squared norm of the
+        # sum, in one call.
+        square = float(np.einsum("i,i->", mean, mean, dtype=np.float64)) if self.clip else 0.0
+        total = np.array([weight, 0.0 if np.isfinite(mean).all() else 1.0, square], np.float64)
         ring.allreduce_([total], "sum")
         if total[0] <= 0:
             return "none"
         if total[1] > 0:
             return "overflow"
-        mean *= np.float32(1.0 / total[0])
+        scale = 1.0 / total[0]
+        if self.clip:  # as Keras's clip_by_global_norm, on the mean over every rank's shard
+            norm = np.sqrt(total[2]) * scale
+            scale *= self.clip * min(1.0 / norm if norm > 0 else np.inf, 1.0 / self.clip)
+        mean *= np.float32(scale)
         self._sync_learning_rate()
         if b > a:
             import keras
