@@ -27,6 +27,7 @@ BENCHMARKS = {
     "exchange": "benchmarks.exchange",
     "exactsync": "benchmarks.exactsync",
     "lm": "benchmarks.lm",
+    "zero": "benchmarks.zero",
     "chaos": "benchmarks.chaos",
     "exhaustion": "benchmarks.exhaustion",
     "preemption": "benchmarks.preemption",

@@ -1,0 +1,137 @@
+"""The sharded optimizer's pure parts, without daemons: which optimizers can be sharded, a step on a ring of one
+(the whole model's shard) against the model's own optimizer, the master joining shards for a checkpoint, and the
+checkpoint's refusal of the other setting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ddlf.training import checkpoint
+from ddlf.training.replica.sharded import Held, ShardedOptimizer, check_shardable, join, redistribute
+
+
+class OneRank:
+    """A ring of one: every collective leaves the data as it is."""
+
+    def shard(self, length: int) -> tuple[int, int]:
+        return 0, length
+
+    def reduce_scatter_(self, array: np.ndarray, op: str = "mean", wire: Any = None) -> tuple[int, int]:
+        return 0, len(array)
+
+    def allgather_(self, array: np.ndarray, wire: Any = None) -> None:
+        pass
+
+    def allreduce_(self, arrays: list[np.ndarray], op: str = "mean", atomic: bool = True, wire: Any = None) -> None:
+        pass
+
+
+def _model(optimizer: Any) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RMSprop", "Lion"])
+def test_three_steps_on_a_ring_of_one_are_the_optimizers_own_steps(name: str) -> None:
+    import keras
+
+    make = getattr(keras.optimizers, name)
+    kwargs = {"momentum": 0.9} if name == "SGD" else {}
+    sharded_model = _model(make(0.01, **kwargs))
+    own = _model(make(0.01, **kwargs))
+    start = [v.numpy() for v in sharded_model.trainable_weights]
+    shard = ShardedOptimizer(sharded_model)
+    shard.begin(OneRank(), "fresh", False, None, start)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        grads = [rng.standard_normal(w.shape).astype(np.float32) for w in start]
+        assert shard.step(grads, 1.0, OneRank(), None) == "step"
+        own.optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads], own.trainable_weights)
+    for view, w in zip(shard.weight_views, own.trainable_weights):
+        np.testing.assert_allclose(view, w.numpy(), rtol=1e-6, atol=1e-7)
+    assert not sharded_model.optimizer.built  # the model's own optimizer holds no state
+    assert int(np.asarray(shard.optimizer.iterations.numpy())) == 3
+    # A batch that no rank had takes no step.
+    assert shard.step(None, 0.0, OneRank(), None) == "none"
+
+
+def test_what_a_rank_holds_survives_being_redistributed_over_a_ring_of_one() -> None:
+    model = _model("adam")
+    start = [v.numpy() for v in model.trainable_weights]
+    shard = ShardedOptimizer(model)
+    shard.begin(OneRank(), "fresh", False, None, start)
+    shard.step([np.ones(w.shape, np.float32) for w in start], 1.0, OneRank(), None)
+    held = shard.held()
+    assert held is not None and held.start == 0 and held.stop == shard.length == 5 * 4 + 4 + 4 + 1
+    slots, scalars, missing = redistribute(held, shard.length, (2, len(held.scalars)), (0, shard.length), OneRank())
+    assert missing == 0 and scalars is not None
+    assert all(np.array_equal(a, b) for a, b in zip(slots, held.slots))
+    # Nothing held anywhere: zeros, and every element counted missing.
+    slots, scalars, missing = redistribute(None, shard.length, (2, 2), (0, shard.length), OneRank())
+    assert scalars is None and missing == shard.length and not any(s.any() for s in slots)
+
+
+def test_the_master_joins_shards_and_counts_what_none_covered() -> None:
+    parts = [
+        Held(10, 0, [np.arange(4, dtype=np.float32)], [np.array(7)]).to_dict(),
+        Held(10, 4, [np.arange(4, 7, dtype=np.float32)], [np.array(7)]).to_dict(),
+    ]
+    whole = join(parts)
+    assert whole is not None and whole["missing"] == 3 and whole["start"] == 0
+    np.testing.assert_array_equal(whole["slots"][0], [0, 1, 2, 3, 4, 5, 6, 0, 0, 0])
+    assert int(whole["scalars"][0]) == 7
+    with pytest.raises(ValueError, match="different models"):
+        join([*parts, Held(11, 0, [np.zeros(11, np.float32)], [np.array(7)]).to_dict()])
+
+
+def _optimizer(kind: str) -> Any:
+    import keras
+
+    return {
+        "clipnorm": lambda: keras.optimizers.Adam(clipnorm=1.0),
+        "ema": lambda: keras.optimizers.Adam(use_ema=True),
+        "accumulation": lambda: keras.optimizers.Adam(gradient_accumulation_steps=2),
+        "lamb": lambda: keras.optimizers.Lamb(),
+    }[kind]()
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("clipnorm", "clipnorm=1.0"),
+        ("ema", "use_ema"),
+        ("accumulation", "gradient_accumulation_steps"),
+        ("lamb", "Lamb is not one whose state"),
+    ],
+)
+def test_optimizers_whose_state_cannot_be_cut_are_refused_with_the_reason(kind: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        check_shardable(_model(_optimizer(kind)))
+
+
+def test_weight_decay_for_some_weights_only_is_refused_and_for_all_is_kept() -> None:
+    import keras
+
+    check_shardable(_model(keras.optimizers.AdamW(weight_decay=0.1)))
+    opt = keras.optimizers.AdamW(weight_decay=0.1)
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    with pytest.raises(ValueError, match="decays some weights and not others"):
+        check_shardable(_model(opt))
+
+
+def test_a_checkpoint_is_resumed_only_with_the_sharding_that_wrote_it() -> None:
+    sharded = {"strategy": "GradientAveraging", "worker_states": {0: {"optimizer_shard": {"length": 3}}}}
+    whole = {"strategy": "GradientAveraging", "worker_states": {0: {"optimizer": [np.zeros(3)]}}}
+    checkpoint.check_resumable(sharded, True, sharded=True)
+    checkpoint.check_resumable(whole, True, sharded=False)
+    with pytest.raises(ValueError, match="holds sharded optimizer state; resuming it without"):
+        checkpoint.check_resumable(sharded, True, sharded=False)
+    with pytest.raises(ValueError, match="holds whole optimizer state; resuming it with"):
+        checkpoint.check_resumable(whole, True, sharded=True)
