@@ -13,6 +13,7 @@ import time
 import pytest
 
 import ddlf
+from ddlf.cli.main import format_stacks
 
 from ..conftest import Daemon
 
@@ -99,3 +100,40 @@ def test_ddlf_stacks_command(daemon: Daemon) -> None:
         timeout=60,
     )
     assert bad.returncode == 1 and "127.0.0.1:1" in bad.stderr and daemon.address in bad.stdout
+
+
+def _reduce_ones(spec: object) -> float:
+    import numpy as np
+
+    from ddlf.worker.collective import reduce_arrays
+
+    data = np.ones(1000, np.float32)
+    reduce_arrays([data], spec, "sum")
+    return float(data[0])
+
+
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_stacks_say_on_whom_a_waiting_collective_waits(cluster: ddlf.Cluster, hierarchical: bool) -> None:
+    """Worker 0 enters an all-reduce that worker 1 has not joined: its stacks name the call and whom it waits on
+    (the member at the host's barrier, or the left neighbour's link); once worker 1 joins, both finish and the
+    call is gone from the list."""
+    ring = cluster.ring([0, 1], hierarchical=hierarchical)
+    assert all(not s["collectives"] for s in cluster.stacks())  # both idle: no collective listed
+    result: dict[str, object] = {}
+    first = threading.Thread(target=lambda: result.setdefault("0", cluster.run_on(0, _reduce_ones, ring.spec(0))))
+    first.start()
+    time.sleep(1.5)
+    t0 = time.perf_counter()
+    waiting = cluster.stacks([0])[0]
+    assert time.perf_counter() - t0 < 2.0
+    (call,) = waiting["collectives"]
+    assert call.startswith("all-reduce of 1000 float32 on ring"), call
+    who = "member 1" if hierarchical else "rank 1"
+    assert "waiting on" in call and who in call and cluster.addresses[1] in call, call
+    assert "_reduce_ones" in waiting["python"]
+    assert "collective: all-reduce of 1000 float32" in format_stacks(waiting)
+    assert cluster.run_on(1, _reduce_ones, ring.spec(1)) == 2.0
+    first.join(60)
+    assert result["0"] == 2.0
+    assert not cluster.stacks([0])[0]["collectives"]
+    cluster.retire_ring(ring)

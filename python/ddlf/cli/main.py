@@ -76,6 +76,8 @@ def format_stacks(report: dict[str, Any]) -> str:
     serving += f"; {report['queue_depth']} queued"
     if report.get("runs"):
         serving += "; runs: " + ", ".join(report["runs"])
+    for call in report.get("collectives") or []:
+        serving += f"\ncollective: {call}"
     body = report.get("python") or f"(no Python stacks: {report.get('error')})"
     return f"{head}\n{serving}\n{body.rstrip()}"
 

@@ -521,8 +521,11 @@ class Cluster(Collectives):
         """Where each worker is now: ``python``, every thread of its interpreter with its stack (most recent call
         first, faulthandler's format; the thread serving requests is the one in ``ddlf/worker``), and what its
         interpreter thread serves: ``running`` (the request, ``op:name``, or None), ``running_for_s``,
-        ``queue_depth``, ``runs``. Answered by each daemon's network side without its interpreter's lock, so a
-        worker stuck in a computation or deadlocked answers too. ``workers``: indices (default all)."""
+        ``queue_depth``, ``runs``, and ``collectives``: each ring call in progress (all-reduce, reduce-scatter,
+        all-gather: which ring, how many elements, for how long) and on whom it waits (a neighbour's link, a member
+        at the host's shared-memory barrier, a link not opened yet), with how long nothing moved. Answered by each
+        daemon's network side without its interpreter's lock, so a worker stuck in a computation, a collective or
+        a deadlock answers too. ``workers``: indices (default all)."""
         return raise_for(self._client.stacks(self._targets(workers), timeout))
 
     def shutdown(self, *, timeout: float | None = 10.0) -> None:

@@ -21,6 +21,7 @@
 
 #![deny(missing_docs)]
 
+pub mod activity;
 pub mod link;
 pub mod node;
 pub mod peer;
@@ -157,6 +158,8 @@ pub struct Ring {
     spent: Option<String>,
     /// Hierarchical mode's local stage (see [`RingSpec::local`]).
     node: Option<node::Node>,
+    /// The call in progress ([`activity`]; 0 between calls).
+    activity: u64,
 }
 
 impl Ring {
@@ -198,6 +201,7 @@ impl Ring {
             watcher: None,
             spent: None,
             node,
+            activity: 0,
         })
     }
 
@@ -288,6 +292,13 @@ impl Ring {
             // waiting so that a stopped or unreachable one fails the ring within the liveness bound.
             let t0 = std::time::Instant::now();
             let (left_link, slot) = loop {
+                activity::waiting(
+                    self.activity,
+                    || {
+                        format!("the link from the left neighbour, rank {left} ({left_address}), not opened yet")
+                    },
+                    t0,
+                );
                 let left_time = self.spec.timeout.saturating_sub(t0.elapsed());
                 if let Some(got) = peer::mailbox().take(key, left_time.min(watcher.every)) {
                     break got;
@@ -383,7 +394,9 @@ impl Ring {
         op: Op,
     ) -> Result<(), CollectiveError> {
         let hosts = self.n();
-        self.guarded(move |ring| match ring.node.take() {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let what = format!("all-reduce of {len} {}", T::NAME);
+        self.guarded(&what, move |ring| match ring.node.take() {
             Some(mut node) => {
                 // The host's members sum through shared memory; the leader sums the hosts' results on the ring.
                 let leads = node.is_leader() && hosts > 1;
@@ -446,7 +459,8 @@ impl Ring {
         let mine = self.shard(data.len());
         let hosts = self.n();
         let shard = mine.clone();
-        self.guarded(move |ring| match ring.node.take() {
+        let what = format!("reduce-scatter of {} {}", data.len(), T::NAME);
+        self.guarded(&what, move |ring| match ring.node.take() {
             Some(mut node) => {
                 let leads = node.is_leader() && hosts > 1;
                 let this = std::cell::RefCell::new(&mut *ring);
@@ -480,7 +494,8 @@ impl Ring {
     ) -> Result<(), CollectiveError> {
         let shard = self.shard(data.len());
         let hosts = self.n();
-        self.guarded(move |ring| match ring.node.take() {
+        let what = format!("all-gather of {} {}", data.len(), T::NAME);
+        self.guarded(&what, move |ring| match ring.node.take() {
             Some(mut node) => {
                 let leads = node.is_leader() && hosts > 1;
                 let this = std::cell::RefCell::new(&mut *ring);
@@ -501,15 +516,36 @@ impl Ring {
         })
     }
 
-    /// Run `call`, refusing it on a spent ring and spending the ring when it fails.
+    /// Run `call` (`what` it does, for [`activity`]), refusing it on a spent ring and spending the ring when it
+    /// fails.
     fn guarded<R>(
         &mut self,
+        what: &str,
         call: impl FnOnce(&mut Ring) -> Result<R, CollectiveError>,
     ) -> Result<R, CollectiveError> {
         if let Some(why) = &self.spent {
             return Err(CollectiveError::Spent(why.clone()));
         }
+        let mut described = format!(
+            "{what} on ring {:032x}, rank {} of {}",
+            self.spec.group,
+            self.spec.rank,
+            self.n()
+        );
+        if let Some(local) = &self.spec.local {
+            described.push_str(&format!(
+                " (member {} of {} on this host)",
+                local.index,
+                local.addresses.len()
+            ));
+        }
+        let activity = activity::Activity::begin(described);
+        self.activity = activity.id();
+        if let Some(node) = self.node.as_mut() {
+            node.activity = activity.id();
+        }
         let result = call(self);
+        self.activity = 0;
         if let Err(e) = &result {
             self.spent = Some(e.to_string());
             self.streams = None;
@@ -544,10 +580,13 @@ impl Ring {
             ));
         };
         let probe = |side: Side| watcher.probe(side);
+        let names = self.names();
         let watch = Watch {
             stall: self.spec.timeout,
             probe_every: watcher.every,
             probe: Some(&probe),
+            activity: self.activity,
+            names: Some(&names),
         };
         let (rank, n) = (self.spec.rank, self.n());
         let links = &mut streams[0].links;
@@ -560,6 +599,14 @@ impl Ring {
         }
         self.streams = Some(streams);
         Ok(())
+    }
+
+    /// How the neighbours are named in `ddlf stacks` (left, right).
+    fn names(&self) -> [String; 2] {
+        [Side::Left, Side::Right].map(|side| {
+            let (rank, address) = self.neighbour(side);
+            format!("rank {rank} ({address})")
+        })
     }
 
     /// The error of a failed pass, naming the neighbour it blames.
@@ -594,10 +641,13 @@ impl Ring {
             ));
         };
         let probe = |side: Side| watcher.probe(side);
+        let names = self.names();
         let watch = Watch {
             stall: self.spec.timeout,
             probe_every: watcher.every,
             probe: Some(&probe),
+            activity: self.activity,
+            names: Some(&names),
         };
         let (rank, n) = (self.spec.rank, self.n());
         // Each stream reduces its own contiguous slice (the same cut on every rank: it depends on the length only).

@@ -159,6 +159,7 @@ fn stacks_dict<'py>(py: Python<'py>, address: &str, s: StacksReply) -> PyResult<
     d.set_item("queue_depth", s.queue_depth)?;
     d.set_item("runs", s.runs)?;
     d.set_item("connections_open", s.connections_open)?;
+    d.set_item("collectives", s.collectives)?;
     Ok(d.into_any())
 }
 

@@ -193,6 +193,7 @@ impl Worker for WorkerService {
             runs: self.state.runs(),
             connections_open: self.state.connections.open.load(Ordering::Relaxed),
             name: self.state.name.clone(),
+            collectives: ddlf_collective::activity::snapshot(),
         }))
     }
 

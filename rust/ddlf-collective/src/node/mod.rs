@@ -80,6 +80,8 @@ pub struct Node {
     serial: u64,
     barrier: u64,
     spent: Option<String>,
+    /// The call in progress ([`crate::activity`]; set by the ring).
+    pub(crate) activity: u64,
 }
 
 /// Call shapes whose files a node keeps mapped.
@@ -145,6 +147,7 @@ impl Node {
             serial: 0,
             barrier: 0,
             spent: None,
+            activity: 0,
         })
     }
 
@@ -505,6 +508,18 @@ impl Node {
             let Some(late) = late else {
                 return Ok(());
             };
+            if spins.is_multiple_of(256) {
+                crate::activity::waiting(
+                    self.activity,
+                    || {
+                        format!(
+                            "member {late} ({}) at this host's shared-memory barrier",
+                            self.spec.addresses[late]
+                        )
+                    },
+                    t0,
+                );
+            }
             if t0.elapsed() >= self.timeout {
                 return Err(self.fail(
                     late,

@@ -320,6 +320,8 @@ fn a_silent_neighbour_that_fails_its_probe_ends_the_pass_long_before_the_stall_t
             stall: Duration::from_secs(60),
             probe_every: Duration::from_millis(300),
             probe: Some(&probe),
+            activity: 0,
+            names: None,
         },
     )
     .unwrap_err();
@@ -353,6 +355,8 @@ fn a_slow_neighbour_that_answers_its_probes_is_waited_for() {
         stall: Duration::from_secs(30),
         probe_every: Duration::from_millis(200),
         probe: Some(&probe),
+        activity: 0,
+        names: None,
     };
     let out = std::thread::scope(|s| {
         let h = s.spawn(move || {

@@ -30,6 +30,10 @@ pub struct Watch<'a> {
     pub probe_every: Duration,
     /// Asks a neighbour's daemon whether its process still answers; `None`: never probe.
     pub probe: Option<Probe<'a>>,
+    /// The call's [`crate::activity`] id (0: none), so that its waits show in `ddlf stacks`...
+    pub activity: u64,
+    /// ...with its neighbours named (left, right).
+    pub names: Option<&'a [String; 2]>,
 }
 
 impl Watch<'static> {
@@ -39,6 +43,8 @@ impl Watch<'static> {
             stall,
             probe_every: stall,
             probe: None,
+            activity: 0,
+            names: None,
         }
     }
 }
@@ -91,6 +97,19 @@ pub(super) fn wait(
 ) -> Result<(), RingError> {
     let waited = clock.last.elapsed();
     let stall = watch.stall;
+    crate::activity::waiting(
+        watch.activity,
+        || {
+            let (i, what) = if want_in {
+                (0, "receiving from")
+            } else {
+                (1, "sending to")
+            };
+            let name = watch.names.map_or("", |n| n[i].as_str());
+            format!("{what} the {} neighbour {name}", ["left", "right"][i])
+        },
+        clock.last,
+    );
     if waited >= stall {
         // Blame the side we were waiting for; waiting to send means the right neighbour stopped reading.
         let side = if want_in { Side::Left } else { Side::Right };
