@@ -146,9 +146,10 @@ class ShardedOptimizer:
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.length = int(sum(self.sizes))
-        self.grads = np.empty(self.length, np.float32)
-        self.weights = np.empty(self.length, np.float32)
-        self.weight_views = self._views(self.weights)
+        # One flat buffer serves both halves of a step: the gradients go in and are reduce-scattered, then the
+        # new weights are all-gathered in it (one model's worth of memory, not two).
+        self.flat = np.empty(self.length, np.float32)
+        self.weight_views = self._views(self.flat)
         self.range: tuple[int, int] | None = None
         self.optimizer: Any = None
         self.shard: Any = None  # the keras.Variable the optimizer steps: this rank's shard of the weights
@@ -241,7 +242,7 @@ class ShardedOptimizer:
                     _assign_scalar(v, s)
         for view, w in zip(self.weight_views, start):
             view[...] = w
-        self.shard.assign(self.weights[a:b])
+        self.shard.assign(self.flat[a:b])
         self.start = self.held()
         return missing
 
@@ -259,18 +260,18 @@ class ShardedOptimizer:
 
     def step(self, grads: list[np.ndarray] | None, weight: float, ring: Any, wire: str | None) -> str:
         """One step: this rank's ``grads`` (None: no batch, or left out) with ``weight`` (its rows over the
-        batch size) reduce-scattered, the shard stepped, the weights all-gathered into :attr:`weights`. Returns
+        batch size) reduce-scattered, the shard stepped, the weights all-gathered into :attr:`weight_views`. Returns
         ``"step"``; ``"none"`` when no rank had a row, ``"overflow"`` when some rank's shard of the average is not
         finite (half precision on the wire overflowed): then no rank steps and nothing changed anywhere."""
         if grads is None:
-            self.grads.fill(0.0)
+            self.flat.fill(0.0)
         else:
             at = 0
             for g, size in zip(grads, self.sizes):
-                np.multiply(np.ravel(g), np.float32(weight), out=self.grads[at : at + size])
+                np.multiply(np.ravel(g), np.float32(weight), out=self.flat[at : at + size])
                 at += size
-        a, b = ring.reduce_scatter_(self.grads, "sum", wire=wire)
-        mean = self.grads[a:b]
+        a, b = ring.reduce_scatter_(self.flat, "sum", wire=wire)
+        mean = self.flat[a:b]
         # The rows, whether any rank's shard overflowed, and (to clip by the global norm) the squared norm of the
         # sum, in one call.
         square = float(np.einsum("i,i->", mean, mean, dtype=np.float64)) if self.clip else 0.0
@@ -290,10 +291,10 @@ class ShardedOptimizer:
             import keras
 
             self.optimizer.apply([keras.ops.convert_to_tensor(mean)], [self.shard])
-            self.weights[a:b] = np.asarray(self.shard.numpy())
+            self.flat[a:b] = np.asarray(self.shard.numpy())
         else:
             self.optimizer.iterations.assign_add(1)
-        ring.allgather_(self.weights)
+        ring.allgather_(self.flat)  # the other shards' partial sums are overwritten by their new weights
         return "step"
 
     def _sync_learning_rate(self) -> None:
