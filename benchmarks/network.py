@@ -89,11 +89,31 @@ def train_wide_mlp(spec: dict[str, Any], **kw: Any) -> tuple[Any, int]:
         app.rows = spec["rounds"] * len(cluster) * AVG_FREQ * BATCH
         app.dataset_key = f"{WideMlp.dataset_key}-{app.rows}"
         weights_bytes = sum(w.nbytes for w in app.create_model().get_weights())
-        exchange = ddlf.ThroughMaster(compression=kw.get("compression"))
-        h = app.train(
-            epochs=1, batch_size=BATCH, strategy=ddlf.ModelAveraging(every=AVG_FREQ, exchange=exchange), verbose=0
-        )
+        h = app.train(epochs=1, batch_size=BATCH, strategy=strategy_for(**kw), verbose=0)
     return h, weights_bytes
+
+
+def strategy_for(
+    exchange: str = "master",
+    averaging: str = "weights",
+    compression: str | None = None,
+    bucket_cap_mb: float | None = 25.0,
+    shard_optimizer: bool = False,
+) -> Any:
+    """The strategy a benchmark case names, with rounds of :data:`AVG_FREQ` batches: model averaging through the
+    master (``exchange="master"``) or over the ring (``"allreduce"``), or gradient averaging on the ring
+    (``averaging="gradients"``, checking in with the master every round)."""
+    if averaging == "gradients":
+        return ddlf.GradientAveraging(
+            bucket_cap_mb=bucket_cap_mb,
+            check_in_every=AVG_FREQ,
+            ring=ddlf.Ring(compression=compression),
+            shard_optimizer=shard_optimizer,
+        )
+    if averaging != "weights":
+        raise ValueError(f"averaging must be 'weights' or 'gradients', not {averaging!r}")
+    ex = ddlf.Ring(compression=compression) if exchange == "allreduce" else ddlf.ThroughMaster(compression=compression)
+    return ddlf.ModelAveraging(every=AVG_FREQ, exchange=ex)
 
 
 def steady_rounds(h: Any) -> list[dict[str, float]]:
