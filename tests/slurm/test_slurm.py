@@ -155,19 +155,14 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(
     *before, last = _records(out)
     assert last["status"] == "done" and last["restart"] == "1", last
     assert last["epochs"] == 8 and last["events"][-1] == "resumed" and last["accuracy"] > 0.8, last
-    if how == "time-limit warning" or before:
-        # The master caught the signal: the requeued job goes on from the preemption's own checkpoint, and the work
-        # lost is at most the round in flight (2 workers x 5 batches x 64 rows).
-        [first] = before
-        assert first["status"] == "preempted" and first["requeued"] == (how != "scontrol requeue"), first
-        assert last["events"][-2:] == ["preempted", "resumed"], last
-        assert 8 * ROWS - 2 * 5 * 64 <= last["samples"] <= 8 * ROWS, last
-    else:
-        # A known gap, kept visible here rather than hidden: in about half of the runs on this machine the master
-        # is gone within ~150 ms of `scontrol requeue` (the batch step ends at once, see slurmd's log), before its
-        # SIGTERM handler runs; the requeued job then goes on from the last epoch's checkpoint.
-        assert last["resumed_from"][1] == 0 and 1 <= last["resumed_from"][0] < 8, last
-        assert last["samples"] == 8 * ROWS, last
+    # The master caught the signal: the requeued job goes on from the preemption's own checkpoint, and the work lost
+    # is at most the round in flight (2 workers x 5 batches x 64 rows). With `scontrol requeue` the workers get
+    # SIGTERM too and may be gone before the master's own signal arrives: it waits for that signal before calling
+    # them failed (training/preemption.py), which ended this test's runs as a failure about half of the time.
+    [first] = before
+    assert first["status"] == "preempted" and first["requeued"] == (how != "scontrol requeue"), first
+    assert last["events"][-2:] == ["preempted", "resumed"], last
+    assert 8 * ROWS - 2 * 5 * 64 <= last["samples"] <= 8 * ROWS, last
 
 
 def test_ddlf_up_slurm_serves_several_scripts_in_one_allocation(

@@ -18,6 +18,12 @@ process die:
 Signals after the first are ignored, during the checkpoint and after ``train()`` returns (the script may write
 what it wants before it exits; the scheduler's SIGKILL ends a process that lingers). Ctrl-C (SIGINT) keeps its
 meaning (stop now).
+
+A scheduler signals every process of the job at once, the workers too, in no set order: a worker may be gone
+before the master's own signal arrives. So when a worker is lost while signals are caught, the master first waits
+up to :data:`GRACE_SECONDS` for a signal of its own (:meth:`Preemption.settle`) before it calls the loss a failure:
+a preempted job ends as preempted, with its checkpoint, instead of failing on its lost workers (and then dying of
+the signal that arrives once ``train()`` has given its handlers back).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -37,6 +44,8 @@ log = logging.getLogger("ddlf.preemption")
 DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
 #: The signals after which the master requeues its Slurm job itself (the scheduler's advance warning).
 REQUEUE_ON = ("SIGUSR1",)
+#: How long a master that lost a worker waits for a preemption signal of its own before failing.
+GRACE_SECONDS = 1.5
 
 
 def signal_number(name: str | int) -> int:
@@ -80,6 +89,16 @@ class Preemption:
         if self.requested is None:
             self.requested = signal.Signals(signum).name
             log.warning("%s: checkpointing at the end of this round, then stopping", self.requested)
+
+    def settle(self, seconds: float = GRACE_SECONDS) -> bool:
+        """Whether a signal was caught, waiting up to ``seconds`` for one (at once when none is being caught). The
+        master asks when it lost a worker: the scheduler may be stopping the whole job."""
+        if self.requested is not None or not self._previous:
+            return self.requested is not None
+        deadline = time.monotonic() + seconds
+        while self.requested is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the handler runs on this (the main) thread, between these sleeps
+        return self.requested is not None
 
     def requeue(self) -> bool:
         """Requeue this Slurm job if the signal was the scheduler's advance warning; whether it was requeued."""

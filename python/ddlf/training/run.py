@@ -21,6 +21,7 @@ from ..errors import (
     NonFiniteGradientsWarning,
     NonFiniteUpdate,
     Preempted,
+    RemoteError,
     ReplyRefusedWarning,
     WireOverflowWarning,
     WorkerLostWarning,
@@ -127,6 +128,8 @@ class TrainingRun:
         scheduler stopped its workers too: the round is abandoned and the checkpoint written)."""
         if self.preempted():
             return
+        if _going_away(exc) and self.preemption is not None and self.preemption.settle():
+            return  # the scheduler is stopping the job: its signal came to this process too (preemption.py)
         if self.policy.decide(exc) == "raise":
             raise exc
 
@@ -276,3 +279,11 @@ class TrainingRun:
             strategy=type(cfg.strategy).__name__,
         )
         return str(checkpoint.path_in(cfg.run.checkpoint_dir))
+
+
+def _going_away(exc: BaseException) -> bool:
+    """Whether ``exc`` says a worker's process is going away (lost, or stopping on a signal), as when the
+    scheduler stops the job, rather than that its code failed."""
+    if isinstance(exc, WorkerUnavailable):
+        return True
+    return isinstance(exc, RemoteError) and exc.remote_type.rsplit(".", 1)[-1] == "WorkerStopping"

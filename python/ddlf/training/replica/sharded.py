@@ -300,8 +300,8 @@ class ShardedOptimizer:
     def _sync_learning_rate(self) -> None:
         """Take the model's optimizer's learning rate (a warm-up, ``set_learning_rate``, a callback change it
         there); a schedule is the shard optimizer's own, driven by the same step count."""
-        source = getattr(self.model.optimizer, "_learning_rate", None)
-        own = getattr(self.optimizer, "_learning_rate", None)
+        source: Any = getattr(self.model.optimizer, "_learning_rate", None)
+        own: Any = getattr(self.optimizer, "_learning_rate", None)
         if hasattr(source, "assign") and hasattr(own, "assign"):
             own.assign(np.asarray(source.numpy() if hasattr(source, "numpy") else source))
 

@@ -1,0 +1,44 @@
+"""The master's wait for its own preemption signal when a worker goes away (no daemons): a scheduler signals every
+process of a job in no set order, so a lost worker first gives the master's signal a moment to arrive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from ddlf.errors import RemoteError, WorkerUnavailable
+from ddlf.training.preemption import Preemption
+from ddlf.training.run import _going_away
+
+
+def test_settle_returns_once_the_signal_arrives_and_not_before() -> None:
+    with Preemption(("SIGUSR1",)) as p:
+        t0 = time.monotonic()
+        assert p.settle(0.2) is False  # nothing came: it waited the whole grace
+        assert time.monotonic() - t0 >= 0.2
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        assert p.settle(5.0) is True
+        assert time.monotonic() - t0 < 2.0  # at once when it arrives, not at the end of the grace
+        assert p.requested == "SIGUSR1"
+
+
+def test_settle_does_not_wait_where_no_signal_is_caught() -> None:
+    p = Preemption(())
+    with p:
+        t0 = time.monotonic()
+        assert p.settle(5.0) is False
+        assert time.monotonic() - t0 < 0.5
+    t0 = time.monotonic()
+    assert Preemption(("SIGUSR1",)).settle(5.0) is False  # outside its block: nothing installed
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_a_worker_lost_or_stopping_is_going_away_and_its_own_error_is_not() -> None:
+    assert _going_away(WorkerUnavailable("worker 1 lost", worker_id=1))
+    stopping = RemoteError("worker 1 raised WorkerStopping", remote_type="ddlf.WorkerStopping")
+    assert _going_away(stopping)
+    assert not _going_away(RemoteError("worker 1 raised ValueError", remote_type="builtins.ValueError"))
+    assert not _going_away(ValueError("no"))
