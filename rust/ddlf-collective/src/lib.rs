@@ -570,6 +570,22 @@ impl Ring {
         op: Op,
         phase: Phase,
     ) -> Result<(), CollectiveError> {
+        let (rank, n) = (self.spec.rank, self.n());
+        self.on_links(|streams, watch| {
+            let links = &mut streams[0].links;
+            match phase {
+                Phase::Gather => ring::allgather_over::<T, C>(data, rank, n, links, watch),
+                _ => ring::reduce_scatter_over::<T, C>(data, rank, n, links, op, watch).map(|_| ()),
+            }
+        })
+    }
+
+    /// Run `pass` over this rank's links (opened on first use) with the watch of their neighbours; the links are
+    /// kept for the next call when it succeeds, and its error names the neighbour it blames.
+    fn on_links(
+        &mut self,
+        pass: impl FnOnce(&mut [Stream], Watch<'_>) -> Result<(), RingError>,
+    ) -> Result<(), CollectiveError> {
         let mut streams = match self.streams.take() {
             Some(s) => s,
             None => self.connect()?,
@@ -588,13 +604,7 @@ impl Ring {
             activity: self.activity,
             names: Some(&names),
         };
-        let (rank, n) = (self.spec.rank, self.n());
-        let links = &mut streams[0].links;
-        let r = match phase {
-            Phase::Gather => ring::allgather_over::<T, C>(data, rank, n, links, watch),
-            _ => ring::reduce_scatter_over::<T, C>(data, rank, n, links, op, watch).map(|_| ()),
-        };
-        if let Err(source) = r {
+        if let Err(source) = pass(&mut streams, watch) {
             return Err(self.blame(source));
         }
         self.streams = Some(streams);
@@ -631,45 +641,30 @@ impl Ring {
         data: &mut [T],
         op: Op,
     ) -> Result<(), CollectiveError> {
-        let mut streams = match self.streams.take() {
-            Some(s) => s,
-            None => self.connect()?,
-        };
-        let Some(watcher) = self.watcher.as_ref() else {
-            return Err(CollectiveError::Invalid(
-                "a ring's links without their watcher".into(),
-            ));
-        };
-        let probe = |side: Side| watcher.probe(side);
-        let names = self.names();
-        let watch = Watch {
-            stall: self.spec.timeout,
-            probe_every: watcher.every,
-            probe: Some(&probe),
-            activity: self.activity,
-            names: Some(&names),
-        };
         let (rank, n) = (self.spec.rank, self.n());
-        // Each stream reduces its own contiguous slice (the same cut on every rank: it depends on the length only).
-        let k = streams.len();
-        let mut parts: Vec<&mut [T]> = Vec::with_capacity(k);
-        let mut rest = data;
-        for i in 0..k {
-            let len = ring::chunk(rest.len(), k - i, 0).len();
-            let (head, tail) = rest.split_at_mut(len);
-            parts.push(head);
-            rest = tail;
-        }
-        let results: Vec<Result<(), RingError>> = if k == 1 {
-            vec![ring::allreduce_over::<T, C>(
-                parts.pop().unwrap_or_default(),
-                rank,
-                n,
-                &mut streams[0].links,
-                op,
-                watch,
-            )]
-        } else {
+        self.on_links(|streams, watch| {
+            // Each stream reduces its own contiguous slice (the same cut on every rank: it depends on the length
+            // only).
+            let k = streams.len();
+            let mut parts: Vec<&mut [T]> = Vec::with_capacity(k);
+            let mut rest = data;
+            for i in 0..k {
+                let len = ring::chunk(rest.len(), k - i, 0).len();
+                let (head, tail) = rest.split_at_mut(len);
+                parts.push(head);
+                rest = tail;
+            }
+            if k == 1 {
+                let part = parts.pop().unwrap_or_default();
+                return ring::allreduce_over::<T, C>(
+                    part,
+                    rank,
+                    n,
+                    &mut streams[0].links,
+                    op,
+                    watch,
+                );
+            }
             std::thread::scope(|s| {
                 let handles: Vec<_> = parts
                     .into_iter()
@@ -683,16 +678,11 @@ impl Ring {
                 handles
                     .into_iter()
                     .map(|h| h.join().unwrap_or(Err(RingError::BadHeader)))
-                    .collect()
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .collect::<Result<(), RingError>>()
             })
-        };
-        for r in results {
-            if let Err(source) = r {
-                return Err(self.blame(source));
-            }
-        }
-        self.streams = Some(streams);
-        Ok(())
+        })
     }
 }
 
