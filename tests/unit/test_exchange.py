@@ -67,3 +67,33 @@ def test_ring_plans_refuse_bad_settings() -> None:
         RingPlan((0, 1), ("a:1", "b:1"), timeout=0)
     with pytest.raises(ValueError, match="one address per worker"):
         RingPlan((0, 1), ("a:1",))
+
+
+def test_a_preemption_checkpoint_never_pairs_old_weights_with_a_later_round() -> None:
+    """With the ring the workers hold the weights; when none answers, the master's own copy is older than the last
+    round, and :meth:`RingExchange.current_weights` refuses it (the previous checkpoint then stands) where
+    :meth:`RingExchange.weights` (epoch ends, validation) takes it."""
+    import numpy as np
+
+    from ddlf.errors import WorkerUnavailable
+    from ddlf.training.exchange import RingExchange
+
+    class Gone:
+        def run_on(self, *args: object, **kw: object) -> object:
+            raise WorkerUnavailable("worker 0 lost", worker_id=0)
+
+    class Cfg:
+        run_id = "r"
+
+    class Run:
+        cluster = Gone()
+        cfg = Cfg()
+        resumed = None
+
+    start = [np.zeros(3, np.float32)]
+    ex = RingExchange(Run(), start)  # type: ignore[arg-type]
+    assert ex.current_weights() is start  # no round yet: the start is current
+    ex.round, ex.synced = 4, {0: 1}
+    assert ex.weights() is start
+    with pytest.raises(LookupError, match="round 4"):
+        ex.current_weights()

@@ -71,7 +71,9 @@ class RingExchange:
         self.round: int | None = None
         """The last round reduced."""
         self.fallback = weights
-        """The newest weights the master holds (the start, or the last fetched)."""
+        """The newest weights the master holds (the start, or the last fetched)..."""
+        self.fallback_round: int | None = None
+        """...and the round they are of (None: the start)."""
         self.sharded_ring: tuple[tuple[int, int], ...] | None = None
         """With sharded optimizer state: the members (worker, daemon instance) of the last round, whose shards
         the workers hold..."""
@@ -93,8 +95,20 @@ class RingExchange:
                 self.synced.pop(w, None)
                 continue
             self.fallback = [np.asarray(a) for a in got]
+            self.fallback_round = self.round
             break
         return self.fallback
+
+    def current_weights(self) -> list[np.ndarray]:
+        """:meth:`weights`, or ``LookupError`` when no worker holding the last round's weights answers and the
+        master's own copy is older (a checkpoint must not pair them with a later position)."""
+        got = self.weights()
+        if self.fallback_round != self.round:
+            raise LookupError(
+                f"no worker holding round {self.round}'s weights answers (the master has round "
+                f"{self.fallback_round if self.fallback_round is not None else 'none'}'s)"
+            )
+        return got
 
     def forget(self, worker: int) -> None:
         """``worker`` was lost: it no longer holds the current weights."""

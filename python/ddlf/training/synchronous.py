@@ -73,7 +73,7 @@ def train_sync(run: TrainingRun) -> History:
                 run.stop_if_preempted(
                     epoch,
                     merged_at,
-                    ring.weights if ring is not None else weights,
+                    ring.current_weights if ring is not None else weights,
                     opt_state,
                     "sync",
                     outer.state() if outer is not None else None,
