@@ -155,14 +155,20 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(
     *before, last = _records(out)
     assert last["status"] == "done" and last["restart"] == "1", last
     assert last["epochs"] == 8 and last["events"][-1] == "resumed" and last["accuracy"] > 0.8, last
-    # The master caught the signal: the requeued job goes on from the preemption's own checkpoint, and the work lost
-    # is at most the round in flight (2 workers x 5 batches x 64 rows). With `scontrol requeue` the workers get
-    # SIGTERM too and may be gone before the master's own signal arrives: it waits for that signal before calling
-    # them failed (training/preemption.py), which ended this test's runs as a failure about half of the time.
+    # The master always ends as preempted: with `scontrol requeue` the workers get SIGTERM too and may be gone
+    # before the master's own signal arrives, and it waits for that signal before calling them failed
+    # (training/preemption.py; before, this test's master died of its signal about half of the time).
     [first] = before
     assert first["status"] == "preempted" and first["requeued"] == (how != "scontrol requeue"), first
-    assert last["events"][-2:] == ["preempted", "resumed"], last
-    assert 8 * ROWS - 2 * 5 * 64 <= last["samples"] <= 8 * ROWS, last
+    if "no new checkpoint" not in first["preempted"]:
+        # The requeued job goes on from the preemption's own checkpoint: at most the round in flight is lost (2
+        # workers x 5 batches x 64 rows).
+        assert last["events"][-2:] == ["preempted", "resumed"], last
+        assert 8 * ROWS - 2 * 5 * 64 <= last["samples"] <= 8 * ROWS, last
+    else:
+        # The weights were on workers already gone (the nodes were signalled seconds apart): the previous
+        # checkpoint stands, and the requeued job goes on from it (README, Preemption).
+        assert how == "scontrol requeue" and last["samples"] <= 8 * ROWS, (first, last)
 
 
 def test_ddlf_up_slurm_serves_several_scripts_in_one_allocation(

@@ -44,8 +44,9 @@ log = logging.getLogger("ddlf.preemption")
 DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
 #: The signals after which the master requeues its Slurm job itself (the scheduler's advance warning).
 REQUEUE_ON = ("SIGUSR1",)
-#: How long a master that lost a worker waits for a preemption signal of its own before failing.
-GRACE_SECONDS = 1.5
+#: How long a master that lost a worker waits for a preemption signal of its own before failing (a scheduler signals
+#: the nodes of a job one by one: seconds apart on a loaded machine; Slurm's KillWait leaves 30 s by default).
+GRACE_SECONDS = 5.0
 
 
 def signal_number(name: str | int) -> int:
