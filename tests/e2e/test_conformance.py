@@ -320,8 +320,8 @@ def mse_score(model: Any, d: Data) -> float:
 class OwnTestStep(keras.Model):
     # Keras' Model.test_step overridden (not a pytest test: pytest collects no class outside Test*). What fails
     # it is check_validation below: val_loss missing or non-finite for every epoch in every mode.
-    def test_step(self, data: Any) -> dict[str, Any]:
-        # Keras' hook, not a pytest test; check_validation fails it (no finite val_loss from this step).
+    def _own_test_step(self, data: Any) -> dict[str, Any]:
+        # Keras' hook (bound as test_step below); check_validation fails it (no finite val_loss from this step).
         x, y = data
         y_pred = self(x, training=False)
         loss = self.compute_loss(y=y, y_pred=y_pred)
@@ -331,6 +331,8 @@ class OwnTestStep(keras.Model):
             else:
                 metric.update_state(y, y_pred)
         return {m.name: m.result() for m in self.metrics}
+
+    test_step = _own_test_step  # Keras looks the hook up by this name; defined under another, pytest sees no test
 
 
 def custom_test_step() -> Any:

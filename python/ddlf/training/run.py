@@ -104,24 +104,29 @@ class TrainingRun:
     def optimizer_state_lost(self, elements: int) -> None:
         """With sharded optimizer state, the ring changed and ``elements`` weights' optimizer state was held by no
         worker of the new one (a lost worker's shard): it restarts from zeros. Warn and record it."""
-        warnings.warn(
+        self._warn(
             f"the optimizer state of {elements} weights went with a lost worker (shard_optimizer=True keeps one "
             "copy): it restarts from zeros",
             WorkerLostWarning,
-            stacklevel=2,
+            "optimizer_state_lost",
+            elements=elements,
         )
-        self.members.note("optimizer_state_lost", elements=elements)
 
     def wire_overflow(self, steps: int) -> None:
         """The ring's average of ``steps`` steps (or a round) overflowed float16 on the wire (the same on every
         worker): those updates were skipped. Warn and record it."""
-        warnings.warn(
+        self._warn(
             f"{steps} update(s) overflowed float16 compression on the ring and were skipped on every worker; "
             'Ring(compression="bfloat16") has float32\'s range',
             WireOverflowWarning,
-            stacklevel=2,
+            "wire_overflow",
+            updates=steps,
         )
-        self.members.note("wire_overflow", updates=steps)
+
+    def _warn(self, message: str, category: type[Warning], event: str, **fields: Any) -> None:
+        """Warn the user (from the caller's caller) and record ``event`` with ``fields`` in History."""
+        warnings.warn(message, category, stacklevel=3)
+        self.members.note(event, **fields)
 
     def fail(self, exc: BaseException) -> None:
         """A worker failed: raise unless the policy says to carry on without it, or the run is preempted (the

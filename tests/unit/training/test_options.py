@@ -67,6 +67,7 @@ def test_learning_rate_scaling_with_warm_up() -> None:
         (lambda: ddlf.Nesterov(momentum=1.0), ValueError, r"Nesterov\.momentum"),
         (lambda: ddlf.GradientAveraging(warmup_epochs=1), ValueError, "scale_learning_rate=True"),
         (lambda: ddlf.GradientAveraging(scale_learning_rate=1), TypeError, "scale_learning_rate"),
+        (lambda: ddlf.GradientAveraging(shard_optimizer="yes"), TypeError, "shard_optimizer must be True or False"),
         (lambda: ddlf.GradientAveraging(bucket_cap_mb=-1), ValueError, "bucket_cap_mb"),
         (lambda: ddlf.GradientAveraging(bucket_cap_mb=float("inf")), ValueError, "bucket_cap_mb"),
         (lambda: ddlf.GradientAveraging(ring=ddlf.ThroughMaster()), TypeError, "ring"),

@@ -191,6 +191,21 @@ def _adopt(state: list[np.ndarray], holder: bool, spec: RingSpec) -> list[np.nda
     return [np.rint(m).astype(a.dtype) if a.dtype.kind in "iub" else m for m, a in zip(mean, state)]
 
 
+def _warm_up(
+    stepper: Any, learning_rate_factor: tuple[float, float] | None, step: int, steps: int, factor: float | None
+) -> float | None:
+    """Step ``step`` of ``steps`` of a linear warm-up from ``first`` to ``last`` times the compiled learning rate
+    (``learning_rate_factor``; None: none): sets the stepper's rate when it changes from ``factor`` (the one set
+    last), and returns the one set now."""
+    if learning_rate_factor is None:
+        return factor
+    first, last = learning_rate_factor
+    f = first + (last - first) * step / max(1, steps - 1)
+    if f != factor:
+        stepper.set_learning_rate_factor(f)
+    return f
+
+
 def _alone(
     stepper: Any, batches: Any, steps: int, learning_rate_factor: tuple[float, float] | None, slow: float
 ) -> None:
@@ -201,12 +216,7 @@ def _alone(
         batch = next(batches, None)
         if batch is None:
             return
-        if learning_rate_factor is not None:
-            first, last = learning_rate_factor
-            f = first + (last - first) * step / max(1, steps - 1)
-            if f != factor:
-                stepper.set_learning_rate_factor(f)
-                factor = f
+        factor = _warm_up(stepper, learning_rate_factor, step, steps, factor)
         bx, by, sw, _n = batch
         stepper.step(bx, by, sw)
         if slow:
@@ -269,12 +279,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     members = ring.local.total if ring.local is not None else len(ring.addresses)
     try:
         for step in range(steps if members > 1 else 0):
-            if learning_rate_factor is not None:
-                first, last = learning_rate_factor
-                f = first + (last - first) * step / max(1, steps - 1)
-                if f != factor:
-                    stepper.set_learning_rate_factor(f)
-                    factor = f
+            factor = _warm_up(stepper, learning_rate_factor, step, steps, factor)
             batch = next(batches, None)
             if buckets is not None:
                 # Overlapped: the buckets go to the ring while backward runs; only the wait after it counts.
@@ -397,12 +402,7 @@ def _train_sharded(session: Session, spec: GradientRound, start: list[np.ndarray
             missing = sharded.begin(ring, spec.shard or "fresh", spec.fresh, session.restored_shard, trainable)
             session.restored_shard = None
             for step in range(spec.steps):
-                if spec.learning_rate_factor is not None:
-                    first, last = spec.learning_rate_factor
-                    f = first + (last - first) * step / max(1, spec.steps - 1)
-                    if f != factor:
-                        stepper.set_learning_rate_factor(f)
-                        factor = f
+                factor = _warm_up(stepper, spec.learning_rate_factor, step, spec.steps, factor)
                 batch = next(batches, None)
                 grads, weight = None, 0.0
                 if batch is not None:

@@ -146,7 +146,7 @@ class Session:
         if state.get("optimizer_shard") is not None:
             from .sharded import Held
 
-            self.restored_shard = Held.from_dict(state["optimizer_shard"], restored=True)
+            self.restored_shard = Held.from_dict(state["optimizer_shard"])
         self.residual = state.get("residual")
         if state.get("outer") is not None:
             self.outer = OuterMomentum(OuterSpec())  # the spec comes with the next round

@@ -84,14 +84,12 @@ def check_shardable(model: Any) -> None:
 class Held:
     """Optimizer state this rank holds: ``slots[k][i]`` is slot ``k`` (Adam: first and second moment) of element
     ``start + i`` of the flat weights (``length`` elements in all); ``scalars``: the optimizer's scalar state
-    (its step count), the same on every rank; ``restored``: taken from a checkpoint (kept when this worker is new
-    to the ring)."""
+    (its step count), the same on every rank."""
 
     length: int
     start: int
     slots: list[np.ndarray]
     scalars: list[np.ndarray]
-    restored: bool = False
 
     @property
     def stop(self) -> int:
@@ -106,8 +104,8 @@ class Held:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], restored: bool = False) -> Held:
-        return cls(int(d["length"]), int(d["start"]), list(d["slots"]), list(d["scalars"]), restored)
+    def from_dict(cls, d: dict[str, Any]) -> Held:
+        return cls(int(d["length"]), int(d["start"]), list(d["slots"]), list(d["scalars"]))
 
 
 def join(states: list[dict[str, Any]]) -> dict[str, Any] | None:
