@@ -12,10 +12,12 @@ reaches the task's target or ``max_epochs`` pass, and reports:
 * medians over ``--repeats`` seeds, each case in its own process.
 
 Cases: ``single-b`` (``model.fit`` at batch ``b``, what the user ran before), ``single-nb`` (at ``n x b``), ``sync``
-and ``async`` (``app.train(epochs, b)`` with no strategy, and with ``Asynchronous()``: ddlf's defaults), and the
-alternatives the defaults were chosen against (``--cases``): ``ma-epoch`` (model averaging once per epoch, the
-default before issue 37), ``ma-10`` (every 10 batches), ``ga`` (gradient averaging), ``ga-scaled`` (with the
-learning rate scaled by n), ``async-10`` (chunks of 10 batches, the asynchronous default before issue 37).
+and ``async`` (``app.train(epochs, b)`` with no strategy, and with ``Asynchronous()``: ddlf's defaults; the
+synchronous default is chosen by ``ddlf.training.defaults``, gradient averaging with the learning rate scaled by
+n for these models), and the alternatives the defaults were chosen against (``--cases``): ``ma-epoch`` (model
+averaging once per epoch, the synchronous default before issue 37), ``ma-10`` (every 10 batches), ``ga``
+(gradient averaging), ``ga-scaled`` (with the learning rate scaled by n), ``async-10`` (chunks of 10 batches, the
+asynchronous default before issue 37).
 """
 
 from __future__ import annotations

@@ -107,7 +107,13 @@ def test_nonfinite_raise_stops_the_run(pair: ddlf.Cluster) -> None:
     pair.call(_misbehave, ("nan",), workers=[1])
     try:
         with pytest.raises(ddlf.NonFiniteUpdate, match="worker 1 sent non-finite") as info:
-            SmallMnist(pair).train(epochs=1, batch_size=32, verbose=0, run=ddlf.RunConfig(nonfinite="raise"))
+            SmallMnist(pair).train(
+                epochs=1,
+                batch_size=32,
+                verbose=0,
+                strategy=ddlf.ModelAveraging(),  # replies with weights (gradient averaging's carry none)
+                run=ddlf.RunConfig(nonfinite="raise"),
+            )
         assert info.value.worker_id == 1
     finally:
         pair.call(_misbehave, (None,), workers=[1])

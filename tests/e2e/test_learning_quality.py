@@ -71,3 +71,20 @@ def test_async_on_four_workers_learns_as_one_process(mnist_rows) -> None:
     assert max(s.staleness for s in h.stats) >= 1  # the four really ran at once
     assert acc >= single - 0.02, (acc, single)
     assert {s.samples for s in h.stats} <= {BATCH, ROWS % BATCH}  # chunks of one batch on four workers
+
+
+@pytest.mark.slow
+def test_sync_defaults_on_four_workers_learn_as_one_process(mnist_rows) -> None:
+    """Four workers, no strategy given: ddlf's default (gradient averaging, learning rate x 4) within 1.5 points of
+    one process at the same batch after the same epochs (measured: 89.8% against 89.0%). Model averaging once per
+    epoch, the default before, ended 4.1 points below (84.9%) on the same seed."""
+    single = _one_process(0, mnist_rows)
+    with ddlf.Cluster.local(4, threads=1) as cluster:
+        app = Mlp(cluster)
+        h = app.train(EPOCHS, BATCH, run=ddlf.RunConfig(seed=0), verbose=0)
+        _, acc = app.evaluate(*mnist_rows)
+    assert h.params["strategy"] == "GradientAveraging"
+    assert h.params["scale_learning_rate"] is True
+    assert "learning rate x 4" in h.params["strategy_reason"]
+    assert len(h.history["loss"]) == EPOCHS
+    assert acc >= single - 0.015, (acc, single)

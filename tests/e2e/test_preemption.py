@@ -73,14 +73,14 @@ def test_a_run_that_was_not_preempted_puts_the_handlers_back(cluster: ddlf.Clust
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_a_preempted_async_run_keeps_its_weights_and_trains_the_epoch_again(
+def test_a_preempted_async_run_resumes_after_the_rows_its_chunks_trained(
     cluster: ddlf.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     ckpt = tmp_path / "ckpt"
     kw = dict(batch_size=32, strategy=ddlf.Asynchronous(chunk=5), verbose=0)
     first = FaultApp(cluster)
-    with pytest.raises(ddlf.Preempted, match="SIGUSR1"):
+    with pytest.raises(ddlf.Preempted, match="SIGUSR1") as info:
         first.train(
             epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt), callbacks=[SignalAt(5, signal.SIGUSR1)], **kw
         )
@@ -89,7 +89,15 @@ def test_a_preempted_async_run_keeps_its_weights_and_trains_the_epoch_again(
     assert saved["epochs_done"] == 0
     for a, b in zip(saved["weights"], first.model.get_weights()):
         assert a.shape == b.shape
+    # The chunks in flight finished: the position is every row the first run trained, a prefix of the order.
+    trained = sum(s["samples"] for s in saved["history"]["stats"])
+    assert saved["epoch_position"] == trained >= 5 * 5 * 32, (saved["epoch_position"], trained)
+    assert f"after 0 epochs and {trained} rows" in str(info.value)
     h = FaultApp(cluster).train(epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt, resume=True), **kw)
+    # Epoch 0's rows were trained once each, across the two runs: none redone, none skipped.
+    assert sum(s.samples for s in h.stats if s.epoch == 0) == 6000
+    assert sum(s.samples for s in h.stats if s.epoch == 1) == 6000
+    assert [e["event"] for e in h.events] == ["preempted", "resumed"]
     assert len(h.history["loss"]) == 2 and h.history["accuracy"][-1] > 0.7
 
 

@@ -41,6 +41,7 @@ from . import checkpoint
 from . import replica as remote
 from .asynchronous import train_async as _train_async
 from .callbacks import ProgressBar
+from .defaults import default_strategy
 from .evaluation import contiguous_parts, evaluate_on_workers, predict_on_workers
 from .exchange import resolve as resolve_exchange
 from .history import History
@@ -138,9 +139,13 @@ class IApp:
                 (``keras.callbacks.EarlyStopping``, ...; see :mod:`ddlf.training.keras_callbacks`) or ddlf's
                 (:mod:`ddlf.callbacks`).
             strategy: how the workers learn together (:mod:`ddlf.training.options`): :class:`~ddlf.ModelAveraging`
-                (the default: the paper's parameter averaging, one round per epoch unless ``every=`` batches),
+                (the paper's parameter averaging, one round per epoch unless ``every=`` batches),
                 :class:`~ddlf.GradientAveraging` (every step, n workers as one process at n times the batch) or
-                :class:`~ddlf.Asynchronous` (each worker at its own pace).
+                :class:`~ddlf.Asynchronous` (each worker at its own pace). ``None``: ddlf's default
+                (:mod:`ddlf.training.defaults`), gradient averaging with the learning rate scaled by the number
+                of workers where the model allows it (so that an epoch learns about as much as ``fit``'s epoch at
+                ``batch_size``), model averaging otherwise; ``history.params["strategy"]`` says which, and
+                ``["strategy_reason"]`` why.
             data: how rows reach the workers (:class:`~ddlf.DataConfig`).
             run: which workers, seed, checkpoints, report and failure policy (:class:`~ddlf.RunConfig`).
 
@@ -148,15 +153,30 @@ class IApp:
         and :mod:`ddlf.training.asynchronous` for what happens to their rows, and ``history.events`` for what
         happened.
         """
+        run = run if run is not None else RunConfig()
+        reason: str | None = None
+        resumed: dict[str, Any] | None = None
+        if strategy is None:  # ddlf's default, chosen for this model and cluster (ddlf.training.defaults)
+            if not isinstance(run, RunConfig):
+                raise TypeError(f"run must be a ddlf.RunConfig, not {run!r}")
+            if self.model is None:
+                set_random_seed(run.seed)  # as _run seeds before it creates the model
+                self.model = self.create_model()
+            if run.resume and run.checkpoint_dir:
+                resumed = checkpoint.load(run.checkpoint_dir)
+            workers = len(run.workers) if run.workers is not None else len(self.cluster)
+            strategy, reason = default_strategy(self.model, workers, resumed)
         cfg = TrainConfig(
             epochs=epochs,
             batch_size=batch_size,
-            strategy=strategy if strategy is not None else ModelAveraging(),
+            strategy=strategy,
             data=data if data is not None else DataConfig(),
-            run=run if run is not None else RunConfig(),
+            run=run,
             verbose=verbose,
             fit=FitData(validation_split, shuffle, class_weight, sample_weight),
             validation_freq=validation_freq if isinstance(validation_freq, int) else tuple(validation_freq),
+            strategy_reason=reason,
+            resumed=resumed,
         )
         if validation_data is not None and cfg.fit.validation_split:
             cfg.fit = dataclasses.replace(cfg.fit, validation_split=0.0)  # fit's rule: validation_data wins
@@ -312,7 +332,10 @@ class IApp:
             check_steppable(self.model, len(cfg.run.workers) if cfg.run.workers is not None else len(self.cluster))
             if cfg.strategy.shard_optimizer:
                 check_shardable(self.model)  # here, before any round: the workers' models are the master's
-        resumed = checkpoint.load(cfg.run.checkpoint_dir) if cfg.run.resume and cfg.run.checkpoint_dir else None
+        resumed = cfg.resumed
+        if resumed is None and cfg.run.resume and cfg.run.checkpoint_dir:
+            resumed = checkpoint.load(cfg.run.checkpoint_dir)
+        cfg.resumed = None  # the run holds it from here
         if resumed is not None:
             sharded = isinstance(cfg.strategy, GradientAveraging) and cfg.strategy.shard_optimizer
             checkpoint.check_resumable(resumed, isinstance(cfg.strategy, GradientAveraging), sharded)
@@ -342,6 +365,9 @@ class IApp:
             "compression": cfg.compression,
             "exchange": "allreduce" if cfg.ring is not None else "master",
             "averaging": cfg.averaging,
+            "strategy": type(cfg.strategy).__name__,
+            "strategy_reason": cfg.strategy_reason,
+            "scale_learning_rate": cfg.scale_learning_rate,
             "bucket_cap_mb": cfg.gradients.bucket_cap_mb if cfg.gradients is not None else None,
             "shard_optimizer": bool(cfg.gradients is not None and cfg.gradients.shard_optimizer),
             "outer_optimizer": "nesterov" if cfg.outer() is not None else None,

@@ -12,6 +12,10 @@ takes fewer chunks and never stalls the others. With a sharded dataset each work
 Faults: a lost worker's chunk goes back to the front of the queue and the others carry on (with a sharded
 dataset they also take over the lost worker's shard, loading it on first use). A supervisor retries lost
 workers and starts a worker that comes back, restarts, or is added to the cluster, within the same epoch.
+
+Preemption (:mod:`.preemption`): no new chunk is handed out, the chunks in flight finish, and the checkpoint
+records how many rows of the epoch's order were trained; the resumed run trains the rest of that epoch (with
+any number of workers), as the synchronous loop does.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class _Epoch:
     in_flight: int = 0
     shard_of: dict[int, int] = field(default_factory=dict)  # sharded: worker -> the shard it works through
     lost: set[int] = field(default_factory=set)  # workers lost during this epoch
+    rows: int = 0  # the rows of the shared queue's chunks at the epoch's start
+    pushed_back: bool = False  # a chunk went back to the front of a queue (its worker was lost)
 
     def take(self, w: int) -> tuple[np.ndarray, int | None, Any] | None:
         """The next chunk for worker ``w``: from the shared queue, or its own shard's queue, then a lost
@@ -69,6 +75,14 @@ class _Epoch:
 
     def remaining(self) -> int:
         return len(self.chunks) + sum(len(q) for q in self.own.values())
+
+    def position(self, start: int) -> int:
+        """Rows of the epoch's order trained (or refused) before the queue's first chunk, ``start`` rows of it
+        having been trained by an earlier run; 0 where that is not a prefix of the order (a chunk went back to
+        the queue's front, or each worker has a shard's queue of its own): the epoch is then trained again."""
+        if self.own or self.pushed_back:
+            return 0
+        return start + self.rows - sum(len(c) for c, _ in self.chunks)
 
 
 def train_async(run: TrainingRun) -> History:
@@ -91,7 +105,10 @@ def train_async(run: TrainingRun) -> History:
             }
             ep = _Epoch(epoch, deque(), own, shard_of=dict(enumerate(layout.shards)))
         else:
-            ep = _Epoch(epoch, chunks(epoch_order(run.rows, cfg.run.seed, epoch, cfg.fit.shuffle), chunk_rows))
+            order = epoch_order(run.rows, cfg.run.seed, epoch, cfg.fit.shuffle)
+            start = run.resume_position if epoch == run.initial_epoch else 0
+            # a preempted run goes on after the rows its last chunks trained (the sync loop does the same)
+            ep = _Epoch(epoch, chunks(order[start:], chunk_rows), rows=len(order) - start)
 
         def work(address: str, ep: _Epoch) -> None:
             while True:
@@ -129,6 +146,7 @@ def train_async(run: TrainingRun) -> History:
                     with lock:
                         ep.in_flight -= 1
                         queue.appendleft((chunk, shard))  # nothing is lost: another worker trains it
+                        ep.pushed_back = True
                         if run.policy.decide(res) == "raise":
                             state["error"] = res  # surfaced by the master thread
                         elif isinstance(res, WorkerUnavailable):
@@ -182,8 +200,10 @@ def train_async(run: TrainingRun) -> History:
         _supervise(cluster, members, ep, work, lock, state, cfg, run.preempted)
         if state["error"] is not None:
             raise state["error"]
-        # Preempted mid-epoch: the weights so far are kept, and the resumed run trains this epoch again.
-        run.stop_if_preempted(epoch, 0, weights, None, "async")
+        # Preempted mid-epoch: the weights so far are kept, and the resumed run goes on after the rows trained
+        # (or trains the epoch again where those are not a prefix of its order: _Epoch.position).
+        start = run.resume_position if epoch == run.initial_epoch and not app.sharded else 0
+        run.stop_if_preempted(epoch, ep.position(start), weights, None, "async")
         members.live()  # record this epoch's events in History
         stop = run.end_epoch(weights, ep.results, epoch, t_epoch)
         run.save_checkpoint(epoch + 1, weights, None, "async")

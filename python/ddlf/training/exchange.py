@@ -251,7 +251,14 @@ class RingExchange:
             run.members.note("allreduce_redo", lost=lost, survivors=[w for w in targets if w not in lost])
             cluster.retire_ring(ring)  # spent: the next attempt forms a new one
             pending = self._drop(pending, lost, epoch, round_no, t0)
-        raise RuntimeError(f"round {round_no}: the all-reduce failed {MAX_REDOS} times in a row")
+        hint = ""
+        if cfg.averaging == "gradients" and cfg.strategy_reason is not None:
+            hint = (
+                f" (ddlf's default strategy, {cfg.strategy_reason}, reduces worker to worker: where the workers "
+                "cannot reach each other's ring ports, pass strategy=ddlf.ModelAveraging() to average through "
+                "the master)"
+            )
+        raise RuntimeError(f"round {round_no}: the all-reduce failed {MAX_REDOS} times in a row{hint}")
 
     def _shard_plan(self, targets: list[int], attempt: int) -> str:
         """What the workers do with their optimizer shards this round (``ShardedOptimizer.begin``)."""

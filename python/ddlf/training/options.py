@@ -8,6 +8,8 @@ written and each name has one meaning:
   for ``every`` batches, then the weights are averaged; :class:`Nesterov` as DiLoCo's outer step), or
   :class:`GradientAveraging` (PyTorch DDP's and Horovod's: every step's gradients averaged on a ring), or
   :class:`Asynchronous` (each worker at its own pace, its changes merged by the master).
+  Without one, :mod:`ddlf.training.defaults` chooses (gradient averaging with the learning rate scaled, where the
+  model allows it).
 - the exchange of model averaging (``ModelAveraging(exchange=...)``): :class:`ThroughMaster`, :class:`Ring` or
   :class:`AutoExchange`; gradient averaging always uses a :class:`Ring`.
 - ``data``: :class:`DataConfig`, how rows reach the workers.
@@ -432,6 +434,10 @@ class TrainConfig:
     """Training start: round start times are relative to it."""
     slow_worker: tuple[int, float] | None = field(default_factory=_slow_worker)
     """``(worker, seconds per batch)`` from :data:`SLOW_WORKER_ENV`, for experiments."""
+    strategy_reason: str | None = None
+    """Why ``strategy`` is the one :func:`ddlf.training.defaults.default_strategy` chose (``None``: the user's)."""
+    resumed: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    """The checkpoint this run resumes, when ``train`` read it already (to choose the default strategy)."""
 
     def __post_init__(self) -> None:
         _positive_int(self.batch_size, "batch_size")
