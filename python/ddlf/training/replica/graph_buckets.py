@@ -54,7 +54,7 @@ def _writes_through(tf: Any) -> bool:
                 a += 1
             return np.float32(0)
 
-        @tf.function
+        @tf.function(autograph=False)
         def probe(x: Any) -> Any:
             t = tf.concat([x, x], 0)
             done = tf.numpy_function(bump, [t], tf.float32, stateful=True)
@@ -161,12 +161,12 @@ class GraphBuckets:
 
             return tf.cond(tf.reduce_max(totals) > 0, step, lambda: tf.constant(False))
 
-        @tf.function(reduce_retracing=True)
+        @tf.function(reduce_retracing=True, autograph=False)
         def with_batch(x: Any, y: Any, sw: Any, weight: Any) -> Any:
             averaged, totals = exchanged(stepper.graph_gradients(x, y, sw), weight)
             return applied(averaged, totals), totals
 
-        @tf.function
+        @tf.function(autograph=False)
         def without_batch() -> Any:
             averaged, totals = exchanged([tf.zeros_like(v) for v in trainable], tf.constant(0.0, tf.float32))
             return applied(averaged, totals), totals

@@ -6,7 +6,9 @@ A :class:`Stepper` computes a batch's gradients (and updates the model's loss an
 the model's own optimizer. One stepper per backend:
 
 * Keras on TensorFlow: two ``tf.function``\\ s (gradients under a ``GradientTape``; ``apply_gradients``), traced
-  once per run; model averaging's whole steps run :data:`GROUP_STEPS` to a call.
+  once per run; model averaging's whole steps run :data:`GROUP_STEPS` to a call. Traced without AutoGraph, as
+  Keras's own ``fit`` traces its step (``do_not_convert``): converting Keras's code to graph code cost more than
+  the whole first epoch of a small model (a user's ``train_step`` runs as it runs under ``fit``).
 * Keras on JAX: two jitted, stateless functions over the model's state (as Keras's JAX trainer keeps it), the
   state written back to the Keras variables at the end of each round.
 * Keras on PyTorch: eager, as Keras's torch trainer.
@@ -341,35 +343,39 @@ class _TensorFlowStepper(_KerasStepper):
         trainable = self.trainable
         jit = bool(getattr(model, "jit_compile", False))
 
-        @tf.function(reduce_retracing=True, jit_compile=jit)
+        @tf.function(reduce_retracing=True, jit_compile=jit, autograph=False)
         def gradients(x: Any, y: Any, sw: Any) -> Any:
             return self.graph_gradients(x, y, sw)
 
-        @tf.function(reduce_retracing=True, jit_compile=jit)
+        @tf.function(reduce_retracing=True, jit_compile=jit, autograph=False)
         def apply(grads: Any) -> None:
             model.optimizer.apply_gradients(zip(grads, trainable))
 
-        @tf.function(reduce_retracing=True, jit_compile=jit)
+        @tf.function(reduce_retracing=True, jit_compile=jit, autograph=False)
         def step(x: Any, y: Any, sw: Any) -> None:
             model.train_step((x, y) if sw is None else (x, y, sw))
 
-        @tf.function(reduce_retracing=True, jit_compile=jit)
+        @tf.function(reduce_retracing=True, jit_compile=jit, autograph=False)
         def steps(xs: Any, ys: Any, n: Any) -> None:
-            for i in tf.range(n):
+            def body(i: Any) -> Any:
                 model.train_step((xs[i], ys[i]))
+                return (i + 1,)
+
+            # one step after another (each reads the weights the previous one wrote)
+            tf.while_loop(lambda i: i < n, body, (tf.constant(0, tf.int32),), parallel_iterations=1)
 
         self._gradients, self._apply = gradients, apply
         if overrides_train_step(model):
             # The model's own train_step computes the gradients; the optimizer's apply is caught (not run) and
             # the averaged gradients are applied to the variables it was given.
-            @tf.function(reduce_retracing=True, jit_compile=jit)
+            @tf.function(reduce_retracing=True, jit_compile=jit, autograph=False)
             def caught(x: Any, y: Any, sw: Any) -> Any:
                 with _CatchApply(model.optimizer) as catch:
                     model.train_step((x, y) if sw is None else (x, y, sw))
                 self.trainable = catch.variables
                 return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in catch.pairs]
 
-            @tf.function(reduce_retracing=True, jit_compile=jit)
+            @tf.function(reduce_retracing=True, jit_compile=jit, autograph=False)
             def apply_caught(grads: Any) -> None:
                 model.optimizer.apply(grads, self.trainable)
 
