@@ -164,8 +164,7 @@ class IApp:
                 self.model = self.create_model()
             if run.resume and run.checkpoint_dir:
                 resumed = checkpoint.load(run.checkpoint_dir)
-            workers = len(run.workers) if run.workers is not None else len(self.cluster)
-            strategy, reason = default_strategy(self.model, workers, resumed)
+            strategy, reason = default_strategy(self.model, self._worker_count(run), resumed)
         cfg = TrainConfig(
             epochs=epochs,
             batch_size=batch_size,
@@ -297,6 +296,10 @@ class IApp:
 
     # -- internals --------------------------------------------------------------------------------------
 
+    def _worker_count(self, run: RunConfig) -> int:
+        """How many workers a run with ``run`` trains on: those it names, else the whole cluster."""
+        return len(run.workers) if run.workers is not None else len(self.cluster)
+
     def validate(self, data: tuple[Any, ...]) -> dict[str, float]:
         """Evaluate the master's model on ``(x, y)`` or ``(x, y, sample_weight)`` (after :meth:`preprocess`):
         Keras's ``val_*`` logs."""
@@ -329,7 +332,7 @@ class IApp:
         if self.model is None:
             self.model = self.create_model()
         if isinstance(cfg.strategy, GradientAveraging):
-            check_steppable(self.model, len(cfg.run.workers) if cfg.run.workers is not None else len(self.cluster))
+            check_steppable(self.model, self._worker_count(cfg.run))
             if cfg.strategy.shard_optimizer:
                 check_shardable(self.model)  # here, before any round: the workers' models are the master's
         resumed = cfg.resumed
@@ -359,7 +362,7 @@ class IApp:
             "epochs": cfg.epochs,
             "batch_size": cfg.batch_size,
             "mode": mode,
-            "workers": len(cfg.run.workers) if cfg.run.workers is not None else len(self.cluster),
+            "workers": self._worker_count(cfg.run),
             "samples": rows,
             "setup": infos,
             "compression": cfg.compression,

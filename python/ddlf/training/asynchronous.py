@@ -56,7 +56,7 @@ class _Epoch:
     in_flight: int = 0
     shard_of: dict[int, int] = field(default_factory=dict)  # sharded: worker -> the shard it works through
     lost: set[int] = field(default_factory=set)  # workers lost during this epoch
-    rows: int = 0  # the rows of the shared queue's chunks at the epoch's start
+    rows: int = 0  # the rows of the epoch's whole order (the shared queue holds its part not trained yet)
     pushed_back: bool = False  # a chunk went back to the front of a queue (its worker was lost)
 
     def take(self, w: int) -> tuple[np.ndarray, int | None, Any] | None:
@@ -76,13 +76,13 @@ class _Epoch:
     def remaining(self) -> int:
         return len(self.chunks) + sum(len(q) for q in self.own.values())
 
-    def position(self, start: int) -> int:
-        """Rows of the epoch's order trained (or refused) before the queue's first chunk, ``start`` rows of it
-        having been trained by an earlier run; 0 where that is not a prefix of the order (a chunk went back to
-        the queue's front, or each worker has a shard's queue of its own): the epoch is then trained again."""
+    def position(self) -> int:
+        """Rows of the epoch's order trained (or refused, here or by the run this one resumed) before the
+        queue's first chunk; 0 where those are not a prefix of the order (a chunk went back to the queue's front,
+        or each worker has a shard's queue of its own): the epoch is then trained again."""
         if self.own or self.pushed_back:
             return 0
-        return start + self.rows - sum(len(c) for c, _ in self.chunks)
+        return self.rows - sum(len(c) for c, _ in self.chunks)
 
 
 def train_async(run: TrainingRun) -> History:
@@ -108,7 +108,7 @@ def train_async(run: TrainingRun) -> History:
             order = epoch_order(run.rows, cfg.run.seed, epoch, cfg.fit.shuffle)
             start = run.resume_position if epoch == run.initial_epoch else 0
             # a preempted run goes on after the rows its last chunks trained (the sync loop does the same)
-            ep = _Epoch(epoch, chunks(order[start:], chunk_rows), rows=len(order) - start)
+            ep = _Epoch(epoch, chunks(order[start:], chunk_rows), rows=len(order))
 
         def work(address: str, ep: _Epoch) -> None:
             while True:
@@ -202,8 +202,7 @@ def train_async(run: TrainingRun) -> History:
             raise state["error"]
         # Preempted mid-epoch: the weights so far are kept, and the resumed run goes on after the rows trained
         # (or trains the epoch again where those are not a prefix of its order: _Epoch.position).
-        start = run.resume_position if epoch == run.initial_epoch and not app.sharded else 0
-        run.stop_if_preempted(epoch, ep.position(start), weights, None, "async")
+        run.stop_if_preempted(epoch, ep.position(), weights, None, "async")
         members.live()  # record this epoch's events in History
         stop = run.end_epoch(weights, ep.results, epoch, t_epoch)
         run.save_checkpoint(epoch + 1, weights, None, "async")
