@@ -72,3 +72,17 @@ def test_a_resumed_checkpoint_keeps_the_strategy_that_wrote_it(written: Any, sha
     assert reason.startswith("resuming a checkpoint written by")
     # on one worker too: the checkpoint decides, not the worker count
     assert default_strategy(_model(), 1, saved)[0] == expected
+
+
+def test_a_wrong_run_option_is_refused_before_the_default_is_chosen() -> None:
+    import ddlf
+
+    class App(ddlf.IApp):
+        def load_dataset(self) -> Any:  # pragma: no cover - never reached
+            raise AssertionError("the run option is checked first")
+
+        def create_model(self) -> Any:  # pragma: no cover - never reached
+            raise AssertionError("the run option is checked first")
+
+    with pytest.raises(TypeError, match=r"run must be a ddlf\.RunConfig"):
+        App(None).train(1, 32, run="ckpt")  # type: ignore[arg-type]
