@@ -36,6 +36,7 @@ from ..errors import WorkerUnavailable
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
 from ..frameworks.seeding import set_random_seed
+from ..process import frozen_heap
 from ..report.training import check_report_path, write_report
 from . import checkpoint
 from . import replica as remote
@@ -435,7 +436,8 @@ class IApp:
         )
         catching = cfg.run.preemption_signals if cfg.run.checkpoint_dir else ()
         try:
-            with Preemption(catching) as run.preemption:
+            # The master's long-lived objects out of the collector's full scans while the epochs run (process.py)
+            with Preemption(catching) as run.preemption, frozen_heap():
                 loop(run)
         except BaseException:
             if cfg.run.report:  # the report of a failed run helps; failing to write it must not hide why it failed

@@ -226,7 +226,16 @@ def _supervise(
     for up to ``rejoin_timeout``."""
     threads: dict[str, threading.Thread] = {}
     alone_since: float | None = None
+    wake = threading.Event()  # set as each worker thread ends: its end may end the epoch, or need a new thread
+
+    def run(address: str) -> None:
+        try:
+            work(address, ep)
+        finally:
+            wake.set()
+
     while True:
+        wake.clear()  # before the state is read: a thread that ends after this read wakes the wait below
         with lock:
             remaining, in_flight, failed = ep.remaining(), ep.in_flight, state["error"] is not None
             if preempted():
@@ -242,7 +251,7 @@ def _supervise(
                 address = cluster.addresses[w]
                 t = threads.get(address)
                 if t is None or not t.is_alive():
-                    t = threading.Thread(target=work, args=(address, ep), name=f"ddlf-async-{w}", daemon=True)
+                    t = threading.Thread(target=run, args=(address,), name=f"ddlf-async-{w}", daemon=True)
                     threads[address] = t
                     t.start()
             if not live and not running:
@@ -251,9 +260,8 @@ def _supervise(
                     members.wait_for_any(0.0)  # raises, naming the workers
             else:
                 alone_since = None
-        for t in running:
-            t.join(SUPERVISE_EVERY / max(1, len(running)))
-        if not running:
-            time.sleep(SUPERVISE_EVERY)
+        # Until a worker thread ends (the epoch may be over: no fixed wait at its end), or the next look at the
+        # cluster (a worker that came back, preemption).
+        wake.wait(SUPERVISE_EVERY)
     for t in threads.values():
         t.join()

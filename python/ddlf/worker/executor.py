@@ -24,6 +24,7 @@ import cloudpickle
 
 from .. import _ddlf, serialization
 from ..errors import MemoryBudgetExceeded
+from ..process import freeze_heap
 from ..shipping import files_digest, in_package, module_files, source_path
 from .memory_budget import MemoryBudget
 from .stacks import StackDumps
@@ -406,6 +407,8 @@ def _preload(modules: list[str]) -> None:
             log.warning("preloading %s failed: %s: %s", name, type(exc).__name__, exc)
             continue
         log.info("preloaded %s in %.2f s", name, time.perf_counter() - t0)
+    # The frameworks' modules live as long as the daemon: out of the garbage collector's full scans
+    freeze_heap()
 
 
 _MISSING = object()

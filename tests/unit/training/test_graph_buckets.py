@@ -137,3 +137,18 @@ def test_where_tensorflow_hands_python_a_copy_the_result_comes_back_through_the_
     _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, doubled_then_halved)
     assert not bad and totals == [1.0, 1.0] and not buckets._stash  # every copy taken back
     _assert_weights(stepper, want)
+
+
+def test_a_short_batch_runs_the_graph_traced_for_the_full_ones() -> None:
+    """The step is traced once for any batch size (as fit's): the epoch's last, short batch is not a second
+    trace in the first epoch."""
+    stepper = stepper_for(_model())
+    buckets = stepper.buckets(1 << 20)
+    assert isinstance(buckets, GraphBuckets)
+    _exchange(buckets, stepper, _batch(8), 1.0, lambda flat: None)
+    x, y = _batch(3)
+    want = _stepped(stepper, stepper.gradients(x, y))
+    _, totals, _ = _exchange(buckets, stepper, (x, y), 3 / 8, lambda flat: None)  # one rank: the mean is itself
+    assert totals == [pytest.approx(3 / 8)]
+    _assert_weights(stepper, want)
+    assert buckets._with.experimental_get_tracing_count() == 1

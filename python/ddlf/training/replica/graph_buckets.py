@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .buckets import cut
+from .tracing import any_batch_size
 
 _WRITES_THROUGH: bool | None = None
 
@@ -172,6 +173,7 @@ class GraphBuckets:
             return applied(averaged, totals), totals
 
         self._with, self._without = with_batch, without_batch
+        self._traced = False
         self._stepper = stepper
 
     @staticmethod
@@ -208,7 +210,11 @@ class GraphBuckets:
             else:
                 backward()
                 x, y, sw = self._stepper.take_batch()
-                _, totals = self._with(x, y, sw, tf.constant(weight, tf.float32))
+                w = tf.constant(weight, tf.float32)
+                if not self._traced:  # one trace for full and short batches alike
+                    any_batch_size(tf, self._with, x, y, sw, w)
+                    self._traced = True
+                _, totals = self._with(x, y, sw, w)
             totals = [float(t) for t in totals.numpy()]
         except Exception:
             if self._error is not None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ... import ops
 from ...data.structure import Parts
+from ...process import freeze_heap
 from ..messages import FitData, GradientRound, MasterRound, RingRound, Rows
 from ..outer import OuterMomentum, OuterSpec
 from . import ring_rounds, rounds
@@ -58,6 +59,8 @@ class Session:
     redistributes it."""
     warm_key: str | None = None
     """What identifies the model's architecture among kept warm models (:mod:`.warm`); None: not kept."""
+    heap_frozen: bool = False
+    """Whether the objects alive after this run's first round were set aside from the garbage collector."""
     started: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -65,15 +68,24 @@ class Session:
 
     def train_chunk(self, worker: Any, spec: MasterRound) -> dict[str, Any]:
         """A round through the master (:func:`.rounds.train_chunk`)."""
-        return rounds.train_chunk(self, worker, spec)
+        return self._settled(rounds.train_chunk(self, worker, spec))
 
     def train_reduce(self, worker: Any, spec: RingRound) -> dict[str, Any]:
         """A model-averaging round on the ring (:func:`.ring_rounds.train_reduce`)."""
-        return ring_rounds.train_reduce(self, worker, spec)
+        return self._settled(ring_rounds.train_reduce(self, worker, spec))
 
     def train_gradients(self, worker: Any, spec: GradientRound) -> dict[str, Any]:
         """A gradient-averaging round on the ring (:func:`.ring_rounds.train_gradients`)."""
-        return ring_rounds.train_gradients(self, worker, spec)
+        return self._settled(ring_rounds.train_gradients(self, worker, spec))
+
+    def _settled(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """After this run's first round (its model built, its steps traced): the worker's objects out of the
+        garbage collector's full scans (:func:`ddlf.process.freeze_heap`), given back when the run is torn
+        down."""
+        if not self.heap_frozen:
+            freeze_heap()
+            self.heap_frozen = True
+        return reply
 
     def reduced_weights(self, round_no: int | None = None) -> list[np.ndarray]:
         """The weights of the last round reduced here (what every member of the ring holds after it)."""
