@@ -2,7 +2,9 @@
 on the first node of a real (namespace) Slurm cluster: it starts the allocation's workers with
 ``Cluster.from_slurm()``, trains the tests' small MNIST model and appends one JSON line about the run to OUT.json.
 
-Environment: ``EPOCHS`` (default 2), ``CKPT`` (a checkpoint directory: resume from it, and checkpoint there).
+Environment: ``EPOCHS`` (default 2), ``CKPT`` (a checkpoint directory: resume from it, and checkpoint there),
+``BEFORE_TRAIN`` (seconds the first run spends between starting its workers and ``train()``, as a script that loads
+its data: it writes ``OUT.json.started`` first).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def main(out: str) -> None:
         record["workers"] = [(i["hostname"], i["name"]) for i in info]
         record["addresses"] = cluster.addresses
         app = SlurmMnist(cluster)
+        if os.environ.get("BEFORE_TRAIN") and record["restart"] in (None, "0"):
+            open(out + ".started", "w").close()
+            time.sleep(float(os.environ["BEFORE_TRAIN"]))  # loading its data, say
         strategy = ddlf.ModelAveraging(every=int(os.environ.get("EVERY", "10")))
         try:
             history = app.train(

@@ -110,6 +110,15 @@ def test_two_jobs_on_the_same_nodes_with_two_tasks_per_node(slurm_cluster: slurm
     assert beside["accuracy"] > 0.8 and pairs["accuracy"] > 0.6, (beside, pairs)
 
 
+def _start_again_at_once(cluster: slurm.SlurmCluster, job: int) -> None:
+    """Slurm holds a requeued job back for a while (its BeginTime; 2 minutes here) before it may start again; that
+    is the scheduler's policy, not what is tested: the job may start as soon as it is back in the queue."""
+    deadline = time.monotonic() + 120
+    while cluster.job(job).get("JobState") != "PENDING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    cluster.client(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+
+
 def _wait_for_checkpoint(ckpt: Path, timeout: float = 180) -> None:
     from ddlf.training import checkpoint
 
@@ -144,12 +153,7 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(
         # What `#SBATCH --signal=B:USR1@120` does before the time limit: SIGUSR1 to the batch shell only.
         done = slurm_cluster.client(["scancel", "--batch", "--signal=USR1", str(job)])
     assert done.returncode == 0, done.stderr
-    # Slurm holds a requeued job back for a while (its BeginTime; 2 minutes here) before it may start again; that
-    # is the scheduler's policy, not what is tested: the test lets it start as soon as it is back in the queue.
-    deadline = time.monotonic() + 120
-    while slurm_cluster.job(job).get("JobState") != "PENDING" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    slurm_cluster.client(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    _start_again_at_once(slurm_cluster, job)
     _finish(slurm_cluster, job, tmp_path, name, timeout=420)
     assert int(slurm_cluster.job(job)["Restarts"]) == 1
     *before, last = _records(out)
@@ -169,6 +173,42 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(
         # The weights were on workers already gone (the nodes were signalled seconds apart): the previous
         # checkpoint stands, and the requeued job goes on from it (README, Preemption).
         assert how == "scontrol requeue" and last["samples"] <= 8 * ROWS, (first, last)
+
+
+def test_a_time_limit_warning_before_train_is_kept_and_the_run_requeued_after_its_first_round(
+    slurm_cluster: slurm.SlurmCluster, tmp_path: Path
+) -> None:
+    """Slurm's warning (SIGUSR1) may come while the script still loads its data: its default action ended the
+    master there, with nothing saved and the job not requeued. Cluster.from_slurm keeps it for train()."""
+    ckpt = tmp_path / "ckpt"
+    job, out = _submit(
+        slurm_cluster,
+        tmp_path,
+        "early",
+        ["--nodes=2", "--ntasks-per-node=1"],
+        EPOCHS="2",
+        EVERY="5",
+        CKPT=str(ckpt),
+        BEFORE_TRAIN="10",
+    )
+    started = Path(str(out) + ".started")
+    deadline = time.monotonic() + 180
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started.exists(), "the job's master did not start its workers"
+    done = slurm_cluster.client(["scancel", "--batch", "--signal=USR1", str(job)])
+    assert done.returncode == 0, done.stderr
+    _start_again_at_once(slurm_cluster, job)
+    _finish(slurm_cluster, job, tmp_path, "early", timeout=420)
+    assert int(slurm_cluster.job(job)["Restarts"]) == 1
+    first, last = _records(out)
+    assert first["status"] == "preempted" and first["requeued"], first
+    assert "SIGUSR1" in first["preempted"], first
+    assert last["status"] == "done" and last["restart"] == "1" and last["epochs"] == 2, last
+    assert last["events"][-2:] == ["preempted", "resumed"], last
+    # The first run trained one round (2 workers x 5 batches x 64 rows) and checkpointed it: the requeued run
+    # trains the rest of the 2 epochs, nothing twice.
+    assert 2 * ROWS - 2 * 5 * 64 <= last["samples"] <= 2 * ROWS, last
 
 
 def test_ddlf_up_slurm_serves_several_scripts_in_one_allocation(

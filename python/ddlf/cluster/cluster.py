@@ -17,7 +17,7 @@ from typing import Any
 from .. import _ddlf
 from ..data import store
 from ..errors import DdlfError, raise_for
-from ..process import prepare_process
+from ..process import hold_signals, prepare_process
 from ..settings import check_lane_spin_us, read_pem
 from ..shipping import files_digest, module_files
 from .aio import add_async_twins
@@ -207,17 +207,24 @@ class Cluster(Collectives):
         ``per="gpu"``: one worker per GPU of each node (``--gpus-per-task=1``). ``python``: the workers'
         interpreter (default this one). Worker logs go to ``run_dir`` (default ``DDLF_RUN_DIR``, else
         ``./ddlf-<job id>``), one file per worker. Other keyword arguments go to :class:`Cluster`. Outside an
-        allocation: :class:`~ddlf.errors.LaunchError`."""
+        allocation: :class:`~ddlf.errors.LaunchError`.
+
+        From here on, Slurm's advance warning (SIGUSR1, ``#SBATCH --signal=B:USR1@N``) no longer ends the script
+        where it arrives outside ``train()``: it is kept, and the next ``train()`` with a ``checkpoint_dir``
+        checkpoints after its first round and requeues the job (:func:`ddlf.process.hold_signals`)."""
         from .slurm import SlurmWorkers
 
+        if os.environ.get("SLURM_JOB_ID"):
+            hold_signals()  # before the workers start: that takes seconds too
         workers = SlurmWorkers(
             per=per, python=python, start_timeout=start_timeout, worker_args=worker_args, run_dir=run_dir
         )
         try:
-            return cls(workers.addresses, workers.token, _local=workers, **kwargs)
+            cluster = cls(workers.addresses, workers.token, _local=workers, **kwargs)
         except BaseException:
             workers.terminate()
             raise
+        return cluster
 
     @classmethod
     def from_kubernetes(

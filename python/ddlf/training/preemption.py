@@ -15,6 +15,13 @@ process die:
 * ``train()`` raises :class:`~ddlf.errors.Preempted`. The requeued job runs the same script, whose
   ``resume=True`` picks the checkpoint up, on whatever nodes and worker count it gets.
 
+A warning that arrives outside ``train()`` (while the script loads its data, or between two ``train()`` calls)
+would end the process with the signal's default action. Inside an allocation :meth:`ddlf.Cluster.from_slurm` calls
+:func:`ddlf.process.hold_signals`: from then on such a warning is kept, and the next ``train()`` with a
+``checkpoint_dir`` takes it at its start, as if it had arrived during its first round (checkpoint, requeue,
+:class:`~ddlf.errors.Preempted`). One that comes after the last ``train()`` is only logged: the script ends by
+itself or at the time limit.
+
 Signals after the first are ignored, during the checkpoint and after ``train()`` returns (the script may write
 what it wants before it exits; the scheduler's SIGKILL ends a process that lingers). Ctrl-C (SIGINT) keeps its
 meaning (stop now).
@@ -37,6 +44,8 @@ import threading
 import time
 from types import FrameType
 from typing import Any
+
+from ..process import held, take_held
 
 log = logging.getLogger("ddlf.preemption")
 
@@ -73,6 +82,13 @@ class Preemption:
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 self._previous[s] = signal.signal(s, self._caught)
+            self.requested = take_held(self.signals)
+            if self.requested is not None:
+                log.warning(
+                    "%s arrived before train(): checkpointing after the first round, then stopping", self.requested
+                )
+            elif held() is not None:
+                log.warning("%s arrived before train(), which has no checkpoint_dir: nothing to stop for", held())
         elif self.signals:
             log.info("train() runs outside the main thread: preemption signals are not caught")
         return self

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+from ddlf import process
 from ddlf.errors import RemoteError, WorkerUnavailable
 from ddlf.training.preemption import Preemption
 from ddlf.training.run import _going_away
@@ -42,3 +43,43 @@ def test_a_worker_lost_or_stopping_is_going_away_and_its_own_error_is_not() -> N
     assert _going_away(stopping)
     assert not _going_away(RemoteError("worker 1 raised ValueError", remote_type="builtins.ValueError"))
     assert not _going_away(ValueError("no"))
+
+
+def _kill_and_wait(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    time.sleep(0.05)  # the handler runs on this (the main) thread between bytecodes
+
+
+def test_a_warning_before_train_is_kept_and_taken_by_the_next_run_that_catches_it() -> None:
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        process.hold_signals()
+        process.hold_signals()  # idempotent
+        _kill_and_wait(signal.SIGUSR1)  # the default action would end this process
+        assert process.held() == "SIGUSR1"
+        with Preemption(()) as p:  # a run without checkpoint_dir catches nothing: the warning stays kept
+            assert p.requested is None
+        assert process.held() == "SIGUSR1"
+        with Preemption(("SIGUSR1", "SIGTERM")) as p:
+            assert p.requested == "SIGUSR1"  # stops after its first round, as if the signal came during it
+        assert process.held() is None
+        # Preempted: the run's handler stays, ignoring the signals that follow (as before)
+        _kill_and_wait(signal.SIGUSR1)
+        assert process.held() is None
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
+def test_after_a_run_that_was_not_preempted_warnings_are_kept_again() -> None:
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        process.hold_signals()
+        with Preemption(("SIGUSR1",)) as p:
+            assert p.requested is None
+        _kill_and_wait(signal.SIGUSR1)
+        assert process.take_held([int(signal.SIGTERM)]) is None  # not one of those
+        assert process.take_held([int(signal.SIGUSR1)]) == "SIGUSR1"
+        assert process.held() is None
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
