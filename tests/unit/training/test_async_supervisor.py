@@ -34,19 +34,25 @@ def _run(ep: _Epoch, work) -> float:
     return time.monotonic() - t0
 
 
+def _take(ep: _Epoch, lock: threading.Lock):
+    """The next chunk, counted in flight (as the async loop's worker threads take them)."""
+    with lock:
+        item = ep.take(0)
+        if item is not None:
+            ep.in_flight += 1
+        return item
+
+
 def test_the_epoch_ends_when_its_last_chunk_is_in_not_at_the_next_look(monkeypatch) -> None:
     monkeypatch.setattr(asynchronous, "SUPERVISE_EVERY", 30.0)  # a look at the cluster every 30 s
     ep = _epoch(6)
     lock = threading.Lock()
 
     def work(address: str, ep: _Epoch) -> None:
-        while True:
-            with lock:
-                item = ep.take(0)
-                if item is None:
-                    return
+        while (item := _take(ep, lock)) is not None:
             time.sleep(0.01)  # training the chunk
             with lock:
+                ep.in_flight -= 1
                 ep.done += len(item[0])
 
     assert _run(ep, work) < 10.0
@@ -61,12 +67,7 @@ def test_a_chunk_put_back_after_the_other_worker_finished_is_trained_at_once(mon
     trained: list[str] = []
 
     def work(address: str, ep: _Epoch) -> None:
-        while True:
-            with lock:
-                item = ep.take(0)
-                if item is None:
-                    return
-                ep.in_flight += 1
+        while (item := _take(ep, lock)) is not None:
             chunk, _, queue = item
             if address == "w1" and not failed.is_set():
                 time.sleep(0.3)  # the other worker takes the rest meanwhile and ends
