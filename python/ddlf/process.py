@@ -109,46 +109,53 @@ def prepare_process() -> None:
 
 # -- the cyclic garbage collector ----------------------------------------------------------------------------
 
-_frozen_by: set[object] = set()
-_freeze_lock = threading.Lock()
+_holders: set[object] = set()
+_heap_lock = threading.Lock()
 
 
-def freeze_heap() -> None:
-    """Take every object alive now out of the cyclic garbage collector's scans (``gc.freeze``), until
-    :func:`thaw_heap`.
+def freeze_heap(holder: object | None = None) -> None:
+    """Take every object alive now out of the cyclic garbage collector's scans (``gc.freeze``): for ``holder``
+    until :func:`release_heap` (``None``: for good, or until the last holder is released).
 
     A process that has loaded TensorFlow, Keras or torch and traced a model holds some 700,000 objects that the
     collector tracks; every full collection walks all of them, about 0.4-0.5 s here with the interpreter lock
     held. A run of many small rounds triggers one every few seconds, so an asynchronous epoch that takes 0.2 s
     took 0.6 s whenever one fell into it (issue 37). Frozen, those long-lived objects are still freed when their
-    last reference goes; only cycles among them wait for :func:`thaw_heap`. Called by a worker daemon after its
-    preload and after each run's first round (its model built and traced), and by the master for the duration of
-    ``train()`` (:func:`frozen_heap`)."""
-    gc.freeze()
+    last reference goes; only cycles among them wait for :func:`release_heap`. The young generations are
+    collected first, so the garbage of the last moments is not frozen with them. Called by a worker daemon after
+    its preload and after each run's first round (its model built and traced: the run holds the freeze until it
+    is torn down), and by the master for the duration of ``train()`` (:func:`frozen_heap`)."""
+    with _heap_lock:
+        if holder is not None:
+            _holders.add(holder)
+        gc.collect(1)
+        gc.freeze()
 
 
-def thaw_heap() -> None:
-    """Give the objects :func:`freeze_heap` set aside back to the collector (``gc.unfreeze``): its next full
-    collection frees whatever cycles among them became garbage."""
-    gc.unfreeze()
+def release_heap(holder: object) -> None:
+    """``holder`` no longer needs the freeze: the frozen objects go back to the collector (``gc.unfreeze``), so
+    that the cycles a finished run left behind can be freed. Where other holders remain (a worker's other runs,
+    a sweep's other trials), those cycles are collected now and the rest frozen again: one full collection
+    (about half a second), instead of a finished run's model kept frozen until the last one ends."""
+    with _heap_lock:
+        if holder not in _holders:
+            return
+        _holders.discard(holder)
+        gc.unfreeze()
+        if _holders:
+            gc.collect()
+            gc.freeze()
 
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """:func:`freeze_heap` for the duration of the block (the master's ``train()``), thawed after it. Nested or
-    concurrent blocks (a sweep's trials in threads) thaw when the last one ends."""
+    """:func:`freeze_heap` for the duration of the block (the master's ``train()``), released after it."""
     token = object()
-    with _freeze_lock:
-        _frozen_by.add(token)
-    freeze_heap()
+    freeze_heap(token)
     try:
         yield
     finally:
-        with _freeze_lock:
-            _frozen_by.discard(token)
-            last = not _frozen_by
-        if last:
-            thaw_heap()
+        release_heap(token)
 
 
 # -- a scheduler's warning kept for the training run ------------------------------------------------------------
@@ -158,9 +165,10 @@ _held: str | None = None
 
 
 def hold_signals(signals: tuple[int, ...] = (signal.SIGUSR1,)) -> None:
-    """From now on keep ``signals`` (Slurm's advance warning before the time limit) that arrive outside
-    ``train()`` for the next ``train()`` that catches them (:mod:`ddlf.training.preemption`), instead of letting
-    their default action end the process. Main thread only (elsewhere nothing is installed). Idempotent."""
+    """From now on keep ``signals`` (Slurm's advance warning before the time limit) that arrive where no
+    ``train()`` catches them (outside ``train()``, or in one without a ``checkpoint_dir``) for the next
+    ``train()`` that does (:mod:`ddlf.training.preemption`), instead of letting their default action end the
+    process. Main thread only (elsewhere nothing is installed). Idempotent."""
     if threading.current_thread() is not threading.main_thread():
         return
     for number in signals:
@@ -173,8 +181,8 @@ def _keep(signum: int, frame: FrameType | None) -> None:
     if _held is None:
         _held = signal.Signals(signum).name
         logging.getLogger("ddlf.preemption").warning(
-            "%s arrived outside train(): kept; the next train() with a checkpoint_dir checkpoints after its "
-            "first round and stops",
+            "%s arrived where no train() catches it: kept; the next train() with a checkpoint_dir stops at its "
+            "start with a checkpoint",
             _held,
         )
 

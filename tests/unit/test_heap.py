@@ -10,9 +10,20 @@ import weakref
 
 import numpy as np
 
-from ddlf.process import frozen_heap
+from ddlf.process import freeze_heap, frozen_heap, release_heap
 from ddlf.training.replica.session import Session
 from ddlf.training.replica.sessions import Sessions
+
+
+class Node:
+    other: Node
+
+
+def _cycle() -> weakref.ref:
+    """A cycle of two objects, garbage once the caller drops it; a weak reference says whether it was freed."""
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a), a
 
 
 def test_frozen_heap_sets_aside_the_objects_alive_and_gives_them_back() -> None:
@@ -25,32 +36,44 @@ def test_frozen_heap_sets_aside_the_objects_alive_and_gives_them_back() -> None:
     assert gc.get_freeze_count() == 0
 
 
-def test_nested_or_concurrent_blocks_give_the_objects_back_when_the_last_ends() -> None:
+def test_a_frozen_cycle_is_collected_after_the_release() -> None:
     gc.unfreeze()
-    outer = frozen_heap()
-    outer.__enter__()
+    alive, node = _cycle()
     with frozen_heap():
-        assert gc.get_freeze_count() > 0
-    assert gc.get_freeze_count() > 0  # the outer block (another trial's train()) still runs
-    outer.__exit__(None, None, None)
-    assert gc.get_freeze_count() == 0
-
-
-def test_a_frozen_cycle_is_collected_after_the_thaw() -> None:
-    gc.unfreeze()
-
-    class Node:
-        other: Node
-
-    a, b = Node(), Node()
-    a.other, b.other = b, a
-    alive = weakref.ref(a)
-    with frozen_heap():
-        del a, b  # garbage now, in a cycle among frozen objects: kept while they are frozen
+        del node  # garbage now, in a cycle among frozen objects: kept while they are frozen
         gc.collect()
         assert alive() is not None
     gc.collect()
     assert alive() is None
+
+
+def test_the_cycles_of_a_block_that_ends_are_freed_while_another_still_runs() -> None:
+    """A sweep's trials run train() side by side: a finished trial's model must not stay frozen until the last
+    trial ends."""
+    gc.unfreeze()
+    outer = frozen_heap()
+    outer.__enter__()
+    alive, node = _cycle()  # the inner trial's model, made while the outer trial runs
+    with frozen_heap():  # frozen as the inner trial's train() starts
+        del node  # the trial drops its model: frozen garbage
+        gc.collect()
+        assert alive() is not None
+    assert alive() is None  # collected as the inner block ended
+    assert gc.get_freeze_count() > 0  # the outer block (another trial's train()) still runs: frozen again
+    outer.__exit__(None, None, None)
+    assert gc.get_freeze_count() == 0
+
+
+def test_releasing_a_holder_twice_or_one_never_held_changes_nothing() -> None:
+    gc.unfreeze()
+    token = object()
+    freeze_heap(token)
+    release_heap(token)
+    freeze_heap(None)
+    release_heap(token)  # released already: the freeze made without a holder stands
+    release_heap(object())
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()
 
 
 def test_a_run_sets_its_objects_aside_after_its_first_round_and_gives_them_back_at_teardown() -> None:
@@ -60,7 +83,7 @@ def test_a_run_sets_its_objects_aside_after_its_first_round_and_gives_them_back_
     sessions.by_id["r1"] = session
     reply = {"samples": 8}
     assert session._settled(reply) is reply
-    assert session.heap_frozen and gc.get_freeze_count() > 0
+    assert session.heap_holder is not None and gc.get_freeze_count() > 0
     gc.unfreeze()
     session._settled(reply)  # later rounds leave the collector as it is (their garbage is collected)
     assert gc.get_freeze_count() == 0

@@ -211,7 +211,7 @@ class Cluster(Collectives):
 
         From here on, Slurm's advance warning (SIGUSR1, ``#SBATCH --signal=B:USR1@N``) no longer ends the script
         where it arrives outside ``train()``: it is kept, and the next ``train()`` with a ``checkpoint_dir``
-        checkpoints after its first round and requeues the job (:func:`ddlf.process.hold_signals`)."""
+        stops at its start with a checkpoint and requeues the job (:func:`ddlf.process.hold_signals`)."""
         from .slurm import SlurmWorkers
 
         if os.environ.get("SLURM_JOB_ID"):

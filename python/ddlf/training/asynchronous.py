@@ -60,17 +60,22 @@ class _Epoch:
     pushed_back: bool = False  # a chunk went back to the front of a queue (its worker was lost)
 
     def take(self, w: int) -> tuple[np.ndarray, int | None, Any] | None:
-        """The next chunk for worker ``w``: from the shared queue, or its own shard's queue, then a lost
-        worker's shard's."""
+        """The next chunk for worker ``w`` (see :meth:`queue_for`), with the queue it came from."""
+        queue = self.queue_for(w)
+        return (*queue.popleft(), queue) if queue is not None else None
+
+    def queue_for(self, w: int) -> deque[Chunk] | None:
+        """Where worker ``w``'s next chunk comes from: the shared queue, or its own shard's queue, then a lost
+        worker's shard's; ``None``: nothing for it now."""
         if not self.own:
-            return (*self.chunks.popleft(), self.chunks) if self.chunks else None
+            return self.chunks if self.chunks else None
         mine = self.own.get(self.shard_of.get(w, -1))
         if mine:
-            return (*mine.popleft(), mine)
+            return mine
         for s, queue in self.own.items():
             owner = next((x for x, sh in self.shard_of.items() if sh == s), None)
             if queue and (owner is None or owner in self.lost):
-                return (*queue.popleft(), queue)
+                return queue
         return None
 
     def remaining(self) -> int:
@@ -110,18 +115,19 @@ def train_async(run: TrainingRun) -> History:
             # a preempted run goes on after the rows its last chunks trained (the sync loop does the same)
             ep = _Epoch(epoch, chunks(order[start:], chunk_rows), rows=len(order))
 
-        def work(address: str, ep: _Epoch) -> None:
+        def work(address: str, ep: _Epoch) -> bool:
+            """Train chunks on the worker at ``address`` until none is left for it; whether a call failed."""
             while True:
                 try:
                     w = cluster.addresses.index(address)
                 except ValueError:
-                    return  # removed from the cluster
+                    return False  # removed from the cluster
                 with lock:
                     if state["error"] is not None or run.preempted():
-                        return  # preempted: no new chunk; the ones in flight finish (or fail with their workers)
+                        return False  # preempted: no new chunk; those in flight finish (or fail with their workers)
                     item = ep.take(w)
                     if item is None:
-                        return
+                        return False
                     chunk, shard, queue = item
                     ep.in_flight += 1
                     start_weights = [a.copy() for a in weights]
@@ -152,7 +158,7 @@ def train_async(run: TrainingRun) -> History:
                         elif isinstance(res, WorkerUnavailable):
                             ep.lost.add(w)
                             run.lost(ep.epoch, state["round"], w, wall, t0)
-                    return
+                    return True  # the call failed: retried at the supervisor's next look
                 try:
                     res = check_reply(w, res, start_weights, rows=len(chunk), compression=cfg.compression)
                 except BadWorkerReply as exc:
@@ -162,7 +168,7 @@ def train_async(run: TrainingRun) -> History:
                             run.refuse(exc)
                         except BadWorkerReply as fatal:  # nonfinite="raise"
                             state["error"] = fatal
-                            return
+                            return False
                     continue
                 delta = res.payload
                 with lock:
@@ -225,13 +231,20 @@ def _supervise(
     chunks in flight); start threads for workers that join during the epoch; wait for a lost cluster to come back
     for up to ``rejoin_timeout``."""
     threads: dict[str, threading.Thread] = {}
+    active: set[str] = set()  # workers whose thread has not ended (under ``lock``)
+    failed_at: dict[str, float] = {}  # when a worker's thread last ended on a failed call
     alone_since: float | None = None
     wake = threading.Event()  # set as each worker thread ends: its end may end the epoch, or need a new thread
 
     def run(address: str) -> None:
+        failed = False
         try:
-            work(address, ep)
+            failed = bool(work(address, ep))
         finally:
+            with lock:
+                active.discard(address)
+                if failed:
+                    failed_at[address] = time.monotonic()
             wake.set()
 
     while True:
@@ -240,20 +253,29 @@ def _supervise(
             remaining, in_flight, failed = ep.remaining(), ep.in_flight, state["error"] is not None
             if preempted():
                 remaining = 0
-        running = [t for t in threads.values() if t.is_alive()]
+            running = bool(active)
         if failed or (remaining == 0 and in_flight == 0 and not running):
             break
         if remaining:
             live = members.live()
+            now = time.monotonic()
+            start = []
             with lock:
                 ep.lost.difference_update(live)
-            for w in live:
-                address = cluster.addresses[w]
-                t = threads.get(address)
-                if t is None or not t.is_alive():
-                    t = threading.Thread(target=run, args=(address,), name=f"ddlf-async-{w}", daemon=True)
-                    threads[address] = t
-                    t.start()
+                for w in live:
+                    address = cluster.addresses[w]
+                    # A thread per worker that has something to take (not one whose shard is done while others'
+                    # are not), and after a failed call only at the next look (no retry in a tight loop).
+                    if address in active or ep.queue_for(w) is None:
+                        continue
+                    if now - failed_at.get(address, -SUPERVISE_EVERY) < SUPERVISE_EVERY:
+                        continue
+                    active.add(address)
+                    start.append((w, address))
+            for w, address in start:
+                t = threading.Thread(target=run, args=(address,), name=f"ddlf-async-{w}", daemon=True)
+                threads[address] = t
+                t.start()
             if not live and not running:
                 alone_since = alone_since or time.monotonic()
                 if time.monotonic() - alone_since > cfg.run.rejoin_timeout:
@@ -261,7 +283,7 @@ def _supervise(
             else:
                 alone_since = None
         # Until a worker thread ends (the epoch may be over: no fixed wait at its end), or the next look at the
-        # cluster (a worker that came back, preemption).
+        # cluster (a worker that came back, a failed one's retry, preemption).
         wake.wait(SUPERVISE_EVERY)
     for t in threads.values():
         t.join()

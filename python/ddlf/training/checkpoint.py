@@ -50,10 +50,13 @@ def save(
     outer_state: list[np.ndarray] | None = None,
     position: int = 0,
     strategy: str | None = None,
+    scale_learning_rate: bool | None = None,
 ) -> Path:
     """Write the checkpoint atomically; returns its path. ``position``: how far into epoch ``epochs_done`` the
     run got (the epoch plan's :meth:`position`, 0 at an epoch's end): a preempted run resumes there.
-    ``strategy``: the run's strategy class name (:func:`check_resumable` reads it)."""
+    ``strategy``: the run's strategy class name (:func:`check_resumable` reads it), and with gradient averaging
+    ``scale_learning_rate``: whether it scaled the rate by the workers (a resumed run with no strategy given goes on
+    as it was)."""
     final = path_in(directory)
     state = {
         "format": FORMAT,
@@ -61,6 +64,7 @@ def save(
         "epoch_position": position,
         "mode": mode,
         "strategy": strategy,
+        "scale_learning_rate": scale_learning_rate,
         "seed": seed,
         "weights": weights,
         "optimizer_state": optimizer_state,

@@ -14,7 +14,7 @@ Horovod's examples) matched it on every task measured, and reached the target ac
   worker trains as ``fit`` does), for a model with its own ``train_step`` (it may apply several optimizers, a GAN's
   two steps, or run on JAX where its gradients cannot be reached), and when resuming a checkpoint that another
   strategy wrote (its workers' optimizer states differ);
-- gradient averaging, sharded as it was, when resuming a checkpoint gradient averaging wrote.
+- gradient averaging, sharded and scaled as it was, when resuming a checkpoint gradient averaging wrote.
 
 Every choice can be switched off by passing a strategy; ``history.params["strategy"]`` names the one used and
 ``history.params["strategy_reason"]`` why (``None`` when the user chose it).
@@ -36,8 +36,9 @@ def default_strategy(model: Any, workers: int, saved: dict[str, Any] | None = No
             return ModelAveraging(), f"resuming a checkpoint written by {written or 'model averaging'}"
         states = [s for s in (saved.get("worker_states") or {}).values() if isinstance(s, dict)]
         sharded = any(s.get("optimizer_shard") is not None for s in states)
+        scaled = saved.get("scale_learning_rate")  # None: written before checkpoints recorded it
         return (
-            GradientAveraging(scale_learning_rate=_scalable(model), shard_optimizer=sharded),
+            GradientAveraging(scale_learning_rate=scaled is not False and _scalable(model), shard_optimizer=sharded),
             "resuming a checkpoint written by gradient averaging",
         )
     if workers <= 1:

@@ -18,9 +18,9 @@ process die:
 A warning that arrives outside ``train()`` (while the script loads its data, or between two ``train()`` calls)
 would end the process with the signal's default action. Inside an allocation :meth:`ddlf.Cluster.from_slurm` calls
 :func:`ddlf.process.hold_signals`: from then on such a warning is kept, and the next ``train()`` with a
-``checkpoint_dir`` takes it at its start, as if it had arrived during its first round (checkpoint, requeue,
-:class:`~ddlf.errors.Preempted`). One that comes after the last ``train()`` is only logged: the script ends by
-itself or at the time limit.
+``checkpoint_dir`` takes it at its start, before any round: it writes its checkpoint (the state it started from),
+requeues the job and raises :class:`~ddlf.errors.Preempted`. One that comes after the last ``train()`` is only
+logged: the script ends by itself or at the time limit.
 
 Signals after the first are ignored, during the checkpoint and after ``train()`` returns (the script may write
 what it wants before it exits; the scheduler's SIGKILL ends a process that lingers). Ctrl-C (SIGINT) keeps its
@@ -82,13 +82,16 @@ class Preemption:
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 self._previous[s] = signal.signal(s, self._caught)
-            self.requested = take_held(self.signals)
-            if self.requested is not None:
-                log.warning(
-                    "%s arrived before train(): checkpointing after the first round, then stopping", self.requested
-                )
+            taken = take_held(self.signals)  # after the handlers: one that comes meanwhile is caught, not lost
+            if taken is not None and self.requested is None:
+                self.requested = taken
+                log.warning("%s arrived before train(): checkpointing at its start, then stopping", taken)
             elif held() is not None:
-                log.warning("%s arrived before train(), which has no checkpoint_dir: nothing to stop for", held())
+                log.warning(
+                    "%s arrived outside train() and is kept: this train() catches no preemption signal (no "
+                    "checkpoint_dir, preemption_signals=(), or not on the main thread)",
+                    held(),
+                )
         elif self.signals:
             log.info("train() runs outside the main thread: preemption signals are not caught")
         return self

@@ -282,6 +282,7 @@ class TrainingRun:
             outer_state=outer_state,
             position=position,
             strategy=type(cfg.strategy).__name__,
+            scale_learning_rate=cfg.scale_learning_rate,
         )
         return str(checkpoint.path_in(cfg.run.checkpoint_dir))
 

@@ -33,6 +33,8 @@ def _save(directory: Path, epochs_done: int = 2) -> Path:
         worker_states={0: {"rng": [np.array([1, 2])]}, 1: None},
         history=_history(),
         outer_state=None,
+        strategy="GradientAveraging",
+        scale_learning_rate=False,
     )
 
 
@@ -46,6 +48,7 @@ def test_a_checkpoint_round_trips_weights_states_history_and_random_state(tmp_pa
     random.seed(99)
     state = checkpoint.load(tmp_path / "ckpt")
     assert state is not None and state["epochs_done"] == 2 and state["mode"] == "sync" and state["seed"] == 7
+    assert state["strategy"] == "GradientAveraging" and state["scale_learning_rate"] is False
     np.testing.assert_array_equal(state["weights"][0], np.arange(6, dtype=np.float32).reshape(2, 3))
     assert set(state["worker_states"]) == {0, 1}
     checkpoint.restore_rng(state)

@@ -74,6 +74,16 @@ def test_a_resumed_checkpoint_keeps_the_strategy_that_wrote_it(written: Any, sha
     assert default_strategy(_model(), 1, saved)[0] == expected
 
 
+@pytest.mark.parametrize(("scaled", "expected"), [(True, True), (False, False), (None, True)])
+def test_a_resumed_gradient_averaging_checkpoint_keeps_its_learning_rate_scaling(scaled: Any, expected: bool) -> None:
+    """A run that chose GradientAveraging() unscaled, resumed with no strategy given, goes on unscaled (its
+    optimizer's moments were made at that rate); a checkpoint from before the choice was recorded (None) gets
+    the default's scaling."""
+    saved = {"strategy": "GradientAveraging", "scale_learning_rate": scaled, "worker_states": {}}
+    strategy, _ = default_strategy(_model(), 2, saved)
+    assert strategy == GradientAveraging(scale_learning_rate=expected)
+
+
 def test_a_wrong_run_option_is_refused_before_the_default_is_chosen() -> None:
     import ddlf
 

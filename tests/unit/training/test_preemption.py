@@ -61,7 +61,7 @@ def test_a_warning_before_train_is_kept_and_taken_by_the_next_run_that_catches_i
             assert p.requested is None
         assert process.held() == "SIGUSR1"
         with Preemption(("SIGUSR1", "SIGTERM")) as p:
-            assert p.requested == "SIGUSR1"  # stops after its first round, as if the signal came during it
+            assert p.requested == "SIGUSR1"  # the run stops before its first round, with a checkpoint
         assert process.held() is None
         # Preempted: the run's handler stays, ignoring the signals that follow (as before)
         _kill_and_wait(signal.SIGUSR1)

@@ -59,8 +59,9 @@ class Session:
     redistributes it."""
     warm_key: str | None = None
     """What identifies the model's architecture among kept warm models (:mod:`.warm`); None: not kept."""
-    heap_frozen: bool = False
-    """Whether the objects alive after this run's first round were set aside from the garbage collector."""
+    heap_holder: object | None = None
+    """Set when the objects alive after this run's first round were set aside from the garbage collector: what
+    holds that freeze (:func:`ddlf.process.release_heap` at teardown)."""
     started: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -82,9 +83,9 @@ class Session:
         """After this run's first round (its model built, its steps traced): the worker's objects out of the
         garbage collector's full scans (:func:`ddlf.process.freeze_heap`), given back when the run is torn
         down."""
-        if not self.heap_frozen:
-            freeze_heap()
-            self.heap_frozen = True
+        if self.heap_holder is None:
+            self.heap_holder = object()
+            freeze_heap(self.heap_holder)
         return reply
 
     def reduced_weights(self, round_no: int | None = None) -> list[np.ndarray]:

@@ -22,7 +22,7 @@ from ...errors import TooManyRuns
 from ...frameworks.console import quiet_start
 from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
 from ...frameworks.seeding import set_random_seed
-from ...process import thaw_heap
+from ...process import release_heap
 from ..messages import FitData, weights_var
 from . import warm
 from .dataset import load, parts_of, training_rows
@@ -175,8 +175,8 @@ class Sessions:
         session = self.by_id.pop(run_id, None)
         if session is not None:
             warm.keep(session.warm_key, session.model, session.stepper)
-            if session.heap_frozen:
-                thaw_heap()  # the run's cycles can be collected (a later run's first round freezes again)
+            if session.heap_holder is not None:
+                release_heap(session.heap_holder)  # the run's cycles can be collected
             log.info("training run %s torn down", run_id)
             self.publish()
         worker.vars.pop(weights_var(run_id), None)
