@@ -22,7 +22,7 @@ def _history() -> History:
     return h
 
 
-def _save(directory: Path, epochs_done: int = 2) -> Path:
+def _save(directory: Path, epochs_done: int = 2, **strategy: object) -> Path:
     return checkpoint.save(
         directory,
         epochs_done=epochs_done,
@@ -33,15 +33,14 @@ def _save(directory: Path, epochs_done: int = 2) -> Path:
         worker_states={0: {"rng": [np.array([1, 2])]}, 1: None},
         history=_history(),
         outer_state=None,
-        strategy="GradientAveraging",
-        scale_learning_rate=False,
+        **strategy,  # type: ignore[arg-type]
     )
 
 
 def test_a_checkpoint_round_trips_weights_states_history_and_random_state(tmp_path: Path) -> None:
     np.random.seed(3)
     random.seed(3)
-    path = _save(tmp_path / "ckpt")
+    path = _save(tmp_path / "ckpt", strategy="GradientAveraging", scale_learning_rate=False)
     assert path == checkpoint.path_in(tmp_path / "ckpt") and path.exists()
     expected = (np.random.random(), random.random())  # what the generators give right after the save
     np.random.seed(99)
