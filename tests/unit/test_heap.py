@@ -19,8 +19,9 @@ class Node:
     other: Node
 
 
-def _cycle() -> weakref.ref:
-    """A cycle of two objects, garbage once the caller drops it; a weak reference says whether it was freed."""
+def _cycle() -> tuple[weakref.ref, Node]:
+    """A cycle of two objects, garbage once the caller drops the node returned; the weak reference says whether
+    it was freed."""
     a, b = Node(), Node()
     a.other, b.other = b, a
     return weakref.ref(a), a

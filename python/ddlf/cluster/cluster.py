@@ -220,11 +220,10 @@ class Cluster(Collectives):
             per=per, python=python, start_timeout=start_timeout, worker_args=worker_args, run_dir=run_dir
         )
         try:
-            cluster = cls(workers.addresses, workers.token, _local=workers, **kwargs)
+            return cls(workers.addresses, workers.token, _local=workers, **kwargs)
         except BaseException:
             workers.terminate()
             raise
-        return cluster
 
     @classmethod
     def from_kubernetes(

@@ -268,7 +268,7 @@ def _supervise(
                     # are not), and after a failed call only at the next look (no retry in a tight loop).
                     if address in active or ep.queue_for(w) is None:
                         continue
-                    if now - failed_at.get(address, -SUPERVISE_EVERY) < SUPERVISE_EVERY:
+                    if address in failed_at and now - failed_at[address] < SUPERVISE_EVERY:
                         continue
                     active.add(address)
                     start.append((w, address))

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .buckets import cut
-from .tracing import any_batch_size
+from .tracing import AnyBatchSize
 
 _WRITES_THROUGH: bool | None = None
 
@@ -172,8 +172,7 @@ class GraphBuckets:
             averaged, totals = exchanged([tf.zeros_like(v) for v in trainable], tf.constant(0.0, tf.float32))
             return applied(averaged, totals), totals
 
-        self._with, self._without = with_batch, without_batch
-        self._traced = False
+        self._with, self._without = AnyBatchSize(tf, with_batch), without_batch  # one trace for short batches too
         self._stepper = stepper
 
     @staticmethod
@@ -210,11 +209,7 @@ class GraphBuckets:
             else:
                 backward()
                 x, y, sw = self._stepper.take_batch()
-                w = tf.constant(weight, tf.float32)
-                if not self._traced:  # one trace for full and short batches alike
-                    any_batch_size(tf, self._with, x, y, sw, w)
-                    self._traced = True
-                _, totals = self._with(x, y, sw, w)
+                _, totals = self._with(x, y, sw, tf.constant(weight, tf.float32))
             totals = [float(t) for t in totals.numpy()]
         except Exception:
             if self._error is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ...frameworks.torch_model import TorchModel
-from .tracing import any_batch_size
+from .tracing import AnyBatchSize
 
 
 class Stepper:
@@ -365,8 +365,11 @@ class _TensorFlowStepper(_KerasStepper):
             # one step after another (each reads the weights the previous one wrote)
             tf.while_loop(lambda i: i < n, body, (tf.constant(0, tf.int32),), parallel_iterations=1)
 
-        self._gradients, self._apply = gradients, apply
-        self._one_step, self._grouped_steps = step, steps  # a batch; a stack of them (model averaging, async)
+        # Each traced once for batches of any size (the epoch's last, short one too): tracing.py
+        self._gradients: Any = AnyBatchSize(tf, gradients)
+        self._apply = apply
+        self._one_step = AnyBatchSize(tf, step)  # a batch...
+        self._grouped_steps = AnyBatchSize(tf, steps, leading=2)  # ...and a stack of them (model averaging, async)
         if overrides_train_step(model):
             # The model's own train_step computes the gradients; the optimizer's apply is caught (not run) and
             # the averaged gradients are applied to the variables it was given.
@@ -381,25 +384,12 @@ class _TensorFlowStepper(_KerasStepper):
             def apply_caught(grads: Any) -> None:
                 model.optimizer.apply(grads, self.trainable)
 
-            self._gradients, self._apply = caught, apply_caught
-        traced: set[str] = set()
-
-        def one(x: Any, y: Any, sw: Any) -> None:
-            if "one" not in traced:
-                any_batch_size(tf, step, x, y, sw)
-                traced.add("one")
-            step(x, y, sw)
-
-        def many(xs: np.ndarray, ys: np.ndarray, n: int) -> None:
-            n_ = tf.constant(n, tf.int32)  # a tensor: a Python int would trace the loop again for each count
-            if "many" not in traced:  # one trace for stacks of full batches and of the last, short one
-                any_batch_size(tf, steps, xs, ys, n_, leading=2)
-                traced.add("many")
-            steps(xs, ys, n_)
-
-        self._grouped = _Grouped(one, many)
+            self._gradients, self._apply = AnyBatchSize(tf, caught), apply_caught
+        # n as a tensor: a Python int would trace the loop again for each count
+        self._grouped = _Grouped(
+            self._one_step, lambda xs, ys, n: self._grouped_steps(xs, ys, tf.constant(n, tf.int32))
+        )
         self._built = False
-        self._gradients_traced = False
         self._batch: tuple[Any, Any, Any] | None = None
         self._graph_buckets: tuple[int, Any] | None = None
 
@@ -458,9 +448,6 @@ class _TensorFlowStepper(_KerasStepper):
     def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
         self._ready(x, y, sw)
         self._flush()
-        if not self._gradients_traced:
-            any_batch_size(self._tf, self._gradients, x, y, sw)
-            self._gradients_traced = True
         return [np.asarray(g.numpy()) for g in self._gradients(x, y, sw)]  # 0-d gradients as 0-d arrays
 
     def apply(self, gradients: list[np.ndarray]) -> None:

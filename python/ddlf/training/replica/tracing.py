@@ -10,6 +10,25 @@ import numpy as np
 log = logging.getLogger("ddlf.training")
 
 
+class AnyBatchSize:
+    """``fn`` (a ``tf.function``), traced on its first call by :func:`any_batch_size` for batches of any size
+    like that call's (the arguments' ``leading`` dimensions unknown), then called; other attributes are
+    ``fn``'s."""
+
+    def __init__(self, tf: Any, fn: Any, leading: int = 1) -> None:
+        self._tf, self._fn, self._leading = tf, fn, leading
+        self._traced = False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self._traced:
+            any_batch_size(self._tf, self._fn, *args, leading=self._leading)
+            self._traced = True
+        return self._fn(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fn, name)
+
+
 def any_batch_size(tf: Any, fn: Any, *batch: Any, leading: int = 1) -> None:
     """Trace ``fn`` (a ``tf.function``) once for batches of any size like ``batch``'s arrays (their ``leading``
     dimensions unknown: 2 for a stack of batches), as ``fit`` traces its step over a dataset whose batches may be
