@@ -186,6 +186,10 @@ def check_ring_spec(spec: Any) -> None:
 def check_reduction(op: str, wire: str | None = None) -> None:
     """Raise ``ValueError`` unless ``op`` is "sum" or "mean" and ``wire`` None, "float16" or "bfloat16"."""
 
+def leave_rings() -> None:
+    """This worker is stopping: from now on its daemon answers ring links and liveness probes with "stopping",
+    so a ring waiting on it fails at its next probe (a quarter of the ring's liveness bound). For good."""
+
 def weighted_average(lists: Sequence[Sequence[Any]], weights: Sequence[float] | None = None) -> list[Any]: ...
 def axpy_(weights: Sequence[Any], delta: Sequence[Any], alpha: float = 1.0) -> None: ...
 def delta(new: Sequence[Any], old: Sequence[Any]) -> list[Any]: ...

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import ddlf
 from ddlf.training import checkpoint
 
+from ..conftest import pid_alive, wait_until
 from .apps import FaultApp
 
 
@@ -66,6 +68,70 @@ def test_a_preempted_sync_run_resumes_at_the_next_round_and_ends_as_an_uninterru
     assert len(h.history["loss"]) == 2
     assert [e["event"] for e in h.events] == ["preempted", "resumed"]
     assert cluster.run(lambda: 1) == [1, 1]
+
+
+class StopTheJob(ddlf.callbacks.Callback):
+    """What a scheduler does when it preempts or requeues a job: SIGTERM to every process of it, the workers and
+    this master, here ``delay`` seconds after round ``at`` ended (while the next one trains)."""
+
+    def __init__(self, at: int, workers: list[int], delay: float) -> None:
+        self.at, self.workers, self.delay = at, workers, delay
+
+    def on_round_end(self, round: int, logs=None) -> None:
+        if round == self.at:
+            threading.Timer(self.delay, self._stop).start()
+
+    def _stop(self) -> None:
+        for pid in self.workers:
+            os.kill(pid, signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_to_every_process_of_a_ring_run_loses_only_the_round_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gradient averaging on the ring (the default strategy): the weights of the last round live on the workers. A
+    SIGTERM to the workers used to end them at once, and the preempted run fell back to its last epoch's
+    checkpoint; now they drain (ddlf.worker.drain): the round in flight is abandoned, the master reads the last
+    merged round from them, and the resumed run ends as one never interrupted."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    kw = dict(batch_size=32, strategy=ddlf.GradientAveraging(check_in_every=5), verbose=0)
+    ckpt = tmp_path / "ckpt"
+    with ddlf.Cluster.local(2, threads=1) as c:
+        straight = FaultApp(c)
+        straight.train(epochs=1, run=ddlf.RunConfig(seed=3), **kw)
+        pids = c._local.pids()
+        # Worker 1 sleeps 0.1 s a batch (5 a round) in this run: the signal lands inside round 6, with worker 1
+        # in its sleep and worker 0 waiting for it in the all-reduce.
+        monkeypatch.setenv("DDLF_SLOW_WORKER", "1:0.1")
+        first = FaultApp(c)
+        with pytest.raises(ddlf.Preempted) as info:
+            first.train(
+                epochs=1,
+                run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt),
+                callbacks=[StopTheJob(5, pids, delay=0.25)],
+                **kw,
+            )
+        monkeypatch.delenv("DDLF_SLOW_WORKER")
+        for s in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)  # this test's process: as it was
+        # 6,000 rows; a round is 2 workers x 5 batches of 32: rounds 0-5 merged, round 6 abandoned.
+        assert info.value.signal == "SIGTERM" and "no new checkpoint" not in str(info.value), str(info.value)
+        assert "after 0 epochs and 1920 rows" in str(info.value), str(info.value)
+        saved = checkpoint.load(ckpt)
+        assert saved["epochs_done"] == 0 and saved["epoch_position"] == 1920
+        states = saved["worker_states"]
+        assert len(states) == 2 and all(s["optimizer"] is not None for s in states.values())
+        # The run torn down, the workers ended their drain and exited (well within Slurm's KillWait of 30 s).
+        assert wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=15), "the workers did not exit"
+    with ddlf.Cluster.local(2, threads=1) as c:  # the requeued job: new workers
+        resumed = FaultApp(c)
+        h = resumed.train(epochs=1, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt, resume=True), **kw)
+    events = [e["event"] for e in h.events if e["event"] != "exchange"]
+    assert events == ["round_abandoned", "preempted", "resumed"], events
+    assert sum(s.samples for s in h.stats) == 6000  # rounds 0-5 in the first run, 6-18 here: each row once
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
 def test_a_run_that_was_not_preempted_puts_the_handlers_back(cluster: ddlf.Cluster, tmp_path: Path) -> None:

@@ -3,8 +3,10 @@ on the first node of a real (namespace) Slurm cluster: it starts the allocation'
 ``Cluster.from_slurm()``, trains the tests' small MNIST model and appends one JSON line about the run to OUT.json.
 
 Environment: ``EPOCHS`` (default 2), ``CKPT`` (a checkpoint directory: resume from it, and checkpoint there),
-``BEFORE_TRAIN`` (seconds the first run spends between starting its workers and ``train()``, as a script that loads
-its data: it writes ``OUT.json.started`` first).
+``EVERY`` (batches a round, default 10), ``STRATEGY`` (``gradients``: gradient averaging, the default strategy,
+checking in every ``EVERY`` batches; else model averaging every ``EVERY`` batches), ``BEFORE_TRAIN`` (seconds the
+first run spends between starting its workers and ``train()``, as a script that loads its data: it writes
+``OUT.json.started`` first), ``ROUND_SLEEP`` (seconds the first run sleeps after each round: a slower job).
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ class SlurmMnist(SmallMnist):
     rows = 6000
 
 
+class SlowRounds(ddlf.callbacks.Callback):
+    """Sleeps after each round: a job whose training takes longer than its time limit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_round_end(self, round: int, logs: dict | None = None) -> None:
+        time.sleep(self.seconds)
+
+
 def main(out: str) -> None:
     t0 = time.time()
     ckpt = os.environ.get("CKPT")
@@ -38,10 +50,21 @@ def main(out: str) -> None:
         if os.environ.get("BEFORE_TRAIN") and record["restart"] in (None, "0"):
             open(out + ".started", "w").close()
             time.sleep(float(os.environ["BEFORE_TRAIN"]))  # loading its data, say
-        strategy = ddlf.ModelAveraging(every=int(os.environ.get("EVERY", "10")))
+        every = int(os.environ.get("EVERY", "10"))
+        strategy: ddlf.ModelAveraging | ddlf.GradientAveraging = ddlf.ModelAveraging(every=every)
+        if os.environ.get("STRATEGY") == "gradients":  # the default strategy, with a check-in (a round) every EVERY
+            strategy = ddlf.GradientAveraging(scale_learning_rate=True, check_in_every=every)
+        callbacks = []
+        if os.environ.get("ROUND_SLEEP") and record["restart"] in (None, "0"):
+            callbacks.append(SlowRounds(float(os.environ["ROUND_SLEEP"])))
         try:
             history = app.train(
-                epochs=int(os.environ.get("EPOCHS", "2")), batch_size=64, verbose=0, run=run, strategy=strategy
+                epochs=int(os.environ.get("EPOCHS", "2")),
+                batch_size=64,
+                verbose=0,
+                run=run,
+                strategy=strategy,
+                callbacks=callbacks,
             )
         except ddlf.Preempted as exc:
             # Written at once: Slurm ends this job KillWait seconds after its SIGTERM.

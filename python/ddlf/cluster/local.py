@@ -144,6 +144,16 @@ def _terminate_all(processes: list[subprocess.Popen[bytes]], directory: str) -> 
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
+    # A worker that still held a run (its master stopped before tearing it down) drains on the first SIGTERM,
+    # waiting for that master (ddlf.worker.drain); this master is the one stopping it: a second SIGTERM ends it.
+    deadline = time.monotonic() + 0.3
+    for p in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 5.0
     for p in processes:
         try:

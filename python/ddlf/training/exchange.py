@@ -31,6 +31,7 @@ applies the same bits. :class:`~ddlf.TopK` exists only through the master: the r
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,12 @@ def resolve(exchange: ThroughMaster | Ring | AutoExchange, cluster: Any, workers
     if isinstance(exchange, AutoExchange):
         return exchange.resolve(len({host_of(cluster.addresses[w]) for w in workers}))
     return exchange
+
+
+def is_stopping(exc: BaseException) -> bool:
+    """A worker told to stop (SIGTERM) abandoned its round: it still answers for a while, holding the weights of
+    the last round reduced (:mod:`ddlf.worker.drain`)."""
+    return isinstance(exc, RemoteError) and (exc.remote_type or "").rsplit(".", 1)[-1] == "WorkerStopping"
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -91,7 +98,7 @@ class RingExchange:
         for w in list(self.synced) if self.round is not None else []:
             try:
                 got = cluster.run_on(w, remote.reduced_weights, run_id, self.round)
-            except WorkerUnavailable:
+            except (WorkerUnavailable, RemoteError):  # gone, or it no longer holds that round
                 self.synced.pop(w, None)
                 continue
             self.fallback = [np.asarray(a) for a in got]
@@ -203,6 +210,7 @@ class RingExchange:
             outcomes = cluster.run_each(step_fn, args, workers=targets, return_exceptions=True)
             call_s = cluster.last_call_timings()
             failed_ring = False
+            stopping: list[int] = []
             for w, out in zip(targets, outcomes):
                 if not isinstance(out, BaseException):
                     continue
@@ -211,6 +219,8 @@ class RingExchange:
                 else:
                     run.fail(out)  # raises unless the policy carries on without this worker
                     lost.append(w)
+                    if is_stopping(out):
+                        stopping.append(w)
             if not lost and not failed_ring:
                 self.synced = {w: cluster.instance(w) for w in targets}
                 self.round = round_no
@@ -248,9 +258,15 @@ class RingExchange:
                 if overflow:
                     run.wire_overflow(overflow)
                 return results, t_sent, send_s, call_s
-            run.members.note("allreduce_redo", lost=lost, survivors=[w for w in targets if w not in lost])
+            survivors = [w for w in targets if w not in lost]
             cluster.retire_ring(ring)  # spent: the next attempt forms a new one
-            pending = self._drop(pending, lost, epoch, round_no, t0)
+            pending = self._drop(pending, lost, epoch, round_no, t0, keep=stopping)
+            if run.preempted():
+                # The scheduler stops the workers too: the round is abandoned, the last one merged stands (the
+                # workers still answer for it while they drain: ddlf.worker.drain).
+                run.members.note("round_abandoned", lost=lost, survivors=survivors)
+                return [], t_sent, send_s, {}
+            run.members.note("allreduce_redo", lost=lost, survivors=survivors)
         hint = ""
         if cfg.averaging == "gradients" and cfg.strategy_reason is not None:
             hint = (
@@ -270,10 +286,19 @@ class RingExchange:
         return "reshard" if self.shards_held else "fresh"
 
     def _drop(
-        self, pending: list[tuple[int, Rows]], lost: list[int], epoch: int, round_no: int, t0: float
+        self,
+        pending: list[tuple[int, Rows]],
+        lost: list[int],
+        epoch: int,
+        round_no: int,
+        t0: float,
+        keep: Collection[int] = (),
     ) -> list[tuple[int, Rows]]:
+        """Leave ``lost`` out of the round. Those in ``keep`` (stopping: :func:`is_stopping`) still hold the
+        last round's weights, and :meth:`weights` may still read them."""
         wall = time.perf_counter() - t0
         for w in lost:
-            self.forget(w)
+            if w not in keep:
+                self.forget(w)
             self.run.lost(epoch, round_no, w, wall, t0)
         return [(w, e) for w, e in pending if w not in lost]

@@ -9,7 +9,9 @@ process die:
 * the loop finishes the round in flight (SIGUSR1: the workers are still there) or abandons it (SIGTERM: Slurm
   signalled the workers too, and the round fails), then writes the checkpoint of the last merged round: weights,
   History and the position in the epoch's permutation, so the resumed run starts at the next round. Work lost:
-  at most the round in flight (asynchronous training: the epoch in flight).
+  at most the round in flight. On the ring the last round's weights (and each worker's optimizer state) are on
+  the workers: a worker signalled with SIGTERM abandons its round but answers the master until the run is torn
+  down (:mod:`ddlf.worker.drain`), so the master reads them from there.
 * on SIGUSR1 inside a Slurm job the master requeues it (``scontrol requeue``); on SIGTERM it does not (Slurm
   requeues a preempted job itself, and a cancelled one must stay cancelled);
 * ``train()`` raises :class:`~ddlf.errors.Preempted`. The requeued job runs the same script, whose

@@ -26,6 +26,7 @@ from .. import _ddlf, serialization
 from ..errors import MemoryBudgetExceeded
 from ..process import freeze_heap
 from ..shipping import files_digest, in_package, module_files, source_path
+from .drain import Draining
 from .memory_budget import MemoryBudget
 from .stacks import StackDumps
 
@@ -113,6 +114,10 @@ class Executor:
         self.address = ""
         self._ready_file = ready_file
         self._stacks: StackDumps | None = None
+        self.busy = False
+        """Whether a call is running (a stop interrupts it: :mod:`.drain`)."""
+        self.runs: list[str] = []
+        """The training runs set up here (a stop waits for them to be torn down: :mod:`.drain`)."""
         self._module_dir: Path | None = Path(module_dir) if module_dir else None
         self._own_module_dir = False
         # (uploaded module, shipped automatically?) -> the digest of the version in use
@@ -170,7 +175,11 @@ class Executor:
 
         self._stacks = StackDumps(daemon)
 
-        replica.configure(report_runs=daemon.set_runs)
+        def report_runs(runs: list[str]) -> None:
+            self.runs = list(runs)
+            daemon.set_runs(runs)
+
+        replica.configure(report_runs=report_runs)
         if self.preload:
             threading.Thread(target=_preload, args=(self.preload,), name="ddlf-preload", daemon=True).start()
         if self._ready_file:
@@ -194,11 +203,17 @@ class Executor:
                 # are decoded in place from their buffers).
                 self.budget.check(len(pickle), f"{what} {name!r}" if name else what)
             value = self._decode(op, pickle, buffers)
-            if op == OPS["RUN"] or op == OPS["EXEC"]:
-                with self.budget:  # the watchdog stops the call if it takes the worker past its budget
+            self.busy = True
+            try:
+                if op == OPS["RUN"] or op == OPS["EXEC"]:
+                    with self.budget:  # the watchdog stops the call if it takes the worker past its budget
+                        result = handler(name, digest, value)
+                else:
                     result = handler(name, digest, value)
-            else:
-                result = handler(name, digest, value)
+            finally:
+                self.busy = False
+        except Draining as exc:  # SIGTERM: this call is abandoned, the worker serves on for a while (drain.py)
+            return (KINDS["USER"], ("WorkerStopping", f"the worker is stopping: {exc}", ""))
         except MemoryBudgetExceeded as exc:
             refused = str(exc)
         except _Failure as f:

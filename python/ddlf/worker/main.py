@@ -20,6 +20,8 @@ from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
 from ..process import die_with_parent, in_effect, prepare_process, thread_env
 from ..settings import MAX_LANE_SPIN_US, check_lane_spin_us, module_list
+from .drain import DEFAULT_SECONDS as DEFAULT_DRAIN_SECONDS
+from .drain import Drain
 from .executor import Executor
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
@@ -32,6 +34,16 @@ def _positive_seconds(text: str) -> float:
         value = float("nan")
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"a positive number of seconds, got {text!r}")
+    return value
+
+
+def _seconds_or_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of seconds, 0 or more, got {text!r}")
     return value
 
 
@@ -168,6 +180,15 @@ def _parser() -> argparse.ArgumentParser:
         help="once listening, report this worker's port to the master waiting there, with an HMAC under the token "
         "(Cluster.from_slurm starts workers so; default: DDLF_RENDEZVOUS, a port on SLURM_LAUNCH_NODE_IPADDR)",
     )
+    p.add_argument(
+        "--drain-seconds",
+        type=_seconds_or_zero,
+        default=DEFAULT_DRAIN_SECONDS,
+        metavar="SECONDS",
+        help="on SIGTERM while a training run is set up here, interrupt the call in flight, refuse new rounds and "
+        "keep answering the master (which reads the last round's weights for its checkpoint) until its runs are "
+        f"torn down or this many seconds pass, then exit (default {DEFAULT_DRAIN_SECONDS:.0f}; 0: exit at once)",
+    )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -249,6 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_memory=args.max_memory,
         on_ready=_reporter(report_to, token or "", args.name or "") if report_to else None,
     )
+    # From here a SIGTERM lets the masters read what this worker holds before it exits (drain.py).
+    signal.signal(
+        signal.SIGTERM,
+        Drain(args.drain_seconds, serving=lambda: bool(executor.runs), busy=lambda: executor.busy).on_signal,
+    )
     try:
         _ddlf.serve_worker(
             executor,
@@ -271,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: a second SIGTERM must not cut the clean-up
         executor.close()
         _let_go_of_datasets()
     return 0

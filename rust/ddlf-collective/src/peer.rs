@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,6 +36,24 @@ use crate::tls::PeerTls;
 pub const ANSWER_OK: u8 = 0;
 /// The daemon's answer: no token, or the wrong one.
 pub const ANSWER_UNAUTHENTICATED: u8 = 1;
+/// The daemon's answer: its worker is stopping ([`leave`]); it joins no ring and its rings are over.
+pub const ANSWER_LEAVING: u8 = 2;
+
+/// Set once this process's worker has been told to stop ([`leave`]).
+static LEAVING: AtomicBool = AtomicBool::new(false);
+
+/// This process's worker is stopping (SIGTERM; it still answers its master for a while): from now on its daemon
+/// answers liveness probes and new links with [`ANSWER_LEAVING`], so a rank waiting on it in a ring fails at its
+/// next probe (within a quarter of the ring's liveness bound) instead of waiting for a member that no longer
+/// takes part, and no new ring includes it. For good: a stopping worker never comes back.
+pub fn leave() {
+    LEAVING.store(true, Ordering::SeqCst);
+}
+
+/// Whether [`leave`] was called.
+pub fn leaving() -> bool {
+    LEAVING.load(Ordering::SeqCst)
+}
 
 /// The longest token a peer may present (the daemon refuses longer ones unread).
 const MAX_TOKEN: usize = 4096;
@@ -147,6 +165,9 @@ pub fn open(
         // A TLS record (an alert): a TLS daemon read the plaintext hello as a broken handshake.
         Ok(1) if tls.is_none() && matches!(answer[0], 0x15 | 0x16) => Err(OpenError::Refused(
             "answered in TLS: a TLS daemon (its ring must be formed with the cluster's TLS authority)",
+        )),
+        Ok(1) if answer[0] == ANSWER_LEAVING => Err(OpenError::Refused(
+            "its worker is stopping (told to by SIGTERM): it takes part in no ring any more",
         )),
         Ok(1) => Err(OpenError::Refused("unknown answer")),
         Ok(_) => Err(OpenError::Refused(if tls.is_some() {
@@ -266,6 +287,12 @@ async fn answer<S: AsyncWrite + Unpin>(
         let _ = stream.flush().await;
         return;
     };
+    if leaving() {
+        tracing::debug!(%peer, rank = key.to_rank, "peer link or probe answered: this worker is stopping");
+        let _ = stream.write_all(&[ANSWER_LEAVING]).await;
+        let _ = stream.flush().await;
+        return;
+    }
     let answered = async {
         stream.write_all(&[ANSWER_OK]).await?;
         stream.flush().await

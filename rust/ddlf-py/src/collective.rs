@@ -115,6 +115,13 @@ impl PySpec {
     }
 }
 
+/// This worker is stopping: its daemon answers ring links and liveness probes with "stopping" from now on, so
+/// the ranks of a ring waiting on it fail at their next probe ([`ddlf_collective::peer::leave`]).
+#[pyfunction]
+pub fn leave_rings() {
+    ddlf_collective::peer::leave();
+}
+
 /// Check a `ddlf.ring_spec.RingSpec` where it is made (the master), with the checks a worker's [`Ring`] makes.
 #[pyfunction]
 pub fn check_ring_spec(spec: PySpec) -> PyResult<()> {

@@ -47,6 +47,7 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<collective::Ring>()?;
     m.add_function(wrap_pyfunction!(collective::check_ring_spec, m)?)?;
     m.add_function(wrap_pyfunction!(collective::check_reduction, m)?)?;
+    m.add_function(wrap_pyfunction!(collective::leave_rings, m)?)?;
     m.add_class::<errors::ErrorClass>()?;
     m.add_class::<buffers::RecvBuffer>()?;
     m.add_class::<pipeline::BatchPipeline>()?;

@@ -16,7 +16,7 @@ from ...worker.collective import reduce_scratch
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
 from .rounds import train_chunk
-from .state import optimizer_built, optimizer_state, set_learning_rate, set_optimizer_state
+from .state import optimizer_built, optimizer_state, rng_state, set_learning_rate, set_optimizer_state
 from .steppers import local_mask
 
 if TYPE_CHECKING:
@@ -260,6 +260,8 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         stepper.build_optimizer()
         set_optimizer_state(model, _adopt(optimizer_state(model), not fresh, ring))
     session.optimizer_start = optimizer_state(model) if optimizer_built(model) else None
+    session.rng_start = rng_state(model)
+    session.in_flight = round_no  # until _end_round: a checkpoint meanwhile takes these starting states
     if spec.learning_rate is not None:
         set_learning_rate(model, spec.learning_rate)
         if getattr(stepper, "base_lr", None) is not None:
@@ -354,6 +356,7 @@ def _end_round(
             new[i] = a
     _sum_counter_changes(start, new, new, ring)
     session.reduced = (spec.round_no, start, new)
+    session.in_flight = None
     session.last_used = time.monotonic()
     return {
         "samples": samples,
@@ -401,6 +404,8 @@ def _train_sharded(session: Session, spec: GradientRound, start: list[np.ndarray
         try:
             missing = sharded.begin(ring, spec.shard or "fresh", spec.fresh, session.restored_shard, trainable)
             session.restored_shard = None
+            session.rng_start = rng_state(model)
+            session.in_flight = spec.round_no  # until _end_round: a checkpoint meanwhile takes the start states
             for step in range(spec.steps):
                 factor = _warm_up(stepper, spec.learning_rate_factor, step, spec.steps, factor)
                 batch = next(batches, None)

@@ -47,7 +47,12 @@ class Session:
     stepper: Any = None
     """The model's training step (:mod:`.steppers`), made on first use."""
     optimizer_start: list[np.ndarray] | None = None
-    """With gradient averaging: the optimizer state the last round started from."""
+    """With gradient averaging: the optimizer state the last round started from..."""
+    rng_start: list[np.ndarray] | None = None
+    """...the random generators' state it started from..."""
+    in_flight: int | None = None
+    """...and that round's number while it has not ended here (it failed, or a stop interrupted it): the
+    optimizer and the generators have taken some of its steps, which a checkpoint must not keep (:meth:`state`)."""
     outer: OuterMomentum | None = None
     """On the ring with an outer optimizer: its momentum..."""
     outer_start: list[np.ndarray] | None = None
@@ -137,13 +142,23 @@ class Session:
         generators' state, its top-k residual and its outer momentum. Saved in checkpoints, so a resumed run
         continues identically."""
         model = self.model
-        held = self.sharded.held() if self.sharded is not None else None
+        # A gradient-averaging round that did not end here leaves the optimizer part-way through it: the state
+        # that goes with the last reduced weights is the one the round started from.
+        unfinished = self.in_flight is not None
+        held = None
+        if self.sharded is not None:
+            held = self.sharded.start if unfinished and self.sharded.start is not None else self.sharded.held()
         if held is None and self.restored_shard is not None:
             held = self.restored_shard
+        optimizer = None
+        if unfinished:
+            optimizer = self.optimizer_start  # None: not built when the round started (a fresh one on resume)
+        elif optimizer_built(model):
+            optimizer = optimizer_state(model)
         return {
-            "optimizer": optimizer_state(model) if optimizer_built(model) else None,
+            "optimizer": optimizer,
             "optimizer_shard": held.to_dict() if held is not None else None,
-            "rng": rng_state(model),
+            "rng": self.rng_start if unfinished and self.rng_start is not None else rng_state(model),
             "residual": self.residual,
             "outer": self.outer.state() if self.outer is not None else None,
         }
