@@ -2,7 +2,8 @@
 
 On a Slurm cluster in network namespaces (:mod:`benchmarks.slurm`, 2 nodes), the same training job
 (``tests/slurm/slurm_job.py`` through ``deploy/slurm/ddlf.sbatch``: 2 workers, the tests' MNIST model, 6,000 rows,
-model averaging every 5 batches, a checkpoint directory) runs undisturbed, then preempted once after its first
+the default strategy (gradient averaging on the ring, checking in every 5 batches; ``--strategy weights``: model
+averaging every 5 batches), a checkpoint directory) runs undisturbed, then preempted once after its first
 epoch's checkpoint, by ``scontrol requeue`` (SIGTERM to every process, the job back in the queue) and by the
 time-limit warning (SIGUSR1 to the batch shell; the master requeues). Per run: wall time from submission to
 completion, rows trained against an undisturbed run (rows lost to the preemption, or trained twice), final
@@ -25,9 +26,13 @@ from . import report, slurm
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 6000
+STRATEGIES = {
+    "gradients": "`GradientAveraging(scale_learning_rate=True, check_in_every=5)` (the default strategy, on the ring)",
+    "weights": "`ModelAveraging(every=5)` (on the ring)",
+}
 
 
-def _run(cluster: slurm.SlurmCluster, work: Path, name: str, epochs: int, how: str | None) -> dict:
+def _run(cluster: slurm.SlurmCluster, work: Path, name: str, epochs: int, how: str | None, strategy: str) -> dict:
     out = work / f"{name}.json"
     ckpt = work / f"{name}-ckpt"
     env = {
@@ -37,6 +42,7 @@ def _run(cluster: slurm.SlurmCluster, work: Path, name: str, epochs: int, how: s
         "EPOCHS": str(epochs),
         "EVERY": "5",
         "CKPT": str(ckpt),
+        "STRATEGY": strategy,
     }
     t0 = time.monotonic()
     queued = 0.0
@@ -106,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks preemption", description=__doc__)
     p.add_argument("--epochs", type=int, default=8, help="epochs per run (the signal comes after the first)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each kind (medians are reported)")
+    p.add_argument(
+        "--strategy",
+        choices=("gradients", "weights"),
+        default="gradients",
+        help="gradients: the default strategy (gradient averaging on the ring); weights: model averaging",
+    )
     p.add_argument("--out", default="RELIABILITY.md")
     args = p.parse_args(argv)
     ok, why = slurm.available()
@@ -119,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.repeat):
             for kind in runs:
                 how = None if kind == "undisturbed" else kind
-                runs[kind].append(_run(cluster, Path(tmp), f"{kind}{i}", args.epochs, how))
+                runs[kind].append(_run(cluster, Path(tmp), f"{kind}{i}", args.epochs, how, args.strategy))
     full = args.epochs * ROWS
     base = statistics.median(r["wall"] for r in runs["undisturbed"])
     labels = {
@@ -145,11 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     notes = [r["preempted_at"] for rs in runs.values() for r in rs if r["preempted_at"]]
     body = "\n".join(
         [
-            f"## Preemption under Slurm (`sudo python -m benchmarks preemption --epochs {args.epochs}`)",
+            f"## Preemption under Slurm (`sudo python -m benchmarks preemption --epochs {args.epochs} --strategy "
+            f"{args.strategy}`)",
             "",
             f"Machine: {report.machine()}. A real Slurm (slurmctld and 2 slurmd in network namespaces, "
             f"`benchmarks/slurm.py`, KillWait 30 s); the job: `deploy/slurm/ddlf.sbatch tests/slurm/slurm_job.py`, "
-            f"2 workers, {args.epochs} epochs of {ROWS:,} MNIST rows, `ModelAveraging(every=5)`, checkpoints on; "
+            f"2 workers, {args.epochs} epochs of {ROWS:,} MNIST rows, {STRATEGIES[args.strategy]}, checkpoints on; "
             f"medians of {args.repeat} run(s) each. Wall time: submission to completion, requeue and the second "
             "start included; Slurm holds a requeued job about 120 s before it may start again, shown apart. Resumed "
             "from: the checkpoint the requeued job went on from (the preemption's own: the last merged round "
