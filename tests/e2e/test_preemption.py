@@ -128,10 +128,44 @@ def test_a_sigterm_to_every_process_of_a_ring_run_loses_only_the_round_in_flight
         resumed = FaultApp(c)
         h = resumed.train(epochs=1, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt, resume=True), **kw)
     events = [e["event"] for e in h.events if e["event"] != "exchange"]
-    assert events == ["round_abandoned", "preempted", "resumed"], events
+    assert events == ["stopping", "round_abandoned", "preempted", "resumed"], events  # worker 1's answer first
     assert sum(s.samples for s in h.stats) == 6000  # rounds 0-5 in the first run, 6-18 here: each row once
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+class StopOneWorker(ddlf.callbacks.Callback):
+    """SIGTERM to one worker when round ``at`` ends (a node drained, a pod evicted): the master is not told."""
+
+    def __init__(self, at: int, pid: int) -> None:
+        self.at, self.pid = at, pid
+
+    def on_round_end(self, round: int, logs=None) -> None:
+        if round == self.at:
+            os.kill(self.pid, signal.SIGTERM)
+
+
+def test_a_worker_stopped_alone_is_left_out_and_training_goes_on(tmp_path: Path) -> None:
+    """A worker told to stop while the master is not (no preemption) refuses new rounds while it drains: the
+    failure policy takes that as a lost worker (``lost_worker="continue"``), and the run ends on the others."""
+    with ddlf.Cluster.local(2, threads=1) as c:
+        pid = c._local.pids()[1]
+        app = FaultApp(c)
+        h = app.train(
+            epochs=2,
+            batch_size=32,
+            verbose=0,
+            strategy=ddlf.GradientAveraging(check_in_every=5),
+            run=ddlf.RunConfig(seed=3, checkpoint_dir=tmp_path / "ckpt"),
+            callbacks=[StopOneWorker(3, pid)],
+        )
+        assert len(h.history["loss"]) == 2 and h.history["accuracy"][-1] > 0.7
+        assert sum(s.samples for s in h.stats if s.epoch == 1 and s.worker == 1) == 0  # left out from then on
+        assert sum(s.samples for s in h.stats if s.epoch == 1) == 6000  # the epoch on worker 0 alone
+        stops = [e for e in h.events if e["event"] == "stopping"]
+        assert [e["worker"] for e in stops] == [1], h.events  # once: left out of every later round
+        assert not any(e["event"] == "allreduce_redo" and e["round"] > stops[0]["round"] + 1 for e in h.events)
+        assert wait_until(lambda: not pid_alive(pid), timeout=25), "the stopped worker did not exit"
 
 
 def test_a_run_that_was_not_preempted_puts_the_handlers_back(cluster: ddlf.Cluster, tmp_path: Path) -> None:

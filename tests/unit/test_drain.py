@@ -21,14 +21,15 @@ def _never() -> None:
 @pytest.fixture(autouse=True)
 def _not_draining(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(drain, "_since", None)
+    monkeypatch.setattr(drain, "_call", None)
 
 
 def test_a_worker_serving_no_run_exits_at_the_signal() -> None:
-    d = Drain(10.0, serving=lambda: False, busy=lambda: True, leave=_never)
+    d = Drain(10.0, serving=lambda: False, leave=_never)
     with pytest.raises(SystemExit):
         d.on_signal(signal.SIGTERM, None)
     assert not drain.draining()
-    d = Drain(0.0, serving=lambda: True, busy=lambda: True, leave=_never)  # --drain-seconds 0
+    d = Drain(0.0, serving=lambda: True, leave=_never)  # --drain-seconds 0
     with pytest.raises(SystemExit):
         d.on_signal(signal.SIGTERM, None)
 
@@ -40,12 +41,15 @@ def test_a_serving_worker_interrupts_its_call_refuses_new_work_and_exits_when_th
     signalled: list[tuple[int, int]] = []
     monkeypatch.setattr(drain.os, "kill", lambda pid, sig: signalled.append((pid, sig)))
     left: list[bool] = []
-    d = Drain(30.0, serving=lambda: bool(runs), busy=lambda: True, leave=lambda: left.append(True))
+    d = Drain(30.0, serving=lambda: bool(runs), leave=lambda: left.append(True))
+    drain.call_started()  # a round runs
     with pytest.raises(Draining, match="SIGTERM received"):
         d.on_signal(signal.SIGTERM, None)  # a round was running: interrupted
     assert drain.draining() and left == [True]  # out of every ring: a peer waiting on it fails at its next probe
     with pytest.raises(Draining, match="no new round"):
         drain.refuse_new_work("round")
+    drain.call_ended()
+    d.on_signal(signal.SIGTERM, None)  # srun passes on the SIGTERM slurmstepd sent too: the same stop, ignored
     time.sleep(0.3)
     assert signalled == []  # the run is still there: the worker waits for its master
     runs.clear()  # the master tore its run down (its checkpoint written)
@@ -60,7 +64,7 @@ def test_a_serving_worker_interrupts_its_call_refuses_new_work_and_exits_when_th
 def test_an_idle_worker_is_not_interrupted_and_the_drain_ends_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     signalled: list[int] = []
     monkeypatch.setattr(drain.os, "kill", lambda pid, sig: signalled.append(sig))
-    d = Drain(0.3, serving=lambda: True, busy=lambda: False, leave=lambda: None)
+    d = Drain(0.3, serving=lambda: True, leave=lambda: None)
     t0 = time.monotonic()
     d.on_signal(signal.SIGTERM, None)  # nothing runs: nothing raised, serving goes on
     assert drain.draining()
@@ -82,7 +86,7 @@ def test_the_executor_answers_an_interrupted_call_as_worker_stopping_and_serves_
     data, bufs = serialization.dumps(((), {}))
     kind, (type_name, message, _tb) = ex.handle(OPS["RUN"], "f", "", data, [b.raw() for b in bufs])
     assert kind == KINDS["USER"] and type_name == "WorkerStopping" and "SIGTERM" in message
-    assert not ex.busy
+    assert not drain.interruptible()
     data, bufs = serialization.dumps(7)
     assert ex.handle(OPS["SET_VAR"], "v", "", data, [b.raw() for b in bufs])[0] == 0  # still serving
     assert ex.variables["v"] == 7
@@ -113,3 +117,36 @@ def test_drain_seconds_on_the_command_line() -> None:
     for bad in ("-1", "nan", "inf", "soon"):
         with pytest.raises(SystemExit):
             _parser().parse_args(["--drain-seconds", bad])
+
+
+def test_a_round_that_recorded_its_result_is_not_interrupted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reply of a round that ended here goes out: the master and the workers then agree on the last round."""
+    signalled: list[int] = []
+    monkeypatch.setattr(drain.os, "kill", lambda pid, sig: signalled.append(sig))
+    runs = ["r1 App"]
+    d = Drain(30.0, serving=lambda: bool(runs), leave=lambda: None)
+    drain.call_started()
+    drain.call_settled()
+    d.on_signal(signal.SIGTERM, None)  # nothing raised
+    assert drain.draining()
+    with pytest.raises(Draining):
+        drain.refuse_new_work("round")  # but nothing new starts
+    runs.clear()  # the drain's end, while this test's stand-in for os.kill is in place
+    assert _wait(lambda: signalled == [signal.SIGTERM])
+
+
+def _wait(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_stopping_worker_counts_as_a_lost_one_for_the_failure_policy() -> None:
+    import ddlf
+    from ddlf.errors import RemoteError
+
+    stopping = RemoteError("the worker is stopping: SIGTERM received", remote_type="WorkerStopping")
+    assert ddlf.FailurePolicy().decide(stopping) == "continue"  # training goes on without it, as without a lost one
+    assert ddlf.FailurePolicy(lost_worker="raise").decide(stopping) == "raise"
+    assert ddlf.FailurePolicy().decide(RemoteError("boom", remote_type="ValueError")) == "raise"

@@ -144,8 +144,8 @@ def _terminate_all(processes: list[subprocess.Popen[bytes]], directory: str) -> 
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
-    # A worker that still held a run (its master stopped before tearing it down) drains on the first SIGTERM,
-    # waiting for that master (ddlf.worker.drain); this master is the one stopping it: a second SIGTERM ends it.
+    # A worker that still held a run (its master stopped before tearing it down) drains on SIGTERM, waiting for that
+    # master (ddlf.worker.drain); this master is the one stopping it: SIGINT (Ctrl-C) ends it at once.
     deadline = time.monotonic() + 0.3
     for p in processes:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -153,7 +153,7 @@ def _terminate_all(processes: list[subprocess.Popen[bytes]], directory: str) -> 
     for p in processes:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGINT)
     deadline = time.monotonic() + 5.0
     for p in processes:
         try:

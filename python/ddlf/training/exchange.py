@@ -42,6 +42,7 @@ from . import replica as remote
 from .messages import GradientRound, RingRound, Rows, WorkerResult, weights_var
 from .options import AutoExchange, Ring, ThroughMaster
 from .plan import assigned_rows
+from .policy import stopping as stopping_worker
 from .replies import check_reply
 from .run import TrainingRun
 
@@ -55,12 +56,6 @@ def resolve(exchange: ThroughMaster | Ring | AutoExchange, cluster: Any, workers
     if isinstance(exchange, AutoExchange):
         return exchange.resolve(len({host_of(cluster.addresses[w]) for w in workers}))
     return exchange
-
-
-def is_stopping(exc: BaseException) -> bool:
-    """A worker told to stop (SIGTERM) abandoned its round: it still answers for a while, holding the weights of
-    the last round reduced (:mod:`ddlf.worker.drain`)."""
-    return isinstance(exc, RemoteError) and (exc.remote_type or "").rsplit(".", 1)[-1] == "WorkerStopping"
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -219,7 +214,7 @@ class RingExchange:
                 else:
                     run.fail(out)  # raises unless the policy carries on without this worker
                     lost.append(w)
-                    if is_stopping(out):
+                    if stopping_worker(out):  # it still holds the last round reduced: ddlf.worker.drain
                         stopping.append(w)
             if not lost and not failed_ring:
                 self.synced = {w: cluster.instance(w) for w in targets}

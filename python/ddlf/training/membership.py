@@ -16,6 +16,7 @@ from ..frameworks.keras_backend import keras_backend_in_use
 from ..frameworks.seeding import uses_torch
 from ..serialization import dumps_inline
 from . import replica as remote
+from .policy import stopping
 
 
 class Members:
@@ -47,6 +48,7 @@ class Members:
         self.only = set(workers) if workers is not None else None  # a subset of the cluster's workers
         self.rows = 0  # rows every worker must hold (whole-dataset runs), once the first ones are set up
         self.ready: dict[str, int] = {}  # address -> daemon instance set up for this run
+        self.stopping: dict[str, int] = {}  # address -> daemon instance that said it is stopping (SIGTERM)
         self.info: dict[str, dict[str, Any]] = {}
         self.epoch = 0
         self.round = 0
@@ -76,6 +78,7 @@ class Members:
                 c.recover(timeout=1.0)
             self._sync_events()
             need = [i for i in self.candidates() if self.ready.get(c.addresses[i]) != c.instance(i)]
+            need = [i for i in need if self.stopping.get(c.addresses[i]) != c.instance(i)]
             if need:
                 if self.modules:
                     c._ship(self.modules, None)
@@ -86,8 +89,8 @@ class Members:
                     return_exceptions=True,
                 )
                 for i, out in zip(need, outcomes):
-                    if isinstance(out, WorkerUnavailable):
-                        continue  # lost while being set up: marked by the cluster, retried later
+                    if isinstance(out, WorkerUnavailable) or stopping(out):
+                        continue  # lost (marked by the cluster) or stopping (ddlf.worker.drain): retried later
                     if isinstance(out, BaseException):
                         raise out
                     address = c.addresses[i]
@@ -97,7 +100,26 @@ class Members:
                     if not first:
                         self.note("joined", worker=i, address=address)
             self._sync_events()
-            return [i for i in self.candidates() if self.ready.get(c.addresses[i]) == c.instance(i)]
+            ready = [i for i in self.candidates() if self.ready.get(c.addresses[i]) == c.instance(i)]
+            return [i for i in ready if self.stopping.get(c.addresses[i]) != c.instance(i)]
+
+    def holding_state(self) -> list[int]:
+        """The workers whose session of this run holds its state: the live ones and those stopping (which still
+        answer while they drain), for a checkpoint."""
+        c = self.cluster
+        return [i for i in self.candidates() if self.ready.get(c.addresses[i]) == c.instance(i)]
+
+    def stopped(self, exc: BaseException) -> None:
+        """A worker answered that it is stopping (``exc``; SIGTERM: :mod:`ddlf.worker.drain`): it takes part in no
+        further round of this run (a daemon started again in its place does)."""
+        c = self.cluster
+        address = getattr(exc, "address", None)
+        if not isinstance(address, str) or address not in c.addresses:
+            return
+        i = c.addresses.index(address)
+        if self.stopping.get(address) != c.instance(i):
+            self.stopping[address] = c.instance(i)
+            self.note("stopping", worker=i, address=address)
 
     def candidates(self) -> list[int]:
         """The cluster's live workers this run may use."""

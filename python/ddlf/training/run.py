@@ -21,7 +21,6 @@ from ..errors import (
     NonFiniteGradientsWarning,
     NonFiniteUpdate,
     Preempted,
-    RemoteError,
     ReplyRefusedWarning,
     WireOverflowWarning,
     WorkerLostWarning,
@@ -35,7 +34,7 @@ from .keras_callbacks import learning_rate
 from .membership import Members
 from .messages import WorkerResult
 from .options import TrainConfig
-from .policy import FailurePolicy
+from .policy import FailurePolicy, stopping
 from .preemption import Preemption
 from .replica.sharded import join as join_shards
 
@@ -131,6 +130,8 @@ class TrainingRun:
     def fail(self, exc: BaseException) -> None:
         """A worker failed: raise unless the policy says to carry on without it, or the run is preempted (the
         scheduler stopped its workers too: the round is abandoned and the checkpoint written)."""
+        if stopping(exc):
+            self.members.stopped(exc)  # no further round for it: it refuses them while it drains
         if self.preempted():
             return
         if _going_away(exc) and self.preemption is not None and self.preemption.settle():
@@ -257,7 +258,7 @@ class TrainingRun:
         cfg = self.cfg
         if not cfg.run.checkpoint_dir:
             return None
-        live = self.members.live()
+        live = sorted(set(self.members.live()) | set(self.members.holding_state()))
         # Preempted: the scheduler may be stopping the workers too, and ends this process soon; a worker that does
         # not answer at once is left out (its state restarts fresh on resume).
         timeout = 3.0 if self.preempted() else None
@@ -290,6 +291,4 @@ class TrainingRun:
 def _going_away(exc: BaseException) -> bool:
     """Whether ``exc`` says a worker's process is going away (lost, or stopping on a signal), as when the
     scheduler stops the job, rather than that its code failed."""
-    if isinstance(exc, WorkerUnavailable):
-        return True
-    return isinstance(exc, RemoteError) and exc.remote_type.rsplit(".", 1)[-1] == "WorkerStopping"
+    return isinstance(exc, WorkerUnavailable) or stopping(exc)

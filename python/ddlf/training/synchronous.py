@@ -58,6 +58,19 @@ def train_sync(run: TrainingRun) -> History:
     trained = [not m for m in local_mask(app.model)]
     if outer is not None and run.resumed:
         outer.load(run.resumed.get("outer_state"))
+
+    def stop_if_preempted(epoch: int, merged_at: int) -> None:
+        """Preempted: checkpoint the last merged round (with the ring the workers hold its weights: fetched while
+        they still answer, else the epoch's checkpoint stands) and stop."""
+        run.stop_if_preempted(
+            epoch,
+            merged_at,
+            ring.current_weights if ring is not None else weights,
+            opt_state,
+            "sync",
+            outer.state() if outer is not None else None,
+        )
+
     for epoch in range(run.initial_epoch, cfg.epochs):
         t_epoch = run.begin_epoch(epoch)
         plan = ShardPlan(run.shard_rows, cfg, epoch) if app.sharded else SlicePlan(run.rows, len(cluster), cfg, epoch)
@@ -70,14 +83,7 @@ def train_sync(run: TrainingRun) -> History:
             # Preempted: checkpoint the last merged round (with the ring the workers hold the weights: fetched if
             # they still answer, else the epoch's checkpoint stands) and stop.
             if run.preempted():  # checked first: the outer optimizer's state is copied only when it is needed
-                run.stop_if_preempted(
-                    epoch,
-                    merged_at,
-                    ring.current_weights if ring is not None else weights,
-                    opt_state,
-                    "sync",
-                    outer.state() if outer is not None else None,
-                )
+                stop_if_preempted(epoch, merged_at)
             run.members.round = round_no
             live = run.members.live() or run.members.wait_for_any(cfg.run.rejoin_timeout)
             progress = plan.progress()
@@ -98,6 +104,10 @@ def train_sync(run: TrainingRun) -> History:
             wall = time.perf_counter() - t0
             run.members.live()  # copies the loss events into History now, with this round's number
             live_results = [r for r in results if r.samples > 0]
+            if not live_results and run.preempted():
+                # The round was abandoned (the scheduler stops the workers too): stop before it could count as
+                # trained, even as the epoch's last.
+                stop_if_preempted(epoch, merged_at)
             # With the ring the workers averaged among themselves; the master fetches the weights at epoch end.
             if ring is None and live_results:
                 samples = [float(r.samples) for r in live_results]

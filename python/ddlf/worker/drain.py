@@ -17,7 +17,11 @@ So on SIGTERM a worker that serves a training run *drains* (:class:`Drain`):
 * the worker keeps answering everything else: the master reads the last merged round's weights and each worker's
   optimizer state for its preemption checkpoint (:mod:`ddlf.training.preemption`);
 * it exits once the masters have torn their runs down (the checkpoint is written), or after ``--drain-seconds``
-  (:data:`DEFAULT_SECONDS`), or at a second SIGTERM, whichever comes first.
+  (:data:`DEFAULT_SECONDS`), or at a second SIGTERM (one within :data:`REPEAT_SECONDS` of the first is the same
+  stop delivered twice), whichever comes first.
+
+A round whose result is recorded (:func:`call_settled`) is not interrupted: its reply goes out, so that the master
+and the workers agree on the last round that ended.
 
 A worker that serves no run, or one started with ``--drain-seconds 0``, exits at the SIGTERM as before. SIGINT
 (Ctrl-C) always stops at once.
@@ -39,7 +43,10 @@ log = logging.getLogger("ddlf.worker")
 
 #: Seconds a draining worker waits for its masters to tear their runs down (within Slurm's KillWait and
 #: Kubernetes' grace period, both 30 s by default).
-DEFAULT_SECONDS = 10.0
+DEFAULT_SECONDS = 20.0
+#: A second SIGTERM this soon after the first is the same stop delivered twice (srun passes on the SIGTERM that
+#: slurmstepd also sends its tasks) and is ignored; a later one ends the drain at once.
+REPEAT_SECONDS = 2.0
 #: How often the drain looks whether the runs are gone.
 POLL_SECONDS = 0.05
 
@@ -52,6 +59,9 @@ class Draining(BaseException):
 
 _since: float | None = None
 """When this process started draining (``time.monotonic()``); None: it is not."""
+_call: str | None = None
+"""The call on the interpreter thread: None (none), ``"running"`` (a stop interrupts it) or ``"settled"`` (its
+result is recorded: it finishes, so that the master hears of a round that really ended)."""
 
 
 def draining() -> bool:
@@ -65,29 +75,54 @@ def refuse_new_work(what: str) -> None:
         raise Draining(f"the worker is stopping (SIGTERM {time.monotonic() - _since:.1f} s ago): no new {what}")
 
 
+def call_started() -> None:
+    """The executor starts a call: a stop from now on interrupts it."""
+    global _call
+    _call = "running"
+
+
+def call_settled() -> None:
+    """The call in flight has recorded its result (a round's reduced weights): a stop no longer interrupts it."""
+    global _call
+    if _call is not None:
+        _call = "settled"
+
+
+def call_ended() -> None:
+    """The executor's call returned (or raised)."""
+    global _call
+    _call = None
+
+
+def interruptible() -> bool:
+    """Whether a stop now interrupts the call in flight."""
+    return _call == "running"
+
+
 class Drain:
     """The SIGTERM handler of a worker daemon (installed by :mod:`.main` on its interpreter thread).
 
     ``seconds``: the longest drain (0: exit at once). ``serving()``: whether any training run is set up here (the
-    drain ends when none is). ``busy()``: whether a call is running on the interpreter thread (it is interrupted).
-    ``leave()``: take this worker out of every ring (the daemon's answer to probes and links).
+    drain ends when none is). ``leave()``: take this worker out of every ring (the daemon's answer to probes and
+    links).
     """
 
     def __init__(
-        self,
-        seconds: float,
-        serving: Callable[[], bool],
-        busy: Callable[[], bool],
-        leave: Callable[[], None] = _ddlf.leave_rings,
+        self, seconds: float, serving: Callable[[], bool], leave: Callable[[], None] = _ddlf.leave_rings
     ) -> None:
         self.seconds = seconds
         self.serving = serving
-        self.busy = busy
         self.leave = leave
+        self.done = False
+        """Set by the drain's end, just before it signals this process to exit."""
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         global _since
-        if _since is not None or self.seconds <= 0 or not self.serving():
+        if _since is not None:
+            if self.done or time.monotonic() - _since >= REPEAT_SECONDS:
+                raise SystemExit(0)
+            return  # the same stop, delivered twice
+        if self.seconds <= 0 or not self.serving():
             raise SystemExit(0)
         _since = time.monotonic()
         self.leave()
@@ -98,7 +133,7 @@ class Drain:
             self.seconds,
         )
         threading.Thread(target=self._end, args=(_since + self.seconds,), name="ddlf-drain", daemon=True).start()
-        if self.busy():
+        if interruptible():
             raise Draining(f"{signal.Signals(signum).name} received")
 
     def _end(self, deadline: float) -> None:
@@ -106,4 +141,5 @@ class Drain:
         while time.monotonic() < deadline and self.serving():
             time.sleep(POLL_SECONDS)
         log.info("drained (%s): exiting", "no run left" if not self.serving() else "time is up")
+        self.done = True
         os.kill(os.getpid(), signal.SIGTERM)

@@ -26,6 +26,7 @@ from .. import _ddlf, serialization
 from ..errors import MemoryBudgetExceeded
 from ..process import freeze_heap
 from ..shipping import files_digest, in_package, module_files, source_path
+from . import drain
 from .drain import Draining
 from .memory_budget import MemoryBudget
 from .stacks import StackDumps
@@ -114,8 +115,6 @@ class Executor:
         self.address = ""
         self._ready_file = ready_file
         self._stacks: StackDumps | None = None
-        self.busy = False
-        """Whether a call is running (a stop interrupts it: :mod:`.drain`)."""
         self.runs: list[str] = []
         """The training runs set up here (a stop waits for them to be torn down: :mod:`.drain`)."""
         self._module_dir: Path | None = Path(module_dir) if module_dir else None
@@ -203,7 +202,7 @@ class Executor:
                 # are decoded in place from their buffers).
                 self.budget.check(len(pickle), f"{what} {name!r}" if name else what)
             value = self._decode(op, pickle, buffers)
-            self.busy = True
+            drain.call_started()  # a stop (SIGTERM) from now on interrupts it
             try:
                 if op == OPS["RUN"] or op == OPS["EXEC"]:
                     with self.budget:  # the watchdog stops the call if it takes the worker past its budget
@@ -211,7 +210,7 @@ class Executor:
                 else:
                     result = handler(name, digest, value)
             finally:
-                self.busy = False
+                drain.call_ended()
         except Draining as exc:  # SIGTERM: this call is abandoned, the worker serves on for a while (drain.py)
             return (KINDS["USER"], ("WorkerStopping", f"the worker is stopping: {exc}", ""))
         except MemoryBudgetExceeded as exc:

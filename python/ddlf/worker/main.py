@@ -21,7 +21,7 @@ from ..frameworks.loading import guard_torch_compiler
 from ..process import die_with_parent, in_effect, prepare_process, thread_env
 from ..settings import MAX_LANE_SPIN_US, check_lane_spin_us, module_list
 from .drain import DEFAULT_SECONDS as DEFAULT_DRAIN_SECONDS
-from .drain import Drain
+from .drain import Drain, Draining
 from .executor import Executor
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # From here a SIGTERM lets the masters read what this worker holds before it exits (drain.py).
     signal.signal(
         signal.SIGTERM,
-        Drain(args.drain_seconds, serving=lambda: bool(executor.runs), busy=lambda: executor.busy).on_signal,
+        Drain(args.drain_seconds, serving=lambda: bool(executor.runs)).on_signal,
     )
     try:
         _ddlf.serve_worker(
@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WorkerStartError as exc:
         print(f"ddlf-worker: {exc}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, SystemExit):
+    except (KeyboardInterrupt, SystemExit, Draining):
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: a second SIGTERM must not cut the clean-up

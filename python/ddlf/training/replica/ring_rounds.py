@@ -11,12 +11,19 @@ import numpy as np
 
 from ... import ops
 from ...ring_spec import RingSpec
-from ...worker import collective
+from ...worker import collective, drain
 from ...worker.collective import reduce_scratch
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
 from .rounds import train_chunk
-from .state import optimizer_built, optimizer_state, rng_state, set_learning_rate, set_optimizer_state
+from .state import (
+    optimizer_built,
+    optimizer_state,
+    rng_state,
+    set_learning_rate,
+    set_optimizer_state,
+    set_rng_state,
+)
 from .steppers import local_mask
 
 if TYPE_CHECKING:
@@ -177,6 +184,7 @@ def train_reduce(session: Session, worker: Any, spec: RingRound) -> dict[str, An
         set_optimizer_state(model, _reduce_floats(optimizer_state(model), weight, ring))
     # The model takes the averaged weights when the next round starts from them (train_chunk sets them).
     session.reduced = (round_no, start, averaged)
+    drain.call_settled()  # the round ended here: a stop (SIGTERM) now lets its reply go out
     session.last_used = time.monotonic()
     return result
 
@@ -245,7 +253,10 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     run_id, round_no, fresh, ring, steps = spec.run_id, spec.round_no, spec.fresh, spec.ring, spec.steps
     compression, batch_size, slow_seconds_per_batch = spec.compression, spec.batch_size, spec.slow_seconds_per_batch
     learning_rate_factor, bucket_cap_mb = spec.learning_rate_factor, spec.bucket_cap_mb
-    redo = not fresh and session.reduced is not None and session.reduced[0] == round_no
+    # A redo: this round ran here before (ended, or failed part-way) and starts again from its start states.
+    redo = not fresh and (
+        (session.reduced is not None and session.reduced[0] == round_no) or session.in_flight == round_no
+    )
     start = _start_weights(worker, session, run_id, round_no, fresh)
     model = session.model
     stepper = session.steps()
@@ -256,6 +267,8 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         return _train_sharded(session, spec, start, t0, feed)
     if redo and session.optimizer_start is not None:
         set_optimizer_state(model, session.optimizer_start)
+    if redo and session.rng_start is not None:
+        set_rng_state(model, session.rng_start)
     if spec.adopt:
         stepper.build_optimizer()
         set_optimizer_state(model, _adopt(optimizer_state(model), not fresh, ring))
@@ -357,6 +370,7 @@ def _end_round(
     _sum_counter_changes(start, new, new, ring)
     session.reduced = (spec.round_no, start, new)
     session.in_flight = None
+    drain.call_settled()  # the round ended here: a stop (SIGTERM) now lets its reply go out
     session.last_used = time.monotonic()
     return {
         "samples": samples,

@@ -16,6 +16,7 @@ import numpy as np
 from ... import ops
 from ...data.structure import Parts
 from ...process import freeze_heap
+from ...worker.drain import call_settled
 from ..messages import FitData, GradientRound, MasterRound, RingRound, Rows
 from ..outer import OuterMomentum, OuterSpec
 from . import ring_rounds, rounds
@@ -85,9 +86,11 @@ class Session:
         return self._settled(ring_rounds.train_gradients(self, worker, spec))
 
     def _settled(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """After this run's first round (its model built, its steps traced): the worker's objects out of the
+        """A round's reply: a stop (SIGTERM) no longer interrupts it (:mod:`ddlf.worker.drain`). After this run's
+        first round (its model built, its steps traced): the worker's objects out of the
         garbage collector's full scans (:func:`ddlf.process.freeze_heap`), given back when the run is torn
         down."""
+        call_settled()
         if self.heap_holder is None:
             self.heap_holder = object()
             freeze_heap(self.heap_holder)
