@@ -70,6 +70,31 @@ def test_a_preempted_sync_run_resumes_at_the_next_round_and_ends_as_an_uninterru
     assert cluster.run(lambda: 1) == [1, 1]
 
 
+def test_a_preempted_run_resumes_on_another_number_of_workers(
+    cluster: ddlf.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A requeued job may get fewer (or more) nodes: the checkpoint's place is rows of the epoch's permutation,
+    which the new workers split among themselves. Preempted on 2 workers mid-epoch, resumed on 1: every row of
+    each epoch trained once."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    ckpt = tmp_path / "ckpt"
+    kw = dict(batch_size=32, strategy=ddlf.ModelAveraging(every=5), verbose=0)
+    with pytest.raises(ddlf.Preempted, match="after 0 epochs and 1920 rows"):
+        FaultApp(cluster).train(
+            epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt), callbacks=[SignalAt(5, signal.SIGUSR1)], **kw
+        )
+    for s in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)  # this test's process: as it was
+    h = FaultApp(cluster).train(
+        epochs=2, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt, resume=True, workers=[0]), **kw
+    )
+    assert [e["event"] for e in h.events] == ["preempted", "resumed"]
+    for epoch in (0, 1):
+        assert sum(s.samples for s in h.stats if s.epoch == epoch) == 6000, epoch
+    assert sum(s.samples for s in h.stats if s.epoch == 1 and s.worker == 1) == 0  # the second run: worker 0 only
+    assert h.history["accuracy"][-1] > 0.7
+
+
 class StopTheJob(ddlf.callbacks.Callback):
     """What a scheduler does when it preempts or requeues a job: SIGTERM to every process of it, the workers and
     this master, here ``delay`` seconds after round ``at`` ended (while the next one trains)."""

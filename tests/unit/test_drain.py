@@ -42,7 +42,7 @@ def test_a_serving_worker_interrupts_its_call_refuses_new_work_and_exits_when_th
     monkeypatch.setattr(drain.os, "kill", lambda pid, sig: signalled.append((pid, sig)))
     left: list[bool] = []
     d = Drain(30.0, serving=lambda: bool(runs), leave=lambda: left.append(True))
-    drain.call_started()  # a round runs
+    drain.round_started()  # a round runs
     with pytest.raises(Draining, match="SIGTERM received"):
         d.on_signal(signal.SIGTERM, None)  # a round was running: interrupted
     assert drain.draining() and left == [True]  # out of every ring: a peer waiting on it fails at its next probe
@@ -125,7 +125,7 @@ def test_a_round_that_recorded_its_result_is_not_interrupted(monkeypatch: pytest
     monkeypatch.setattr(drain.os, "kill", lambda pid, sig: signalled.append(sig))
     runs = ["r1 App"]
     d = Drain(30.0, serving=lambda: bool(runs), leave=lambda: None)
-    drain.call_started()
+    drain.round_started()
     drain.call_settled()
     d.on_signal(signal.SIGTERM, None)  # nothing raised
     assert drain.draining()

@@ -38,6 +38,7 @@ from .messages import MasterRound, Rows, WorkerResult
 from .numerics import nbytes
 from .options import Asynchronous, TrainConfig
 from .plan import Chunk, chunks, epoch_order, shard_layout
+from .policy import stopping
 from .replies import check_reply
 from .run import TrainingRun
 
@@ -153,6 +154,9 @@ def train_async(run: TrainingRun) -> History:
                         ep.in_flight -= 1
                         queue.appendleft((chunk, shard))  # nothing is lost: another worker trains it
                         ep.pushed_back = True
+                        if stopping(res):  # SIGTERM: it refuses chunks while it drains (ddlf.worker.drain)
+                            run.members.stopped(res)
+                            ep.lost.add(w)
                         if run.policy.decide(res) == "raise":
                             state["error"] = res  # surfaced by the master thread
                         elif isinstance(res, WorkerUnavailable):

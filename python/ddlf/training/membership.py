@@ -89,8 +89,11 @@ class Members:
                     return_exceptions=True,
                 )
                 for i, out in zip(need, outcomes):
-                    if isinstance(out, WorkerUnavailable) or stopping(out):
-                        continue  # lost (marked by the cluster) or stopping (ddlf.worker.drain): retried later
+                    if stopping(out):
+                        self.stopped(out)  # told to stop (ddlf.worker.drain): not asked again
+                        continue
+                    if isinstance(out, WorkerUnavailable):
+                        continue  # lost while being set up: marked by the cluster, retried later
                     if isinstance(out, BaseException):
                         raise out
                     address = c.addresses[i]

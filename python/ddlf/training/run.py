@@ -21,6 +21,7 @@ from ..errors import (
     NonFiniteGradientsWarning,
     NonFiniteUpdate,
     Preempted,
+    RemoteError,
     ReplyRefusedWarning,
     WireOverflowWarning,
     WorkerLostWarning,
@@ -196,7 +197,9 @@ class TrainingRun:
             parts = list(contiguous_parts(self.rows, self.rows + held_out, len(live), self.cfg.batch_size))
         try:
             logs = evaluate_on_workers(self.cluster, self.cfg.run_id, live, weights, parts, self.cfg.batch_size)
-        except WorkerUnavailable as exc:
+        except (WorkerUnavailable, RemoteError) as exc:
+            if not _going_away(exc):
+                raise
             self.fail(exc)
             self.members.note("validation_skipped", reason=str(exc))
             return {}
@@ -258,10 +261,14 @@ class TrainingRun:
         cfg = self.cfg
         if not cfg.run.checkpoint_dir:
             return None
-        live = sorted(set(self.members.live()) | set(self.members.holding_state()))
+        live = self.members.live()
         # Preempted: the scheduler may be stopping the workers too, and ends this process soon; a worker that does
-        # not answer at once is left out (its state restarts fresh on resume).
+        # not answer at once is left out (its state restarts fresh on resume). Those stopping (SIGTERM) hold the
+        # state of the round the run stops after, and still answer (ddlf.worker.drain); a worker stopped alone
+        # earlier does not hold the current state, and is left out of other checkpoints.
         timeout = 3.0 if self.preempted() else None
+        if self.preempted():
+            live = sorted(set(live) | set(self.members.holding_state()))
         states = self.cluster.call(
             remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True, timeout=timeout
         )

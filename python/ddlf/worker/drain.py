@@ -75,9 +75,12 @@ def refuse_new_work(what: str) -> None:
         raise Draining(f"the worker is stopping (SIGTERM {time.monotonic() - _since:.1f} s ago): no new {what}")
 
 
-def call_started() -> None:
-    """The executor starts a call: a stop from now on interrupts it."""
+def round_started(what: str = "round") -> None:
+    """A training round starts on the interpreter thread: refused (:class:`Draining`) if this worker is draining,
+    else a stop from now on interrupts it (other calls, such as the master's reads for its checkpoint, are never
+    interrupted)."""
     global _call
+    refuse_new_work(what)
     _call = "running"
 
 
@@ -89,7 +92,7 @@ def call_settled() -> None:
 
 
 def call_ended() -> None:
-    """The executor's call returned (or raised)."""
+    """The executor's call returned (or raised): the next call is not interruptible unless it is a round."""
     global _call
     _call = None
 

@@ -202,8 +202,7 @@ class Executor:
                 # are decoded in place from their buffers).
                 self.budget.check(len(pickle), f"{what} {name!r}" if name else what)
             value = self._decode(op, pickle, buffers)
-            drain.call_started()  # a stop (SIGTERM) from now on interrupts it
-            try:
+            try:  # a training round marks itself interruptible by a stop (SIGTERM): drain.round_started
                 if op == OPS["RUN"] or op == OPS["EXEC"]:
                     with self.budget:  # the watchdog stops the call if it takes the worker past its budget
                         result = handler(name, digest, value)

@@ -297,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit, Draining):
         return 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: a second SIGTERM must not cut the clean-up
+        for s in (signal.SIGTERM, signal.SIGINT):  # stopping already: a second signal must not cut the clean-up
+            signal.signal(s, signal.SIG_IGN)
         executor.close()
         _let_go_of_datasets()
     return 0

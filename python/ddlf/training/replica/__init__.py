@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ...worker.drain import refuse_new_work
+from ...worker.drain import refuse_new_work, round_started
 from ..messages import GradientRound, MasterRound, RingRound
 from . import evaluation
 from .sessions import SESSIONS
@@ -70,19 +70,19 @@ def restore_state(run_id: str, state: dict[str, Any]) -> None:
 
 def train_chunk(worker: Any, spec: MasterRound) -> dict[str, Any]:
     """A round through the master, or an asynchronous chunk."""
-    refuse_new_work("round")
+    round_started()  # refused while the worker drains; else a stop interrupts it (ddlf.worker.drain)
     return SESSIONS.get(spec.run_id).train_chunk(worker, spec)
 
 
 def train_reduce(worker: Any, spec: RingRound) -> dict[str, Any]:
     """A model-averaging round on the ring."""
-    refuse_new_work("round")
+    round_started()  # refused while the worker drains; else a stop interrupts it (ddlf.worker.drain)
     return SESSIONS.get(spec.run_id).train_reduce(worker, spec)
 
 
 def train_gradients(worker: Any, spec: GradientRound) -> dict[str, Any]:
     """A gradient-averaging round on the ring."""
-    refuse_new_work("round")
+    round_started()  # refused while the worker drains; else a stop interrupts it (ddlf.worker.drain)
     return SESSIONS.get(spec.run_id).train_gradients(worker, spec)
 
 

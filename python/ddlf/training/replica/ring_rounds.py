@@ -183,8 +183,8 @@ def train_reduce(session: Session, worker: Any, spec: RingRound) -> dict[str, An
         # At full precision: Adam's second moments underflow float16 (and a zero there makes a huge step).
         set_optimizer_state(model, _reduce_floats(optimizer_state(model), weight, ring))
     # The model takes the averaged weights when the next round starts from them (train_chunk sets them).
+    drain.call_settled()  # the round ends here: a stop (SIGTERM) from now on lets its reply go out
     session.reduced = (round_no, start, averaged)
-    drain.call_settled()  # the round ended here: a stop (SIGTERM) now lets its reply go out
     session.last_used = time.monotonic()
     return result
 
@@ -263,12 +263,12 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     t0 = time.perf_counter()
     feed = session.feed(spec.rows, batch_size, spec.prefetch)
     model.set_weights(start)
+    if redo and session.rng_start is not None:
+        set_rng_state(model, session.rng_start)
     if spec.shard is not None:
         return _train_sharded(session, spec, start, t0, feed)
     if redo and session.optimizer_start is not None:
         set_optimizer_state(model, session.optimizer_start)
-    if redo and session.rng_start is not None:
-        set_rng_state(model, session.rng_start)
     if spec.adopt:
         stepper.build_optimizer()
         set_optimizer_state(model, _adopt(optimizer_state(model), not fresh, ring))
@@ -368,9 +368,9 @@ def _end_round(
         for i, a in zip(untrained, averaged):
             new[i] = a
     _sum_counter_changes(start, new, new, ring)
+    drain.call_settled()  # the round ends here: a stop (SIGTERM) from now on lets its reply go out
     session.reduced = (spec.round_no, start, new)
     session.in_flight = None
-    drain.call_settled()  # the round ended here: a stop (SIGTERM) now lets its reply go out
     session.last_used = time.monotonic()
     return {
         "samples": samples,
