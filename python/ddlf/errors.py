@@ -157,6 +157,11 @@ class RemoteError(DdlfError):
         self.request_id = request_id
         """The request's id: the worker's log lines about it (``cluster.logs(worker)``) carry ``id=<request_id>``."""
 
+    def raised(self, type_name: str) -> bool:
+        """Whether the remote exception's type is ``type_name`` (its qualified name's last part: ``"WorkerStopping"``
+        matches ``"WorkerStopping"`` and ``"ddlf.errors.CollectiveError"`` matches ``"CollectiveError"``)."""
+        return (self.remote_type or "").rsplit(".", 1)[-1] == type_name
+
     def __str__(self) -> str:
         text = super().__str__()
         if self.remote_traceback:

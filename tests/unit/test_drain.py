@@ -150,3 +150,12 @@ def test_a_stopping_worker_counts_as_a_lost_one_for_the_failure_policy() -> None
     assert ddlf.FailurePolicy().decide(stopping) == "continue"  # training goes on without it, as without a lost one
     assert ddlf.FailurePolicy(lost_worker="raise").decide(stopping) == "raise"
     assert ddlf.FailurePolicy().decide(RemoteError("boom", remote_type="ValueError")) == "raise"
+
+
+def test_a_remote_error_names_the_type_it_raised() -> None:
+    from ddlf.errors import RemoteError
+
+    assert RemoteError("x", remote_type="ddlf.errors.CollectiveError").raised("CollectiveError")
+    assert RemoteError("x", remote_type="WorkerStopping").raised("WorkerStopping")
+    assert not RemoteError("x", remote_type="my.WorkerStoppingSoon").raised("WorkerStopping")
+    assert not RemoteError("x").raised("WorkerStopping")

@@ -60,7 +60,7 @@ def resolve(exchange: ThroughMaster | Ring | AutoExchange, cluster: Any, workers
 
 def is_collective_failure(exc: BaseException) -> bool:
     """A worker's all-reduce failed (a neighbour was lost): the worker itself is fine."""
-    return isinstance(exc, RemoteError) and (exc.remote_type or "").rsplit(".", 1)[-1] == "CollectiveError"
+    return isinstance(exc, RemoteError) and exc.raised("CollectiveError")
 
 
 class RingExchange:
@@ -289,7 +289,7 @@ class RingExchange:
         t0: float,
         keep: Collection[int] = (),
     ) -> list[tuple[int, Rows]]:
-        """Leave ``lost`` out of the round. Those in ``keep`` (stopping: :func:`is_stopping`) still hold the
+        """Leave ``lost`` out of the round. Those in ``keep`` (stopping: :func:`.policy.stopping`) still hold the
         last round's weights, and :meth:`weights` may still read them."""
         wall = time.perf_counter() - t0
         for w in lost:

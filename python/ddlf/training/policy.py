@@ -38,4 +38,4 @@ class FailurePolicy:
 def stopping(exc: BaseException) -> bool:
     """Whether ``exc`` is a worker's answer that it is stopping (SIGTERM): it abandoned the call and takes no new
     work, but still answers for a while (:mod:`ddlf.worker.drain`)."""
-    return isinstance(exc, RemoteError) and (exc.remote_type or "").rsplit(".", 1)[-1] == "WorkerStopping"
+    return isinstance(exc, RemoteError) and exc.raised("WorkerStopping")
