@@ -137,6 +137,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every mode, interleaved (single, ddlf, ... then again): the table gives medians over the "
+        "rounds, and each ratio is the median of the ratios within a round",
+    )
     p.add_argument("--backend", default="jax", help="Keras backend (KERAS_BACKEND wins)")
     p.add_argument("--mnist-rows", type=int, default=60_000)
     p.add_argument("--cifar-rows", type=int, default=50_000)
@@ -146,42 +153,81 @@ def main(argv: list[str]) -> None:
     if args.case:
         print(json.dumps(run_case(args.case[0], args.case[1], args.rows, args.epochs, args.batch)))
         return
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     args.rows = {"cnn": args.mnist_rows, "resnet": args.cifar_rows}
-    results: dict[tuple[str, str], dict[str, Any]] = {}
+    modes = args.modes.split(",")
+    if "single" not in modes:
+        p.error("--modes must include single (the baseline)")
     rows = []
     for model in args.models.split(","):
-        for mode in args.modes.split(","):
-            results[(model, mode)] = r = _subprocess_case(model, mode, args)
-            print(model, mode, r, flush=True)
-        single = results[(model, "single")]
-        base = report.median(single["seconds"][1:]) if "seconds" in single else float("nan")
-        for mode in args.modes.split(","):
-            r = results[(model, mode)]
-            if "error" in r:
-                rows.append([model, mode, r["error"][:80], "", "", "", ""])
-                continue
-            steady = report.median(r["seconds"][1:] or r["seconds"])
-            acc = "" if r["accuracy"] != r["accuracy"] else f"{100 * r['accuracy']:.1f}%"
-            rows.append(
-                [model, mode, r["device"], f"{steady:.2f}", f"{steady / base:.2f}x", f"{r['seconds'][0]:.2f}", acc]
-            )
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for i in range(args.repeats):
+            results = {}
+            for mode in modes:
+                results[mode] = r = _subprocess_case(model, mode, args)
+                print(model, mode, f"round {i + 1}", r, flush=True)
+            rounds.append(results)
+        rows += _rows(model, modes, rounds)
+    repeats = "" if args.repeats == 1 else f", {args.repeats} interleaved rounds"
     body = (
         "## GPUs: one worker per GPU against one process on the same GPU\n\n"
         f"`python -m benchmarks gpu` (Keras on {os.environ.get('KERAS_BACKEND', args.backend)}, batch {args.batch}, "
-        f"{args.epochs} epochs; MNIST {args.mnist_rows:,} rows, CIFAR-10-shaped {args.cifar_rows:,} synthetic "
-        "rows), on: "
+        f"{args.epochs} epochs{repeats}; MNIST {args.mnist_rows:,} rows, CIFAR-10-shaped {args.cifar_rows:,} "
+        "synthetic rows), on: "
         + report.machine()
         + "\n\n"
         + report.table(
-            ["model", "run", "device", "s/epoch (steady)", "vs one process", "first epoch s", "test accuracy"], rows
+            [
+                "model",
+                "run",
+                "device",
+                "s/epoch (steady)",
+                "vs one process",
+                "ratio per round",
+                "first epoch s",
+                "test accuracy",
+            ],
+            rows,
         )
         + '\n\n`ddlf` is `app.train()` with its defaults on `Cluster.local(gpus="auto")` (one worker, that GPU '
         "only visible to it); `ddlf-gradients` the same with `strategy=ddlf.GradientAveraging()`. Steady: median "
         "of the epochs after the first. The baseline is `model.fit` in one process on the same GPU, measured in the "
-        "same run.\n"
+        "same run; with several rounds each mode runs once per round, in turn, every case in a fresh process, and "
+        "'vs one process' is the median of the rounds' ratios (each round's ratio beside it).\n"
     )
     print(body)
     report.write_section("gpu", body)
+
+
+def _steady(r: dict[str, Any]) -> float:
+    seconds = r["seconds"]
+    return report.median(seconds[1:] or seconds)
+
+
+def _rows(model: str, modes: list[str], rounds: list[dict[str, dict[str, Any]]]) -> list[list[str]]:
+    """One table row per mode: medians over the rounds that ran; ratios paired within a round."""
+    out = []
+    for mode in modes:
+        done = [rd for rd in rounds if "error" not in rd[mode]]
+        if not done:
+            out.append([model, mode, rounds[0][mode]["error"][:80], "", "", "", "", ""])
+            continue
+        paired = [_steady(rd[mode]) / _steady(rd["single"]) for rd in done if "error" not in rd["single"]]
+        accs = [rd[mode]["accuracy"] for rd in done if rd[mode]["accuracy"] == rd[mode]["accuracy"]]
+        out.append(
+            [
+                model,
+                mode,
+                done[0][mode]["device"],
+                f"{report.median([_steady(rd[mode]) for rd in done]):.2f}",
+                f"{report.median(paired):.2f}x" if paired else "",
+                " / ".join(f"{x:.2f}" for x in paired),
+                f"{report.median([rd[mode]['seconds'][0] for rd in done]):.2f}",
+                f"{100 * report.median(accs):.1f}%" if accs else "",
+            ]
+        )
+    return out
 
 
 if __name__ == "__main__":
