@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -547,3 +548,218 @@ def test_tuples_with_a_loss_per_output_average_gradients_as_one_process() -> Non
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), ref.get_weights()))
         assert diff < 2e-5, diff
         assert max(float(np.max(np.abs(a - b))) for a, b in zip(app.model.get_weights(), start)) > 100 * diff
+
+
+# -- sharded optimizer state (GradientAveraging(shard_optimizer=True)) with a TorchModel ------------------------
+
+
+class _OneRank:
+    """A ring of one: every collective leaves the data as it is."""
+
+    def shard(self, length: int) -> tuple[int, int]:
+        return 0, length
+
+    def reduce_scatter_(self, array: np.ndarray, op: str = "sum", wire=None) -> tuple[int, int]:
+        return 0, len(array)
+
+    def allgather_(self, array: np.ndarray, wire=None) -> None:
+        pass
+
+    def allreduce_(self, arrays: list, op: str = "sum", atomic: bool = True, wire=None) -> None:
+        pass
+
+
+def _small(optimizer) -> TorchModel:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    return TorchModel(module, optimizer, torch.nn.MSELoss(), metrics=())
+
+
+_TORCH_OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "Adam": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=0.1),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=0.01),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TORCH_OPTIMIZERS))
+def test_a_torch_optimizer_on_a_flat_shard_takes_its_own_steps(name: str) -> None:
+    """No daemons: on a ring of one the shard is the whole model, and three steps of the shard optimizer (then
+    its state carried into a new one, as a ring change does, and two more) are torch's own five steps."""
+    from ddlf.training.replica.sharded import ShardedOptimizer
+
+    make = _TORCH_OPTIMIZERS[name]
+    sharded_model, own = _small(make), _small(make)
+    params = [p for p in own.module.parameters()]
+    start = [p.detach().numpy().copy() for p in sharded_model.module.parameters()]
+    shard = ShardedOptimizer(sharded_model)
+    shard.begin(_OneRank(), "fresh", False, None, start)
+    # torch makes an optimizer's state at its first step (Adagrad's at its construction): the shard's too
+    assert (shard.held() is None) == (not own.optimizer.state)
+    rng = np.random.default_rng(0)
+    grads = [[rng.standard_normal(w.shape).astype(np.float32) for w in start] for _ in range(5)]
+    for g in grads[:3]:
+        assert shard.step(g, 1.0, _OneRank(), None) == "step"
+    held = shard.held()
+    assert held is not None and held.slots and held.stop == shard.length == 5 * 4 + 4 + 4 + 1
+    # A new rank takes the whole state over (a checkpoint resumed, a ring that changed).
+    moved = ShardedOptimizer(sharded_model)
+    moved.begin(_OneRank(), "reshard", True, held, [v.copy() for v in shard.weight_views])
+    assert moved.state_bytes() == shard.state_bytes() > 0
+    for g in grads[3:]:
+        moved.step(g, 1.0, _OneRank(), None)
+    for g in grads:
+        for p, a in zip(params, g):
+            p.grad = torch.from_numpy(a)
+        own.optimizer.step()
+    for view, p in zip(moved.weight_views, params):
+        np.testing.assert_allclose(view, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert not sharded_model.optimizer.state  # the model's own optimizer holds no state
+
+
+def test_the_shard_optimizer_follows_the_models_learning_rate_and_betas() -> None:
+    """A scheduler (or the linear scaling rule) changes the model's optimizer's parameter group: the shard's
+    optimizer steps with the changed values."""
+    from ddlf.training.replica.sharded import ShardedOptimizer
+
+    make = _TORCH_OPTIMIZERS["Adam"]
+    sharded_model, own = _small(make), _small(make)
+    start = [p.detach().numpy().copy() for p in sharded_model.module.parameters()]
+    shard = ShardedOptimizer(sharded_model)
+    shard.begin(_OneRank(), "fresh", False, None, start)
+    scheduled = torch.optim.lr_scheduler.OneCycleLR(sharded_model.optimizer, max_lr=0.1, total_steps=10)
+    reference = torch.optim.lr_scheduler.OneCycleLR(own.optimizer, max_lr=0.1, total_steps=10)
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        g = [rng.standard_normal(w.shape).astype(np.float32) for w in start]
+        shard.step(g, 1.0, _OneRank(), None)
+        for p, a in zip(own.module.parameters(), g):
+            p.grad = torch.from_numpy(a)
+        own.optimizer.step()
+        with warnings.catch_warnings():  # the model's optimizer never steps on a worker that shards its state
+            warnings.simplefilter("ignore", UserWarning)
+            scheduled.step()
+        reference.step()
+    assert own.optimizer.param_groups[0]["betas"][0] < 0.9  # the schedule moved them, and the shard followed:
+    for view, p in zip(shard.weight_views, own.module.parameters()):
+        np.testing.assert_allclose(view, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+class TorchAdamLinear(TorchLinear):
+    dataset_key = "torch-sharded-linear"
+
+    def create_model(self):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        return TorchModel(
+            module, lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.01), torch.nn.CrossEntropyLoss()
+        )
+
+
+def _one_torch_process(app: ddlf.IApp, start: list[np.ndarray], batches: list[np.ndarray]) -> list[np.ndarray]:
+    x, y = app.load_dataset()
+    ref = app.create_model()
+    ref.set_weights(start)
+    for rows in batches:
+        ref.train_on_batch(x[rows], y[rows])
+    return ref.get_weights()
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_model_with_sharded_adamw_equals_one_process_with_identical_replicas(n: int) -> None:
+    from .apps import Replicas, global_batches
+
+    with ddlf.Cluster.local(n, threads=1) as c:
+        app = TorchAdamLinear(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        held = Replicas(c)
+        h = app.train(
+            epochs=2,
+            batch_size=16,
+            callbacks=[held],
+            verbose=0,
+            strategy=ddlf.GradientAveraging(shard_optimizer=True),
+            run=ddlf.RunConfig(seed=4),
+        )
+        got = app.model.get_weights()
+    assert h.params["shard_optimizer"] is True
+    want = _one_torch_process(app, start, global_batches(n, 16, 2, 4, None))
+    diff = _max_diff(got, want)
+    assert diff < 5e-5, diff
+    assert _max_diff(got, start) > 100 * diff
+    assert len(held.held) == n and held.identical()
+    # Each worker held about 1/n of AdamW's two moments (12*16 + 16 + 16*2 + 2 = 242 weights).
+    per_worker = [s.optimizer_state_bytes for s in h.stats if s.epoch == 1]
+    assert sum(per_worker) == 2 * 242 * 4, per_worker
+    assert max(per_worker) <= -(-242 // n) * 2 * 4
+
+
+@pytest.mark.slow
+def test_a_sharded_torch_checkpoint_resumes_on_another_number_of_workers(tmp_path) -> None:
+    """One epoch on 3 workers, the second resumed on 2 from the checkpoint's joined state: one process's descent
+    over both epochs, AdamW's moments and step count carried across."""
+    from .apps import global_batches
+
+    strategy = ddlf.GradientAveraging(shard_optimizer=True)
+    with ddlf.Cluster.local(3, threads=1) as c:
+        app = TorchAdamLinear(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        app.train(1, 16, verbose=0, strategy=strategy, run=ddlf.RunConfig(seed=4, checkpoint_dir=str(tmp_path)))
+        resume = ddlf.RunConfig(seed=4, checkpoint_dir=str(tmp_path), resume=True, workers=[0, 1])
+        h = app.train(2, 16, verbose=0, strategy=strategy, run=resume)
+        got = app.model.get_weights()
+    assert any(e["event"] == "resumed" for e in h.events)
+    first = global_batches(3, 16, 1, 4, None)
+    second = global_batches(2, 16, 2, 4, None)[len(global_batches(2, 16, 1, 4, None)) :]
+    want = _one_torch_process(app, start, first + second)
+    diff = _max_diff(got, want)
+    assert diff < 5e-5, diff
+    restarted = _one_torch_process(app, _one_torch_process(app, start, first), second)
+    assert _max_diff(restarted, want) > 20 * diff  # the moments restarted from zeros would not pass
+
+
+class TorchTwoGroups(TorchLinear):
+    dataset_key = "torch-two-groups"
+
+    def create_model(self):
+        torch.manual_seed(0)
+        first, second = torch.nn.Linear(12, 16), torch.nn.Linear(16, 2)
+        module = torch.nn.Sequential(first, torch.nn.Tanh(), second)
+
+        def optimizer(_):
+            groups = [{"params": first.parameters(), "lr": 0.01}, {"params": second.parameters(), "lr": 0.001}]
+            return torch.optim.Adam(groups)
+
+        return TorchModel(module, optimizer, torch.nn.CrossEntropyLoss())
+
+
+class TorchLbfgs(TorchLinear):
+    dataset_key = "torch-lbfgs"
+
+    def create_model(self):
+        model = super().create_model()
+        model.optimizer = torch.optim.LBFGS(model.module.parameters())
+        return model
+
+
+@pytest.mark.parametrize(("app_class", "reason"), [(TorchTwoGroups, "2 parameter groups"), (TorchLbfgs, "LBFGS")])
+def test_a_torch_optimizer_that_cannot_be_sharded_is_refused_before_training(cluster, app_class, reason) -> None:
+    app = app_class(cluster)
+    with pytest.raises(ValueError, match=reason):
+        app.train(1, 16, verbose=0, strategy=ddlf.GradientAveraging(shard_optimizer=True))
+    if app_class is TorchTwoGroups:  # unsharded, the same model trains on the same workers
+        h = app.train(1, 16, verbose=0, strategy=ddlf.GradientAveraging())
+        assert len(h.history["loss"]) == 1

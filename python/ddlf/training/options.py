@@ -199,9 +199,10 @@ class GradientAveraging:
     ``shard_optimizer``: each worker keeps the optimizer state of ``1/n`` of the weights only (DeepSpeed's ZeRO
     stage 1; :mod:`ddlf.training.replica.sharded`): the ring reduce-scatters the gradients, each worker steps its
     shard with the model's own optimizer, and the ring all-gathers the new weights. The same bytes on the wire as
-    an all-reduce and the same result (bit-identical replicas); optimizer state per worker ``1/n``. For Keras
-    models with an element-wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion,
-    Ftrl) and float32 weights; anything else is refused with the reason before training starts.
+    an all-reduce and the same result (bit-identical replicas); optimizer state per worker ``1/n``. For float32
+    weights and an element-wise optimizer: Keras's SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam,
+    Lion, Ftrl, or, for a :class:`ddlf.TorchModel`, ``torch.optim``'s SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta,
+    Adamax, NAdam, RAdam with one parameter group; anything else is refused with the reason before training starts.
     ``bucket_cap_mb`` does not apply (the gradients go in one buffer after backward). Checkpoints hold the whole
     state and resume on any number of workers; a lost worker's shard restarts from zeros (History notes it)."""
 

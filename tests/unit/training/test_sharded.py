@@ -57,7 +57,7 @@ def test_three_steps_on_a_ring_of_one_are_the_optimizers_own_steps(name: str) ->
     for view, w in zip(shard.weight_views, own.trainable_weights):
         np.testing.assert_allclose(view, w.numpy(), rtol=1e-6, atol=1e-7)
     assert not sharded_model.optimizer.built  # the model's own optimizer holds no state
-    assert int(np.asarray(shard.optimizer.iterations.numpy())) == 3
+    assert int(np.asarray(shard.local.optimizer.iterations.numpy())) == 3
     # A batch that no rank had takes no step.
     assert shard.step(None, 0.0, OneRank(), None) == "none"
 

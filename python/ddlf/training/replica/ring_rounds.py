@@ -402,7 +402,7 @@ def _train_sharded(session: Session, spec: GradientRound, start: list[np.ndarray
     sharded = session.shards()
     stepper = session.steps()
     index = {id(w): i for i, w in enumerate(model.weights)}
-    trainable = [np.asarray(start[index[id(v)]]) for v in model.trainable_weights]
+    trainable = [np.asarray(start[index[id(v)]]) for v in sharded.variables]
     ring = collective.ring(spec.ring)
     if spec.learning_rate is not None:
         set_learning_rate(model, spec.learning_rate)

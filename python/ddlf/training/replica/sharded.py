@@ -8,12 +8,14 @@ the model's trainable weights only. A step:
    one-element all-reduce sums the rows, so the shard becomes the rows-weighted mean, as unsharded gradient
    averaging computes it;
 3. this rank's own optimizer (a copy of the model's compiled optimizer, its config and schedule, built on one flat
-   variable: the shard of the weights) takes the step on the shard;
+   variable: the shard of the weights; a Keras or a ``torch.optim`` optimizer, :mod:`.shard_optimizers`) takes the
+   step on the shard;
 4. the ring **all-gathers** the new weights (``Ring.allgather_``), and every rank writes them into its model.
 
 Each rank sends ``2 (n-1)/n`` times the weights per step, as an all-reduce of the gradients does, and holds
-``1/n`` of the optimizer state. Exact for element-wise optimizers (:data:`ELEMENTWISE`), whose step on a flat
-shard is their step on each weight: replicas stay bit-identical (the all-gather hands every rank the same bits).
+``1/n`` of the optimizer state. Exact for element-wise optimizers (:data:`KERAS_ELEMENTWISE`,
+:data:`TORCH_ELEMENTWISE`), whose step on a flat shard is their step on each weight: replicas stay bit-identical
+(the all-gather hands every rank the same bits).
 Everything else is refused by :func:`check_shardable` before training starts, with the reason.
 
 The shards are cut by the ring (``Ring.shard``). When the ring changes (a worker lost, one joining, a run resumed
@@ -30,54 +32,94 @@ from typing import Any
 
 import numpy as np
 
-ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl")
-"""The Keras optimizers whose step treats every element on its own, so that a step on a flat shard is exactly
-the step on each weight (Lamb and Adafactor look at whole weights: their state cannot be cut this way)."""
+from .shard_optimizers import (
+    KERAS_ELEMENTWISE,
+    TORCH_ELEMENTWISE,
+    KerasShard,
+    TorchShard,
+    shard_optimizer_for,
+    trainable_variables,
+)
+
+ELEMENTWISE = KERAS_ELEMENTWISE  # the name this module exported before torch optimizers could be sharded
 
 
 def check_shardable(model: Any) -> None:
-    """Raise ``ValueError`` (with the reason and what to do) unless ``model``'s optimizer state can be sharded:
-    a Keras model, its own ``train_step`` not overridden, float32 trainable weights, an optimizer of
-    :data:`ELEMENTWISE` without per-weight clipping (``clipnorm``; ``global_clipnorm`` is kept: the ranks sum their
-    shards' squared norms), averaging (``use_ema``) or accumulation, and with weight decay (if any) for every
-    weight alike."""
+    """Raise ``ValueError`` (with the reason and what to do) unless ``model``'s optimizer state can be sharded: a
+    compiled Keras model (its own ``train_step`` not overridden) or a :class:`ddlf.TorchModel`, with float32
+    trainable weights and an element-wise optimizer (:data:`KERAS_ELEMENTWISE`: without per-weight clipping
+    (``clipnorm``; ``global_clipnorm`` is kept: the ranks sum their shards' squared norms), averaging (``use_ema``)
+    or accumulation, and with weight decay (if any) for every weight alike; :data:`TORCH_ELEMENTWISE`: one parameter
+    group)."""
     from ...frameworks.torch_model import TorchModel
     from .steppers import overrides_train_step
 
-    what = "GradientAveraging(shard_optimizer=True)"
-    if isinstance(model, TorchModel):
-        raise ValueError(f"{what} supports Keras models; train a ddlf.TorchModel with shard_optimizer=False")
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
-        raise ValueError(f"{what} needs a compiled model (create_model must compile it)")
-    if overrides_train_step(model):
-        raise ValueError(f"{what} cannot run {type(model).__name__}'s own train_step: use shard_optimizer=False")
-    cls = type(optimizer)
-    if cls.__name__ not in ELEMENTWISE or not cls.__module__.startswith("keras"):
+        raise ValueError(f"{_WHAT} needs a compiled model (create_model must compile it)")
+    if isinstance(model, TorchModel):
+        _check_torch(optimizer)
+    else:
+        if overrides_train_step(model):
+            raise ValueError(f"{_WHAT} cannot run {type(model).__name__}'s own train_step: use shard_optimizer=False")
+        _check_keras(optimizer)
+    weights = trainable_variables(model)
+    odd = [w for w in weights if _dtype_name(w) != "float32"]
+    if odd:
         raise ValueError(
-            f"{what}: the optimizer {cls.__module__}.{cls.__name__} is not one whose state can be cut into shards "
-            f"(element-wise Keras optimizers only: {', '.join(ELEMENTWISE)}); use shard_optimizer=False"
+            f"{_WHAT}: trainable weights must be float32 (the shard is one float32 buffer); "
+            f"{_name(odd[0])} is {_dtype_name(odd[0])}"
+        )
+    if not isinstance(model, TorchModel) and getattr(optimizer, "weight_decay", None):
+        decayed = {bool(optimizer._use_weight_decay(w)) for w in weights}
+        if len(decayed) > 1:
+            raise ValueError(
+                f"{_WHAT}: the optimizer decays some weights and not others (exclude_from_weight_decay); a shard "
+                "mixes them: use shard_optimizer=False"
+            )
+
+
+_WHAT = "GradientAveraging(shard_optimizer=True)"
+
+
+def _check_keras(optimizer: Any) -> None:
+    cls = type(optimizer)
+    if cls.__name__ not in KERAS_ELEMENTWISE or not cls.__module__.startswith("keras"):
+        raise ValueError(
+            f"{_WHAT}: the optimizer {cls.__module__}.{cls.__name__} is not one whose state can be cut into shards "
+            f"(element-wise Keras optimizers only: {', '.join(KERAS_ELEMENTWISE)}); use shard_optimizer=False"
         )
     for option in ("clipnorm", "use_ema", "gradient_accumulation_steps"):
         if getattr(optimizer, option, None):
             raise ValueError(
-                f"{what}: the optimizer's {option}={getattr(optimizer, option)!r} needs whole weights (or all of "
+                f"{_WHAT}: the optimizer's {option}={getattr(optimizer, option)!r} needs whole weights (or all of "
                 "them) on one worker; use clipvalue, or shard_optimizer=False"
             )
-    weights = list(model.trainable_weights)
-    odd = [w for w in weights if np.dtype(w.dtype) != np.float32]
-    if odd:
+
+
+def _check_torch(optimizer: Any) -> None:
+    cls = type(optimizer)
+    if cls.__name__ not in TORCH_ELEMENTWISE or not cls.__module__.startswith("torch.optim"):
         raise ValueError(
-            f"{what}: trainable weights must be float32 (the shard is one float32 buffer); "
-            f"{odd[0].path if hasattr(odd[0], 'path') else odd[0].name} is {np.dtype(odd[0].dtype)}"
+            f"{_WHAT}: the optimizer {cls.__module__}.{cls.__name__} is not one whose state can be cut into shards "
+            f"(element-wise torch.optim optimizers only: {', '.join(TORCH_ELEMENTWISE)}); use shard_optimizer=False"
         )
-    if getattr(optimizer, "weight_decay", None):
-        decayed = {bool(optimizer._use_weight_decay(w)) for w in weights}
-        if len(decayed) > 1:
-            raise ValueError(
-                f"{what}: the optimizer decays some weights and not others (exclude_from_weight_decay); a shard "
-                "mixes them: use shard_optimizer=False"
-            )
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(
+            f"{_WHAT}: the optimizer has {len(optimizer.param_groups)} parameter groups; a shard of the flat weights "
+            "mixes them, so it needs one (the same hyperparameters for every weight): use shard_optimizer=False"
+        )
+
+
+def _dtype_name(w: Any) -> str:
+    dtype = w.dtype
+    if type(dtype).__module__.startswith("torch"):  # torch.float32 -> "float32"
+        return str(dtype).removeprefix("torch.")
+    return str(np.dtype(dtype))
+
+
+def _name(w: Any) -> str:
+    return str(getattr(w, "path", None) or getattr(w, "name", None) or tuple(w.shape))
 
 
 @dataclass
@@ -140,7 +182,7 @@ class ShardedOptimizer:
     def __init__(self, model: Any) -> None:
         check_shardable(model)
         self.model = model
-        self.variables = list(model.trainable_weights)
+        self.variables = trainable_variables(model)
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.length = int(sum(self.sizes))
@@ -149,12 +191,8 @@ class ShardedOptimizer:
         self.flat = np.empty(self.length, np.float32)
         self.weight_views = self._views(self.flat)
         self.range: tuple[int, int] | None = None
-        self.optimizer: Any = None
-        self.shard: Any = None  # the keras.Variable the optimizer steps: this rank's shard of the weights
-        self.slots: list[Any] = []
-        self.scalars: list[Any] = []
+        self.local: KerasShard | TorchShard = shard_optimizer_for(model)  # the model's optimizer on this rank's shard
         self.start: Held | None = None  # the state when the round started (a redo restarts from it)
-        self.clip: float | None = None  # the optimizer's global_clipnorm
 
     def _views(self, flat: np.ndarray) -> list[np.ndarray]:
         out, at = [], 0
@@ -166,48 +204,28 @@ class ShardedOptimizer:
     # -- the shard ------------------------------------------------------------------------------------------
 
     def _build(self, start: int, stop: int) -> None:
-        """A new optimizer (the model's config) on the shard ``start:stop`` (its state zeros, step 0)."""
-        import keras
-
-        source = self.model.optimizer
-        config = source.get_config()
-        rate = getattr(source, "_learning_rate", None)
-        if callable(rate):  # a schedule (the user's own class too): the same object, driven by this step count
-            config["learning_rate"] = rate
-        self.clip = config.get("global_clipnorm")
-        config["global_clipnorm"] = None  # clipped here, by the norm over every rank's shard
-        self.optimizer = type(source).from_config(config)
-        self.shard = keras.Variable(
-            np.zeros(stop - start, np.float32), dtype="float32", trainable=True, name="ddlf_shard"
-        )
-        self.optimizer.build([self.shard])
-        own = {id(self.shard)}
-        self.slots = [v for v in self.optimizer.variables if len(v.shape) == 1 and id(v) not in own]
-        self.scalars = [v for v in self.optimizer.variables if len(v.shape) == 0]
+        """A new optimizer (the model's config) on the shard ``start:stop``, its state fresh."""
+        self.local.build(stop - start)
         self.range = (start, stop)
 
     def held(self) -> Held | None:
-        """The state this rank holds (None before its first round)."""
+        """The state this rank holds (None before its first round, and with a torch optimizer before its first
+        step: torch makes the state then)."""
         if self.range is None:
             return None
-        return Held(
-            self.length,
-            self.range[0],
-            [np.array(v.numpy(), np.float32) for v in self.slots],
-            [np.array(v.numpy()) for v in self.scalars],
-        )
+        state = self.local.state()
+        if state is None:
+            return None
+        return Held(self.length, self.range[0], *state)
 
     def load(self, held: Held) -> None:
         """Put back :meth:`held`'s state (this rank's range must be the same)."""
         assert self.range == (held.start, held.stop), (self.range, held.start, held.stop)
-        for v, a in zip(self.slots, held.slots):
-            v.assign(a)
-        for v, a in zip(self.scalars, held.scalars):
-            _assign_scalar(v, a)
+        self.local.load(held.slots, held.scalars)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
-        return int(sum(int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize for v in self.slots))
+        return self.local.state_bytes()
 
     def begin(self, ring: Any, plan: str, fresh: bool, restored: Held | None, start: list[np.ndarray]) -> int:
         """A round starts from the model weights ``start`` (trainable ones, in order) on ``ring`` (this rank's
@@ -216,9 +234,12 @@ class ShardedOptimizer:
         changed: redistributed), ``"fresh"`` (nothing held anywhere: zeros). ``fresh``: this worker is new to the
         ring (what it may still hold is stale; a ``restored`` checkpoint state is not). Returns the elements whose
         state no rank held (restarting from zeros)."""
-        if plan == "redo" and self.start is not None:
-            self._rebuild_at(self.start.start, self.start.stop)
-            self.load(self.start)
+        if plan == "redo" and self.range is not None:
+            if self.start is not None:
+                self._rebuild_at(self.start.start, self.start.stop)
+                self.load(self.start)
+            else:  # it held nothing when the round started (a torch optimizer before its first step)
+                self._build(*self.range)
         a, b = ring.shard(self.length)
         missing = 0
         if plan == "keep":
@@ -230,29 +251,19 @@ class ShardedOptimizer:
             self._build(a, b)
         else:
             held = restored if restored is not None else (None if fresh else self.held())
-            kinds = self._kinds()
-            slots, scalars, missing = redistribute(held, self.length, kinds, (a, b), ring)
+            slots, scalars, missing = redistribute(held, self.length, self.local.kinds(), (a, b), ring)
             self._build(a, b)
-            for v, s in zip(self.slots, slots):
-                v.assign(s)
-            if scalars is not None:
-                for v, s in zip(self.scalars, scalars):
-                    _assign_scalar(v, s)
+            if scalars is not None:  # some rank held a state (else it stays fresh)
+                self.local.load(slots, scalars)
         for view, w in zip(self.weight_views, start):
             view[...] = w
-        self.shard.assign(self.flat[a:b])
+        self.local.write(self.flat[a:b])
         self.start = self.held()
         return missing
 
     def _rebuild_at(self, start: int, stop: int) -> None:
         if self.range != (start, stop):
             self._build(start, stop)
-
-    def _kinds(self) -> tuple[int, int]:
-        """How many slot and scalar variables this optimizer has (a throwaway build when none is yet)."""
-        if self.optimizer is None:
-            self._build(0, 0)
-        return len(self.slots), len(self.scalars)
 
     # -- a step ---------------------------------------------------------------------------------------------
 
@@ -270,9 +281,10 @@ class ShardedOptimizer:
                 at += size
         a, b = ring.reduce_scatter_(self.flat, "sum", wire=wire)
         mean = self.flat[a:b]
+        clip = self.local.clip
         # The rows, whether any rank's shard overflowed, and (to clip by the global norm) the squared norm of the
         # sum, in one call.
-        square = float(np.einsum("i,i->", mean, mean, dtype=np.float64)) if self.clip else 0.0
+        square = float(np.einsum("i,i->", mean, mean, dtype=np.float64)) if clip else 0.0
         total = np.array([weight, 0.0 if np.isfinite(mean).all() else 1.0, square], np.float64)
         ring.allreduce_([total], "sum")
         if total[0] <= 0:
@@ -280,34 +292,13 @@ class ShardedOptimizer:
         if total[1] > 0:
             return "overflow"
         scale = 1.0 / total[0]
-        if self.clip:  # as Keras's clip_by_global_norm, on the mean over every rank's shard
+        if clip:  # as Keras's clip_by_global_norm, on the mean over every rank's shard
             norm = np.sqrt(total[2]) * scale
-            scale *= self.clip * min(1.0 / norm if norm > 0 else np.inf, 1.0 / self.clip)
+            scale *= clip * min(1.0 / norm if norm > 0 else np.inf, 1.0 / clip)
         mean *= np.float32(scale)
-        self._sync_learning_rate()
-        if b > a:
-            import keras
-
-            self.optimizer.apply([keras.ops.convert_to_tensor(mean)], [self.shard])
-            self.flat[a:b] = np.asarray(self.shard.numpy())
-        else:
-            self.optimizer.iterations.assign_add(1)
+        self.flat[a:b] = self.local.step(mean)
         ring.allgather_(self.flat)  # the other shards' partial sums are overwritten by their new weights
         return "step"
-
-    def _sync_learning_rate(self) -> None:
-        """Take the model's optimizer's learning rate (a warm-up, ``set_learning_rate``, a callback change it
-        there); a schedule is the shard optimizer's own, driven by the same step count."""
-        source: Any = getattr(self.model.optimizer, "_learning_rate", None)
-        own: Any = getattr(self.optimizer, "_learning_rate", None)
-        if hasattr(source, "assign") and hasattr(own, "assign"):
-            own.assign(np.asarray(source.numpy() if hasattr(source, "numpy") else source))
-
-
-def _assign_scalar(variable: Any, value: Any) -> None:
-    dtype = np.dtype(variable.dtype)
-    a = np.asarray(value, np.float64)
-    variable.assign((np.rint(a) if dtype.kind in "iu" else a).astype(dtype))
 
 
 def redistribute(

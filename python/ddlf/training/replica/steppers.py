@@ -639,6 +639,12 @@ class _TorchModelStepper(Stepper):
     def zeros(self) -> list[np.ndarray]:
         return [np.zeros(tuple(p.shape), np.float32) for p in self.params]
 
+    def set_trainable(self, values: list[np.ndarray]) -> None:
+        torch = self.model._torch
+        with torch.no_grad():
+            for p, a in zip(self.params, values):
+                p.copy_(torch.from_numpy(np.asarray(a)))
+
     def build_optimizer(self) -> None:
         """torch creates an optimizer's state on its first step: take one with zero gradients and put the
         weights back (weight decay would have moved them)."""
