@@ -646,9 +646,27 @@ def test_the_shard_optimizer_follows_the_models_learning_rate_and_betas() -> Non
             warnings.simplefilter("ignore", UserWarning)
             scheduled.step()
         reference.step()
-    assert own.optimizer.param_groups[0]["betas"][0] < 0.9  # the schedule moved them, and the shard followed:
+    assert own.optimizer.param_groups[0]["betas"][0] < 0.9  # the schedule moved them, and the shard followed
+    # (it takes them as each step begins: the values of the schedule's step before the last)
+    assert shard.local.optimizer.param_groups[0]["betas"][0] < 0.9
     for view, p in zip(shard.weight_views, own.module.parameters()):
         np.testing.assert_allclose(view, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_redo_of_a_torch_optimizers_first_round_starts_fresh_and_loses_nothing() -> None:
+    """torch makes the state at the first step: a round redone before any had ended had none to lose (no
+    'optimizer state lost' warning), and the redone round starts from a fresh optimizer, not the part-way one."""
+    from ddlf.training.replica.sharded import ShardedOptimizer
+
+    model = _small(_TORCH_OPTIMIZERS["Adam"])
+    start = [p.detach().numpy().copy() for p in model.module.parameters()]
+    shard = ShardedOptimizer(model)
+    assert shard.begin(_OneRank(), "fresh", False, None, start) == 0
+    shard.step([np.ones(w.shape, np.float32) for w in start], 1.0, _OneRank(), None)  # part-way: then it failed
+    assert shard.held() is not None
+    assert shard.begin(_OneRank(), "redo", False, None, start) == 0
+    assert shard.held() is None  # fresh again
+    np.testing.assert_array_equal(shard.weight_views[0], start[0])
 
 
 class TorchAdamLinear(TorchLinear):
@@ -755,7 +773,25 @@ class TorchLbfgs(TorchLinear):
         return model
 
 
-@pytest.mark.parametrize(("app_class", "reason"), [(TorchTwoGroups, "2 parameter groups"), (TorchLbfgs, "LBFGS")])
+class TorchHeadOnly(TorchLinear):
+    """The optimizer trains the last layer only, the first still requiring a gradient (unsharded, it stays put)."""
+
+    dataset_key = "torch-head-only"
+
+    def create_model(self):
+        model = super().create_model()
+        model.optimizer = torch.optim.Adam(model.module[2].parameters(), lr=0.01)
+        return model
+
+
+@pytest.mark.parametrize(
+    ("app_class", "reason"),
+    [
+        (TorchTwoGroups, "2 parameter groups"),
+        (TorchLbfgs, "LBFGS"),
+        (TorchHeadOnly, "the optimizer trains 2 parameters and the module has 4"),
+    ],
+)
 def test_a_torch_optimizer_that_cannot_be_sharded_is_refused_before_training(cluster, app_class, reason) -> None:
     app = app_class(cluster)
     with pytest.raises(ValueError, match=reason):

@@ -73,9 +73,18 @@ def test_what_a_rank_holds_survives_being_redistributed_over_a_ring_of_one() -> 
     slots, scalars, missing = redistribute(held, shard.length, (2, len(held.scalars)), (0, shard.length), OneRank())
     assert missing == 0 and scalars is not None
     assert all(np.array_equal(a, b) for a, b in zip(slots, held.slots))
-    # Nothing held anywhere: zeros, and every element counted missing.
+    # Nothing held anywhere (a torch optimizer before its first step): zeros, no step count, and nothing counted
+    # as lost with a worker.
     slots, scalars, missing = redistribute(None, shard.length, (2, 2), (0, shard.length), OneRank())
-    assert scalars is None and missing == shard.length and not any(s.any() for s in slots)
+    assert scalars is None and missing == 0 and not any(s.any() for s in slots)
+    # Held, but part of the weights not covered (a lost worker's shard): those elements are counted.
+    part = Held(held.length, 0, [s[:10] for s in held.slots], held.scalars)
+    slots, scalars, missing = redistribute(part, shard.length, (2, len(held.scalars)), (0, shard.length), OneRank())
+    assert missing == shard.length - 10 and scalars is not None
+    assert np.array_equal(slots[0][:10], held.slots[0][:10]) and not slots[0][10:].any()
+    # An optimizer with no per-weight state (SGD without momentum) loses nothing with a worker.
+    _, _, missing = redistribute(Held(held.length, 0, [], held.scalars[:1]), shard.length, (0, 1), (0, 29), OneRank())
+    assert missing == 0
 
 
 def test_the_master_joins_shards_and_counts_what_none_covered() -> None:

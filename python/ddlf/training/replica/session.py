@@ -150,7 +150,8 @@ class Session:
         unfinished = self.in_flight is not None
         held = None
         if self.sharded is not None:
-            held = self.sharded.start if unfinished and self.sharded.start is not None else self.sharded.held()
+            # (None when the round started with no state: a torch optimizer in its first round)
+            held = self.sharded.start if unfinished else self.sharded.held()
         if held is None and self.restored_shard is not None:
             held = self.restored_shard
         optimizer = None

@@ -148,17 +148,21 @@ class TorchShard:
         """A new optimizer on a shard of ``size`` elements, with no state yet (torch makes it at the first step)."""
         torch = self.torch
         source = self.model.optimizer
-        device = next((p.device for p in trainable_variables(self.model)), torch.device("cpu"))
-        self.variable = torch.nn.Parameter(torch.zeros(size, dtype=torch.float32, device=device))
+        self.variable = torch.nn.Parameter(torch.zeros(size, dtype=torch.float32, device=self._device()))
         self.optimizer = _like(source, self.variable)
+        self._layout = None  # found again from the optimizer's hyperparameters now (momentum may have changed)
+
+    def _device(self) -> Any:
+        return next((p.device for p in trainable_variables(self.model)), self.torch.device("cpu"))
 
     def layout(self) -> list[tuple[str, str, Any]]:
         """The optimizer's state, as torch makes it at a first step: ``(key, "slot" | "scalar" | "other",
-        template)`` in key order (found once, on a throwaway optimizer of the same class and hyperparameters)."""
+        template)`` in key order (found on a throwaway optimizer of the same class and hyperparameters, on the
+        model's device: a ``fused`` or ``capturable`` optimizer keeps its step count there)."""
         if self._layout is None:
             torch = self.torch
             source = self.model.optimizer
-            probe = torch.nn.Parameter(torch.zeros(2, dtype=torch.float32))
+            probe = torch.nn.Parameter(torch.zeros(2, dtype=torch.float32, device=self._device()))
             throwaway = _like(source, probe)
             probe.grad = torch.zeros_like(probe)
             throwaway.step()
@@ -198,11 +202,11 @@ class TorchShard:
 
     def load(self, slots: list[np.ndarray], scalars: list[np.ndarray] | None) -> None:
         """Take ``slots`` and ``scalars`` as the state (made in torch's layout where none is yet); ``scalars`` None
-        with a state held keeps its own."""
+        (no rank held a state) leaves the fresh one."""
+        if scalars is None:
+            return  # nobody held a state: it stays fresh (made at the first step; Adagrad's at construction)
         torch = self.torch
         state = self.optimizer.state[self.variable]
-        if not state and scalars is None:
-            return  # nobody held a step count: the state stays to be made fresh at the first step
         slot_values, scalar_values = iter(slots), iter(scalars or [])
         with torch.no_grad():
             for key, kind, template in self.layout():

@@ -58,7 +58,7 @@ def check_shardable(model: Any) -> None:
     if optimizer is None:
         raise ValueError(f"{_WHAT} needs a compiled model (create_model must compile it)")
     if isinstance(model, TorchModel):
-        _check_torch(optimizer)
+        _check_torch(optimizer, model)
     else:
         if overrides_train_step(model):
             raise ValueError(f"{_WHAT} cannot run {type(model).__name__}'s own train_step: use shard_optimizer=False")
@@ -97,12 +97,20 @@ def _check_keras(optimizer: Any) -> None:
             )
 
 
-def _check_torch(optimizer: Any) -> None:
+def _check_torch(optimizer: Any, model: Any) -> None:
     cls = type(optimizer)
     if cls.__name__ not in TORCH_ELEMENTWISE or not cls.__module__.startswith("torch.optim"):
         raise ValueError(
             f"{_WHAT}: the optimizer {cls.__module__}.{cls.__name__} is not one whose state can be cut into shards "
             f"(element-wise torch.optim optimizers only: {', '.join(TORCH_ELEMENTWISE)}); use shard_optimizer=False"
+        )
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if trained != {id(p) for p in trainable_variables(model)}:
+        raise ValueError(
+            f"{_WHAT}: the optimizer trains {len(trained)} parameters and the module has "
+            f"{len(trainable_variables(model))} that require a gradient; sharded, the shard's optimizer would "
+            "train them all: give the optimizer every parameter that requires a gradient (freeze the others with "
+            "requires_grad=False), or use shard_optimizer=False"
         )
     if len(optimizer.param_groups) != 1:
         raise ValueError(
@@ -253,8 +261,7 @@ class ShardedOptimizer:
             held = restored if restored is not None else (None if fresh else self.held())
             slots, scalars, missing = redistribute(held, self.length, self.local.kinds(), (a, b), ring)
             self._build(a, b)
-            if scalars is not None:  # some rank held a state (else it stays fresh)
-                self.local.load(slots, scalars)
+            self.local.load(slots, scalars)  # scalars None: no rank held a state (a torch optimizer's stays fresh)
         for view, w in zip(self.weight_views, start):
             view[...] = w
         self.local.write(self.flat[a:b])
@@ -333,4 +340,9 @@ def redistribute(
     scalars = None
     if wide[n_scalars] > 0:
         scalars = [np.asarray(v / wide[n_scalars]) for v in wide[:n_scalars]]
+    if wide[n_scalars] == 0 or not n_slots:
+        # No rank held a state (a torch optimizer before its first step: a redo of the first round starts fresh, as
+        # it would have), or the optimizer keeps none per weight (SGD without momentum): nothing went with a
+        # worker. Every rank decides alike (the sums are the ring's).
+        missing = 0
     return slots, scalars, missing
