@@ -73,11 +73,14 @@ def test_non_finite_weights_and_states_are_their_own_error(bad: float) -> None:
 
 
 def test_finite_check_has_no_false_alarm_on_huge_float64_values() -> None:
-    # The fast path sums in float64: a float64 tensor of huge finite values overflows that sum, so it is
-    # checked exactly instead.
+    # The fast path sums in the array's own precision: huge finite values overflow that sum, so they are checked
+    # exactly instead (no false alarm); a non-finite element, or +inf with -inf, makes the sum non-finite.
     assert finite(np.full(4, 1e308))
     assert not finite(np.array([1e308, np.nan]))
     assert finite(np.full(1000, np.finfo(np.float32).max, np.float32))
+    assert finite(np.full(100, 60000, np.float16))
+    assert not finite(np.array([1.0, np.inf, -np.inf], np.float32))
+    assert not finite(np.array([-np.inf, 2.0], np.float32))
     assert finite(np.zeros(0, np.float32)) and finite(np.arange(3))
 
 
