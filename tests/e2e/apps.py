@@ -171,3 +171,18 @@ class Replicas(LambdaCallback):
     def identical(self) -> bool:
         first = self.held[0]
         return all(a.tobytes() == b.tobytes() for r in self.held[1:] for a, b in zip(r, first))
+
+
+def train_replicated(app_class: type[ddlf.IApp], n: int, strategy: object, epochs: int = 2, seed: int = 4):
+    """A fresh ``app_class`` trained from its ``create_model()`` weights on ``n`` local workers (batch 16 each),
+    every replica's weights held after each round: ``(app, start, got, history, replicas)``."""
+    with ddlf.Cluster.local(n, threads=1) as c:
+        app = app_class(c)
+        app.model = app.create_model()
+        start = app.model.get_weights()
+        held = Replicas(c)
+        h = app.train(
+            epochs=epochs, batch_size=16, callbacks=[held], verbose=0, strategy=strategy, run=ddlf.RunConfig(seed=seed)
+        )
+        got = app.model.get_weights()
+    return app, start, got, h, held

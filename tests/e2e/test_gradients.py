@@ -11,35 +11,23 @@ from ddlf.errors import NonFiniteUpdate
 from ddlf.training.callbacks import LambdaCallback
 
 from ..conftest import Daemon
-from .apps import ROWS, Linear, Nan, Replicas, _kill_at_round, global_batches, one_process
+from .apps import ROWS, Linear, Nan, Replicas, _kill_at_round, global_batches, one_process, train_replicated
 
 
 @pytest.mark.parametrize(("n", "frequency"), [(2, None), (3, 4)])
 def test_n_workers_equal_one_process_on_the_global_batches(n: int, frequency: int | None) -> None:
-    with ddlf.Cluster.local(n, threads=1) as c:
-        app = Linear(c)
-        app.model = app.create_model()
-        start = app.model.get_weights()
-        held = Replicas(c)
-        h = app.train(
-            epochs=2,
-            batch_size=16,
-            callbacks=[held],
-            verbose=0,
-            strategy=ddlf.GradientAveraging(check_in_every=frequency),
-            run=ddlf.RunConfig(seed=4),
-        )
-        got = app.model.get_weights()
-        assert h.params["exchange"] == "allreduce" and h.params["averaging"] == "gradients"
-        want = one_process(app, start, global_batches(n, 16, 2, 4, frequency))
-        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
-        assert diff < 2e-5, diff  # float32: the mean of per-worker means against one mean over the union
-        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(got, start))
-        assert moved > 100 * diff  # it trained: the match is not two untouched models
-        # Every replica holds the very same bits, and the master fetched them.
-        assert len(held.held) == n and held.identical()
-        assert all(a.tobytes() == b.tobytes() for a, b in zip(held.held[0], got))
-        assert sum(s.samples for s in h.stats) == 2 * ROWS
+    strategy = ddlf.GradientAveraging(check_in_every=frequency)
+    app, start, got, h, held = train_replicated(Linear, n, strategy)
+    assert h.params["exchange"] == "allreduce" and h.params["averaging"] == "gradients"
+    want = one_process(app, start, global_batches(n, 16, 2, 4, frequency))
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+    assert diff < 2e-5, diff  # float32: the mean of per-worker means against one mean over the union
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(got, start))
+    assert moved > 100 * diff  # it trained: the match is not two untouched models
+    # Every replica holds the very same bits, and the master fetched them.
+    assert len(held.held) == n and held.identical()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(held.held[0], got))
+    assert sum(s.samples for s in h.stats) == 2 * ROWS
 
 
 class OwnStep(Linear):

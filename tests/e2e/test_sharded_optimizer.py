@@ -9,7 +9,7 @@ import pytest
 
 import ddlf
 
-from .apps import ROWS, Linear, Replicas, global_batches, one_process
+from .apps import ROWS, Linear, Replicas, global_batches, one_process, train_replicated
 
 
 class AdamLinear(Linear):
@@ -69,20 +69,8 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_sharded_adam_on_n_workers_equals_one_process_and_the_replicas_are_identical(n: int) -> None:
-    with ddlf.Cluster.local(n, threads=1) as c:
-        app = AdamLinear(c)
-        app.model = app.create_model()
-        start = app.model.get_weights()
-        held = Replicas(c)
-        h = app.train(
-            epochs=2,
-            batch_size=16,
-            callbacks=[held],
-            verbose=0,
-            strategy=ddlf.GradientAveraging(shard_optimizer=True),
-            run=ddlf.RunConfig(seed=4),
-        )
-        got = app.model.get_weights()
+    strategy = ddlf.GradientAveraging(shard_optimizer=True)
+    app, start, got, h, held = train_replicated(AdamLinear, n, strategy)
     assert h.params["shard_optimizer"] is True
     want = one_process(app, start, global_batches(n, 16, 2, 4, None))
     diff = _max_diff(got, want)

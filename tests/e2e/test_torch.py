@@ -696,22 +696,10 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_torch_model_with_sharded_adamw_equals_one_process_with_identical_replicas(n: int) -> None:
-    from .apps import Replicas, global_batches
+    from .apps import global_batches, train_replicated
 
-    with ddlf.Cluster.local(n, threads=1) as c:
-        app = TorchAdamLinear(c)
-        app.model = app.create_model()
-        start = app.model.get_weights()
-        held = Replicas(c)
-        h = app.train(
-            epochs=2,
-            batch_size=16,
-            callbacks=[held],
-            verbose=0,
-            strategy=ddlf.GradientAveraging(shard_optimizer=True),
-            run=ddlf.RunConfig(seed=4),
-        )
-        got = app.model.get_weights()
+    strategy = ddlf.GradientAveraging(shard_optimizer=True)
+    app, start, got, h, held = train_replicated(TorchAdamLinear, n, strategy)
     assert h.params["shard_optimizer"] is True
     want = _one_torch_process(app, start, global_batches(n, 16, 2, 4, None))
     diff = _max_diff(got, want)
