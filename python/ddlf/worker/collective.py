@@ -80,15 +80,13 @@ def reduce_arrays(arrays: list[np.ndarray], spec: RingSpec, op: str = "mean", wi
             a[...] = w
 
 
-def reduce_scratch(
-    flat: np.ndarray | list[np.ndarray], spec: RingSpec, op: str = "sum", wire: str | None = None
-) -> None:
-    """All-reduce one contiguous float32 or float64 buffer (or a list of them, reduced as their concatenation)
-    where it lies, with no copy; its contents are undefined after a failure (for buffers made for the reduction, as
-    training's). ``wire``: as in :func:`reduce_arrays` (float32 only)."""
+def reduce_scratch(flat: np.ndarray, spec: RingSpec, op: str = "sum", wire: str | None = None) -> None:
+    """All-reduce one contiguous float32 or float64 buffer where it lies, with no copy; its contents are
+    undefined after a failure (for buffers made for the reduction, as training's). ``wire``: as in
+    :func:`reduce_arrays` (float32 only)."""
     r = ring(spec)
     try:
-        r.allreduce_(flat if isinstance(flat, list) else [flat], check_op(op), atomic=False, wire=check_wire(wire))
+        r.allreduce_([flat], check_op(op), atomic=False, wire=check_wire(wire))
     except BaseException:
         forget(spec.group)
         raise

@@ -40,11 +40,6 @@ def _assert_weights(stepper, want: list[np.ndarray]) -> None:
         np.testing.assert_allclose(np.asarray(v.numpy()), w, rtol=1e-6, atol=1e-7)
 
 
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    """What a bucket's parts send, as one array (the gradients, then the weight)."""
-    return np.concatenate([p.ravel() for p in parts])
-
-
 def _exchange(buckets: GraphBuckets, stepper, batch, weight: float, reduce):
     if batch is None:
         return buckets.exchange(None, weight, reduce)
@@ -63,10 +58,9 @@ def test_buckets_cut_in_reverse_order_and_the_mean_of_identical_ranks_is_the_gra
     want = _stepped(stepper, stepper.gradients(x, y))
     calls = []
 
-    def mean_of_two_identical_ranks(parts: list[np.ndarray]) -> None:
-        calls.append(sum(p.size for p in parts))
-        for p in parts:
-            p[...] = (p + p) / 2
+    def mean_of_two_identical_ranks(flat: np.ndarray) -> None:
+        calls.append(flat.size)
+        flat[...] = (flat + flat) / 2
 
     averaged, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, mean_of_two_identical_ranks)
     assert averaged is None  # the optimizer's step was taken in the same graph
@@ -80,16 +74,15 @@ def test_a_partial_batch_is_weighted_and_divided_by_the_mean_weight() -> None:
     x, y = _batch()
     want = _stepped(stepper, stepper.gradients(x, y))
 
-    def with_a_rank_without_rows(parts: list[np.ndarray]) -> None:
-        for p in parts:
-            p[...] = (p + 0) / 2  # the other rank sends zeros with weight 0
+    def with_a_rank_without_rows(flat: np.ndarray) -> None:
+        flat[...] = (flat + 0) / 2  # the other rank sends zeros with weight 0
 
     _, totals, _ = _exchange(buckets, stepper, (x, y), 0.5, with_a_rank_without_rows)
     assert totals == [0.25]
     _assert_weights(stepper, want)
     # No batch on any rank: zeros with weight 0 go to the ring, and no step is taken.
     sent = []
-    _, totals, bad = _exchange(buckets, stepper, None, 0.0, lambda parts: sent.append(_joined(parts)))
+    _, totals, bad = _exchange(buckets, stepper, None, 0.0, lambda flat: sent.append(flat.copy()))
     assert totals == [0.0] and not bad and not sent[0].any()
     _assert_weights(stepper, want)
 
@@ -101,7 +94,7 @@ def test_non_finite_gradients_are_sent_as_zeros_with_weight_zero_and_reported() 
     x[0, 0] = np.nan
     before = [np.asarray(v.numpy()) for v in stepper.trainable]
     sent = []
-    _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, lambda parts: sent.append(_joined(parts)))
+    _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, lambda flat: sent.append(flat.copy()))
     assert bad and totals == [0.0] and not sent[0].any()
     _assert_weights(stepper, before)  # nothing reached the weights
 
@@ -110,14 +103,14 @@ def test_a_ring_failure_inside_the_graph_is_raised_as_itself() -> None:
     stepper = stepper_for(_model())
     buckets = stepper.buckets(64)
 
-    def fails(parts: list[np.ndarray]) -> None:
+    def fails(flat: np.ndarray) -> None:
         raise CollectiveError("the right neighbour closed the link", peer_rank=1)
 
     with pytest.raises(CollectiveError, match="closed the link") as caught:
         _exchange(buckets, stepper, _batch(), 1.0, fails)
     assert caught.value.peer_rank == 1
     # The stepper still works afterwards (a redo of the round runs the same graph).
-    _, totals, _ = _exchange(buckets, stepper, _batch(), 1.0, lambda parts: None)
+    _, totals, _ = _exchange(buckets, stepper, _batch(), 1.0, lambda flat: None)
     assert totals == [1.0, 1.0] and all(np.isfinite(v.numpy()).all() for v in stepper.trainable)
 
 
@@ -138,9 +131,8 @@ def test_where_tensorflow_hands_python_a_copy_the_result_comes_back_through_the_
     x, y = _batch()
     want = _stepped(stepper, stepper.gradients(x, y))
 
-    def doubled_then_halved(parts: list[np.ndarray]) -> None:
-        for p in parts:
-            p[...] = (p + p) / 2
+    def doubled_then_halved(flat: np.ndarray) -> None:
+        flat[...] = (flat + flat) / 2
 
     _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, doubled_then_halved)
     assert not bad and totals == [1.0, 1.0] and not buckets._stash  # every copy taken back
@@ -160,3 +152,21 @@ def test_a_short_batch_runs_the_graph_traced_for_the_full_ones() -> None:
     assert totals == [pytest.approx(3 / 8)]
     _assert_weights(stepper, want)
     assert buckets._with.experimental_get_tracing_count() == 1
+
+
+def test_a_step_without_a_batch_sends_zeros_every_time_whatever_the_ring_wrote_last() -> None:
+    """A rank without rows sends zeros with weight 0 at every such step. Its graph's buffers come from constants
+    (zeros and the weight's element), which TensorFlow may fold into one buffer that it reuses: the ring's result
+    written into it last time must not reach the next step's send."""
+    stepper = stepper_for(_model())
+    buckets = stepper.buckets(64)
+    sent = []
+
+    def mean_written_back(parts: np.ndarray | list[np.ndarray]) -> None:
+        for p in parts if isinstance(parts, list) else [parts]:
+            sent.append(p.copy())
+            p[...] = 0.5  # what the ring leaves there: the other rank's rows averaged in
+
+    for _ in range(3):
+        _exchange(buckets, stepper, None, 0.0, mean_written_back)
+    assert sent and not any(s.any() for s in sent)

@@ -4,12 +4,10 @@ Keras on TensorFlow computes all of a batch's gradients in one ``tf.function`` c
 numpy arrays, reducing them, converting them back and applying them in a second call costs several copies of
 the model and a pause in which nothing computes. :class:`GraphBuckets` puts the reduction into the graph
 instead: the trainable variables are cut, in reverse order (the order backward finishes them), into buckets of
-about ``bucket_cap_mb``; each bucket's gradients, weighted in the graph by this worker's rows (the weight itself
-as one more element, so the ring sums the ranks' weights too), are handed as a list to the ring by a
-``tf.numpy_function`` op, which averages them over the ranks where TensorFlow's buffers lie (the ring copies the
-parts into shared memory, or onto its flat buffer, and the results back: no concatenation in the graph, which
-cost 4x a memory copy of the bucket, and no slicing after; the ring's mean scales the result as it copies it out,
-so with full batches on every rank nothing else touches the gradients). TensorFlow's executor runs
+about ``bucket_cap_mb``; each bucket's gradients are concatenated (the weight's slot, 1, as the last element) and
+handed to the ring by a ``tf.numpy_function`` op, which weighs them by this worker's rows (only where a batch is
+short) and averages them over the ranks where TensorFlow's buffer lies (the ring's mean scales the result as it
+copies it out: with full batches on every rank nothing else touches the gradients). TensorFlow's executor runs
 that op as soon as its gradients exist, so the ring reduces the last layers' gradients while the first layers'
 are still being computed (the Rust ring releases the GIL), and the optimizer's step follows in the same graph:
 one call per step, no gradient ever a numpy array in the interpreter's hands.
@@ -83,7 +81,7 @@ class GraphBuckets:
         self.members = cut(self.sizes, cap_bytes)  # backward finishes the last layers first
         self.waited = 0.0
         """Seconds the last step spent inside the ring's reductions (overlapped with backward where it could)."""
-        self._reduce: Callable[[list[np.ndarray]], None] | None = None
+        self._reduce: Callable[[np.ndarray], None] | None = None
         from ..messages import finite
 
         self._bad = False
@@ -91,27 +89,26 @@ class GraphBuckets:
         shapes = [tuple(v.shape) for v in trainable]
 
         in_place = _writes_through(tf)
-        self._stash: dict[int, list[np.ndarray]] = {}
+        self._stash: dict[int, np.ndarray] = {}
 
-        def reduce_bucket(*args: np.ndarray) -> np.ndarray:
-            """Reduce a bucket's parts (its gradients, weighted by this rank's rows in the graph, then the weight's
-            own element) in place, as one array; 1 where they are the tensors' own buffers (the graph reads the
-            results there), 0 where they are copies, which are kept for :func:`stashed`."""
+        def reduce_bucket(flat: np.ndarray, weight: np.ndarray, key: np.ndarray) -> np.ndarray:
+            """Reduce a bucket in place; 1 where that place is the tensor's own buffer (the graph reads the
+            result there), 0 where it is a copy, which is kept for :func:`stashed`."""
             t0 = time.perf_counter()
-            *parts, key = args
             try:
-                shared = in_place and all(a.flags.writeable and not a.flags.owndata for a in parts)
+                shared = in_place and flat.flags.writeable and not flat.flags.owndata
                 if not shared:
-                    parts = [np.array(a) for a in parts]
-                w = np.float32(parts[-1][0])
-                if w == 0 or not all(finite(a) for a in parts[:-1]):
-                    for a in parts:
-                        a[...] = 0  # no batch, or left out of this bucket's average on every rank
+                    flat = np.array(flat)
+                w = np.float32(weight)
+                if w == 0 or not finite(flat):
+                    flat[:] = 0  # no batch, or left out of this bucket's average on every rank
                     self._bad = self._bad or w != 0
+                elif w != 1:
+                    flat *= w  # the weight's own element (1 in the graph) becomes w too
                 assert self._reduce is not None
-                self._reduce(parts)  # the mean over the ranks: the 1/n is applied as the result is copied out
+                self._reduce(flat)  # the mean over the ranks: the 1/n is applied as the result is copied out
                 if not shared:
-                    self._stash[int(key)] = parts
+                    self._stash[int(key)] = flat
             except BaseException as exc:
                 self._error = exc  # raised as itself by exchange(), not as TensorFlow's wrapper
                 raise
@@ -119,7 +116,7 @@ class GraphBuckets:
                 self.waited += time.perf_counter() - t0
             return np.float32(1.0 if shared else 0.0)
 
-        def stashed(key: np.ndarray) -> list[np.ndarray]:
+        def stashed(key: np.ndarray) -> np.ndarray:
             return self._stash.pop(int(key))
 
         def exchanged(grads: list[Any], weight: Any) -> tuple[list[Any], Any]:
@@ -127,35 +124,29 @@ class GraphBuckets:
             totals = []
             previous: list[Any] = []
             for k, m in enumerate(self.members):
-                # Each gradient times this rank's rows (over the batch size): a buffer of the step's own (TensorFlow
-                # reuses the gradient's where nothing else reads it, else makes one), so reducing it in place
-                # touches nothing another op reads; and one element holding the weight, so the ring sums the
-                # ranks' weights with their gradients (``fill`` makes it a buffer of its own, not the argument's). No
-                # concatenation: the ring copies the parts into shared
-                # memory (or onto its flat buffer) and the results back into them, as it would one array.
-                parts = [tf.reshape(grads[i] * weight, [-1]) for i in m] + [tf.fill([1], weight)]
+                flat = tf.concat([tf.reshape(grads[i], [-1]) for i in m] + [tf.ones([1], tf.float32)], 0)
                 key = tf.constant(k, tf.int32)
                 with tf.control_dependencies(previous):  # every rank reduces the buckets in the same order
-                    done = tf.numpy_function(reduce_bucket, [*parts, key], tf.float32, stateful=True)
+                    done = tf.numpy_function(reduce_bucket, [flat, weight, key], tf.float32, stateful=True)
                 done.set_shape([])
-                kinds = [tf.float32] * len(parts)
                 with tf.control_dependencies([done]):
-                    # Reduced where they lie (read after the reduction: the control dependency), or the copies.
+                    # Reduced where it lies (read after the reduction: the control dependency), or the copy.
                     reduced = tf.cond(
                         done > 0,
-                        lambda ps=parts: [tf.identity(p) for p in ps],
-                        lambda key=key, kinds=kinds: tf.numpy_function(stashed, [key], kinds, stateful=True),
+                        lambda f=flat: tf.identity(f),
+                        lambda key=key: tf.numpy_function(stashed, [key], tf.float32, stateful=True),
                     )
-                for r, p in zip(reduced, parts):
-                    r.set_shape(p.shape)
-                previous = list(reduced)
+                reduced.set_shape(flat.shape)
+                previous = [reduced]
                 # mean(w_i g_i) / mean(w_i): with every rank's weight 1 (full batches) the mean is the result
                 # already, and the division is skipped (it would multiply by exactly 1).
-                total = reduced[-1][0]
+                total = reduced[-1]
                 scale = tf.math.divide_no_nan(tf.constant(1.0, tf.float32), total)
-                for i, r in zip(m, reduced):
-                    scaled = tf.cond(tf.equal(total, 1.0), lambda r=r: r, lambda r=r, s=scale: r * s)
-                    out[i] = tf.reshape(scaled, shapes[i])
+                scaled = tf.cond(tf.equal(total, 1.0), lambda r=reduced: r, lambda r=reduced, s=scale: r * s)
+                at = 0
+                for i in m:
+                    out[i] = tf.reshape(scaled[at : at + self.sizes[i]], shapes[i])
+                    at += self.sizes[i]
                 totals.append(total)
             return out, tf.stack(totals)
 
@@ -201,7 +192,7 @@ class GraphBuckets:
         self,
         backward: Callable[[], None] | None,
         weight: float,
-        reduce: Callable[[list[np.ndarray]], None],
+        reduce: Callable[[np.ndarray], None],
     ) -> tuple[None, list[float], bool]:
         """As :meth:`.buckets.Buckets.exchange`, but ``reduce`` averages (a mean over the ranks, in place), and
         the optimizer's step is taken here, in the same graph: ``backward`` hands this step's batch to the
