@@ -13,6 +13,7 @@ from ddlf.frameworks import loading
 from ddlf.frameworks.torch_model import TorchModel
 
 from ..conftest import MNIST_DIR
+from ..unit.training.test_sharded import OneRank  # a ring of one, for the shard optimizers without daemons
 from .apps import SmallMnist
 
 torch = pytest.importorskip("torch")
@@ -553,22 +554,6 @@ def test_tuples_with_a_loss_per_output_average_gradients_as_one_process() -> Non
 # -- sharded optimizer state (GradientAveraging(shard_optimizer=True)) with a TorchModel ------------------------
 
 
-class _OneRank:
-    """A ring of one: every collective leaves the data as it is."""
-
-    def shard(self, length: int) -> tuple[int, int]:
-        return 0, length
-
-    def reduce_scatter_(self, array: np.ndarray, op: str = "sum", wire=None) -> tuple[int, int]:
-        return 0, len(array)
-
-    def allgather_(self, array: np.ndarray, wire=None) -> None:
-        pass
-
-    def allreduce_(self, arrays: list, op: str = "sum", atomic: bool = True, wire=None) -> None:
-        pass
-
-
 def _small(optimizer) -> TorchModel:
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
@@ -599,21 +584,21 @@ def test_a_torch_optimizer_on_a_flat_shard_takes_its_own_steps(name: str) -> Non
     params = [p for p in own.module.parameters()]
     start = [p.detach().numpy().copy() for p in sharded_model.module.parameters()]
     shard = ShardedOptimizer(sharded_model)
-    shard.begin(_OneRank(), "fresh", False, None, start)
+    shard.begin(OneRank(), "fresh", False, None, start)
     # torch makes an optimizer's state at its first step (Adagrad's at its construction): the shard's too
     assert (shard.held() is None) == (not own.optimizer.state)
     rng = np.random.default_rng(0)
     grads = [[rng.standard_normal(w.shape).astype(np.float32) for w in start] for _ in range(5)]
     for g in grads[:3]:
-        assert shard.step(g, 1.0, _OneRank(), None) == "step"
+        assert shard.step(g, 1.0, OneRank(), None) == "step"
     held = shard.held()
     assert held is not None and held.slots and held.stop == shard.length == 5 * 4 + 4 + 4 + 1
     # A new rank takes the whole state over (a checkpoint resumed, a ring that changed).
     moved = ShardedOptimizer(sharded_model)
-    moved.begin(_OneRank(), "reshard", True, held, [v.copy() for v in shard.weight_views])
+    moved.begin(OneRank(), "reshard", True, held, [v.copy() for v in shard.weight_views])
     assert moved.state_bytes() == shard.state_bytes() > 0
     for g in grads[3:]:
-        moved.step(g, 1.0, _OneRank(), None)
+        moved.step(g, 1.0, OneRank(), None)
     for g in grads:
         for p, a in zip(params, g):
             p.grad = torch.from_numpy(a)
@@ -632,13 +617,13 @@ def test_the_shard_optimizer_follows_the_models_learning_rate_and_betas() -> Non
     sharded_model, own = _small(make), _small(make)
     start = [p.detach().numpy().copy() for p in sharded_model.module.parameters()]
     shard = ShardedOptimizer(sharded_model)
-    shard.begin(_OneRank(), "fresh", False, None, start)
+    shard.begin(OneRank(), "fresh", False, None, start)
     scheduled = torch.optim.lr_scheduler.OneCycleLR(sharded_model.optimizer, max_lr=0.1, total_steps=10)
     reference = torch.optim.lr_scheduler.OneCycleLR(own.optimizer, max_lr=0.1, total_steps=10)
     rng = np.random.default_rng(1)
     for _ in range(4):
         g = [rng.standard_normal(w.shape).astype(np.float32) for w in start]
-        shard.step(g, 1.0, _OneRank(), None)
+        shard.step(g, 1.0, OneRank(), None)
         for p, a in zip(own.module.parameters(), g):
             p.grad = torch.from_numpy(a)
         own.optimizer.step()
@@ -661,10 +646,10 @@ def test_a_redo_of_a_torch_optimizers_first_round_starts_fresh_and_loses_nothing
     model = _small(_TORCH_OPTIMIZERS["Adam"])
     start = [p.detach().numpy().copy() for p in model.module.parameters()]
     shard = ShardedOptimizer(model)
-    assert shard.begin(_OneRank(), "fresh", False, None, start) == 0
-    shard.step([np.ones(w.shape, np.float32) for w in start], 1.0, _OneRank(), None)  # part-way: then it failed
+    assert shard.begin(OneRank(), "fresh", False, None, start) == 0
+    shard.step([np.ones(w.shape, np.float32) for w in start], 1.0, OneRank(), None)  # part-way: then it failed
     assert shard.held() is not None
-    assert shard.begin(_OneRank(), "redo", False, None, start) == 0
+    assert shard.begin(OneRank(), "redo", False, None, start) == 0
     assert shard.held() is None  # fresh again
     np.testing.assert_array_equal(shard.weight_views[0], start[0])
 

@@ -41,8 +41,6 @@ from .shard_optimizers import (
     trainable_variables,
 )
 
-ELEMENTWISE = KERAS_ELEMENTWISE  # the name this module exported before torch optimizers could be sharded
-
 
 def check_shardable(model: Any) -> None:
     """Raise ``ValueError`` (with the reason and what to do) unless ``model``'s optimizer state can be sharded: a
