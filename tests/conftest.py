@@ -73,11 +73,19 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
     return predicate()
 
 
+def sigint_as_in_a_terminal() -> None:
+    """A child's ``preexec_fn``: Ctrl-C (SIGINT) does what it does in a terminal even when the suite itself runs
+    with SIGINT ignored (started with ``&``, ``nohup`` or ``setsid``), which every child would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def ctrl_c_interrupts(code: str, within: float = 2.0) -> float:
     """Run ``code`` in a fresh interpreter: it prints ``calling`` before a call that blocks and ``interrupted`` when
     ``KeyboardInterrupt`` ends it. Press Ctrl-C half a second after ``calling``, check that the call ended within
     ``within`` seconds, and return how long it took."""
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal
+    )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "calling"
         time.sleep(0.5)
@@ -120,6 +128,7 @@ class Daemon:
             env=full_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            preexec_fn=sigint_as_in_a_terminal,
         )
         if not wait_until(lambda: os.path.exists(self.ready) or self.proc.poll() is not None, 30):
             raise RuntimeError("daemon did not start")

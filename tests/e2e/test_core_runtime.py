@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -434,6 +435,34 @@ def test_sigterm_and_sigint_stop_the_daemon_cleanly() -> None:
         d.proc.send_signal(sig)
         assert d.proc.wait(10) == 0
         assert b"worker stopped" in d.proc.stderr.read()
+
+
+def _leave_traces_for_the_exit(worker, path: str) -> None:
+    import atexit
+    from pathlib import Path
+
+    import keras  # noqa: F401  (TensorFlow loaded: its finalization is what the daemon's quick exit skips)
+
+    buffered = open(path + ".buffered", "w")  # noqa: SIM115  (left open: the worker's exit closes it)
+    buffered.write("written, never flushed by the user")
+    worker.vars["log"] = buffered
+    atexit.register(lambda: Path(path + ".atexit").write_text("ran"))
+
+
+def test_a_worker_asked_to_shut_down_runs_its_exit_handlers_and_releases_what_it_held(tmp_path) -> None:
+    """The daemon leaves without the interpreter's slow finalization, but what finalization would do for the
+    user happens: atexit handlers run, and the objects the masters left there are released (a buffered file is
+    flushed)."""
+    d = Daemon()
+    c = ddlf.Cluster([d.address], d.token)
+    path = str(tmp_path / "trace")
+    c.run(_leave_traces_for_the_exit, path)
+    c.shutdown()
+    assert d.proc.wait(10) == 0
+    assert b"worker stopped" in d.proc.stderr.read()
+    assert Path(path + ".buffered").read_text() == "written, never flushed by the user"
+    assert Path(path + ".atexit").read_text() == "ran"
+    c.close()
 
 
 def test_ctrl_c_interrupts_a_waiting_master(daemon: Daemon) -> None:

@@ -114,9 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ddlf``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
-        from ..worker.main import main as worker_main
+        from ..worker.main import run as run_worker
 
-        return worker_main(argv[1:])
+        run_worker(argv[1:])
     p = argparse.ArgumentParser(prog="ddlf", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("worker", help="run a worker daemon (same as ddlf-worker; see ddlf worker --help)")

@@ -1,7 +1,5 @@
 """``python -m ddlf.worker``: the same as the ``ddlf-worker`` command."""
 
-import sys
+from .main import run
 
-from .main import main
-
-sys.exit(main())
+run()

@@ -156,6 +156,11 @@ class Executor:
             sys.path.insert(0, str(self._module_dir))
         return self._module_dir
 
+    def release(self) -> None:
+        """Let go of everything the masters put here (variables, functions, the ``exec`` namespace): the daemon
+        stops."""
+        self._clean("", "", None)
+
     def close(self) -> None:
         """Remove what this worker created on disk (its uploaded-modules directory, its stack file)."""
         if self._stacks is not None:
