@@ -30,6 +30,10 @@ def pytest_configure(config: pytest.Config) -> None:
     from ddlf.frameworks.loading import load_torch_compiler_first
 
     load_torch_compiler_first()
+    # A suite started with SIGINT ignored (`&`, `nohup`, `setsid`) would hand that on to every child it starts,
+    # and the Ctrl-C tests need it as in a terminal; a handled signal is reset to its default in a child.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,19 +77,11 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
     return predicate()
 
 
-def sigint_as_in_a_terminal() -> None:
-    """A child's ``preexec_fn``: Ctrl-C (SIGINT) does what it does in a terminal even when the suite itself runs
-    with SIGINT ignored (started with ``&``, ``nohup`` or ``setsid``), which every child would inherit."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def ctrl_c_interrupts(code: str, within: float = 2.0) -> float:
     """Run ``code`` in a fresh interpreter: it prints ``calling`` before a call that blocks and ``interrupted`` when
     ``KeyboardInterrupt`` ends it. Press Ctrl-C half a second after ``calling``, check that the call ended within
     ``within`` seconds, and return how long it took."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal
-    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "calling"
         time.sleep(0.5)
@@ -128,7 +124,6 @@ class Daemon:
             env=full_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            preexec_fn=sigint_as_in_a_terminal,
         )
         if not wait_until(lambda: os.path.exists(self.ready) or self.proc.poll() is not None, 30):
             raise RuntimeError("daemon did not start")

@@ -439,30 +439,50 @@ def test_sigterm_and_sigint_stop_the_daemon_cleanly() -> None:
 
 def _leave_traces_for_the_exit(worker, path: str) -> None:
     import atexit
+    import gc
+    import threading
+    import time
     from pathlib import Path
 
     import keras  # noqa: F401  (TensorFlow loaded: its finalization is what the daemon's quick exit skips)
 
-    buffered = open(path + ".buffered", "w")  # noqa: SIM115  (left open: the worker's exit closes it)
-    buffered.write("written, never flushed by the user")
-    worker.vars["log"] = buffered
+    class Log:
+        def __init__(self) -> None:
+            self.file = open(path + ".buffered", "w")  # noqa: SIM115  (left open: the worker's exit closes it)
+            self.me = self  # a cycle: only the garbage collector frees it, not the reference count
+
+    log = Log()
+    log.file.write("written, never flushed by the user")
+    worker.vars["log"] = log
+    gc.collect()
+    gc.collect()  # survived twice: in the oldest generation, as a long-lived variable would be
+
+    def late() -> None:
+        time.sleep(0.5)
+        Path(path + ".thread").write_text("finished")
+
+    threading.Thread(target=late).start()  # not a daemon thread: the exit waits for it, as Python's does
     atexit.register(lambda: Path(path + ".atexit").write_text("ran"))
 
 
 def test_a_worker_asked_to_shut_down_runs_its_exit_handlers_and_releases_what_it_held(tmp_path) -> None:
     """The daemon leaves without the interpreter's slow finalization, but what finalization would do for the
-    user happens: atexit handlers run, and the objects the masters left there are released (a buffered file is
-    flushed)."""
+    user happens: its threads finish, the objects the masters left there are released (a buffered file held in
+    a reference cycle is flushed) and atexit handlers run."""
     d = Daemon()
     c = ddlf.Cluster([d.address], d.token)
-    path = str(tmp_path / "trace")
-    c.run(_leave_traces_for_the_exit, path)
-    c.shutdown()
-    assert d.proc.wait(10) == 0
-    assert b"worker stopped" in d.proc.stderr.read()
-    assert Path(path + ".buffered").read_text() == "written, never flushed by the user"
-    assert Path(path + ".atexit").read_text() == "ran"
-    c.close()
+    try:
+        path = str(tmp_path / "trace")
+        c.run(_leave_traces_for_the_exit, path)
+        c.shutdown()
+        assert d.proc.wait(10) == 0
+        assert b"worker stopped" in d.proc.stderr.read()
+        assert Path(path + ".buffered").read_text() == "written, never flushed by the user"
+        assert Path(path + ".thread").read_text() == "finished"
+        assert Path(path + ".atexit").read_text() == "ran"
+    finally:
+        c.close()
+        d.stop()
 
 
 def test_ctrl_c_interrupts_a_waiting_master(daemon: Daemon) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -317,15 +318,21 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
 def exit_quickly(code: int) -> NoReturn:
     """End the daemon's process without the interpreter's finalization, which takes 1.0-1.2 s once TensorFlow
     is loaded (module teardown and the frameworks' static destructors; every ``Cluster.local`` close waited for
-    it). What that finalization would do that matters is done first: :func:`main` has released the user's
-    variables, functions and namespace (their objects' ``__del__`` runs, buffered files are flushed) and the
-    worker's files; here the ``atexit`` handlers run (``logging`` flushes among them) and the standard streams
-    are flushed. Threads that user code started on the worker stop with it, as at any daemon's shutdown."""
-    gc.collect(1)  # the young garbage the release left (cycles among the user's objects)
+    it). What that finalization does that matters is done first, in its order: :func:`main` has released the
+    user's variables, functions and namespace and the worker's files; here non-daemon threads are joined (and
+    thread pools' queued work done), a full garbage collection runs the ``__del__`` of what the release left in
+    cycles (buffered files are flushed), the ``atexit`` handlers run (``logging`` flushes among them), and
+    Python's and C's standard streams are flushed."""
+    shutdown_threads = getattr(threading, "_shutdown", None)  # what finalization calls first
+    if shutdown_threads is not None:
+        shutdown_threads()
+    gc.collect()  # as finalization's own collection, the heap frozen after the preload (freeze_heap) left out
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed, or the reader went away: nothing more to say
             stream.flush()
+    with contextlib.suppress(OSError, AttributeError):  # what native code printed (libc's buffers)
+        ctypes.CDLL(None).fflush(None)
     os._exit(code)
 
 
