@@ -47,7 +47,17 @@ def _case(preload: bool, rows: int) -> dict[str, Any]:
         second.limit, second.dataset_key = rows, f"mnist-v1-first-{rows}"
         h = second.train(epochs=3, verbose=0)
         out["second_epochs_s"] = list(h.epoch_seconds)
+        t_end = time.perf_counter()
+    out["close_s"] = time.perf_counter() - t_end  # the daemons shut down and exited
     return out
+
+
+def _bare_exit_s() -> float:
+    """Seconds a bare ``python -c "import keras"`` takes to exit after its last line: the interpreter's
+    finalization with the framework loaded, which a daemon's exit skips (``ddlf.worker.main.exit_quickly``)."""
+    code = "import keras, time; keras.backend.backend(); print(time.time(), flush=True)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return time.time() - float(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str]) -> None:
@@ -67,6 +77,7 @@ def main(argv: list[str]) -> None:
         if done.returncode != 0:
             raise SystemExit(done.stderr[-3000:])
         results.setdefault(case, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+    bare_exit = report.median([_bare_exit_s() for _ in range(3)])
     backend = subprocess.run(
         [sys.executable, "-c", "from ddlf.frameworks.keras_backend import keras_backend_default as k; print(k())"],
         capture_output=True,
@@ -76,7 +87,7 @@ def main(argv: list[str]) -> None:
     for case, runs in results.items():
         med = {
             k: report.median([r[k] for r in runs])
-            for k in ("daemons_up_s", "first_ready_s", "script_to_ready_s", "warm_ready_s")
+            for k in ("daemons_up_s", "first_ready_s", "script_to_ready_s", "warm_ready_s", "close_s")
         }
         first = report.median([r["epochs_s"][0] for r in runs])
         later = report.median([report.median(r["epochs_s"][1:]) for r in runs])
@@ -91,6 +102,7 @@ def main(argv: list[str]) -> None:
                 f"{med['warm_ready_s']:.2f}",
                 f"{first:.2f} / {later:.2f}",
                 f"{first2:.2f} / {later2:.2f}",
+                f"{med['close_s']:.2f}",
             ]
         )
     table = report.table(
@@ -102,6 +114,7 @@ def main(argv: list[str]) -> None:
             "warm train() to ready s (target 0.5)",
             "epoch 1 / later s/epoch",
             "second train(), warm model: epoch 1 / later s/epoch",
+            "close s",
         ],
         rows,
     )
@@ -114,7 +127,10 @@ the dataset is in every worker's store and every worker has built its model. "Wa
 cluster (dataset cached, Keras loaded): median of 3. The epoch columns are a 3-epoch run on the warm cluster: the
 first epoch includes the framework's tracing and compiling. "Second train()" is another 3-epoch run of a new app
 with the same model on the same cluster: each worker lends it the first run's traced model (`training.replica.warm`),
-so its first epoch has nothing to trace. Medians of 2 fresh processes per row, interleaved.
+so its first epoch has nothing to trace. "Close" is leaving the cluster's `with` block: the daemons shut down and
+exit; for scale, in the same run a bare `python -c "import keras"` took {bare_exit:.2f} s to exit after its last line
+(the interpreter's finalization, which the daemons skip: `ddlf.worker.main.exit_quickly`). Medians of 2 fresh
+processes per row, interleaved.
 
 {table}
 """

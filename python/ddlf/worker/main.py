@@ -304,8 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for s in (signal.SIGTERM, signal.SIGINT):  # stopping already: a second signal must not cut the clean-up
             signal.signal(s, signal.SIG_IGN)
+        executor.release()  # first: the user's objects may still use what close() removes
         executor.close()
-        executor.release()
         _let_go_of_datasets()
     return 0
 
