@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -108,6 +109,35 @@ def test_local_daemons_preload_keras_on_the_masters_backend() -> None:
         assert wait_for(lambda: cluster.run(loaded) == [MASTER, MASTER], timeout=60)
     with ddlf.Cluster.local(1, preload=None) as cluster:
         assert cluster.run(loaded) == [None]
+
+
+def test_a_request_during_the_preload_waits_for_it_instead_of_racing_its_imports(tmp_path, monkeypatch) -> None:
+    # Two modules that import each other, as TensorFlow and Keras do (TensorFlow's __init__ imports
+    # keras.src.optimizers): the preload imports one, a request imports the other meanwhile. Importing them in two
+    # threads at once makes Python raise _DeadlockError in one of them, and a framework half-imported by the preload
+    # leaves its modules broken for every later run on that daemon. Requests wait for the preload instead.
+    (tmp_path / "ddlf_race_a.py").write_text("import time\ntime.sleep(3.0)\nimport ddlf_race_b  # noqa\nREADY = True\n")
+    (tmp_path / "ddlf_race_b.py").write_text("import ddlf_race_a  # noqa\nVALUE = 2\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+    def imports_the_other_one():
+        import sys
+
+        done_first = getattr(sys.modules.get("ddlf_race_a"), "READY", False)  # before this call imports anything
+        import ddlf_race_a
+        import ddlf_race_b
+
+        return done_first, ddlf_race_a.READY, ddlf_race_b.VALUE
+
+    with ddlf.Cluster.local(1, preload="ddlf_race_a") as cluster:
+        t0 = time.monotonic()
+        assert cluster.run(imports_the_other_one) == [(True, True, 2)]
+        assert time.monotonic() - t0 > 1.0  # it did arrive while the preload slept, and waited
+        logs = cluster.logs(0, 0)
+        assert any("preloaded ddlf_race_a" in line for line in logs), logs
+        assert any("a request waited" in line and "for the preload of ddlf_race_a" in line for line in logs), logs
+        assert not any("preloading ddlf_race_a failed" in line for line in logs), logs
+        assert cluster.run(lambda: "still serving") == ["still serving"]
 
 
 def wait_for(predicate, timeout: float) -> bool:

@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
@@ -33,6 +34,8 @@ from .stacks import StackDumps
 
 OPS = _ddlf.OPS
 KINDS = _ddlf.ERROR_KINDS
+PRELOAD_WAIT = 120.0
+"""Seconds a request waits at most for the daemon's preload (``--preload``) to finish."""
 
 
 class _Failure(Exception):
@@ -105,6 +108,8 @@ class Executor:
         on_ready: Callable[[str], None] | None = None,
     ) -> None:
         self.preload = list(preload)
+        self._preloaded: threading.Event | None = None
+        """Set once the preload thread is done (``None``: nothing to preload); requests wait for it."""
         self._on_ready = on_ready
         self.budget = MemoryBudget(max_memory)
         """Resident memory this worker may hold (``--max-memory``): see :mod:`ddlf.worker.memory_budget`."""
@@ -134,6 +139,11 @@ class Executor:
             OPS["CLEAN"]: self._clean,
             OPS["UPLOAD_MODULE"]: self._upload_module,
             OPS["CONTEXT"]: self._set_context,
+        }
+        # Operations that import nothing (the others wait for the preload: _wait_for_preload). CONTEXT's value is
+        # the master's plain dict of numbers, sent as it connects.
+        self._import_free = {
+            OPS[op] for op in ("LIST_VARS", "LIST_FUNCTIONS", "GET_VAR", "DEL_VAR", "CLEAN", "CONTEXT")
         }
         # Operations that keep or run something: checked against the memory budget before they are decoded.
         self._budgeted = {
@@ -185,7 +195,15 @@ class Executor:
 
         replica.configure(report_runs=report_runs)
         if self.preload:
-            threading.Thread(target=_preload, args=(self.preload,), name="ddlf-preload", daemon=True).start()
+            done = self._preloaded = threading.Event()
+
+            def preload() -> None:
+                try:
+                    _preload(self.preload)
+                finally:
+                    done.set()
+
+            threading.Thread(target=preload, name="ddlf-preload", daemon=True).start()
         if self._ready_file:
             tmp = self._ready_file + ".tmp"
             with open(tmp, "w") as f:
@@ -197,6 +215,8 @@ class Executor:
     def handle(self, op: int, name: str, digest: str, pickle: bytes, buffers: list[Any]) -> tuple[Any, ...]:
         """Run one operation. Returns ``(0, pickle, buffers)`` or ``(kind, (type, message, traceback))``."""
         refused: str | None = None
+        if op not in self._import_free:
+            self._wait_for_preload()
         try:
             handler = self._handlers.get(op)
             if handler is None:
@@ -240,6 +260,31 @@ class Executor:
                 ),
             )
         return (0, data, [b.raw() for b in bufs])
+
+    def _wait_for_preload(self) -> None:
+        """Wait until the preload thread is done. A request decodes and runs the master's code, which may import
+        what the preload is importing: two threads importing modules that import each other (TensorFlow's
+        ``__init__`` imports Keras) make Python raise ``_DeadlockError`` in one of them, and a framework left
+        half-imported by either is broken for the daemon's life. Only the first requests of a daemon's life wait
+        (the preload starts as the daemon listens), for what they would mostly have waited for anyway. A preload
+        still running after :data:`PRELOAD_WAIT` seconds (an import that hangs) is no longer waited for."""
+        done = self._preloaded
+        if done is None or done.is_set():
+            return
+        import logging
+
+        t0 = time.monotonic()
+        if not done.wait(PRELOAD_WAIT):
+            logging.getLogger("ddlf.worker").warning(
+                "the preload of %s is still running after %.0f s: requests no longer wait for it",
+                ", ".join(self.preload),
+                PRELOAD_WAIT,
+            )
+            self._preloaded = None
+            return
+        logging.getLogger("ddlf.worker").info(
+            "a request waited %.2f s for the preload of %s", time.monotonic() - t0, ", ".join(self.preload)
+        )
 
     @staticmethod
     def _decode(op: int, pickle: bytes, buffers: list[Any]) -> Any:
@@ -406,10 +451,9 @@ def _digest_at(path: str) -> str | None:
 
 
 def _preload(modules: list[str]) -> None:
-    """Import ``modules`` (a worker's ``--preload``) so that the first training run finds them loaded; a request
-    that needs one meanwhile waits on Python's import lock, never on a half-loaded module."""
+    """Import ``modules`` (a worker's ``--preload``) so that the first training run finds them loaded; requests
+    that arrive meanwhile wait for it to finish (:meth:`Executor._wait_for_preload`)."""
     import logging
-    import time
 
     from ..frameworks.console import quiet_start
 
