@@ -22,7 +22,7 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet \
   "maturin>=1.5,<2" "numpy>=1.24" "cloudpickle>=3.0" "keras>=3.0" "tensorflow-cpu>=2.16" "jax>=0.4" \
-  "pytest>=7" "pytest-timeout>=2" "ruff>=0.4" "mypy>=1.10" "pillow>=10" "tensorboardX>=2.6" "tensorboard>=2.14" "kubernetes-validate>=1.28" "pyyaml>=6" \
+  "pytest>=7" "pytest-timeout>=2" "pytest-xdist>=3.5" "ruff>=0.4" "mypy>=1.10" "pillow>=10" "tensorboardX>=2.6" "tensorboard>=2.14" "kubernetes-validate>=1.28" "pyyaml>=6" \
   "fsspec>=2023.1" "s3fs>=2023.1" "moto[server]>=5" "hypothesis>=6.100" "pyarrow>=15"
 # Build the Rust extension (release) and install the package in editable mode.
 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet

@@ -148,3 +148,14 @@ def daemon() -> Iterator[Daemon]:
     d = Daemon()
     yield d
     d.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n N --dist loadgroup``): each test module runs on one process (its module-scoped
+    cluster starts once), and the tests that use the machine's shared facilities (network namespaces and their
+    bridge, the local Slurm controller) run one at a time, on one process."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        parts = path.split("/")
+        group = "machine" if len(parts) > 1 and parts[1] in ("netns", "slurm") else path
+        item.add_marker(pytest.mark.xdist_group(group))
