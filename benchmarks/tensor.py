@@ -22,7 +22,7 @@ def _echo(x):
 
 
 def _preloaded() -> None:
-    import keras  # noqa: F401  (waits on the import lock until the worker's background preload is done)
+    import keras  # noqa: F401  (the request waits until the worker's background preload is done)
 
 
 def _weights(total_mb: float, n_arrays: int) -> list[np.ndarray]:

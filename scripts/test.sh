@@ -46,8 +46,8 @@ section "pytest: unit"
 .venv/bin/python -m pytest tests/unit -q
 
 section "pytest: end to end, network namespaces and Slurm"
-# Two test processes (pytest-xdist), each taking whole modules: much of an end-to-end test is waiting (daemons
-# starting, heartbeats, Slurm's scheduler), so two of them share the two cores well (25.7 min -> 19.6 here). The
-# network-namespace and Slurm tests run one at a time (tests/conftest.py). DDLF_TEST_PROCESSES=0: one process.
-.venv/bin/python -m pytest tests/e2e tests/netns tests/slurm -n "${DDLF_TEST_PROCESSES:-2}" --dist loadgroup \
+# Two test processes (pytest-xdist), each taking whole modules (a module's cluster starts once; the Slurm tests,
+# one module, run one at a time): much of an end-to-end test is waiting (daemons starting, heartbeats, Slurm's
+# scheduler), so two of them share the two cores well. DDLF_TEST_PROCESSES=0: one process.
+.venv/bin/python -m pytest tests/e2e tests/netns tests/slurm -n "${DDLF_TEST_PROCESSES:-2}" --dist loadfile \
   --durations=15 "$@"

@@ -34,6 +34,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # and the Ctrl-C tests need it as in a terminal; a handled signal is reset to its default in a child.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Under pytest-xdist, each test process gets its own node store (ddlf.data.node_store): a daemon's clean exit
+    # sweeps the entries nobody holds, which a test in the other process may be keeping on purpose.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and "DDLF_NODE_STORE" not in os.environ and os.path.isdir("/dev/shm"):
+        store = f"/dev/shm/ddlf-tests-{worker}-{os.getpid()}"
+        os.makedirs(store, exist_ok=True)
+        os.environ["DDLF_NODE_STORE"] = store
+        config.add_cleanup(lambda: shutil.rmtree(store, ignore_errors=True))
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,14 +156,3 @@ def daemon() -> Iterator[Daemon]:
     d = Daemon()
     yield d
     d.stop()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n N --dist loadgroup``): each test module runs on one process (its module-scoped
-    cluster starts once), and the tests that use the machine's shared facilities (network namespaces and their
-    bridge, the local Slurm controller) run one at a time, on one process."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        parts = path.split("/")
-        group = "machine" if len(parts) > 1 and parts[1] in ("netns", "slurm") else path
-        item.add_marker(pytest.mark.xdist_group(group))

@@ -112,26 +112,30 @@ def test_local_daemons_preload_keras_on_the_masters_backend() -> None:
 
 
 def test_a_request_during_the_preload_waits_for_it_instead_of_racing_its_imports(tmp_path, monkeypatch) -> None:
-    # Two modules that import each other, as TensorFlow and Keras do (TensorFlow's __init__ imports
-    # keras.src.optimizers): the preload imports one, a request imports the other meanwhile. Importing them in two
-    # threads at once makes Python raise _DeadlockError in one of them, and a framework half-imported by the preload
-    # leaves its modules broken for every later run on that daemon. Requests wait for the preload instead.
-    (tmp_path / "ddlf_race_a.py").write_text("import time\ntime.sleep(3.0)\nimport ddlf_race_b  # noqa\nREADY = True\n")
-    (tmp_path / "ddlf_race_b.py").write_text("import ddlf_race_a  # noqa\nVALUE = 2\n")
+    # Two modules that import each other and use each other's names as they load, as TensorFlow and Keras do
+    # (TensorFlow's __init__ imports keras.src.optimizers): the preload imports one, a request imports the other
+    # meanwhile. Python breaks the two threads' lock cycle by handing one of them the other module half-imported,
+    # which fails (with TensorFlow: _DeadlockError or AttributeError in both threads, and TensorFlow broken in that
+    # process from then on). Requests wait for the preload instead.
+    (tmp_path / "ddlf_race_a.py").write_text(
+        "import time\ntime.sleep(3.0)\nimport ddlf_race_b\nREADY = ddlf_race_b.VALUE\n"
+    )
+    (tmp_path / "ddlf_race_b.py").write_text("import ddlf_race_a  # noqa: F401\nVALUE = 2\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
 
     def imports_the_other_one():
         import sys
 
-        done_first = getattr(sys.modules.get("ddlf_race_a"), "READY", False)  # before this call imports anything
-        import ddlf_race_a
-        import ddlf_race_b
+        done_first = hasattr(sys.modules.get("ddlf_race_a"), "READY")  # before this call imports anything
+        # The other one first, as a request importing TensorFlow while Keras preloads.
+        import ddlf_race_b  # isort: skip
+        import ddlf_race_a  # isort: skip
 
         return done_first, ddlf_race_a.READY, ddlf_race_b.VALUE
 
     with ddlf.Cluster.local(1, preload="ddlf_race_a") as cluster:
         t0 = time.monotonic()
-        assert cluster.run(imports_the_other_one) == [(True, True, 2)]
+        assert cluster.run(imports_the_other_one) == [(True, 2, 2)]
         assert time.monotonic() - t0 > 1.0  # it did arrive while the preload slept, and waited
         logs = cluster.logs(0, 0)
         assert any("preloaded ddlf_race_a" in line for line in logs), logs

@@ -148,8 +148,10 @@ class Cluster(Collectives):
         ``preload``: modules each daemon imports in the background as soon as it listens, while this script goes
         on (``ddlf-worker --preload``). The default, ``"keras"``, loads Keras on this process's backend
         (``KERAS_BACKEND``, else ddlf's default, which this sets for the workers) when Keras is installed, so a
-        first ``train()`` does not wait for the framework to import. ``None``: nothing. ``"default"``:
-        ``DDLF_PRELOAD`` if set (comma-separated modules; empty: nothing), else ``"keras"``.
+        first ``train()`` does not wait for the framework to import. A request that runs or sends code (``run``,
+        ``set``, ``train``...) while a daemon still preloads waits for the preload to finish (a few seconds for
+        Keras on TensorFlow; count it in a short ``timeout``). ``None``: nothing. ``"default"``: ``DDLF_PRELOAD``
+        if set (comma-separated modules; empty: nothing), else ``"keras"``.
 
         ``gpus``: one worker per GPU, each seeing only its own (``ddlf-worker --gpu``): ``"auto"`` for every GPU
         this process may use (``CUDA_VISIBLE_DEVICES``, else all that ``nvidia-smi`` lists), or a list of ids.

@@ -143,7 +143,8 @@ class Executor:
         # Operations that import nothing (the others wait for the preload: _wait_for_preload). CONTEXT's value is
         # the master's plain dict of numbers, sent as it connects.
         self._import_free = {
-            OPS[op] for op in ("LIST_VARS", "LIST_FUNCTIONS", "GET_VAR", "DEL_VAR", "CLEAN", "CONTEXT")
+            OPS[op]
+            for op in ("LIST_VARS", "LIST_FUNCTIONS", "GET_VAR", "DEL_VAR", "REMOVE_FUNCTION", "CLEAN", "CONTEXT")
         }
         # Operations that keep or run something: checked against the memory budget before they are decoded.
         self._budgeted = {
@@ -215,9 +216,9 @@ class Executor:
     def handle(self, op: int, name: str, digest: str, pickle: bytes, buffers: list[Any]) -> tuple[Any, ...]:
         """Run one operation. Returns ``(0, pickle, buffers)`` or ``(kind, (type, message, traceback))``."""
         refused: str | None = None
-        if op not in self._import_free:
-            self._wait_for_preload()
         try:
+            if op not in self._import_free:
+                self._wait_for_preload()
             handler = self._handlers.get(op)
             if handler is None:
                 raise _Failure("BAD_REQUEST", "ProtocolError", f"unknown operation code {op}")
