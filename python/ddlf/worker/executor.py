@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import inspect
+import logging
 import os
 import shutil
 import sys
@@ -36,6 +37,8 @@ OPS = _ddlf.OPS
 KINDS = _ddlf.ERROR_KINDS
 PRELOAD_WAIT = 120.0
 """Seconds a request waits at most for the daemon's preload (``--preload``) to finish."""
+
+log = logging.getLogger("ddlf.worker")
 
 
 class _Failure(Exception):
@@ -196,15 +199,9 @@ class Executor:
 
         replica.configure(report_runs=report_runs)
         if self.preload:
-            done = self._preloaded = threading.Event()
-
-            def preload() -> None:
-                try:
-                    _preload(self.preload)
-                finally:
-                    done.set()
-
-            threading.Thread(target=preload, name="ddlf-preload", daemon=True).start()
+            self._preloaded = threading.Event()
+            args = (self.preload, self._preloaded)
+            threading.Thread(target=_preload, args=args, name="ddlf-preload", daemon=True).start()
         if self._ready_file:
             tmp = self._ready_file + ".tmp"
             with open(tmp, "w") as f:
@@ -270,22 +267,20 @@ class Executor:
         (the preload starts as the daemon listens), for what they would mostly have waited for anyway. A preload
         still running after :data:`PRELOAD_WAIT` seconds (an import that hangs) is no longer waited for."""
         done = self._preloaded
-        if done is None or done.is_set():
+        if done is None:
             return
-        import logging
-
         t0 = time.monotonic()
-        if not done.wait(PRELOAD_WAIT):
-            logging.getLogger("ddlf.worker").warning(
+        if done.is_set():
+            pass
+        elif done.wait(PRELOAD_WAIT):
+            log.info("a request waited %.2f s for the preload of %s", time.monotonic() - t0, ", ".join(self.preload))
+        else:
+            log.warning(
                 "the preload of %s is still running after %.0f s: requests no longer wait for it",
                 ", ".join(self.preload),
                 PRELOAD_WAIT,
             )
-            self._preloaded = None
-            return
-        logging.getLogger("ddlf.worker").info(
-            "a request waited %.2f s for the preload of %s", time.monotonic() - t0, ", ".join(self.preload)
-        )
+        self._preloaded = None  # waited once: nothing to wait for any more
 
     @staticmethod
     def _decode(op: int, pickle: bytes, buffers: list[Any]) -> Any:
@@ -451,27 +446,27 @@ def _digest_at(path: str) -> str | None:
     return files_digest(files)
 
 
-def _preload(modules: list[str]) -> None:
-    """Import ``modules`` (a worker's ``--preload``) so that the first training run finds them loaded; requests
-    that arrive meanwhile wait for it to finish (:meth:`Executor._wait_for_preload`)."""
-    import logging
-
+def _preload(modules: list[str], done: threading.Event) -> None:
+    """Import ``modules`` (a worker's ``--preload``) so that the first training run finds them loaded, then set
+    ``done``: requests that arrive meanwhile wait for it (:meth:`Executor._wait_for_preload`)."""
     from ..frameworks.console import quiet_start
 
-    log = logging.getLogger("ddlf.worker")
-    for name in modules:
-        t0 = time.perf_counter()
-        try:
-            with quiet_start():  # the framework's start-up notices go to this daemon's log, not stderr
-                module = importlib.import_module(name)
-                if name == "keras":
-                    module.backend.backend()  # loads the backend's own framework too
-        except BaseException as exc:  # a worker must serve whatever its preload does
-            log.warning("preloading %s failed: %s: %s", name, type(exc).__name__, exc)
-            continue
-        log.info("preloaded %s in %.2f s", name, time.perf_counter() - t0)
-    # The frameworks' modules live as long as the daemon: out of the garbage collector's full scans
-    freeze_heap()
+    try:
+        for name in modules:
+            t0 = time.perf_counter()
+            try:
+                with quiet_start():  # the framework's start-up notices go to this daemon's log, not stderr
+                    module = importlib.import_module(name)
+                    if name == "keras":
+                        module.backend.backend()  # loads the backend's own framework too
+            except BaseException as exc:  # a worker must serve whatever its preload does
+                log.warning("preloading %s failed: %s: %s", name, type(exc).__name__, exc)
+                continue
+            log.info("preloaded %s in %.2f s", name, time.perf_counter() - t0)
+        # The frameworks' modules live as long as the daemon: out of the garbage collector's full scans
+        freeze_heap()
+    finally:
+        done.set()
 
 
 _MISSING = object()
