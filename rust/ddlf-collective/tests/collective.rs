@@ -553,9 +553,14 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
     use ddlf_collective::Plain;
     let ds = daemons(4, "parts");
     let len = 10_007usize;
-    // A flat ring of three, and a hierarchical ring of two hosts of two (shared memory, then the leaders).
+    // A flat ring of three, a hierarchical ring of two hosts of two (shared memory, then the leaders), and one
+    // host of three (shared memory alone: each member's own chunk summed from its parts, cut across chunks).
     let flat: Vec<RingSpec> = (0..3).map(|r| spec(&ds[..3], 41, r, 2)).collect();
-    for specs in [flat, hierarchical(&ds, &[vec![0, 1], vec![2, 3]], 42)] {
+    for specs in [
+        flat,
+        hierarchical(&ds, &[vec![0, 1], vec![2, 3]], 42),
+        hierarchical(&ds, &[vec![0, 1, 2]], 43),
+    ] {
         let n = specs.len();
         let outs: Vec<Result<Vec<Vec<f32>>, CollectiveError>> = std::thread::scope(|s| {
             let hs: Vec<_> = specs
