@@ -144,3 +144,15 @@ def test_a_checkpoint_is_resumed_only_with_the_sharding_that_wrote_it() -> None:
         checkpoint.check_resumable(sharded, True, sharded=False)
     with pytest.raises(ValueError, match="holds whole optimizer state; resuming it with"):
         checkpoint.check_resumable(whole, True, sharded=True)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "rmsprop"])
+def test_the_optimizer_state_bytes_a_round_reports_are_those_of_its_arrays(optimizer: str) -> None:
+    """A gradient-averaging round reports the optimizer state a worker holds: read off the optimizer's variables
+    (no copy of the state each round), the same count as the arrays themselves (counters included)."""
+    from ddlf.training.replica.state import optimizer_state, optimizer_state_bytes
+
+    model = _model(optimizer)
+    model.optimizer.build(model.trainable_weights)
+    arrays = optimizer_state(model)
+    assert optimizer_state_bytes(model) == sum(a.nbytes for a in arrays) > 0

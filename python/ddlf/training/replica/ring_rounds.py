@@ -19,6 +19,7 @@ from .rounds import train_chunk
 from .state import (
     optimizer_built,
     optimizer_state,
+    optimizer_state_bytes,
     rng_state,
     set_learning_rate,
     set_optimizer_state,
@@ -340,7 +341,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
             _alone(stepper, batches, steps, learning_rate_factor, slow_seconds_per_batch)
     finally:
         logs = stepper.end()
-    state_bytes = sum(a.nbytes for a in optimizer_state(model)) if optimizer_built(model) else 0
+    state_bytes = optimizer_state_bytes(model) if optimizer_built(model) else 0
     return _end_round(session, spec, start, t0, feed, logs, reduce_s, nonfinite, overflowed, state_bytes)
 
 

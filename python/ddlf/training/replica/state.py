@@ -54,6 +54,14 @@ def optimizer_state(model: Any) -> list[np.ndarray]:
     return [np.asarray(v.numpy()) for v in model.optimizer.variables]
 
 
+def optimizer_state_bytes(model: Any) -> int:
+    """The bytes of :func:`optimizer_state`, read off the optimizer's variables (a Keras model: no copy of the
+    state, which a round's report would otherwise make of the whole optimizer each round)."""
+    if hasattr(model, "get_optimizer_state"):
+        return sum(a.nbytes for a in model.get_optimizer_state())
+    return sum(np.dtype(v.dtype).itemsize * int(np.prod(tuple(v.shape))) for v in model.optimizer.variables)
+
+
 def set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
     """Put back what :func:`optimizer_state` returned."""
     if hasattr(model, "set_optimizer_state"):
