@@ -59,7 +59,16 @@ def optimizer_state_bytes(model: Any) -> int:
     state, which a round's report would otherwise make of the whole optimizer each round)."""
     if hasattr(model, "get_optimizer_state"):
         return sum(a.nbytes for a in model.get_optimizer_state())
-    return sum(np.dtype(v.dtype).itemsize * int(np.prod(tuple(v.shape))) for v in model.optimizer.variables)
+    return sum(_variable_bytes(v) for v in model.optimizer.variables)
+
+
+def _variable_bytes(v: Any) -> int:
+    """A Keras variable's bytes: its array's own size where the backend's array says it without a copy (JAX,
+    torch: a float64 variable on JAX without x64 holds float32), else its dtype's size times its shape."""
+    n = getattr(getattr(v, "value", None), "nbytes", None)
+    if isinstance(n, int):
+        return n
+    return np.dtype(v.dtype).itemsize * int(np.prod(tuple(v.shape)))
 
 
 def set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
