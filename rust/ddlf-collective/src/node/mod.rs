@@ -8,13 +8,13 @@
 //! behind). A call goes:
 //!
 //! 0. every member publishes its call's shape; **barrier**; members that disagree fail together (no hang);
-//! 1. every member copies its data into its slot; **barrier**;
-//! 2. member `j` sums its own `1/k` slice of the result over all `k` slots (the members reduce in parallel);
-//!    **barrier**;
+//! 1. every member copies its data into its slot, all but its own `1/k` chunk; **barrier**;
+//! 2. member `j` sums its chunk of the result: its own data's and the other `k - 1` slots', in member order (the
+//!    members reduce in parallel); **barrier**;
 //! 3. the leader all-reduces the result with the other hosts' leaders (the inter-host ring, sum); **barrier**;
 //! 4. every member copies the result out (scaled by `1/n` for a mean over all `n` ranks of every host).
 //!
-//! Every member ends with the same bits (it copies the same result; the local sum runs in slot order).
+//! Every member ends with the same bits (it copies the same result; the local sum runs in member order).
 //!
 //! The halves of a call, for sharded optimizers ([`Node::reduce_scatter`], [`Node::allgather`]): a member's
 //! shard is its `1/k` sub-chunk of its host's chunk of the hosts' ring ([`Node::shard`]). The reduce-scatter runs
@@ -27,10 +27,8 @@
 //! stopped fails the call on every member within that bound. Any member that fails marks the control file failed with
 //! its reason, and the others stop at once; the node is then spent, as a ring is.
 //!
-//! A host that holds every rank (no ring between hosts) takes a shorter all-reduce (`Node::alone`): each member
-//! copies into its slot only the chunks the others sum, sums its own chunk from its data and the others' slots
-//! (scaled for a mean) into the result region, and copies the result out after the last barrier: the same sums in
-//! the same order, with less copying and one barrier fewer.
+//! A host that holds every rank (no ring between hosts) skips step 3 and its barrier, and takes the mean's scale in
+//! step 2, so step 4 is a plain copy.
 //!
 //! The files' layout, and how they are made and mapped, is `segment.rs`; this file is the protocol over them.
 
@@ -370,96 +368,13 @@ impl Node {
         if let Mode::Gather(shard) = &mode {
             return self.gather(current, parts, shard.clone(), inter);
         }
-        if mode == Mode::Both && self.spec.total == k {
-            return self.alone(current, parts, op);
-        }
-        // 1. Every member's data into its slot.
-        let seg = &self.segments[current];
-        let slot = seg.region::<T>(j);
-        // SAFETY: `region` checked that `len` elements of `T` at `slot` lie inside the mapping, aligned. Slot `j`
-        // is written by this member only, and read by others only after the barrier below.
-        let slot = unsafe { std::slice::from_raw_parts_mut(slot, len) };
-        let mut at = 0;
-        for part in parts.iter() {
-            slot[at..at + part.len()].copy_from_slice(part);
-            at += part.len();
-        }
-        self.wait_all()?;
-        // Every member has mapped the data file: nobody needs its name any more.
-        self.segments[current].unlink();
-        // 2. This member's chunk of the sum.
-        let seg = &self.segments[current];
-        let mine = crate::ring::chunk(len, k, j);
-        let result = seg.region::<T>(k);
-        // SAFETY: the result region holds `len` elements (checked by `region`); this member writes only its own
-        // chunk of it (chunks of different members are disjoint), and nobody reads it before the next barrier.
-        let out = unsafe { std::slice::from_raw_parts_mut(result.add(mine.start), mine.len()) };
-        for i in 0..k {
-            let from = seg.region::<T>(i);
-            // SAFETY: slot `i` holds `len` elements, all written before the barrier passed and not written again
-            // before the next call's barriers, which this member has not reached.
-            let src = unsafe { std::slice::from_raw_parts(from.add(mine.start), mine.len()) };
-            if i == 0 {
-                out.copy_from_slice(src);
-            } else {
-                for (o, s) in out.iter_mut().zip(src) {
-                    *o = o.add(*s);
-                }
-            }
-        }
-        self.wait_all()?;
-        // 3. The hosts' sums (or, for a reduce-scatter, each host's chunk of them), on the leaders' ring.
-        if self.is_leader() {
-            let seg = &self.segments[current];
-            // SAFETY: every member finished its chunk (barrier passed); until the next barrier only the leader
-            // touches the result region.
-            let all = unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(k), len) };
-            inter(all)?;
-        }
-        self.wait_all()?;
-        // 4. The result (or this member's shard of it), to every member.
-        let seg = &self.segments[current];
-        // SAFETY: the leader finished (barrier passed); the result region is only read until the next call's
-        // second barrier, which every member reaches only after this copy.
-        let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(k), len) };
-        let by = 1.0 / self.spec.total as f64;
-        let copy = |dst: &mut [T], src: &[T]| match op {
-            Op::Sum => dst.copy_from_slice(src),
-            Op::Mean => {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = s.scale(by);
-                }
-            }
+        // One host holding every rank: no ring between hosts, so the mean is taken as the sums are made.
+        let single = self.spec.total == k;
+        let by = match op {
+            Op::Sum => None,
+            Op::Mean => Some(1.0 / self.spec.total as f64),
         };
-        if let Mode::Scatter(shard) = &mode {
-            if let [data] = parts {
-                copy(&mut data[shard.clone()], &all[shard.clone()]);
-            }
-            return Ok(());
-        }
-        let mut at = 0;
-        for part in parts.iter_mut() {
-            let src = &all[at..at + part.len()];
-            at += part.len();
-            copy(part, src);
-        }
-        Ok(())
-    }
-
-    /// The all-reduce of a host that holds every rank (no ring between hosts), after the shapes agreed: each
-    /// member copies into its slot only the chunks the others sum (its own it reads from `parts`), sums its chunk
-    /// (scaled for a mean) straight into the result region, and after the last barrier copies the whole result
-    /// out. The same sums in the same order as [`Node::run`]'s steps 1-4, so the same bits, with `(k-1)/k` of the
-    /// copy in, no scaling on the way out, and one barrier fewer; `parts` are still written only after the last
-    /// step that can fail.
-    fn alone<T: Elem>(
-        &mut self,
-        current: usize,
-        parts: &mut [&mut [T]],
-        op: Op,
-    ) -> Result<(), CollectiveError> {
-        let (k, j) = (self.members(), self.spec.index);
-        let len: usize = parts.iter().map(|p| p.len()).sum();
+        // 1. Into this member's slot, every chunk of its data but its own (which it sums from `parts` itself).
         let mine = crate::ring::chunk(len, k, j);
         let seg = &self.segments[current];
         // SAFETY: `region` checked that `len` elements of `T` at slot `j` lie inside the mapping, aligned. Slot `j`
@@ -478,18 +393,15 @@ impl Node {
         self.wait_all()?;
         // Every member has mapped the data file: nobody needs its name any more.
         self.segments[current].unlink();
+        // 2. This member's chunk of the sum, the members' terms in member order (scaled for a mean on one host).
         let seg = &self.segments[current];
         // SAFETY: the result region holds `len` elements (checked by `region`); this member writes only its own
         // chunk of it (chunks of different members are disjoint), and nobody reads it before the next barrier.
         let out = unsafe {
             std::slice::from_raw_parts_mut(seg.region::<T>(k).add(mine.start), mine.len())
         };
-        let by = match op {
-            Op::Sum => None,
-            Op::Mean => Some(1.0 / self.spec.total as f64),
-        };
         for i in 0..k {
-            let last = if i + 1 == k { by } else { None };
+            let last = if single && i + 1 == k { by } else { None };
             if i == j {
                 for (piece, at) in pieces(parts, mine.clone()) {
                     combine(
@@ -509,13 +421,33 @@ impl Node {
             }
         }
         self.wait_all()?;
+        // 3. The hosts' sums (or, for a reduce-scatter, each host's chunk of them), on the leaders' ring.
+        if !single {
+            if self.is_leader() {
+                let seg = &self.segments[current];
+                // SAFETY: every member finished its chunk (barrier passed); until the next barrier only the leader
+                // touches the result region.
+                let all = unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(k), len) };
+                inter(all)?;
+            }
+            self.wait_all()?;
+        }
+        // 4. The result (or this member's shard of it), to every member: `parts` are written only now, after the
+        // last step that can fail.
         let seg = &self.segments[current];
-        // SAFETY: every member finished its chunk (barrier passed); the result region is only read until the next
-        // call's second barrier, which every member reaches only after this copy.
+        // SAFETY: the last barrier passed (every chunk summed, the leader's ring done); the next call writes the
+        // result region only after a barrier of its own, which every member reaches only after this copy.
         let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(k), len) };
+        let scale = if single { None } else { by }; // on one host the sums are scaled already
+        if let Mode::Scatter(shard) = &mode {
+            if let [data] = parts {
+                combine(&mut data[shard.clone()], &all[shard.clone()], true, scale);
+            }
+            return Ok(());
+        }
         let mut at = 0;
         for part in parts.iter_mut() {
-            part.copy_from_slice(&all[at..at + part.len()]);
+            combine(part, &all[at..at + part.len()], true, scale);
             at += part.len();
         }
         Ok(())
@@ -743,7 +675,7 @@ fn pieces<'a, T>(
 }
 
 /// One member's term of a sum: `dst = src` (the first term) or `dst += src`, then, for the last term of a mean,
-/// times `by` (as [`Node::run`] scales the whole sum when it copies it out: the same bits).
+/// times `by`; with `first`, also a copy out, scaled or not (a scaled sum has the same bits either way).
 fn combine<T: Elem>(dst: &mut [T], src: &[T], first: bool, by: Option<f64>) {
     match (first, by) {
         (true, None) => dst.copy_from_slice(src),
