@@ -270,16 +270,17 @@ class Executor:
         if done is None:
             return
         t0 = time.monotonic()
-        if done.is_set():
-            pass
-        elif done.wait(PRELOAD_WAIT):
-            log.info("a request waited %.2f s for the preload of %s", time.monotonic() - t0, ", ".join(self.preload))
-        else:
-            log.warning(
-                "the preload of %s is still running after %.0f s: requests no longer wait for it",
-                ", ".join(self.preload),
-                PRELOAD_WAIT,
-            )
+        if not done.is_set():
+            if done.wait(PRELOAD_WAIT):
+                log.info(
+                    "a request waited %.2f s for the preload of %s", time.monotonic() - t0, ", ".join(self.preload)
+                )
+            else:
+                log.warning(
+                    "the preload of %s is still running after %.0f s: requests no longer wait for it",
+                    ", ".join(self.preload),
+                    PRELOAD_WAIT,
+                )
         self._preloaded = None  # waited once: nothing to wait for any more
 
     @staticmethod

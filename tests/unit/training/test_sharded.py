@@ -156,3 +156,15 @@ def test_the_optimizer_state_bytes_a_round_reports_are_those_of_its_arrays(optim
     model.optimizer.build(model.trainable_weights)
     arrays = optimizer_state(model)
     assert optimizer_state_bytes(model) == sum(a.nbytes for a in arrays) > 0
+
+
+def test_a_torch_models_optimizer_state_bytes_are_those_of_its_arrays() -> None:
+    torch = pytest.importorskip("torch")
+    from ddlf.models import TorchModel
+    from ddlf.training.replica.state import optimizer_state, optimizer_state_bytes
+    from ddlf.training.replica.steppers import stepper_for
+
+    model = TorchModel(torch.nn.Linear(5, 3), lambda p: torch.optim.Adam(p, lr=1e-3), torch.nn.MSELoss())
+    assert optimizer_state_bytes(model) == 0 == len(optimizer_state(model))  # no state before the first step
+    stepper_for(model).build_optimizer()
+    assert optimizer_state_bytes(model) == sum(a.nbytes for a in optimizer_state(model)) > 0

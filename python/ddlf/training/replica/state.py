@@ -55,10 +55,11 @@ def optimizer_state(model: Any) -> list[np.ndarray]:
 
 
 def optimizer_state_bytes(model: Any) -> int:
-    """The bytes of :func:`optimizer_state`, read off the optimizer's variables (a Keras model: no copy of the
+    """The bytes of :func:`optimizer_state`, read off the optimizer's tensors or variables (no copy of the
     state, which a round's report would otherwise make of the whole optimizer each round)."""
-    if hasattr(model, "get_optimizer_state"):
-        return sum(a.nbytes for a in model.get_optimizer_state())
+    tensors = getattr(model, "_optimizer_tensors", None)  # a TorchModel: its optimizer's own tensors
+    if tensors is not None:
+        return sum(int(t.nbytes) for t in tensors() or [])
     return sum(_variable_bytes(v) for v in model.optimizer.variables)
 
 
