@@ -201,10 +201,10 @@ class GradientAveraging:
     shard with the model's own optimizer, and the ring all-gathers the new weights. The same bytes on the wire as
     an all-reduce and the same result (bit-identical replicas); optimizer state per worker ``1/n``. For float32
     weights and an element-wise optimizer: Keras's SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam,
-    Lion, Ftrl, or, for a :class:`ddlf.TorchModel`, ``torch.optim``'s SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta,
-    Adamax, NAdam, RAdam with one parameter group; anything else is refused with the reason before training starts.
-    ``bucket_cap_mb`` does not apply (the gradients go in one buffer after backward). Checkpoints hold the whole
-    state and resume on any number of workers; a lost worker's shard restarts from zeros (History notes it)."""
+    Lion, Ftrl, or, for a :class:`ddlf.models.TorchModel`, ``torch.optim``'s SGD, Adam, AdamW, RMSprop, Adagrad,
+    Adadelta, Adamax, NAdam, RAdam with one parameter group; anything else is refused with the reason before training
+    starts. ``bucket_cap_mb`` does not apply (the gradients go in one buffer after backward). Checkpoints hold the
+    whole state and resume on any number of workers; a lost worker's shard restarts from zeros (History notes it)."""
 
     scale_learning_rate: bool = False
     warmup_epochs: float = 0.0

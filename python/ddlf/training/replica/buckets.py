@@ -2,7 +2,7 @@
 
 With gradient averaging (:class:`~ddlf.GradientAveraging`)
 a step computes all gradients, then averages them over the ring. On PyTorch (Keras
-on the torch backend, :class:`ddlf.TorchModel`) the gradients of the last layers are ready long before the
+on the torch backend, :class:`ddlf.models.TorchModel`) the gradients of the last layers are ready long before the
 backward pass reaches the first ones, so :class:`Buckets` starts averaging them at once: the parameters are cut,
 in reverse order (the order backward finishes them), into buckets of about ``bucket_cap_mb``; a hook on each
 parameter copies its gradient (times this worker's weight) into its bucket's buffer as soon as autograd has

@@ -51,7 +51,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate ``weights`` on rows ``part`` of this worker's dataset (the app's ``preprocess`` applied, the
     loader's sample weights counted, ``class_weight`` not: as ``fit`` validates). Returns the rows and, for a
-    Keras model, its metric state (``state``); for a :class:`~ddlf.TorchModel`, its logs (``logs``), which the
+    Keras model, its metric state (``state``); for a :class:`~ddlf.models.TorchModel`, its logs (``logs``), which the
     master averages by rows."""
     model, indices = session.model, _rows(session, part)
     if not len(indices):

@@ -31,7 +31,7 @@ per-element step sizes that start at the learning rate are left out)."""
 
 def trainable_variables(model: Any) -> list[Any]:
     """The weights an optimizer trains, in the order the stepper hands their gradients: a Keras model's
-    ``trainable_weights``, or a :class:`ddlf.TorchModel`'s parameters that require a gradient."""
+    ``trainable_weights``, or a :class:`ddlf.models.TorchModel`'s parameters that require a gradient."""
     from ...frameworks.torch_model import TorchModel
 
     if isinstance(model, TorchModel):
@@ -127,7 +127,7 @@ def _assign_scalar(variable: Any, value: Any) -> None:
 
 
 class TorchShard:
-    """The :class:`ddlf.TorchModel`'s ``torch.optim`` optimizer (its class and its one parameter group's
+    """The :class:`ddlf.models.TorchModel`'s ``torch.optim`` optimizer (its class and its one parameter group's
     hyperparameters, which it follows: a learning-rate scheduler or the linear scaling rule sets them on the model's
     optimizer) on one ``torch.nn.Parameter``: the shard."""
 

@@ -44,7 +44,7 @@ from .shard_optimizers import (
 
 def check_shardable(model: Any) -> None:
     """Raise ``ValueError`` (with the reason and what to do) unless ``model``'s optimizer state can be sharded: a
-    compiled Keras model (its own ``train_step`` not overridden) or a :class:`ddlf.TorchModel`, with float32
+    compiled Keras model (its own ``train_step`` not overridden) or a :class:`ddlf.models.TorchModel`, with float32
     trainable weights and an element-wise optimizer (:data:`KERAS_ELEMENTWISE`: without per-weight clipping
     (``clipnorm``; ``global_clipnorm`` is kept: the ranks sum their shards' squared norms), averaging (``use_ema``)
     or accumulation, and with weight decay (if any) for every weight alike; :data:`TORCH_ELEMENTWISE`: one parameter

@@ -12,7 +12,7 @@ the model's own optimizer. One stepper per backend:
 * Keras on JAX: two jitted, stateless functions over the model's state (as Keras's JAX trainer keeps it), the
   state written back to the Keras variables at the end of each round.
 * Keras on PyTorch: eager, as Keras's torch trainer.
-* :class:`ddlf.TorchModel`: the module's autograd and its ``torch.optim`` optimizer.
+* :class:`ddlf.models.TorchModel`: the module's autograd and its ``torch.optim`` optimizer.
 
 Exactness: every replica applies the same averaged gradients to the same weights with the same optimizer state,
 so all replicas hold bit-identical trainable weights after every step (the ring's result is bit-identical on every
@@ -124,7 +124,7 @@ def steps_whole_rounds(model: Any) -> bool:
     ``train_on_batch``: for Keras on JAX or TensorFlow, whose ``train_on_batch`` writes every variable back and
     waits for the step's logs after each batch (slower per epoch than ``fit``: BENCHMARKS.md, *GPUs*); the
     stepper keeps the state in the framework for a whole round and reads the logs once. Other models (the torch
-    backend, :class:`ddlf.TorchModel`, ``run_eagerly``) keep ``train_on_batch``."""
+    backend, :class:`ddlf.models.TorchModel`, ``run_eagerly``) keep ``train_on_batch``."""
     if isinstance(model, TorchModel) or getattr(model, "optimizer", None) is None:
         return False
     try:
@@ -595,8 +595,8 @@ class _TorchKerasStepper(_KerasStepper):
 def _no_sample_weights(sw: Any) -> None:
     if sw is not None:
         raise ValueError(
-            "a ddlf.TorchModel takes no sample weights (class_weight, sample_weight): weigh the rows in its loss "
-            "function instead"
+            "a ddlf.models.TorchModel takes no sample weights (class_weight, sample_weight): weigh the rows in its "
+            "loss function instead"
         )
 
 
