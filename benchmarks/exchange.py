@@ -239,8 +239,9 @@ def _overlap_markdown(rows: list[dict[str, Any]]) -> str:
         "What overlap recovers: gradient averaging on Keras's PyTorch backend (fresh workers, same links and model), "
         "the gradients going to the ring in buckets while the backward pass runs (`bucket_cap_mb=25`, the default, "
         "and 4) against one buffer after it (`bucket_cap_mb=None`). A model smaller than a bucket (this one: 23.3 "
-        "MB) fills a single bucket at the end of backward, as in DDP: nothing to overlap. JAX and TensorFlow "
-        "compute all gradients in one call, so there the exchange always follows the backward pass.",
+        "MB) fills a single bucket at the end of backward, as in DDP: nothing to overlap. On TensorFlow the "
+        "buckets are reduced inside the step's graph (the gradient rows of the table above). JAX computes all "
+        "gradients in one call, so there the exchange follows the backward pass.",
         "",
         "| workers | run | s/round | vs one buffer after backward | MB sent per worker/round |",
         "|---:|---|---:|---:|---:|",

@@ -224,11 +224,21 @@ class Ring:
     def rank(self) -> int: ...
     @property
     def size(self) -> int: ...
-    def allreduce_(self, arrays: list[Any], op: str = "mean", atomic: bool = True, wire: str | None = None) -> None:
+    def allreduce_(
+        self,
+        arrays: list[Any],
+        op: str = "mean",
+        atomic: bool = True,
+        wire: str | None = None,
+        out: list[Any] | None = None,
+    ) -> None:
         """Reduce ``arrays`` (C-contiguous, writable, all float32 or all float64) with the other ranks, in place;
         raises ``ddlf.errors.CollectiveError`` (the arrays then unchanged, unless ``atomic=False``: one array
         reduced where it lies, no copy, undefined after a failure). ``wire="float16"|"bfloat16"``: float32
-        elements travel at half precision, sums stay float32, every rank ends with the same bits."""
+        elements travel at half precision, sums stay float32, every rank ends with the same bits. ``out``:
+        writable arrays of the same dtype and as many elements in all, which receive the result (``arrays`` then
+        only read, and may be read-only; on one host's shared memory no copy is added; ``out`` undefined after a
+        failure)."""
     def shard(self, len: int) -> tuple[int, int]:
         """``(start, stop)``: the elements of an array of ``len`` this rank owns between :meth:`reduce_scatter_`
         and :meth:`allgather_` (disjoint across ranks, covering the array, the same on every call)."""

@@ -92,6 +92,20 @@ def reduce_scratch(flat: np.ndarray, spec: RingSpec, op: str = "sum", wire: str 
         raise
 
 
+def reduce_into(
+    parts: list[np.ndarray], out: list[np.ndarray], spec: RingSpec, op: str = "sum", wire: str | None = None
+) -> None:
+    """All-reduce the concatenation of ``parts`` (only read) into ``out``'s arrays (as many elements, contiguous,
+    float32 or float64 like the parts), with no copy on one host's shared memory; ``out`` is undefined after a
+    failure. ``wire``: as in :func:`reduce_arrays` (float32 only)."""
+    r = ring(spec)
+    try:
+        r.allreduce_(parts, check_op(op), atomic=False, wire=check_wire(wire), out=out)
+    except BaseException:
+        forget(spec.group)
+        raise
+
+
 def allreduce_variable(worker: Any, name: str, spec: RingSpec, op: str, wire: str | None = None) -> None:
     """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
     tuple of arrays) in place with the ring's other members."""

@@ -160,6 +160,9 @@ pub struct Ring {
     node: Option<node::Node>,
     /// The call in progress ([`activity`]; 0 between calls).
     activity: u64,
+    /// A flat ring's buffer for a list of parts, kept between calls (a fresh one each call would fault in its
+    /// pages every time: a model's gradients every step).
+    scratch: Vec<u64>,
 }
 
 impl Ring {
@@ -202,6 +205,7 @@ impl Ring {
             spent: None,
             node,
             activity: 0,
+            scratch: Vec::new(),
         })
     }
 
@@ -419,21 +423,80 @@ impl Ring {
             None => match parts {
                 [one] => ring.reduce::<T, C>(one, op),
                 _ => {
-                    let mut flat: Vec<T> = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
-                    for p in parts.iter() {
-                        flat.extend_from_slice(p);
-                    }
-                    let r = ring.reduce::<T, C>(&mut flat, op);
+                    let mut scratch = std::mem::take(&mut ring.scratch);
+                    let flat = flat_buffer::<T>(&mut scratch, len);
+                    copy_concatenation(
+                        &parts.iter().map(|p| &**p).collect::<Vec<_>>(),
+                        &mut [&mut *flat],
+                    );
+                    let r = ring.reduce::<T, C>(flat, op);
                     if r.is_ok() {
-                        let mut at = 0;
-                        for p in parts.iter_mut() {
-                            p.copy_from_slice(&flat[at..at + p.len()]);
-                            at += p.len();
-                        }
+                        copy_concatenation(&[&*flat], parts);
                     }
+                    ring.scratch = scratch;
                     r
                 }
             },
+        })
+    }
+
+    /// [`Ring::allreduce_parts_over`] out of place: `parts` are only read and the result is written into `into`
+    /// (as many elements, cut however the caller likes; on failure `into` holds nothing meaningful). A
+    /// hierarchical rank reads the parts into shared memory and copies the result straight into `into`, so
+    /// no copy is added: a gradient goes to the reduction from the buffer its framework made, and the result
+    /// into a buffer the framework then reads. A flat ring copies the parts into `into` and reduces it there.
+    pub fn allreduce_parts_into_over<T: Elem, C: Codec<T>>(
+        &mut self,
+        parts: &[&[T]],
+        into: &mut [&mut [T]],
+        op: Op,
+    ) -> Result<(), CollectiveError> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let out: usize = into.iter().map(|p| p.len()).sum();
+        if len != out {
+            return Err(CollectiveError::Invalid(format!(
+                "an all-reduce of {len} elements into {out}"
+            )));
+        }
+        if self.node.is_none() {
+            // The ring's passes need one contiguous buffer: `into` where it is one array, else the ring's own (one
+            // copy in, one out, as for a list reduced in place).
+            if let [one] = into {
+                copy_concatenation(parts, &mut [&mut **one]);
+                return self.allreduce_parts_over::<T, C>(&mut [&mut **one], op);
+            }
+            let mut scratch = std::mem::take(&mut self.scratch);
+            let flat = flat_buffer::<T>(&mut scratch, len);
+            copy_concatenation(parts, &mut [&mut *flat]);
+            let r = self.allreduce_parts_over::<T, C>(&mut [&mut *flat], op);
+            if r.is_ok() {
+                copy_concatenation(&[&*flat], into);
+            }
+            self.scratch = scratch;
+            return r;
+        }
+        let hosts = self.n();
+        let what = format!("all-reduce of {len} {}", T::NAME);
+        self.guarded(&what, move |ring| {
+            let Some(mut node) = ring.node.take() else {
+                return Err(CollectiveError::Invalid(
+                    "a hierarchical ring without its node".into(),
+                ));
+            };
+            let leads = node.is_leader() && hosts > 1;
+            let this = std::cell::RefCell::new(&mut *ring);
+            let r = node.allreduce_into(
+                parts,
+                into,
+                op,
+                || this.borrow_mut().open_if(leads),
+                |all| match leads {
+                    true => this.borrow_mut().reduce::<T, C>(all, Op::Sum),
+                    false => Ok(()),
+                },
+            );
+            ring.node = Some(node);
+            r
         })
     }
 
@@ -720,5 +783,61 @@ impl Watcher {
 impl Drop for Ring {
     fn drop(&mut self) {
         peer::mailbox().forget(self.spec.group);
+    }
+}
+
+/// The first `len` elements of `scratch` as `T`s, grown (never shrunk) to hold them: `u64` storage is aligned for
+/// every element type a ring reduces (4 or 8 bytes).
+fn flat_buffer<T: Elem>(scratch: &mut Vec<u64>, len: usize) -> &mut [T] {
+    let words = (len * std::mem::size_of::<T>()).div_ceil(8);
+    if scratch.len() < words {
+        scratch.resize(words, 0);
+    }
+    &mut bytemuck::cast_slice_mut::<u64, T>(&mut scratch[..words])[..len]
+}
+
+/// `dst`'s parts filled, in order, with the concatenation of `src`'s (the two hold as many elements).
+fn copy_concatenation<T: Copy>(src: &[&[T]], dst: &mut [&mut [T]]) {
+    let mut from = src.iter().copied().filter(|s| !s.is_empty());
+    let mut current: &[T] = &[];
+    for part in dst.iter_mut() {
+        let mut rest: &mut [T] = part;
+        while !rest.is_empty() {
+            if current.is_empty() {
+                match from.next() {
+                    Some(next) => current = next,
+                    None => return,
+                }
+            }
+            let n = current.len().min(rest.len());
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            head.copy_from_slice(&current[..n]);
+            rest = tail;
+            current = &current[n..];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{copy_concatenation, flat_buffer};
+
+    #[test]
+    fn a_concatenation_is_copied_however_both_sides_are_cut() {
+        let src: [&[i32]; 4] = [&[1, 2, 3], &[], &[4], &[5, 6, 7, 8]];
+        let (mut a, mut b, mut c) = ([0; 2], [0; 0], [0; 6]);
+        copy_concatenation(&src, &mut [&mut a, &mut b, &mut c]);
+        assert_eq!((a, c), ([1, 2], [3, 4, 5, 6, 7, 8]));
+    }
+
+    #[test]
+    fn the_flat_buffer_grows_to_the_call_and_keeps_its_memory() {
+        let mut scratch = Vec::new();
+        assert_eq!(flat_buffer::<f32>(&mut scratch, 5).len(), 5);
+        assert_eq!(scratch.len(), 3); // 20 bytes in 8-byte words
+        let first = scratch.as_ptr();
+        assert_eq!(flat_buffer::<f64>(&mut scratch, 2).len(), 2);
+        assert_eq!(flat_buffer::<f32>(&mut scratch, 0).len(), 0);
+        assert_eq!((scratch.len(), scratch.as_ptr()), (3, first)); // smaller calls reuse it
     }
 }

@@ -569,8 +569,24 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
                 .map(|(r, spec)| {
                     s.spawn(move || {
                         let mut ring = Ring::new(spec, Token::new("parts"))?;
+                        let mut two = [0f32; 2];
+                        let short = ring.allreduce_parts_into_over::<f32, Plain>(
+                            &[&[1.0]],
+                            &mut [&mut two],
+                            Op::Sum,
+                        );
+                        assert!(
+                            matches!(short, Err(CollectiveError::Invalid(_))),
+                            "{short:?}"
+                        );
                         let mut got = Vec::new();
-                        for op in [Op::Sum, Op::Mean] {
+                        // In place, then out of place (`into`, cut elsewhere again; the parts only read).
+                        for (op, into) in [
+                            (Op::Sum, false),
+                            (Op::Mean, false),
+                            (Op::Sum, true),
+                            (Op::Mean, true),
+                        ] {
                             let data: Vec<f32> =
                                 (0..len).map(|i| (r * 5 + i % 13) as f32).collect();
                             // Each rank cuts the same elements differently: r + 1 parts, one of them empty.
@@ -582,6 +598,19 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
                                 at = end;
                             }
                             pieces.insert(1, Vec::new());
+                            if into {
+                                let cut = 3001 + 1000 * r;
+                                let mut out =
+                                    [vec![f32::NAN; cut], vec![], vec![f32::NAN; len - cut]];
+                                let parts: Vec<&[f32]> =
+                                    pieces.iter().map(|p| p.as_slice()).collect();
+                                let mut dst: Vec<&mut [f32]> =
+                                    out.iter_mut().map(|p| p.as_mut_slice()).collect();
+                                ring.allreduce_parts_into_over::<f32, Plain>(&parts, &mut dst, op)?;
+                                assert_eq!(pieces.concat(), data, "the parts are only read");
+                                got.push(out.concat());
+                                continue;
+                            }
                             let mut parts: Vec<&mut [f32]> =
                                 pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
                             ring.allreduce_parts_over::<f32, Plain>(&mut parts, op)?;
@@ -595,7 +624,8 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
         });
         for out in &outs {
             let out = out.as_ref().unwrap();
-            for (got, mean) in out.iter().zip([false, true]) {
+            assert_eq!(out.len(), 4);
+            for (got, mean) in out.iter().zip([false, true, false, true]) {
                 for (i, v) in got.iter().enumerate() {
                     let sum: f32 = (0..n).map(|r| (r * 5 + i % 13) as f32).sum();
                     let want = if mean {

@@ -198,8 +198,11 @@ impl Ring {
     /// `atomic=False` with one array reduces it where it lies on every ring, with no copy, and leaves its
     /// contents undefined after a failure (for scratch buffers). `wire`: "float16" or
     /// "bfloat16" sends float32 elements at half precision (sums stay float32; every rank ends with the same
-    /// bits); every rank must pass the same `wire`.
-    #[pyo3(signature = (arrays, op = "mean", atomic = true, wire = None))]
+    /// bits); every rank must pass the same `wire`. `out`: arrays (writable, the same dtype, as many elements in
+    /// all, cut as the caller likes) that receive the result, `arrays` then only read (they may be read-only): on
+    /// a host's shared memory this adds no copy, so a framework's gradient buffers go in and its update reads
+    /// the result where it lands; after a failure `out` holds nothing meaningful.
+    #[pyo3(signature = (arrays, op = "mean", atomic = true, wire = None, out = None))]
     fn allreduce_(
         &self,
         py: Python<'_>,
@@ -207,6 +210,7 @@ impl Ring {
         op: &str,
         atomic: bool,
         wire: Option<&str>,
+        out: Option<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<()> {
         let wire = parse_wire(wire)?;
         let op = parse_op(op)?;
@@ -229,7 +233,7 @@ impl Ring {
                     name(dtype)
                 )));
             }
-            if v.readonly {
+            if v.readonly && out.is_none() {
                 return Err(PyValueError::new_err(format!(
                     "allreduce: array {i} is read-only"
                 )));
@@ -244,6 +248,19 @@ impl Ring {
             return Err(PyTypeError::new_err(
                 "allreduce: half precision on the wire is for float32 arrays (sums stay float32)",
             ));
+        }
+        if let Some(out) = out {
+            let outs = out_views(&out, &views, dtype)?;
+            let result = py.detach(|| {
+                let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                match (dtype, wire) {
+                    (DType::F64, _) => reduce_into::<f64, Plain>(&mut ring, &views, &outs, op),
+                    (_, Wire::F16) => reduce_into::<f32, F16Wire>(&mut ring, &views, &outs, op),
+                    (_, Wire::Bf16) => reduce_into::<f32, Bf16Wire>(&mut ring, &views, &outs, op),
+                    (_, Wire::Plain) => reduce_into::<f32, Plain>(&mut ring, &views, &outs, op),
+                }
+            });
+            return result.map_err(|e| collective_error(py, &e));
         }
         let result = py.detach(|| {
             let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -361,6 +378,55 @@ enum Wire {
 /// buffer in between. A flat ring gathers several arrays into one buffer and scatters it back on success; one
 /// array it reduces where it lies, unless `atomic` asks for it to be unchanged after a failure (then through a
 /// copy, since a flat ring's passes write as they go).
+/// The `out` arrays of `allreduce_`: writable, `dtype`, as many elements as `sources`, and sharing memory with
+/// none of them nor with each other (the sources are read while the results are written).
+fn out_views(out: &[Bound<'_, PyAny>], sources: &[View], dtype: DType) -> PyResult<Vec<View>> {
+    let outs = out
+        .iter()
+        .map(|a| View::new(a, "allreduce"))
+        .collect::<PyResult<Vec<_>>>()?;
+    for (i, v) in outs.iter().enumerate() {
+        if v.dtype != dtype {
+            return Err(PyTypeError::new_err(format!(
+                "allreduce: out[{i}] is {} and the arrays {}: pass one dtype",
+                name(v.dtype),
+                name(dtype)
+            )));
+        }
+        if v.readonly {
+            return Err(PyValueError::new_err(format!(
+                "allreduce: out[{i}] is read-only"
+            )));
+        }
+        if outs[..i].iter().chain(sources).any(|w| v.overlaps(w)) {
+            return Err(PyValueError::new_err(format!(
+                "allreduce: out[{i}] shares memory with another array: pass distinct arrays"
+            )));
+        }
+    }
+    let (from, to) = (
+        sources.iter().map(|v| v.len).sum::<usize>(),
+        outs.iter().map(|v| v.len).sum::<usize>(),
+    );
+    if from != to {
+        return Err(PyValueError::new_err(format!(
+            "allreduce: out holds {to} elements and the arrays {from}: pass as many"
+        )));
+    }
+    Ok(outs)
+}
+
+fn reduce_into<T: Elem + crate::arrays::Elem, C: Codec<T>>(
+    ring: &mut ddlf_collective::Ring,
+    views: &[View],
+    outs: &[View],
+    op: Op,
+) -> Result<(), CollectiveError> {
+    let parts: Vec<&[T]> = views.iter().map(|v| v.slice::<T>()).collect();
+    let mut into: Vec<&mut [T]> = outs.iter().map(|v| v.slice_mut::<T>()).collect();
+    ring.allreduce_parts_into_over::<T, C>(&parts, &mut into, op)
+}
+
 fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut ddlf_collective::Ring,
     views: &[View],

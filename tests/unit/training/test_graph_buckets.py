@@ -12,7 +12,7 @@ if keras.backend.backend() != "tensorflow":
     pytest.skip("the in-graph exchange is for Keras on TensorFlow", allow_module_level=True)
 
 from ddlf.errors import CollectiveError  # noqa: E402
-from ddlf.training.replica.graph_buckets import GraphBuckets  # noqa: E402
+from ddlf.training.replica.graph_buckets import ALIGN, GraphBuckets, aligned  # noqa: E402
 from ddlf.training.replica.steppers import stepper_for  # noqa: E402
 
 
@@ -40,6 +40,21 @@ def _assert_weights(stepper, want: list[np.ndarray]) -> None:
         np.testing.assert_allclose(np.asarray(v.numpy()), w, rtol=1e-6, atol=1e-7)
 
 
+def _ring(mean):
+    """A stand-in for the ring's out-of-place reduction: ``mean(flat)`` of this rank's parts (concatenated) is
+    what the ranks' mean would be, written into ``out``."""
+
+    def reduce(parts: list[np.ndarray], out: list[np.ndarray]) -> None:
+        flat = mean(np.concatenate([np.ravel(p) for p in parts]))
+        at = 0
+        for o in out:
+            o.reshape(-1)[...] = flat[at : at + o.size]
+            at += o.size
+        assert at == flat.size
+
+    return reduce
+
+
 def _exchange(buckets: GraphBuckets, stepper, batch, weight: float, reduce):
     if batch is None:
         return buckets.exchange(None, weight, reduce)
@@ -58,11 +73,11 @@ def test_buckets_cut_in_reverse_order_and_the_mean_of_identical_ranks_is_the_gra
     want = _stepped(stepper, stepper.gradients(x, y))
     calls = []
 
-    def mean_of_two_identical_ranks(flat: np.ndarray) -> None:
+    def mean_of_two_identical_ranks(flat: np.ndarray) -> np.ndarray:
         calls.append(flat.size)
-        flat[...] = (flat + flat) / 2
+        return (flat + flat) / 2
 
-    averaged, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, mean_of_two_identical_ranks)
+    averaged, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, _ring(mean_of_two_identical_ranks))
     assert averaged is None  # the optimizer's step was taken in the same graph
     assert len(calls) == len(buckets.members) and not bad and totals == [1.0] * len(buckets.members)
     _assert_weights(stepper, want)
@@ -74,15 +89,15 @@ def test_a_partial_batch_is_weighted_and_divided_by_the_mean_weight() -> None:
     x, y = _batch()
     want = _stepped(stepper, stepper.gradients(x, y))
 
-    def with_a_rank_without_rows(flat: np.ndarray) -> None:
-        flat[...] = (flat + 0) / 2  # the other rank sends zeros with weight 0
+    def with_a_rank_without_rows(flat: np.ndarray) -> np.ndarray:
+        return (flat + 0) / 2  # the other rank sends zeros with weight 0
 
-    _, totals, _ = _exchange(buckets, stepper, (x, y), 0.5, with_a_rank_without_rows)
+    _, totals, _ = _exchange(buckets, stepper, (x, y), 0.5, _ring(with_a_rank_without_rows))
     assert totals == [0.25]
     _assert_weights(stepper, want)
     # No batch on any rank: zeros with weight 0 go to the ring, and no step is taken.
     sent = []
-    _, totals, bad = _exchange(buckets, stepper, None, 0.0, lambda flat: sent.append(flat.copy()))
+    _, totals, bad = _exchange(buckets, stepper, None, 0.0, _ring(lambda flat: sent.append(flat.copy()) or flat))
     assert totals == [0.0] and not bad and not sent[0].any()
     _assert_weights(stepper, want)
 
@@ -94,7 +109,7 @@ def test_non_finite_gradients_are_sent_as_zeros_with_weight_zero_and_reported() 
     x[0, 0] = np.nan
     before = [np.asarray(v.numpy()) for v in stepper.trainable]
     sent = []
-    _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, lambda flat: sent.append(flat.copy()))
+    _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: sent.append(flat.copy()) or flat))
     assert bad and totals == [0.0] and not sent[0].any()
     _assert_weights(stepper, before)  # nothing reached the weights
 
@@ -103,14 +118,14 @@ def test_a_ring_failure_inside_the_graph_is_raised_as_itself() -> None:
     stepper = stepper_for(_model())
     buckets = stepper.buckets(64)
 
-    def fails(flat: np.ndarray) -> None:
+    def fails(parts: list[np.ndarray], out: list[np.ndarray]) -> None:
         raise CollectiveError("the right neighbour closed the link", peer_rank=1)
 
     with pytest.raises(CollectiveError, match="closed the link") as caught:
         _exchange(buckets, stepper, _batch(), 1.0, fails)
     assert caught.value.peer_rank == 1
     # The stepper still works afterwards (a redo of the round runs the same graph).
-    _, totals, _ = _exchange(buckets, stepper, _batch(), 1.0, lambda flat: None)
+    _, totals, _ = _exchange(buckets, stepper, _batch(), 1.0, _ring(lambda flat: flat))
     assert totals == [1.0, 1.0] and all(np.isfinite(v.numpy()).all() for v in stepper.trainable)
 
 
@@ -122,21 +137,43 @@ def test_models_it_cannot_run_get_the_one_buffer_exchange() -> None:
     assert stepper_for(model).buckets(1 << 20) is None  # XLA cannot call back into Python
 
 
-def test_where_tensorflow_hands_python_a_copy_the_result_comes_back_through_the_copy(monkeypatch) -> None:
-    from ddlf.training.replica import graph_buckets
+def test_the_output_arrays_are_aligned_for_tensorflow_to_take_them_without_a_copy() -> None:
+    for shape in [(1,), (3, 5), (2048, 10), (0,)]:
+        a = aligned(shape)
+        assert a.shape == shape and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+        assert a.ctypes.data % ALIGN == 0 or a.size == 0  # an empty array's address means nothing
 
-    monkeypatch.setattr(graph_buckets, "_WRITES_THROUGH", False)
-    stepper = stepper_for(_model())
-    buckets = GraphBuckets(stepper, 64)
-    x, y = _batch()
-    want = _stepped(stepper, stepper.gradients(x, y))
 
-    def doubled_then_halved(flat: np.ndarray) -> None:
-        flat[...] = (flat + flat) / 2
-
-    _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, doubled_then_halved)
-    assert not bad and totals == [1.0, 1.0] and not buckets._stash  # every copy taken back
-    _assert_weights(stepper, want)
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "rmsprop", "adagrad", "adam", "adamw"])
+def test_steps_are_keras_own_and_the_optimizer_state_never_lives_in_the_output_arrays(optimizer: str) -> None:
+    """The ring writes each step's means into the same output arrays, which TensorFlow takes as its tensors
+    without a copy: nothing the optimizer keeps (its variables, the weights) may live there. After every step
+    the arrays are overwritten with NaN (as the next step's reduction would overwrite them); the weights and the
+    optimizer's state still match Keras's own ``train_step`` step for step."""
+    make = {
+        "sgd-momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+        "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "adamw": lambda: keras.optimizers.AdamW(0.01),
+    }[optimizer]
+    ours, theirs = _model(), _model()
+    for m in (ours, theirs):
+        m.compile(optimizer=make(), loss="sparse_categorical_crossentropy")
+    stepper, reference = stepper_for(ours), stepper_for(theirs)
+    buckets = stepper.buckets(64)
+    assert isinstance(buckets, GraphBuckets)
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        x, y = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
+        _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: flat))
+        for out in buckets._out:
+            for a in out:
+                a[...] = np.nan
+        reference.step(x, y)
+        reference.end()
+        for a, b in zip(ours.weights + ours.optimizer.variables, theirs.weights + theirs.optimizer.variables):
+            np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-6, atol=1e-7)
 
 
 def test_a_short_batch_runs_the_graph_traced_for_the_full_ones() -> None:
@@ -145,10 +182,10 @@ def test_a_short_batch_runs_the_graph_traced_for_the_full_ones() -> None:
     stepper = stepper_for(_model())
     buckets = stepper.buckets(1 << 20)
     assert isinstance(buckets, GraphBuckets)
-    _exchange(buckets, stepper, _batch(8), 1.0, lambda flat: None)
+    _exchange(buckets, stepper, _batch(8), 1.0, _ring(lambda flat: flat))
     x, y = _batch(3)
     want = _stepped(stepper, stepper.gradients(x, y))
-    _, totals, _ = _exchange(buckets, stepper, (x, y), 3 / 8, lambda flat: None)  # one rank: the mean is itself
+    _, totals, _ = _exchange(buckets, stepper, (x, y), 3 / 8, _ring(lambda flat: flat))  # one rank: its own mean
     assert totals == [pytest.approx(3 / 8)]
     _assert_weights(stepper, want)
     assert buckets._with.experimental_get_tracing_count() == 1
@@ -162,10 +199,10 @@ def test_a_step_without_a_batch_sends_zeros_every_time_whatever_the_ring_wrote_l
     buckets = stepper.buckets(64)
     sent = []
 
-    def mean_written_back(parts: np.ndarray | list[np.ndarray]) -> None:
-        for p in parts if isinstance(parts, list) else [parts]:
-            sent.append(p.copy())
-            p[...] = 0.5  # what the ring leaves there: the other rank's rows averaged in
+    def mean_written_back(parts: list[np.ndarray], out: list[np.ndarray]) -> None:
+        sent.extend(p.copy() for p in parts)
+        for o in out:
+            o[...] = 0.5  # what the ring leaves there: the other rank's rows averaged in
 
     for _ in range(3):
         _exchange(buckets, stepper, None, 0.0, mean_written_back)

@@ -4,18 +4,22 @@ Keras on TensorFlow computes all of a batch's gradients in one ``tf.function`` c
 numpy arrays, reducing them, converting them back and applying them in a second call costs several copies of
 the model and a pause in which nothing computes. :class:`GraphBuckets` puts the reduction into the graph
 instead: the trainable variables are cut, in reverse order (the order backward finishes them), into buckets of
-about ``bucket_cap_mb``; each bucket's gradients are concatenated (the weight's slot, 1, as the last element) and
-handed to the ring by a ``tf.numpy_function`` op, which weighs them by this worker's rows (only where a batch is
-short) and averages them over the ranks where TensorFlow's buffer lies (the ring's mean scales the result as it
-copies it out: with full batches on every rank nothing else touches the gradients). TensorFlow's executor runs
-that op as soon as its gradients exist, so the ring reduces the last layers' gradients while the first layers'
-are still being computed (the Rust ring releases the GIL), and the optimizer's step follows in the same graph:
-one call per step, no gradient ever a numpy array in the interpreter's hands.
+about ``bucket_cap_mb``; each bucket's gradients go to a ``tf.numpy_function`` op as they are (TensorFlow hands
+Python its own buffers: no concatenation), which has the ring average them over the ranks, with one more element
+holding this worker's weight (its rows over the batch size), out of place: the ring reads the gradients (into
+shared memory on one host) and writes the means into output arrays this object keeps, 64-byte aligned so that
+TensorFlow takes them as its tensors without a copy, and the optimizer reads them there. So a gradient is read
+once and its mean written once; the ring's mean scales the result as it copies it out, so with full batches on
+every rank nothing else touches the gradients. TensorFlow's executor runs that op as soon as its gradients
+exist, so the ring reduces the last layers' gradients while the first layers' are still being computed (the Rust
+ring releases the GIL), and the optimizer's step follows in the same graph: one call per step, no gradient ever
+copied in the interpreter's hands.
 
-Reducing in place relies on ``tf.numpy_function`` handing Python a writable view of the tensor's own buffer
-(TensorFlow does on CPU); :func:`_writes_through` checks that once per process, and each call checks that it got
-a view, else it reduces a copy and the graph takes that back through a second ``numpy_function`` (one copy
-more, the same result).
+Nothing the graph computes is written in place: the gradients are only read (a step without a batch reads
+zeros TensorFlow may have folded from constants into buffers it reuses), and a short batch's weighted gradients
+are copies. The output arrays are written again at the next step, after the step that read them ended; a
+tensor TensorFlow made from them does not own its memory, so TensorFlow neither writes into them in place nor
+makes a variable of them (checked by a test with optimizers that assign new values to their state).
 
 Every rank reduces the buckets in the same order: each bucket's op depends on the previous one's, so the ranks'
 ring passes pair up whatever order the executor would pick. A bucket whose gradients are not finite is sent as
@@ -39,31 +43,21 @@ import numpy as np
 from .buckets import cut
 from .tracing import AnyBatchSize
 
-_WRITES_THROUGH: bool | None = None
+ALIGN = 64
+"""Bytes an output array's address is a multiple of: TensorFlow's CPU alignment (``EIGEN_MAX_ALIGN_BYTES``), below
+which it copies a ``numpy_function``'s result instead of taking its memory."""
+
+Reduce = Callable[[list[np.ndarray], list[np.ndarray]], None]
+"""``reduce(parts, out)``: the mean over the ranks of ``parts``' concatenation, written into ``out``'s (as many
+elements); ``parts`` only read."""
 
 
-def _writes_through(tf: Any) -> bool:
-    """Whether ``tf.numpy_function`` hands a tensor to Python as a writable view of the tensor's own buffer, so
-    that a reduction in place is what the graph reads after it (no copy back). Probed once per process, on a
-    tensor made as the buckets are (a concatenation); where it does not hold, each bucket's result comes back
-    through a second ``numpy_function`` (one copy more)."""
-    global _WRITES_THROUGH
-    if _WRITES_THROUGH is None:
-
-        def bump(a: np.ndarray) -> np.ndarray:
-            if a.flags.writeable and not a.flags.owndata:
-                a += 1
-            return np.float32(0)
-
-        @tf.function(autograph=False)
-        def probe(x: Any) -> Any:
-            t = tf.concat([x, x], 0)
-            done = tf.numpy_function(bump, [t], tf.float32, stateful=True)
-            with tf.control_dependencies([done]):
-                return tf.identity(t)
-
-        _WRITES_THROUGH = bool(np.all(probe(tf.zeros([4096], tf.float32)).numpy() == 1))
-    return _WRITES_THROUGH
+def aligned(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array of ``shape`` whose memory starts at a multiple of :data:`ALIGN` bytes."""
+    n = int(np.prod(shape, dtype=np.int64))
+    raw = np.empty(n * 4 + ALIGN, np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip : skip + n * 4].view(np.float32).reshape(shape)
 
 
 class GraphBuckets:
@@ -81,72 +75,64 @@ class GraphBuckets:
         self.members = cut(self.sizes, cap_bytes)  # backward finishes the last layers first
         self.waited = 0.0
         """Seconds the last step spent inside the ring's reductions (overlapped with backward where it could)."""
-        self._reduce: Callable[[np.ndarray], None] | None = None
+        self._reduce: Reduce | None = None
         from ..messages import finite
 
         self._bad = False
         self._error: BaseException | None = None
         shapes = [tuple(v.shape) for v in trainable]
+        # Each bucket's results (its gradients' means, then the weights' mean), written by the ring at every step.
+        self._out = [[aligned(shapes[i]) for i in m] + [aligned((1,))] for m in self.members]
+        # What a bucket sends with no batch or non-finite gradients (only read, never written).
+        self._zeros = [[np.zeros(shapes[i], np.float32) for i in m] + [np.zeros(1, np.float32)] for m in self.members]
+        one = np.ones(1, np.float32)
 
-        in_place = _writes_through(tf)
-        self._stash: dict[int, np.ndarray] = {}
+        def reducer(k: int) -> Callable[..., list[np.ndarray]]:
+            def reduce_bucket(*args: np.ndarray) -> list[np.ndarray]:
+                """Bucket ``k``'s gradients (``args``, then this rank's weight) averaged over the ranks into the
+                bucket's output arrays, which the graph takes as its results."""
+                t0 = time.perf_counter()
+                try:
+                    *grads, weight = args
+                    w = np.float32(weight)
+                    if w == 0 or not all(finite(g) for g in grads):
+                        parts = self._zeros[k]  # no batch, or left out of this bucket's average on every rank
+                        self._bad = self._bad or w != 0
+                    elif w != 1:
+                        parts = [g * w for g in grads] + [np.full(1, w, np.float32)]  # copies: the graph's are read
+                    else:
+                        parts = [*grads, one]
+                    assert self._reduce is not None
+                    self._reduce(parts, self._out[k])  # the 1/n is applied as the result is copied out
+                except BaseException as exc:
+                    self._error = exc  # raised as itself by exchange(), not as TensorFlow's wrapper
+                    raise
+                finally:
+                    self.waited += time.perf_counter() - t0
+                return self._out[k]
 
-        def reduce_bucket(flat: np.ndarray, weight: np.ndarray, key: np.ndarray) -> np.ndarray:
-            """Reduce a bucket in place; 1 where that place is the tensor's own buffer (the graph reads the
-            result there), 0 where it is a copy, which is kept for :func:`stashed`."""
-            t0 = time.perf_counter()
-            try:
-                shared = in_place and flat.flags.writeable and not flat.flags.owndata
-                if not shared:
-                    flat = np.array(flat)
-                w = np.float32(weight)
-                if w == 0 or not finite(flat):
-                    flat[:] = 0  # no batch, or left out of this bucket's average on every rank
-                    self._bad = self._bad or w != 0
-                elif w != 1:
-                    flat *= w  # the weight's own element (1 in the graph) becomes w too
-                assert self._reduce is not None
-                self._reduce(flat)  # the mean over the ranks: the 1/n is applied as the result is copied out
-                if not shared:
-                    self._stash[int(key)] = flat
-            except BaseException as exc:
-                self._error = exc  # raised as itself by exchange(), not as TensorFlow's wrapper
-                raise
-            finally:
-                self.waited += time.perf_counter() - t0
-            return np.float32(1.0 if shared else 0.0)
-
-        def stashed(key: np.ndarray) -> np.ndarray:
-            return self._stash.pop(int(key))
+            return reduce_bucket
 
         def exchanged(grads: list[Any], weight: Any) -> tuple[list[Any], Any]:
             out: list[Any] = [None] * len(grads)
             totals = []
             previous: list[Any] = []
             for k, m in enumerate(self.members):
-                flat = tf.concat([tf.reshape(grads[i], [-1]) for i in m] + [tf.ones([1], tf.float32)], 0)
-                key = tf.constant(k, tf.int32)
                 with tf.control_dependencies(previous):  # every rank reduces the buckets in the same order
-                    done = tf.numpy_function(reduce_bucket, [flat, weight, key], tf.float32, stateful=True)
-                done.set_shape([])
-                with tf.control_dependencies([done]):
-                    # Reduced where it lies (read after the reduction: the control dependency), or the copy.
-                    reduced = tf.cond(
-                        done > 0,
-                        lambda f=flat: tf.identity(f),
-                        lambda key=key: tf.numpy_function(stashed, [key], tf.float32, stateful=True),
+                    reduced = tf.numpy_function(
+                        reducer(k), [*(grads[i] for i in m), weight], [tf.float32] * (len(m) + 1), stateful=True
                     )
-                reduced.set_shape(flat.shape)
-                previous = [reduced]
+                for r, i in zip(reduced, m):
+                    r.set_shape(shapes[i])
+                reduced[-1].set_shape([1])
+                previous = list(reduced)
                 # mean(w_i g_i) / mean(w_i): with every rank's weight 1 (full batches) the mean is the result
                 # already, and the division is skipped (it would multiply by exactly 1).
-                total = reduced[-1]
+                total = reduced[-1][0]
                 scale = tf.math.divide_no_nan(tf.constant(1.0, tf.float32), total)
-                scaled = tf.cond(tf.equal(total, 1.0), lambda r=reduced: r, lambda r=reduced, s=scale: r * s)
-                at = 0
-                for i in m:
-                    out[i] = tf.reshape(scaled[at : at + self.sizes[i]], shapes[i])
-                    at += self.sizes[i]
+                full = tf.equal(total, 1.0)
+                for r, i in zip(reduced, m):
+                    out[i] = tf.cond(full, lambda r=r: tf.identity(r), lambda r=r, s=scale: r * s)
                 totals.append(total)
             return out, tf.stack(totals)
 
@@ -192,9 +178,9 @@ class GraphBuckets:
         self,
         backward: Callable[[], None] | None,
         weight: float,
-        reduce: Callable[[np.ndarray], None],
+        reduce: Reduce,
     ) -> tuple[None, list[float], bool]:
-        """As :meth:`.buckets.Buckets.exchange`, but ``reduce`` averages (a mean over the ranks, in place), and
+        """As :meth:`.buckets.Buckets.exchange`, but ``reduce`` averages out of place (:data:`Reduce`), and
         the optimizer's step is taken here, in the same graph: ``backward`` hands this step's batch to the
         stepper (:meth:`~.steppers.Stepper.backward`), or is ``None`` (no batch: zeros with weight 0). Returns
         ``None`` where :meth:`.buckets.Buckets.exchange` returns the averages (applied already), each bucket's

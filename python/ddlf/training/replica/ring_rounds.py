@@ -12,7 +12,7 @@ import numpy as np
 from ... import ops
 from ...ring_spec import RingSpec
 from ...worker import collective, drain
-from ...worker.collective import reduce_scratch
+from ...worker.collective import reduce_into, reduce_scratch
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
 from .rounds import train_chunk
@@ -289,8 +289,14 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     buckets = stepper.buckets(int(bucket_cap_mb * 2**20), compression) if bucket_cap_mb else None
     if buckets is not None:
 
-        def reduce(flat: np.ndarray) -> None:
-            reduce_scratch(flat, ring, buckets.op, wire=compression)
+        def reduce(flat: np.ndarray | list[np.ndarray], out: list[np.ndarray] | None = None) -> None:
+            """In place (PyTorch's buckets: a flat buffer of their own), or out of place (TensorFlow's graph)."""
+            if out is None:
+                assert isinstance(flat, np.ndarray)
+                reduce_scratch(flat, ring, buckets.op, wire=compression)
+            else:
+                assert isinstance(flat, list)
+                reduce_into(flat, out, ring, buckets.op, wire=compression)
 
     members = ring.local.total if ring.local is not None else len(ring.addresses)
     try:

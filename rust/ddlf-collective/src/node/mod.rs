@@ -101,6 +101,19 @@ enum Mode {
     Gather(Range<usize>),
 }
 
+/// Where a call reads its data and writes its result: the same arrays, or others (the sources then only read).
+enum Io<'a, 'b, 'c, T> {
+    InPlace(&'a mut [&'b mut [T]]),
+    Into(&'a [&'c [T]], &'a mut [&'b mut [T]]),
+}
+
+/// A call whose steps that can fail are done: the result lies in segment `current`'s result region, to be copied
+/// out (times `scale`, if any).
+struct Ready {
+    current: usize,
+    scale: Option<f64>,
+}
+
 impl Node {
     /// Check `spec` and resolve the members' addresses; the shared-memory files are made on the first call.
     pub fn new(
@@ -200,7 +213,20 @@ impl Node {
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
     ) -> Result<(), CollectiveError> {
-        self.call(parts, op, Mode::Both, prepare, inter)
+        self.call(Io::InPlace(parts), op, Mode::Both, prepare, inter)
+    }
+
+    /// [`Node::allreduce`] out of place: `parts` are only read, and the result is written into `into` (the same
+    /// number of elements, cut however the caller likes), only after the last step that can fail.
+    pub fn allreduce_into<T: Elem>(
+        &mut self,
+        parts: &[&[T]],
+        into: &mut [&mut [T]],
+        op: Op,
+        prepare: impl FnOnce() -> Result<(), CollectiveError>,
+        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        self.call(Io::Into(parts, into), op, Mode::Both, prepare, inter)
     }
 
     /// This member's shard of `len` elements (see the module docs), given its host's rank among `hosts`.
@@ -221,7 +247,13 @@ impl Node {
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
     ) -> Result<(), CollectiveError> {
-        self.call(&mut [data], op, Mode::Scatter(shard), prepare, inter)
+        self.call(
+            Io::InPlace(&mut [data]),
+            op,
+            Mode::Scatter(shard),
+            prepare,
+            inter,
+        )
     }
 
     /// The all-gather: `data[shard]` goes to every rank, and `data` ends with every rank's shard. `inter`: the
@@ -233,12 +265,18 @@ impl Node {
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
     ) -> Result<(), CollectiveError> {
-        self.call(&mut [data], Op::Sum, Mode::Gather(shard), prepare, inter)
+        self.call(
+            Io::InPlace(&mut [data]),
+            Op::Sum,
+            Mode::Gather(shard),
+            prepare,
+            inter,
+        )
     }
 
     fn call<T: Elem>(
         &mut self,
-        parts: &mut [&mut [T]],
+        io: Io<'_, '_, '_, T>,
         op: Op,
         mode: Mode,
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
@@ -247,7 +285,24 @@ impl Node {
         if let Some(why) = &self.spent {
             return Err(CollectiveError::Spent(why.clone()));
         }
-        let result = self.run(parts, op, mode, prepare, inter);
+        if let Io::Into(src, dst) = &io {
+            let (from, to) = (total(src), total(dst));
+            if from != to {
+                return Err(CollectiveError::Invalid(format!(
+                    "an all-reduce of {from} elements into {to}"
+                )));
+            }
+        }
+        let result = match &io {
+            Io::InPlace(parts) => {
+                let src: Vec<&[T]> = parts.iter().map(|p| &**p).collect();
+                self.run(&src, op, &mode, prepare, inter)
+            }
+            Io::Into(src, _) => self.run(src, op, &mode, prepare, inter),
+        };
+        let result = result.map(|ready| match io {
+            Io::InPlace(dst) | Io::Into(_, dst) => self.finish(ready, dst, &mode),
+        });
         if let Err(e) = &result {
             let why = e.to_string();
             let blamed = match e {
@@ -280,14 +335,15 @@ impl Node {
         PathBuf::from(ddlf_core::shm::DIR).join(name)
     }
 
+    /// Steps 0-3 of a call (or the all-gather's), reading `parts`; [`Node::finish`] is step 4.
     fn run<T: Elem>(
         &mut self,
-        parts: &mut [&mut [T]],
+        parts: &[&[T]],
         op: Op,
-        mode: Mode,
+        mode: &Mode,
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
-    ) -> Result<(), CollectiveError> {
+    ) -> Result<Ready, CollectiveError> {
         let (k, j, len, elem) = (
             self.members(),
             self.spec.index,
@@ -306,12 +362,12 @@ impl Node {
         control
             .word(W_SHAPE + 2 * j)
             .store(len as u64, Ordering::Relaxed);
-        let code = match &mode {
+        let code = match mode {
             Mode::Both => 0u64,
             Mode::Scatter(_) => 1,
             Mode::Gather(_) => 2,
         };
-        if let Mode::Scatter(r) | Mode::Gather(r) = &mode {
+        if let Mode::Scatter(r) | Mode::Gather(r) = mode {
             if r.end > len || r.start > r.end {
                 return Err(CollectiveError::Invalid(format!(
                     "a shard {r:?} of {len} elements"
@@ -365,7 +421,7 @@ impl Node {
                 self.segments.len() - 1
             }
         };
-        if let Mode::Gather(shard) = &mode {
+        if let Mode::Gather(shard) = mode {
             return self.gather(current, parts, shard.clone(), inter);
         }
         // One host holding every rank: no ring between hosts, so the mean is taken as the sums are made.
@@ -432,35 +488,48 @@ impl Node {
             }
             self.wait_all()?;
         }
-        // 4. The result (or this member's shard of it), to every member: `parts` are written only now, after the
-        // last step that can fail.
-        let seg = &self.segments[current];
+        // On one host the sums are scaled already.
+        Ok(Ready {
+            current,
+            scale: if single { None } else { by },
+        })
+    }
+
+    /// Step 4, the result (or this member's shard of it) to every member: `dst` is written only now, after the
+    /// last step that can fail.
+    fn finish<T: Elem>(&self, ready: Ready, dst: &mut [&mut [T]], mode: &Mode) {
+        let len = total(dst);
+        let seg = &self.segments[ready.current];
         // SAFETY: the last barrier passed (every chunk summed, the leader's ring done); the next call writes the
-        // result region only after a barrier of its own, which every member reaches only after this copy.
-        let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(k), len) };
-        let scale = if single { None } else { by }; // on one host the sums are scaled already
-        if let Mode::Scatter(shard) = &mode {
-            if let [data] = parts {
-                combine(&mut data[shard.clone()], &all[shard.clone()], true, scale);
+        // result region only after a barrier of its own, which every member reaches only after this copy. The
+        // region holds `len` elements: `run` checked the call's shape, and `dst` holds as many as the sources.
+        let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(self.members()), len) };
+        if let Mode::Scatter(shard) = mode {
+            if let [data] = dst {
+                combine(
+                    &mut data[shard.clone()],
+                    &all[shard.clone()],
+                    true,
+                    ready.scale,
+                );
             }
-            return Ok(());
+            return;
         }
         let mut at = 0;
-        for part in parts.iter_mut() {
-            combine(part, &all[at..at + part.len()], true, scale);
+        for part in dst.iter_mut() {
+            combine(part, &all[at..at + part.len()], true, ready.scale);
             at += part.len();
         }
-        Ok(())
     }
 
     /// The all-gather's steps after the shapes agreed (see the module docs).
     fn gather<T: Elem>(
         &mut self,
         current: usize,
-        parts: &mut [&mut [T]],
+        parts: &[&[T]],
         shard: Range<usize>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
-    ) -> Result<(), CollectiveError> {
+    ) -> Result<Ready, CollectiveError> {
         let [data] = parts else {
             return Err(CollectiveError::Invalid(
                 "an all-gather takes one array".into(),
@@ -485,12 +554,10 @@ impl Node {
             inter(all)?;
         }
         self.wait_all()?;
-        let seg = &self.segments[current];
-        // SAFETY: the leader finished (barrier passed); the region is only read until the next call's first
-        // barrier, which every member reaches only after this copy.
-        let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(k), len) };
-        data.copy_from_slice(all);
-        Ok(())
+        Ok(Ready {
+            current,
+            scale: None,
+        })
     }
 
     fn control(&self) -> Result<&Segment, CollectiveError> {
@@ -659,10 +726,15 @@ impl Node {
     }
 }
 
+/// How many elements `parts` hold together.
+fn total<T, P: AsRef<[T]>>(parts: &[P]) -> usize {
+    parts.iter().map(|p| p.as_ref().len()).sum()
+}
+
 /// The pieces of `parts` (one sequence of elements, their concatenation) that fall in `range`: each as the slice
 /// and the range of the sequence it covers.
 fn pieces<'a, T>(
-    parts: &'a [&mut [T]],
+    parts: &'a [&[T]],
     range: Range<usize>,
 ) -> impl Iterator<Item = (&'a [T], Range<usize>)> {
     let mut at = 0;
@@ -694,13 +766,13 @@ mod tests {
 
     #[test]
     fn pieces_cover_a_range_of_the_parts_concatenation_in_order() {
-        let (mut a, mut b, mut c, mut e) = (
+        let (a, b, c, e) = (
             vec![0, 1, 2],
             vec![3, 4],
             vec![5, 6, 7, 8],
             Vec::<i32>::new(),
         );
-        let parts: Vec<&mut [i32]> = vec![&mut a, &mut e, &mut b, &mut c];
+        let parts: Vec<&[i32]> = vec![&a, &e, &b, &c];
         let got = |r| {
             pieces(&parts, r)
                 .map(|(p, at)| (p.to_vec(), at))

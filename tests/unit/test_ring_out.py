@@ -1,0 +1,74 @@
+"""``Ring.allreduce_(arrays, out=...)``, the out-of-place all-reduce TensorFlow's in-graph exchange uses, on a ring
+of one (no daemons): what it writes, what it leaves alone, and what it refuses. Rings of several ranks, flat and
+through shared memory, are checked in Rust (``a_list_of_parts_reduces_as_their_concatenation_...``)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from ddlf._ddlf import Ring
+from ddlf.ring_spec import RingSpec
+
+
+def _ring() -> Ring:
+    return Ring(RingSpec(group=uuid.uuid4().hex, rank=0, addresses=("127.0.0.1:1",)))
+
+
+def _sources() -> list[np.ndarray]:
+    a = np.arange(7, dtype=np.float32)
+    b = np.arange(5, dtype=np.float32).reshape(5, 1) * -1.5
+    b.flags.writeable = False  # only read: a read-only source is fine
+    return [a, np.zeros(0, np.float32), b]
+
+
+def test_the_result_lands_in_out_cut_differently_and_the_arrays_are_only_read() -> None:
+    ring, src = _ring(), _sources()
+    before = [s.copy() for s in src]
+    out = [np.full(3, np.nan, np.float32), np.full((3, 3), np.nan, np.float32)]
+    ring.allreduce_(src, "mean", atomic=False, out=out)
+    want = np.concatenate([s.ravel() for s in before])
+    np.testing.assert_array_equal(np.concatenate([o.ravel() for o in out]), want)  # the mean over one rank
+    for s, b in zip(src, before):
+        np.testing.assert_array_equal(s, b)
+
+
+@pytest.mark.parametrize(
+    ("out", "error", "message"),
+    [
+        (lambda src: [np.zeros(11, np.float32)], ValueError, "out holds 11 elements and the arrays 12"),
+        (lambda src: [np.zeros(12, np.float64)], TypeError, "out\\[0\\] is float64"),
+        (lambda src: [np.zeros(12, np.int32)], TypeError, "unsupported dtype"),
+        (lambda src: [np.zeros(12, np.float32)[::2].repeat(2)[:11], np.zeros(1, np.float32)], None, None),
+        (lambda src: [src[0], np.zeros(5, np.float32)], ValueError, "shares memory"),
+        (lambda src: [np.zeros(12, np.float32)[::2], np.zeros(6, np.float32)], ValueError, "C-contiguous"),
+    ],
+)
+def test_bad_outs_are_refused_with_the_reason_and_the_ring_still_reduces(out, error, message) -> None:
+    ring, src = _ring(), _sources()
+    target = out(src)
+    if error is None:
+        ring.allreduce_(src, "sum", atomic=False, out=target)  # a fine out, for contrast
+    else:
+        with pytest.raises(error, match=message):
+            ring.allreduce_(src, "sum", atomic=False, out=target)
+    fine = [np.empty(12, np.float32)]
+    ring.allreduce_(src, "sum", atomic=False, out=fine)
+    np.testing.assert_array_equal(fine[0], np.concatenate([s.ravel() for s in src]))
+
+
+def test_a_read_only_out_is_refused() -> None:
+    ring, src = _ring(), _sources()
+    ro = np.zeros(12, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out\\[0\\] is read-only"):
+        ring.allreduce_(src, "sum", atomic=False, out=[ro])
+    assert not ro.any()
+
+
+def test_without_out_a_read_only_array_is_still_refused() -> None:
+    ring, src = _ring(), _sources()
+    with pytest.raises(ValueError, match="array 2 is read-only"):
+        ring.allreduce_(src, "sum")
