@@ -72,3 +72,13 @@ def test_without_out_a_read_only_array_is_still_refused() -> None:
     ring, src = _ring(), _sources()
     with pytest.raises(ValueError, match="array 2 is read-only"):
         ring.allreduce_(src, "sum")
+
+
+def test_sources_may_share_memory_when_only_read() -> None:
+    """A framework may hand the same buffer twice (two gradients of one constant): read-only sources may overlap;
+    an out array may not overlap them."""
+    ring = _ring()
+    zero = np.zeros(6, np.float32)
+    out = [np.full(4, np.nan, np.float32), np.full(4, np.nan, np.float32)]
+    ring.allreduce_([zero[:4], zero[2:6]], "sum", atomic=False, out=out)
+    assert not out[0].any() and not out[1].any()

@@ -444,7 +444,8 @@ impl Ring {
     /// (as many elements, cut however the caller likes; on failure `into` holds nothing meaningful). A
     /// hierarchical rank reads the parts into shared memory and copies the result straight into `into`, so
     /// no copy is added: a gradient goes to the reduction from the buffer its framework made, and the result
-    /// into a buffer the framework then reads. A flat ring copies the parts into `into` and reduces it there.
+    /// into a buffer the framework then reads. A flat ring copies the parts into `into` where it is one array and
+    /// reduces it there, else into a buffer it keeps between calls, copied out after the reduction.
     pub fn allreduce_parts_into_over<T: Elem, C: Codec<T>>(
         &mut self,
         parts: &[&[T]],

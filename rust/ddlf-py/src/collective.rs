@@ -238,7 +238,8 @@ impl Ring {
                     "allreduce: array {i} is read-only"
                 )));
             }
-            if views[..i].iter().any(|w| v.overlaps(w)) {
+            // Sources only read (with `out`) may share memory: a framework may hand the same buffer twice.
+            if out.is_none() && views[..i].iter().any(|w| v.overlaps(w)) {
                 return Err(PyValueError::new_err(format!(
                     "allreduce: array {i} shares memory with an earlier array: pass distinct arrays"
                 )));
@@ -373,13 +374,9 @@ enum Wire {
     Bf16,
 }
 
-/// Reduce the arrays in place. A hierarchical rank (or a ring of one) writes them only after the last step that can
-/// fail, and takes a list as it takes one array: each goes into shared memory and the result back into it, with no
-/// buffer in between. A flat ring gathers several arrays into one buffer and scatters it back on success; one
-/// array it reduces where it lies, unless `atomic` asks for it to be unchanged after a failure (then through a
-/// copy, since a flat ring's passes write as they go).
 /// The `out` arrays of `allreduce_`: writable, `dtype`, as many elements as `sources`, and sharing memory with
-/// none of them nor with each other (the sources are read while the results are written).
+/// none of them nor with each other (the sources are read while the results are written; the sources may share
+/// memory among themselves).
 fn out_views(out: &[Bound<'_, PyAny>], sources: &[View], dtype: DType) -> PyResult<Vec<View>> {
     let outs = out
         .iter()
@@ -416,6 +413,7 @@ fn out_views(out: &[Bound<'_, PyAny>], sources: &[View], dtype: DType) -> PyResu
     Ok(outs)
 }
 
+/// Reduce the arrays into the `out` arrays (checked by `out_views`), the arrays only read.
 fn reduce_into<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut ddlf_collective::Ring,
     views: &[View],
@@ -427,6 +425,11 @@ fn reduce_into<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring.allreduce_parts_into_over::<T, C>(&parts, &mut into, op)
 }
 
+/// Reduce the arrays in place. A hierarchical rank (or a ring of one) writes them only after the last step that can
+/// fail, and takes a list as it takes one array: each goes into shared memory and the result back into it, with no
+/// buffer in between. A flat ring gathers several arrays into one buffer and scatters it back on success; one
+/// array it reduces where it lies, unless `atomic` asks for it to be unchanged after a failure (then through a
+/// copy, since a flat ring's passes write as they go).
 fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut ddlf_collective::Ring,
     views: &[View],

@@ -144,27 +144,54 @@ def test_the_output_arrays_are_aligned_for_tensorflow_to_take_them_without_a_cop
         assert a.ctypes.data % ALIGN == 0 or a.size == 0  # an empty array's address means nothing
 
 
-@pytest.mark.parametrize("optimizer", ["sgd-momentum", "rmsprop", "adagrad", "adam", "adamw"])
+class _KeepsTheLastGradient(keras.optimizers.SGD):
+    """Not one of Keras's own: its state takes a gradient as it is (``assign``), which would make that variable
+    share a kept output array."""
+
+    def build(self, variables):
+        super().build(variables)
+        self.last = [self.add_variable_from_reference(v, "last") for v in variables]
+
+    def update_step(self, gradient, variable, learning_rate):
+        self.assign(self.last[self._get_variable_index(variable)], gradient)
+        super().update_step(gradient, variable, learning_rate)
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.01),
+    "adam": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+    "adamw": lambda: keras.optimizers.AdamW(0.01),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.05),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
+    "lion": lambda: keras.optimizers.Lion(0.001),
+    "adam-ema-clipnorm": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=2, clipnorm=0.5),
+    "sgd-accumulating": lambda: keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=2),
+    "keeps-the-last-gradient": lambda: _KeepsTheLastGradient(0.05),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_steps_are_keras_own_and_the_optimizer_state_never_lives_in_the_output_arrays(optimizer: str) -> None:
-    """The ring writes each step's means into the same output arrays, which TensorFlow takes as its tensors
-    without a copy: nothing the optimizer keeps (its variables, the weights) may live there. After every step
-    the arrays are overwritten with NaN (as the next step's reduction would overwrite them); the weights and the
-    optimizer's state still match Keras's own ``train_step`` step for step."""
-    make = {
-        "sgd-momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-        "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
-        "adagrad": lambda: keras.optimizers.Adagrad(0.05),
-        "adam": lambda: keras.optimizers.Adam(0.01),
-        "adamw": lambda: keras.optimizers.AdamW(0.01),
-    }[optimizer]
+    """For Keras's own optimizers the ring writes each step's means into the same output arrays, which
+    TensorFlow takes as its tensors without a copy: nothing the optimizer keeps (its variables, the weights) may
+    live there. After every step the arrays are overwritten with NaN (as the next step's reduction would
+    overwrite them); the weights and the optimizer's state still match Keras's own ``train_step`` step for step,
+    with an optimizer of another kind (whose state takes a gradient as it is) too."""
     ours, theirs = _model(), _model()
     for m in (ours, theirs):
-        m.compile(optimizer=make(), loss="sparse_categorical_crossentropy")
+        m.compile(optimizer=OPTIMIZERS[optimizer](), loss="sparse_categorical_crossentropy")
     stepper, reference = stepper_for(ours), stepper_for(theirs)
     buckets = stepper.buckets(64)
     assert isinstance(buckets, GraphBuckets)
+    assert buckets._keeps == (optimizer != "keeps-the-last-gradient")
     rng = np.random.default_rng(3)
-    for _ in range(4):
+    for _ in range(5):
         x, y = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
         _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: flat))
         for out in buckets._out:

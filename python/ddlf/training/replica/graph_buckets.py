@@ -6,20 +6,22 @@ the model and a pause in which nothing computes. :class:`GraphBuckets` puts the 
 instead: the trainable variables are cut, in reverse order (the order backward finishes them), into buckets of
 about ``bucket_cap_mb``; each bucket's gradients go to a ``tf.numpy_function`` op as they are (TensorFlow hands
 Python its own buffers: no concatenation), which has the ring average them over the ranks, with one more element
-holding this worker's weight (its rows over the batch size), out of place: the ring reads the gradients (into
-shared memory on one host) and writes the means into output arrays this object keeps, 64-byte aligned so that
-TensorFlow takes them as its tensors without a copy, and the optimizer reads them there. So a gradient is read
-once and its mean written once; the ring's mean scales the result as it copies it out, so with full batches on
+holding this worker's weight (its rows over the batch size), out of place: the ring reads the gradients and
+writes the means into output arrays, 64-byte aligned so that TensorFlow takes them as its tensors without a
+copy, and the optimizer reads them there. On one host's shared memory a gradient is read once into shared memory
+(besides the finiteness check) and its mean written once into its output array; a flat ring goes through a buffer
+of its own (one copy in, one out). The ring's mean scales the result as it copies it out, so with full batches on
 every rank nothing else touches the gradients. TensorFlow's executor runs that op as soon as its gradients
 exist, so the ring reduces the last layers' gradients while the first layers' are still being computed (the Rust
 ring releases the GIL), and the optimizer's step follows in the same graph: one call per step, no gradient ever
 copied in the interpreter's hands.
 
-Nothing the graph computes is written in place: the gradients are only read (a step without a batch reads
-zeros TensorFlow may have folded from constants into buffers it reuses), and a short batch's weighted gradients
-are copies. The output arrays are written again at the next step, after the step that read them ended; a
-tensor TensorFlow made from them does not own its memory, so TensorFlow neither writes into them in place nor
-makes a variable of them (checked by a test with optimizers that assign new values to their state).
+Nothing the graph computes is written in place: the gradients are only read, and a short batch's weighted
+gradients are copies. For Keras's own optimizers the output arrays are kept and written again at the next step,
+after the step that read them ended: a tensor TensorFlow made from them does not own its memory, so no kernel
+writes into it in place, and these optimizers assign their state computed values, never a gradient as it is
+(which would make the state variable share the array; a test checks every one). Any other optimizer gets fresh
+output arrays at each step, which TensorFlow keeps alive for as long as it holds them.
 
 Every rank reduces the buckets in the same order: each bucket's op depends on the previous one's, so the ranks'
 ring passes pair up whatever order the executor would pick. A bucket whose gradients are not finite is sent as
@@ -81,10 +83,14 @@ class GraphBuckets:
         self._bad = False
         self._error: BaseException | None = None
         shapes = [tuple(v.shape) for v in trainable]
-        # Each bucket's results (its gradients' means, then the weights' mean), written by the ring at every step.
+        optimizer = stepper.model.optimizer
+        # Each bucket's results (its gradients' means, then the weights' mean), written by the ring at every step:
+        # kept for Keras's own optimizers (see the module docs), made afresh each step for any other.
+        self._keeps = type(optimizer).__module__.split(".")[0] == "keras"
         self._out = [[aligned(shapes[i]) for i in m] + [aligned((1,))] for m in self.members]
-        # What a bucket sends with no batch or non-finite gradients (only read, never written).
-        self._zeros = [[np.zeros(shapes[i], np.float32) for i in m] + [np.zeros(1, np.float32)] for m in self.members]
+        # What a bucket sends with no batch or non-finite gradients: views of one array of zeros (only read).
+        zero = np.zeros(max(self.sizes), np.float32)
+        self._zeros = [[zero[: self.sizes[i]].reshape(shapes[i]) for i in m] + [zero[:1]] for m in self.members]
         one = np.ones(1, np.float32)
 
         def reducer(k: int) -> Callable[..., list[np.ndarray]]:
@@ -102,14 +108,15 @@ class GraphBuckets:
                         parts = [g * w for g in grads] + [np.full(1, w, np.float32)]  # copies: the graph's are read
                     else:
                         parts = [*grads, one]
+                    out = self._out[k] if self._keeps else [aligned(a.shape) for a in self._out[k]]
                     assert self._reduce is not None
-                    self._reduce(parts, self._out[k])  # the 1/n is applied as the result is copied out
+                    self._reduce(parts, out)  # the 1/n is applied as the result is copied out
                 except BaseException as exc:
                     self._error = exc  # raised as itself by exchange(), not as TensorFlow's wrapper
                     raise
                 finally:
                     self.waited += time.perf_counter() - t0
-                return self._out[k]
+                return out
 
             return reduce_bucket
 
@@ -135,8 +142,6 @@ class GraphBuckets:
                     out[i] = tf.cond(full, lambda r=r: tf.identity(r), lambda r=r, s=scale: r * s)
                 totals.append(total)
             return out, tf.stack(totals)
-
-        optimizer = stepper.model.optimizer
 
         def applied(averaged: list[Any], totals: Any) -> Any:
             """The optimizer's step with the averages, in the same graph (no call back into Python between the
