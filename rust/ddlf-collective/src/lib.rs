@@ -401,24 +401,7 @@ impl Ring {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let what = format!("all-reduce of {len} {}", T::NAME);
         self.guarded(&what, move |ring| match ring.node.take() {
-            Some(mut node) => {
-                // The host's members sum through shared memory; the leader sums the hosts' results on the ring.
-                let leads = node.is_leader() && hosts > 1;
-                // The leader opens its links before the local stage and reduces on them after it: the two
-                // steps run one after the other, each borrowing the ring.
-                let this = std::cell::RefCell::new(&mut *ring);
-                let r = node.allreduce(
-                    parts,
-                    op,
-                    || this.borrow_mut().open_if(leads),
-                    |all| match leads {
-                        true => this.borrow_mut().reduce::<T, C>(all, Op::Sum),
-                        false => Ok(()),
-                    },
-                );
-                ring.node = Some(node);
-                r
-            }
+            Some(node) => ring.on_node::<T, C>(node, node::Io::InPlace(parts), op),
             None if hosts == 1 => Ok(()),
             None => match parts {
                 [one] => ring.reduce::<T, C>(one, op),
@@ -476,29 +459,38 @@ impl Ring {
             self.scratch = scratch;
             return r;
         }
-        let hosts = self.n();
         let what = format!("all-reduce of {len} {}", T::NAME);
-        self.guarded(&what, move |ring| {
-            let Some(mut node) = ring.node.take() else {
-                return Err(CollectiveError::Invalid(
-                    "a hierarchical ring without its node".into(),
-                ));
-            };
-            let leads = node.is_leader() && hosts > 1;
-            let this = std::cell::RefCell::new(&mut *ring);
-            let r = node.allreduce_into(
-                parts,
-                into,
-                op,
-                || this.borrow_mut().open_if(leads),
-                |all| match leads {
-                    true => this.borrow_mut().reduce::<T, C>(all, Op::Sum),
-                    false => Ok(()),
-                },
-            );
-            ring.node = Some(node);
-            r
+        self.guarded(&what, move |ring| match ring.node.take() {
+            Some(node) => ring.on_node::<T, C>(node, node::Io::Into(parts, into), op),
+            None => Err(CollectiveError::Invalid(
+                "a hierarchical ring without its node".into(),
+            )),
         })
+    }
+
+    /// A hierarchical all-reduce on `node` (taken out of the ring for the call, put back after it): the host's
+    /// members sum through shared memory, and the leader sums the hosts' results on the ring.
+    fn on_node<T: Elem, C: Codec<T>>(
+        &mut self,
+        mut node: node::Node,
+        io: node::Io<'_, '_, '_, T>,
+        op: Op,
+    ) -> Result<(), CollectiveError> {
+        let leads = node.is_leader() && self.n() > 1;
+        // The leader opens its links before the local stage and reduces on them after it: the two steps run one
+        // after the other, each borrowing the ring.
+        let this = std::cell::RefCell::new(&mut *self);
+        let r = node.allreduce(
+            io,
+            op,
+            || this.borrow_mut().open_if(leads),
+            |all| match leads {
+                true => this.borrow_mut().reduce::<T, C>(all, Op::Sum),
+                false => Ok(()),
+            },
+        );
+        self.node = Some(node);
+        r
     }
 
     /// The elements of `len` this rank owns between [`Ring::reduce_scatter_over`] and [`Ring::allgather_over`]:

@@ -101,9 +101,12 @@ enum Mode {
     Gather(Range<usize>),
 }
 
-/// Where a call reads its data and writes its result: the same arrays, or others (the sources then only read).
-enum Io<'a, 'b, 'c, T> {
+/// Where a call reads its data and writes its result.
+pub enum Io<'a, 'b, 'c, T> {
+    /// The same arrays.
     InPlace(&'a mut [&'b mut [T]]),
+    /// The sources (only read), and the arrays the result goes to (as many elements, cut as the caller likes;
+    /// written only after the last step that can fail).
     Into(&'a [&'c [T]], &'a mut [&'b mut [T]]),
 }
 
@@ -203,30 +206,18 @@ impl Node {
     /// The leader runs `prepare` before the local stage (opening its ring links, so that a failure here closes
     /// them and the other hosts' leaders fail at once instead of waiting for links that never come).
     ///
-    /// `parts` are reduced as one sequence of elements (their concatenation, in order): a list of arrays goes
-    /// through shared memory as one array of the same size would, each part copied into this member's slot and
-    /// the result copied back into it, with no buffer in between.
+    /// The parts of `io` are reduced as one sequence of elements (their concatenation, in order): a list of arrays
+    /// goes through shared memory as one array of the same size would, each part copied into this member's slot
+    /// and the result copied back into it ([`Io::InPlace`]) or into other arrays ([`Io::Into`]: the sources only
+    /// read), with no buffer in between.
     pub fn allreduce<T: Elem>(
         &mut self,
-        parts: &mut [&mut [T]],
+        io: Io<'_, '_, '_, T>,
         op: Op,
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
     ) -> Result<(), CollectiveError> {
-        self.call(Io::InPlace(parts), op, Mode::Both, prepare, inter)
-    }
-
-    /// [`Node::allreduce`] out of place: `parts` are only read, and the result is written into `into` (the same
-    /// number of elements, cut however the caller likes), only after the last step that can fail.
-    pub fn allreduce_into<T: Elem>(
-        &mut self,
-        parts: &[&[T]],
-        into: &mut [&mut [T]],
-        op: Op,
-        prepare: impl FnOnce() -> Result<(), CollectiveError>,
-        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
-    ) -> Result<(), CollectiveError> {
-        self.call(Io::Into(parts, into), op, Mode::Both, prepare, inter)
+        self.call(io, op, Mode::Both, prepare, inter)
     }
 
     /// This member's shard of `len` elements (see the module docs), given its host's rank among `hosts`.
