@@ -234,3 +234,37 @@ def test_a_step_without_a_batch_sends_zeros_every_time_whatever_the_ring_wrote_l
     for _ in range(3):
         _exchange(buckets, stepper, None, 0.0, mean_written_back)
     assert sent and not any(s.any() for s in sent)
+
+
+class _Unused(keras.layers.Layer):
+    """Two weights of one shape that nothing reads: their gradients are None, sent as zeros made alike (which
+    TensorFlow may fold into one buffer handed to the ring twice)."""
+
+    def build(self, input_shape):
+        self.a = self.add_weight(shape=(4,), initializer="ones")
+        self.b = self.add_weight(shape=(4,), initializer="ones")
+
+    def call(self, x):
+        return x
+
+
+def test_weights_without_gradients_go_as_zeros_and_stay_as_they_were() -> None:
+    def model() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input(shape=(6,)), _Unused(), keras.layers.Dense(3, activation="softmax")])
+        m.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        return m
+
+    ours, theirs = model(), model()
+    stepper, reference = stepper_for(ours), stepper_for(theirs)
+    buckets = stepper.buckets(1 << 20)
+    assert isinstance(buckets, GraphBuckets)
+    x, y = _batch()
+    for _ in range(2):
+        _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: flat))
+        assert totals == [1.0] and not bad
+        reference.step(x, y)
+        reference.end()
+    for a, b in zip(ours.weights, theirs.weights):
+        np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(ours.layers[0].a.numpy()), np.ones(4, np.float32))
