@@ -58,7 +58,8 @@ class Reply:
 
 @final
 class RecvBuffer:
-    """Read-only bytes received from the network, exposed through the buffer protocol without a copy."""
+    """Bytes received from the network (or a collective's result in a host's shared memory), exposed through the
+    buffer protocol without a copy."""
 
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
@@ -239,6 +240,15 @@ class Ring:
         writable arrays of the same dtype and as many elements in all, which receive the result (``arrays`` then
         only read, and may be read-only; on one host's shared memory no copy is added; ``out`` undefined after a
         failure)."""
+    @property
+    def shares_results(self) -> bool:
+        """Whether :meth:`allreduce_shared_` can leave a result in shared memory: one host holds every rank."""
+    def allreduce_shared_(self, arrays: list[Any], op: str = "mean", tag: int = 1) -> RecvBuffer:
+        """Reduce ``arrays`` (float32 or float64 of one dtype, only read: they may be read-only and may share
+        memory) and return the result's bytes where the host's shared memory holds them (writable, cache-line
+        aligned; ``numpy.frombuffer`` makes the flat array), with no copy out. Only where
+        :attr:`shares_results`. Rewritten by the next call with the same ``tag`` (1 or more, every rank alike):
+        read the result before making it."""
     def shard(self, len: int) -> tuple[int, int]:
         """``(start, stop)``: the elements of an array of ``len`` this rank owns between :meth:`reduce_scatter_`
         and :meth:`allgather_` (disjoint across ranks, covering the array, the same on every call)."""

@@ -106,6 +106,24 @@ def reduce_into(
         raise
 
 
+def shares_results(spec: RingSpec) -> bool:
+    """Whether :func:`reduce_shared` works on this ring: one host holds every rank (shared memory only)."""
+    return bool(ring(spec).shares_results)
+
+
+def reduce_shared(parts: list[np.ndarray], spec: RingSpec, tag: int, op: str = "mean") -> np.ndarray:
+    """All-reduce the concatenation of ``parts`` (only read) and return the result where the host's shared memory
+    holds it, as a flat array (cache-line aligned, no copy out). Rewritten by the next call with the same ``tag``
+    (1 or more, the same on every rank): read it before that call. Only where :func:`shares_results`."""
+    r = ring(spec)
+    dtype = parts[0].dtype if parts else np.dtype(np.float32)
+    try:
+        return np.frombuffer(memoryview(r.allreduce_shared_(parts, check_op(op), tag=tag)), dtype=dtype)
+    except BaseException:
+        forget(spec.group)
+        raise
+
+
 def allreduce_variable(worker: Any, name: str, spec: RingSpec, op: str, wire: str | None = None) -> None:
     """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
     tuple of arrays) in place with the ring's other members."""

@@ -468,6 +468,40 @@ impl Ring {
         })
     }
 
+    /// Whether a result can stay in shared memory ([`Ring::allreduce_parts_shared_over`]): a hierarchical ring
+    /// whose one host holds every rank.
+    pub fn shares_results(&self) -> bool {
+        self.node.as_ref().is_some_and(|n| n.single_host())
+    }
+
+    /// [`Ring::allreduce_parts_into_over`] with the result left in shared memory, no copy out: the mean (or sum)
+    /// of the parts' concatenation as bytes of the host's mapping, for one host holding every rank
+    /// ([`Ring::shares_results`]; else an `Invalid` error). The region is rewritten only by the next call with
+    /// the same `tag` (every rank passes the same; 0 is every other call's), once every member has entered it:
+    /// a rank reads its result before it makes that call. The mapping stays valid while the result is held.
+    pub fn allreduce_parts_shared_over<T: Elem, C: Codec<T>>(
+        &mut self,
+        parts: &[&[T]],
+        op: Op,
+        tag: u32,
+    ) -> Result<node::SharedResult, CollectiveError> {
+        if !self.shares_results() {
+            return Err(CollectiveError::Invalid(
+                "a result stays in shared memory only on one host holding every rank".into(),
+            ));
+        }
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let what = format!("all-reduce of {len} {}", T::NAME);
+        let mut out = None;
+        self.guarded(&what, |ring| match ring.node.take() {
+            Some(node) => ring.on_node::<T, C>(node, node::Io::Shared(parts, tag, &mut out), op),
+            None => Err(CollectiveError::Invalid(
+                "a hierarchical ring without its node".into(),
+            )),
+        })?;
+        out.ok_or_else(|| CollectiveError::Invalid("the call left no result".into()))
+    }
+
     /// A hierarchical all-reduce on `node` (taken out of the ring for the call, put back after it): the host's
     /// members sum through shared memory, and the leader sums the hosts' results on the ring.
     fn on_node<T: Elem, C: Codec<T>>(

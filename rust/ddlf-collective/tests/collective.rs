@@ -760,3 +760,66 @@ fn ranks_that_make_different_halves_fail_instead_of_mixing_them() {
         }
     }
 }
+
+#[test]
+fn a_result_left_in_shared_memory_is_the_reduction_and_each_tag_keeps_its_own() {
+    use ddlf_collective::Plain;
+    let ds = daemons(3, "shared");
+    let len = 5_003usize;
+    let specs = hierarchical(&ds, &[vec![0, 1, 2]], 51);
+    let n = specs.len();
+    let outs: Vec<Result<Vec<Vec<f32>>, CollectiveError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = specs
+            .into_iter()
+            .enumerate()
+            .map(|(r, spec)| {
+                s.spawn(move || {
+                    let mut ring = Ring::new(spec, Token::new("shared"))?;
+                    assert!(ring.shares_results());
+                    let a: Vec<f32> = (0..len).map(|i| (r * 3 + i % 7) as f32).collect();
+                    let b: Vec<f32> = (0..len).map(|i| (r + i % 5) as f32 * 0.5).collect();
+                    let (a1, a2) = a.split_at(1234);
+                    // Two calls of one length with different tags: the first result must survive the second.
+                    let first = ring.allreduce_parts_shared_over::<f32, Plain>(
+                        &[a1, &[], a2],
+                        Op::Mean,
+                        1,
+                    )?;
+                    let second =
+                        ring.allreduce_parts_shared_over::<f32, Plain>(&[&b], Op::Sum, 2)?;
+                    // An in-place call of the same length in between uses tag 0: neither result is touched.
+                    let mut c = vec![1f32; len];
+                    ring.allreduce_parts_over::<f32, Plain>(&mut [&mut c], Op::Sum)?;
+                    assert!(c.iter().all(|&v| v == n as f32));
+                    let floats = |res: &ddlf_collective::node::SharedResult| -> Vec<f32> {
+                        assert_eq!((res.start % 64, res.len), (0, len * 4));
+                        bytemuck::cast_slice::<u8, f32>(&res.map[res.start..res.start + res.len])
+                            .to_vec()
+                    };
+                    assert_eq!(
+                        a,
+                        (0..len).map(|i| (r * 3 + i % 7) as f32).collect::<Vec<_>>()
+                    );
+                    Ok(vec![floats(&first), floats(&second)])
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for out in &outs {
+        let out = out.as_ref().unwrap();
+        for (i, (a, b)) in out[0].iter().zip(&out[1]).enumerate() {
+            let sum_a: f32 = (0..n).map(|r| (r * 3 + i % 7) as f32).sum();
+            let sum_b: f32 = (0..n).map(|r| (r + i % 5) as f32 * 0.5).sum();
+            assert_eq!(*a, (sum_a as f64 / n as f64) as f32, "element {i}");
+            assert_eq!(*b, sum_b, "element {i}");
+        }
+        assert_eq!((out[0].len(), out[1].len()), (len, len));
+    }
+    // A ring between hosts, or a flat ring, cannot leave the result in shared memory: refused before any call.
+    let two_hosts = hierarchical(&ds, &[vec![0], vec![1]], 52);
+    let mut ring = Ring::new(two_hosts[0].clone(), Token::new("shared")).unwrap();
+    assert!(!ring.shares_results());
+    let refused = ring.allreduce_parts_shared_over::<f32, Plain>(&[&[1.0]], Op::Sum, 1);
+    assert!(matches!(refused, Err(CollectiveError::Invalid(_))));
+}

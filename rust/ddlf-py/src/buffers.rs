@@ -22,7 +22,8 @@ enum Data {
     Bytes(Bytes),
     /// Memory this buffer alone owns (an assembled stream part): exported writable.
     Owned(BytesMut),
-    /// A range of a private (copy-on-write) mapping of a shared-memory file: exported writable.
+    /// A range of a private (copy-on-write) mapping of a shared-memory file, or of a collective's result region
+    /// (`Ring.allreduce_shared_`, rewritten only by that ring's next call with the same tag): exported writable.
     Mapped(Arc<MmapMut>, usize, usize),
     /// A range of a pooled segment of the sender's (shared mapping): exported read-only; the sender may reuse
     /// the segment once every buffer of the transfer is dropped.

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::arrays::{DType, View};
+use crate::buffers::RecvBuffer;
 use crate::errors::{build, ErrorClass};
 
 /// One rank of a ring all-reduce among workers. Links open on the first reduction and stay open for the next.
@@ -273,6 +274,63 @@ impl Ring {
             }
         });
         result.map_err(|e| collective_error(py, &e))
+    }
+
+    /// Whether `allreduce_shared_` can leave a result in shared memory: one host holds every rank.
+    #[getter]
+    fn shares_results(&self) -> bool {
+        let ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        ring.shares_results()
+    }
+
+    /// Reduce `arrays` (C-contiguous, all float32 or all float64; only read, so they may be read-only and may
+    /// share memory) with the other ranks and return the result's bytes where the host's shared memory holds
+    /// it: a writable buffer, cache-line aligned (`numpy.frombuffer` makes the flat array), with no copy out.
+    /// Only where `shares_results`. The memory is rewritten by the next call with the same `tag` (every rank
+    /// passes the same; other calls use none): read the result before making it. Raises
+    /// `ddlf.errors.CollectiveError` like `allreduce_`.
+    #[pyo3(signature = (arrays, op = "mean", tag = 1))]
+    fn allreduce_shared_(
+        &self,
+        py: Python<'_>,
+        arrays: Vec<Bound<'_, PyAny>>,
+        op: &str,
+        tag: u32,
+    ) -> PyResult<RecvBuffer> {
+        let op = parse_op(op)?;
+        if tag == 0 {
+            return Err(PyValueError::new_err(
+                "allreduce_shared: tag 0 is every other call's; pass 1 or more",
+            ));
+        }
+        let views = arrays
+            .iter()
+            .map(|a| View::new(a, "allreduce_shared"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let dtype = views.first().map_or(DType::F32, |v| v.dtype);
+        for (i, v) in views.iter().enumerate() {
+            if v.dtype != dtype || !matches!(v.dtype, DType::F32 | DType::F64) {
+                return Err(PyTypeError::new_err(format!(
+                    "allreduce_shared: array {i} is {}: pass float32 or float64 arrays of one dtype",
+                    name(v.dtype)
+                )));
+            }
+        }
+        let result = py.detach(|| {
+            let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            match dtype {
+                DType::F64 => {
+                    let parts: Vec<&[f64]> = views.iter().map(|v| v.slice::<f64>()).collect();
+                    ring.allreduce_parts_shared_over::<f64, Plain>(&parts, op, tag)
+                }
+                _ => {
+                    let parts: Vec<&[f32]> = views.iter().map(|v| v.slice::<f32>()).collect();
+                    ring.allreduce_parts_shared_over::<f32, Plain>(&parts, op, tag)
+                }
+            }
+        });
+        let shared = result.map_err(|e| collective_error(py, &e))?;
+        Ok(RecvBuffer::mapped(shared.map, shared.start, shared.len))
     }
 
     /// `(start, stop)`: the elements of an array of `len` this rank owns between `reduce_scatter_` and

@@ -55,11 +55,29 @@ def _ring(mean):
     return reduce
 
 
-def _exchange(buckets: GraphBuckets, stepper, batch, weight: float, reduce):
+class _Shared:
+    """A stand-in for a host's shared memory (``exchange``'s ``share``): one rank's mean is its parts'
+    concatenation, left in a cache-line aligned buffer per tag that the next call with the tag rewrites."""
+
+    def __init__(self) -> None:
+        self.regions: dict[int, np.ndarray] = {}
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def __call__(self, parts: list[np.ndarray], tag: int) -> np.ndarray:
+        self.calls.append((tag, [p.size for p in parts]))
+        flat = np.concatenate([np.ravel(p) for p in parts])
+        region = self.regions.get(tag)
+        if region is None or region.size != flat.size:
+            region = self.regions[tag] = aligned(flat.shape)
+        region[...] = flat
+        return region
+
+
+def _exchange(buckets: GraphBuckets, stepper, batch, weight: float, reduce, share=None):
     if batch is None:
-        return buckets.exchange(None, weight, reduce)
+        return buckets.exchange(None, weight, reduce, share=share)
     x, y = batch
-    return buckets.exchange(lambda: stepper.backward(x, y), weight, reduce)
+    return buckets.exchange(lambda: stepper.backward(x, y), weight, reduce, share=share)
 
 
 def test_buckets_cut_in_reverse_order_and_the_mean_of_identical_ranks_is_the_gradient() -> None:
@@ -176,8 +194,9 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("where", ["arrays", "shared memory"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_steps_are_keras_own_and_the_optimizer_state_never_lives_in_the_output_arrays(optimizer: str) -> None:
+def test_steps_are_keras_own_and_the_optimizer_state_never_lives_where_results_land(optimizer: str, where: str) -> None:
     """For Keras's own optimizers the ring writes each step's means into the same output arrays, which
     TensorFlow takes as its tensors without a copy: nothing the optimizer keeps (its variables, the weights) may
     live there. After every step the arrays are overwritten with NaN (as the next step's reduction would
@@ -191,16 +210,21 @@ def test_steps_are_keras_own_and_the_optimizer_state_never_lives_in_the_output_a
     assert isinstance(buckets, GraphBuckets)
     assert buckets._keeps == (optimizer != "keeps-the-last-gradient")
     rng = np.random.default_rng(3)
+    share = _Shared() if where == "shared memory" else None
     for _ in range(5):
         x, y = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
-        _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: flat))
+        _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: flat), share)
         for out in buckets._out:
             for a in out:
                 a[...] = np.nan
+        for region in (share.regions if share else {}).values():
+            region[...] = np.nan  # what the other ranks' next sums would leave there
         reference.step(x, y)
         reference.end()
         for a, b in zip(ours.weights + ours.optimizer.variables, theirs.weights + theirs.optimizer.variables):
             np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-6, atol=1e-7)
+    if share is not None:
+        assert bool(share.calls) == buckets._keeps  # an optimizer of another kind gets fresh arrays instead
 
 
 def test_a_short_batch_runs_the_graph_traced_for_the_full_ones() -> None:
@@ -268,3 +292,27 @@ def test_weights_without_gradients_go_as_zeros_and_stay_as_they_were() -> None:
     for a, b in zip(ours.weights, theirs.weights):
         np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(ours.layers[0].a.numpy()), np.ones(4, np.float32))
+
+
+def test_in_shared_memory_every_gradient_lies_on_a_cache_line_and_the_gaps_are_zeros() -> None:
+    """The views TensorFlow reads from the host's shared memory each start on a cache line (else it would copy
+    them): the parts go to the ring with zero gaps between them, and each bucket has its own tag."""
+    stepper = stepper_for(_model())
+    buckets = stepper.buckets(64)
+    share = _Shared()
+    x, y = _batch()
+    want = _stepped(stepper, stepper.gradients(x, y))
+    _, totals, bad = _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: flat), share)
+    assert totals == [1.0, 1.0] and not bad
+    _assert_weights(stepper, want)
+    assert [tag for tag, _ in share.calls] == [1, 2]
+    for (tag, sizes), m in zip(share.calls, buckets.members):
+        grads, gaps = sizes[:-1:2], sizes[1:-1:2]
+        assert grads == [buckets.sizes[i] for i in m] and sizes[-1] == 1
+        assert all((g + p) % (ALIGN // 4) == 0 for g, p in zip(grads, gaps))
+        region = share.regions[tag]
+        at = 0
+        for g, p in zip(grads, gaps):
+            assert not region[at + g : at + g + p].any()
+            at += g + p
+        assert region[at] == 1.0  # the weight's element, on a cache line too

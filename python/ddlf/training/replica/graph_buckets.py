@@ -8,13 +8,17 @@ about ``bucket_cap_mb``; each bucket's gradients go to a ``tf.numpy_function`` o
 Python its own buffers: no concatenation), which has the ring average them over the ranks, with one more element
 holding this worker's weight (its rows over the batch size), out of place: the ring reads the gradients and
 writes the means into output arrays, 64-byte aligned so that TensorFlow takes them as its tensors without a
-copy, and the optimizer reads them there. On one host's shared memory a gradient is read once into shared memory
-(besides the finiteness check) and its mean written once into its output array; a flat ring goes through a buffer
-of its own (one copy in, one out). The ring's mean scales the result as it copies it out, so with full batches on
-every rank nothing else touches the gradients. TensorFlow's executor runs that op as soon as its gradients
-exist, so the ring reduces the last layers' gradients while the first layers' are still being computed (the Rust
-ring releases the GIL), and the optimizer's step follows in the same graph: one call per step, no gradient ever
-copied in the interpreter's hands.
+copy, and the optimizer reads them there. Where one host holds every rank (``exchange``'s ``share``) and the
+optimizer is one of Keras's own, there are no output arrays: the means stay where the host's shared memory holds
+them and TensorFlow reads them there (each gradient sent with a gap of zeros after it, so that every view starts
+on a cache line; each bucket its own tag, so its region is rewritten only by its next reduction, which no rank
+starts before every rank has entered it). So a gradient is read once into shared memory (besides the
+finiteness check) and nothing is copied out; between hosts the mean goes once into its output array, and a flat
+ring goes through a buffer of its own (one copy in, one out). The ring's mean scales the result as it copies it
+out (on one host as it sums), so with full batches on every rank nothing else touches the gradients.
+TensorFlow's executor runs that op as soon as its gradients exist, so the ring reduces the last layers' gradients
+while the first layers' are still being computed (the Rust ring releases the GIL), and the optimizer's step
+follows in the same graph: one call per step, no gradient ever copied in the interpreter's hands.
 
 Nothing the graph computes is written in place: the gradients are only read, and a short batch's weighted
 gradients are copies. For Keras's own optimizers the output arrays are kept and written again at the next step,
@@ -52,6 +56,11 @@ which it copies a ``numpy_function``'s result instead of taking its memory."""
 Reduce = Callable[[list[np.ndarray], list[np.ndarray]], None]
 """``reduce(parts, out)``: the mean over the ranks of ``parts``' concatenation, written into ``out``'s (as many
 elements); ``parts`` only read."""
+
+
+Share = Callable[[list[np.ndarray], int], np.ndarray]
+"""``share(parts, tag)``: the mean over the ranks of ``parts``' concatenation (only read) as a flat array where the
+host's shared memory holds it (cache-line aligned), rewritten only by the next call with the same ``tag``."""
 
 
 def aligned(shape: tuple[int, ...]) -> np.ndarray:
@@ -92,6 +101,32 @@ class GraphBuckets:
         zero = np.zeros(max(self.sizes), np.float32)
         self._zeros = [[zero[: self.sizes[i]].reshape(shapes[i]) for i in m] + [zero[:1]] for m in self.members]
         one = np.ones(1, np.float32)
+        # Where the result can stay in the host's shared memory (``exchange``'s ``share``): each gradient at an
+        # offset of a multiple of ALIGN bytes (the region starts on one), so TensorFlow takes every view without
+        # a copy; the gaps are zeros on every rank, so they sum to zeros.
+        step = ALIGN // 4
+        gap = np.zeros(step, np.float32)
+        self._gaps: list[list[np.ndarray]] = []
+        self._at: list[list[int]] = []
+        for m in self.members:
+            at, gaps, offsets = 0, [], []
+            for i in m:
+                offsets.append(at)
+                pad = -self.sizes[i] % step
+                gaps.append(gap[:pad])
+                at += self.sizes[i] + pad
+            offsets.append(at)  # the weight's element
+            self._gaps.append(gaps)
+            self._at.append(offsets)
+        self._share: Share | None = None
+
+        def shared(k: int, parts: list[np.ndarray]) -> list[np.ndarray]:
+            """Bucket ``k``'s parts reduced into the host's shared memory, as views of where the results lie."""
+            assert self._share is not None
+            padded = [a for g, gap in zip(parts, self._gaps[k]) for a in (g, gap)] + [parts[-1]]
+            flat = self._share(padded, k + 1)
+            views = [flat[at : at + self.sizes[i]].reshape(shapes[i]) for at, i in zip(self._at[k], self.members[k])]
+            return [*views, flat[self._at[k][-1] :][:1]]
 
         def reducer(k: int) -> Callable[..., list[np.ndarray]]:
             def reduce_bucket(*args: np.ndarray) -> list[np.ndarray]:
@@ -108,9 +143,12 @@ class GraphBuckets:
                         parts = [g * w for g in grads] + [np.full(1, w, np.float32)]  # copies: the graph's are read
                     else:
                         parts = [*grads, one]
-                    out = self._out[k] if self._keeps else [aligned(a.shape) for a in self._out[k]]
-                    assert self._reduce is not None
-                    self._reduce(parts, out)  # the 1/n is applied as the result is copied out
+                    if self._keeps and self._share is not None:
+                        out = shared(k, parts)  # no copy out: rewritten only at this bucket's next reduction
+                    else:
+                        out = self._out[k] if self._keeps else [aligned(a.shape) for a in self._out[k]]
+                        assert self._reduce is not None
+                        self._reduce(parts, out)  # the 1/n is applied as the result is copied out
                 except BaseException as exc:
                     self._error = exc  # raised as itself by exchange(), not as TensorFlow's wrapper
                     raise
@@ -184,15 +222,18 @@ class GraphBuckets:
         backward: Callable[[], None] | None,
         weight: float,
         reduce: Reduce,
+        share: Share | None = None,
     ) -> tuple[None, list[float], bool]:
-        """As :meth:`.buckets.Buckets.exchange`, but ``reduce`` averages out of place (:data:`Reduce`), and
+        """As :meth:`.buckets.Buckets.exchange`, but ``reduce`` averages out of place (:data:`Reduce`), or, given
+        ``share`` (one host holding every rank) and one of Keras's own optimizers, ``share`` leaves the mean in
+        the host's shared memory and the optimizer reads it there (:data:`Share`); and
         the optimizer's step is taken here, in the same graph: ``backward`` hands this step's batch to the
         stepper (:meth:`~.steppers.Stepper.backward`), or is ``None`` (no batch: zeros with weight 0). Returns
         ``None`` where :meth:`.buckets.Buckets.exchange` returns the averages (applied already), each bucket's
         mean weight over the ranks (0: no rank sent any; then no step was taken), and whether a bucket of this
         rank's was left out as not finite."""
         tf = self._tf
-        self._reduce, self._bad, self._error, self.waited = reduce, False, None, 0.0
+        self._reduce, self._share, self._bad, self._error, self.waited = reduce, share, False, None, 0.0
         try:
             if backward is None:
                 self._stepper.build_optimizer()  # its slots exist before the graph that steps it is traced
@@ -207,5 +248,5 @@ class GraphBuckets:
                 raise self._error from None
             raise
         finally:
-            self._reduce = None
+            self._reduce = self._share = None
         return None, totals, self._bad

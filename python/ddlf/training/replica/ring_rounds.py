@@ -12,7 +12,7 @@ import numpy as np
 from ... import ops
 from ...ring_spec import RingSpec
 from ...worker import collective, drain
-from ...worker.collective import reduce_into, reduce_scratch
+from ...worker.collective import reduce_into, reduce_scratch, reduce_shared, shares_results
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
 from .rounds import train_chunk
@@ -298,6 +298,13 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                 assert isinstance(flat, list)
                 reduce_into(flat, out, ring, buckets.op, wire=compression)
 
+        share = None
+        if compression is None and shares_results(ring):
+
+            def share(parts: list[np.ndarray], tag: int) -> np.ndarray:
+                """The mean left in the host's shared memory (TensorFlow's graph reads it there)."""
+                return reduce_shared(parts, ring, tag, buckets.op)
+
     members = ring.local.total if ring.local is not None else len(ring.addresses)
     try:
         for step in range(steps if members > 1 else 0):
@@ -314,7 +321,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                         if slow_seconds_per_batch:
                             time.sleep(slow_seconds_per_batch)
 
-                averaged, totals, bad = buckets.exchange(run, n / batch_size, reduce)
+                averaged, totals, bad = buckets.exchange(run, n / batch_size, reduce, share=share)
                 reduce_s += buckets.waited
                 total = max(totals) * batch_size  # only its sign is read: > 0 when some rank had rows
                 if bad:

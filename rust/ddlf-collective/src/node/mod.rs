@@ -41,6 +41,7 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::Token;
@@ -108,6 +109,23 @@ pub enum Io<'a, 'b, 'c, T> {
     /// The sources (only read), and the arrays the result goes to (as many elements, cut as the caller likes;
     /// written only after the last step that can fail).
     Into(&'a [&'c [T]], &'a mut [&'b mut [T]]),
+    /// The sources (only read), and where the result is left: in shared memory, handed out as
+    /// [`SharedResult`] (one host holding every rank only; see [`Node::single_host`]). The region is written
+    /// again by the next call with the same tag (the `u32`, which every member passes alike; no other call
+    /// touches it), and every member reaches that call's writes only after each has entered that call: a
+    /// member reads its result before it makes its next call with the tag.
+    Shared(&'a [&'c [T]], u32, &'a mut Option<SharedResult>),
+}
+
+/// A call's result left in shared memory: `len` bytes at byte `start` of `map` (on a cache line), which the `Arc`
+/// keeps mapped however long the caller holds it.
+pub struct SharedResult {
+    /// The host's mapping of the call's shared-memory file.
+    pub map: Arc<memmap2::MmapMut>,
+    /// The result's first byte in it.
+    pub start: usize,
+    /// The result's length in bytes.
+    pub len: usize,
 }
 
 /// A call whose steps that can fail are done: the result lies in segment `current`'s result region, to be copied
@@ -173,6 +191,12 @@ impl Node {
     /// Whether this member runs the ring between hosts.
     pub fn is_leader(&self) -> bool {
         self.spec.index == 0
+    }
+
+    /// Whether this host holds every rank (no ring between hosts): then a result can stay in shared memory
+    /// ([`Io::Shared`]).
+    pub fn single_host(&self) -> bool {
+        self.spec.total == self.members()
     }
 
     fn members(&self) -> usize {
@@ -284,15 +308,27 @@ impl Node {
                 )));
             }
         }
+        if matches!(io, Io::Shared(..)) && !(self.single_host() && matches!(mode, Mode::Both)) {
+            return Err(CollectiveError::Invalid(
+                "a result left in shared memory needs an all-reduce on one host holding every rank"
+                    .into(),
+            ));
+        }
         let result = match &io {
             Io::InPlace(parts) => {
                 let src: Vec<&[T]> = parts.iter().map(|p| &**p).collect();
-                self.run(&src, op, &mode, prepare, inter)
+                self.run(&src, op, &mode, 0, prepare, inter)
             }
-            Io::Into(src, _) => self.run(src, op, &mode, prepare, inter),
+            Io::Into(src, _) => self.run(src, op, &mode, 0, prepare, inter),
+            Io::Shared(src, tag, _) => self.run(src, op, &mode, *tag, prepare, inter),
         };
         let result = result.map(|ready| match io {
             Io::InPlace(dst) | Io::Into(_, dst) => self.finish(ready, dst, &mode),
+            Io::Shared(_, _, out) => {
+                // One host: the sums are scaled already (`ready.scale` is None), so the region is the result.
+                let (map, start, len) = self.segments[ready.current].shared_region(self.members());
+                *out = Some(SharedResult { map, start, len });
+            }
         });
         if let Err(e) = &result {
             let why = e.to_string();
@@ -332,6 +368,7 @@ impl Node {
         parts: &[&[T]],
         op: Op,
         mode: &Mode,
+        tag: u32,
         prepare: impl FnOnce() -> Result<(), CollectiveError>,
         inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
     ) -> Result<Ready, CollectiveError> {
@@ -365,9 +402,10 @@ impl Node {
                 )));
             }
         }
-        control
-            .word(W_SHAPE + 2 * j + 1)
-            .store(elem as u64 | code << 32, Ordering::Relaxed);
+        control.word(W_SHAPE + 2 * j + 1).store(
+            elem as u64 | code << 32 | (tag as u64) << 40,
+            Ordering::Relaxed,
+        );
         self.wait_all()?;
         if let Some(control) = self.control.as_mut() {
             // Every member has mapped the control file: nobody needs its name any more.
@@ -379,19 +417,22 @@ impl Node {
                 control.word(W_SHAPE + 2 * i).load(Ordering::Relaxed) as usize,
                 control.word(W_SHAPE + 2 * i + 1).load(Ordering::Relaxed) as usize,
             );
-            if theirs != (len, elem | (code as usize) << 32) {
+            let ours = elem | (code as usize) << 32 | (tag as usize) << 40;
+            if theirs != (len, ours) {
                 let call = |c: usize| {
-                    ["an all-reduce", "a reduce-scatter", "an all-gather"][(c >> 32).min(2)]
+                    ["an all-reduce", "a reduce-scatter", "an all-gather"]
+                        [((c >> 32) & 0xff).min(2)]
                 };
                 return Err(self.fail(
                     i,
                     format!(
-                        "members disagree: member {i} makes {} of {} elements of {} bytes, member {j} {} of \
-                         {len} of {elem}",
+                        "members disagree: member {i} makes {} of {} elements of {} bytes (tag {}), member {j} {} \
+                         of {len} of {elem} (tag {tag})",
                         call(theirs.1),
                         theirs.0,
                         theirs.1 & 0xffff_ffff,
-                        call((code as usize) << 32),
+                        theirs.1 >> 40,
+                        call(ours),
                     ),
                 ));
             }
@@ -399,12 +440,13 @@ impl Node {
         let current = match self
             .segments
             .iter()
-            .position(|s| s.len == len && s.elem == elem)
+            .position(|s| s.len == len && s.elem == elem && s.tag == tag)
         {
             Some(i) => i,
             None => {
                 self.serial += 1;
-                let seg = self.attach(&self.path(&self.serial.to_string()), len, elem)?;
+                let mut seg = self.attach(&self.path(&self.serial.to_string()), len, elem)?;
+                seg.tag = tag;
                 if self.segments.len() == KEEP_SEGMENTS {
                     self.segments.remove(0);
                 }

@@ -7,6 +7,8 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use std::sync::Arc;
+
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::ring::Elem;
@@ -31,11 +33,15 @@ const _: () = assert!((W_SHAPE + 2 * MAX_MEMBERS) * 8 <= REASON_AT);
 
 /// One call shape's shared-memory file, mapped.
 pub(super) struct Segment {
-    map: MmapMut,
+    /// Shared with the results handed out by [`Segment::shared_region`]: the mapping lives while any does.
+    map: Arc<MmapMut>,
     path: PathBuf,
     members: usize,
     pub(super) len: usize,
     pub(super) elem: usize,
+    /// The caller's tag for the calls that use this segment (0 unless a call asks for its own; see
+    /// [`super::Io::Shared`]).
+    pub(super) tag: u32,
     unlinked: bool,
 }
 
@@ -97,6 +103,16 @@ impl Segment {
         ))
     }
 
+    /// Region `r` as bytes of the mapping: the mapping itself (kept alive by the `Arc`), the region's first byte
+    /// and its length. The region starts on a cache line (64 bytes).
+    pub(super) fn shared_region(&self, r: usize) -> (Arc<MmapMut>, usize, usize) {
+        assert!(r <= self.members);
+        let stride = (self.len * self.elem).next_multiple_of(64);
+        let start = HEADER + r * stride;
+        assert!(start + self.len * self.elem <= self.map.len());
+        (Arc::clone(&self.map), start, self.len * self.elem)
+    }
+
     pub(super) fn unlink(&mut self) {
         if !self.unlinked {
             let _ = std::fs::remove_file(&self.path);
@@ -125,11 +141,12 @@ pub(super) fn map(
     // Other processes change its bytes only under the barrier protocol of this module.
     let map = unsafe { MmapOptions::new().len(bytes).map_mut(file)? };
     Ok(Segment {
-        map,
+        map: Arc::new(map),
         path,
         members,
         len,
         elem,
+        tag: 0,
         unlinked,
     })
 }
