@@ -82,3 +82,16 @@ def test_sources_may_share_memory_when_only_read() -> None:
     out = [np.full(4, np.nan, np.float32), np.full(4, np.nan, np.float32)]
     ring.allreduce_([zero[:4], zero[2:6]], "sum", atomic=False, out=out)
     assert not out[0].any() and not out[1].any()
+
+
+def test_scalar_arrays_go_through_the_workers_reduction_as_flat_views() -> None:
+    """A scalar weight's gradient is a 0-d array, which the buffer protocol describes without a shape: the
+    worker's out-of-place reduction passes flat views, and the 0-d result is written where it lies."""
+    from ddlf.worker.collective import reduce_into
+
+    spec = RingSpec(group=uuid.uuid4().hex, rank=0, addresses=("127.0.0.1:1",))
+    out = [np.full((), np.nan, np.float32), np.full((2, 1), np.nan, np.float32)]
+    reduce_into([np.array(2.5, np.float32), np.array([[1.0], [-1.0]], np.float32)], out, spec, "mean")
+    assert float(out[0]) == 2.5 and out[1].ravel().tolist() == [1.0, -1.0]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        reduce_into([np.zeros(4, np.float32)], [np.zeros(8, np.float32)[::2]], spec)

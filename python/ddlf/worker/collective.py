@@ -99,8 +99,13 @@ def reduce_into(
     float32 or float64 like the parts), with no copy on one host's shared memory; ``out`` is undefined after a
     failure. ``wire``: as in :func:`reduce_arrays` (float32 only)."""
     r = ring(spec)
+    if not all(o.flags.c_contiguous for o in out):
+        raise ValueError("reduce_into: the out arrays must be C-contiguous (their flat views are written)")
+    # As flat views: a 0-d array (a scalar weight's gradient) has no shape for the buffer protocol to describe.
+    flat_parts = [np.reshape(p, -1) for p in parts]
+    flat_out = [o.reshape(-1) for o in out]
     try:
-        r.allreduce_(parts, check_op(op), atomic=False, wire=check_wire(wire), out=out)
+        r.allreduce_(flat_parts, check_op(op), atomic=False, wire=check_wire(wire), out=flat_out)
     except BaseException:
         forget(spec.group)
         raise
@@ -118,7 +123,8 @@ def reduce_shared(parts: list[np.ndarray], spec: RingSpec, tag: int, op: str = "
     r = ring(spec)
     dtype = parts[0].dtype if parts else np.dtype(np.float32)
     try:
-        return np.frombuffer(memoryview(r.allreduce_shared_(parts, check_op(op), tag=tag)), dtype=dtype)
+        flat_parts = [np.reshape(p, -1) for p in parts]  # 0-d arrays as flat views (see reduce_into)
+        return np.frombuffer(memoryview(r.allreduce_shared_(flat_parts, check_op(op), tag=tag)), dtype=dtype)
     except BaseException:
         forget(spec.group)
         raise

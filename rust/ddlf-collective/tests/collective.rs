@@ -822,4 +822,9 @@ fn a_result_left_in_shared_memory_is_the_reduction_and_each_tag_keeps_its_own() 
     assert!(!ring.shares_results());
     let refused = ring.allreduce_parts_shared_over::<f32, Plain>(&[&[1.0]], Op::Sum, 1);
     assert!(matches!(refused, Err(CollectiveError::Invalid(_))));
+    let one_host = hierarchical(&ds, &[vec![2]], 53);
+    let mut ring = Ring::new(one_host[0].clone(), Token::new("shared")).unwrap();
+    let too_large = ddlf_collective::node::MAX_TAG;
+    let refused = ring.allreduce_parts_shared_over::<f32, Plain>(&[&[1.0]], Op::Sum, too_large);
+    assert!(matches!(refused, Err(CollectiveError::Invalid(_))));
 }

@@ -90,6 +90,8 @@ pub struct Node {
 
 /// Call shapes whose files a node keeps mapped.
 const KEEP_SEGMENTS: usize = 4;
+/// Tags ([`Io::Shared`]) travel in the top 24 bits of a member's published call shape.
+pub const MAX_TAG: u32 = 1 << 24;
 
 /// Which call a member makes (see the module docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -305,6 +307,13 @@ impl Node {
             if from != to {
                 return Err(CollectiveError::Invalid(format!(
                     "an all-reduce of {from} elements into {to}"
+                )));
+            }
+        }
+        if let Io::Shared(_, tag, _) = &io {
+            if *tag >= MAX_TAG {
+                return Err(CollectiveError::Invalid(format!(
+                    "a tag of {tag}: tags are below {MAX_TAG}"
                 )));
             }
         }
