@@ -245,8 +245,8 @@ class Ring:
         """Whether :meth:`allreduce_shared_` can leave a result in shared memory: one host holds every rank."""
     def allreduce_shared_(self, arrays: list[Any], op: str = "mean", tag: int = 1) -> RecvBuffer:
         """Reduce ``arrays`` (float32 or float64 of one dtype, only read: they may be read-only and may share
-        memory) and return the result's bytes where the host's shared memory holds them (writable, cache-line
-        aligned; ``numpy.frombuffer`` makes the flat array), with no copy out. Only where
+        memory) and return the result's bytes where the host's shared memory holds them (read-only: the host's
+        members share them; cache-line aligned; ``numpy.frombuffer`` makes the flat array), with no copy out. Only where
         :attr:`shares_results`. Rewritten by the next call with the same ``tag`` (1 or more, every rank alike):
         read the result before making it."""
     def shard(self, len: int) -> tuple[int, int]:

@@ -71,7 +71,7 @@ def reduce_arrays(arrays: list[np.ndarray], spec: RingSpec, op: str = "mean", wi
     try:
         for g in groups or [[]]:
             half = wire if g and work[g[0]].dtype == np.float32 else None
-            r.allreduce_([work[i] for i in g], op, wire=half)
+            r.allreduce_([work[i].reshape(-1) for i in g], op, wire=half)  # flat views: 0-d arrays have no shape
     except BaseException:
         forget(spec.group)
         raise
@@ -118,8 +118,9 @@ def shares_results(spec: RingSpec) -> bool:
 
 def reduce_shared(parts: list[np.ndarray], spec: RingSpec, tag: int, op: str = "mean") -> np.ndarray:
     """All-reduce the concatenation of ``parts`` (only read) and return the result where the host's shared memory
-    holds it, as a flat array (cache-line aligned, no copy out). Rewritten by the next call with the same ``tag``
-    (1 or more, the same on every rank): read it before that call. Only where :func:`shares_results`."""
+    holds it, as a flat, read-only array (cache-line aligned, no copy out). Rewritten by the next call with the
+    same ``tag`` (1 or more, the same on every rank): read it before that call. Only where
+    :func:`shares_results`."""
     r = ring(spec)
     dtype = parts[0].dtype if parts else np.dtype(np.float32)
     try:

@@ -22,9 +22,12 @@ enum Data {
     Bytes(Bytes),
     /// Memory this buffer alone owns (an assembled stream part): exported writable.
     Owned(BytesMut),
-    /// A range of a private (copy-on-write) mapping of a shared-memory file, or of a collective's result region
-    /// (`Ring.allreduce_shared_`, rewritten only by that ring's next call with the same tag): exported writable.
+    /// A range of a private (copy-on-write) mapping of a shared-memory file: exported writable.
     Mapped(Arc<MmapMut>, usize, usize),
+    /// A collective's result region in a host's shared mapping (`Ring.allreduce_shared_`, rewritten only by that
+    /// ring's next call with the same tag): exported read-only, since every member of the host reads the same
+    /// bytes.
+    Shared(Arc<MmapMut>, usize, usize),
     /// A range of a pooled segment of the sender's (shared mapping): exported read-only; the sender may reuse
     /// the segment once every buffer of the transfer is dropped.
     Pooled(Arc<Lease>, usize, usize),
@@ -52,6 +55,13 @@ impl RecvBuffer {
         }
     }
 
+    /// A collective's result left in shared memory (read-only: the host's members share it).
+    pub fn shared_result(map: Arc<MmapMut>, start: usize, len: usize) -> Self {
+        RecvBuffer {
+            data: Data::Shared(map, start, len),
+        }
+    }
+
     pub fn mapped(map: Arc<MmapMut>, start: usize, len: usize) -> Self {
         RecvBuffer {
             data: Data::Mapped(map, start, len),
@@ -62,7 +72,7 @@ impl RecvBuffer {
         match &self.data {
             Data::Bytes(b) => b,
             Data::Owned(b) => b,
-            Data::Mapped(m, s, n) => &m[*s..*s + *n],
+            Data::Mapped(m, s, n) | Data::Shared(m, s, n) => &m[*s..*s + *n],
             Data::Pooled(l, s, n) => &l.bytes()[*s..*s + *n],
         }
     }
@@ -79,6 +89,7 @@ impl RecvBuffer {
             Data::Bytes(_) => "network, read-only",
             Data::Owned(_) => "network",
             Data::Mapped(..) => "shared memory",
+            Data::Shared(..) => "a collective's result in shared memory, read-only",
             Data::Pooled(..) => "shared memory, read-only",
         };
         format!("<RecvBuffer {} bytes, {kind}>", self.as_slice().len())
@@ -91,7 +102,10 @@ impl RecvBuffer {
         view: *mut pyo3::ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        let readonly = matches!(slf.get().data, Data::Bytes(_) | Data::Pooled(..));
+        let readonly = matches!(
+            slf.get().data,
+            Data::Bytes(_) | Data::Pooled(..) | Data::Shared(..)
+        );
         if readonly && flags & pyo3::ffi::PyBUF_WRITABLE == pyo3::ffi::PyBUF_WRITABLE {
             return Err(PyBufferError::new_err(
                 "this received buffer is shared and read-only; copy the array to get a writable one",
@@ -104,7 +118,8 @@ impl RecvBuffer {
         // SAFETY: `view` is the valid, writable `Py_buffer` CPython passes to `__getbuffer__`; `ptr` and `len`
         // describe memory `slf` owns (bytes, an owned buffer or a mapping held by an `Arc`), which stays put while
         // `slf` lives, and the view holds a reference to `slf` (its `obj`), so the memory outlives every export.
-        // Writability was checked above: shared and pooled memory is only ever exported read-only.
+        // Writability was checked above: shared, pooled and collective-result memory is only ever exported
+        // read-only.
         let rc = unsafe {
             pyo3::ffi::PyBuffer_FillInfo(
                 view,

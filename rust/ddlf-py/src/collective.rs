@@ -285,7 +285,7 @@ impl Ring {
 
     /// Reduce `arrays` (C-contiguous, all float32 or all float64; only read, so they may be read-only and may
     /// share memory) with the other ranks and return the result's bytes where the host's shared memory holds
-    /// it: a writable buffer, cache-line aligned (`numpy.frombuffer` makes the flat array), with no copy out.
+    /// it: a read-only buffer (the host's members share it), cache-line aligned (`numpy.frombuffer` makes the flat array), with no copy out.
     /// Only where `shares_results`. The memory is rewritten by the next call with the same `tag` (every rank
     /// passes the same; other calls use none): read the result before making it. Raises
     /// `ddlf.errors.CollectiveError` like `allreduce_`.
@@ -330,7 +330,11 @@ impl Ring {
             }
         });
         let shared = result.map_err(|e| collective_error(py, &e))?;
-        Ok(RecvBuffer::mapped(shared.map, shared.start, shared.len))
+        Ok(RecvBuffer::shared_result(
+            shared.map,
+            shared.start,
+            shared.len,
+        ))
     }
 
     /// `(start, stop)`: the elements of an array of `len` this rank owns between `reduce_scatter_` and

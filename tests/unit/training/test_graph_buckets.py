@@ -70,7 +70,9 @@ class _Shared:
         if region is None or region.size != flat.size:
             region = self.regions[tag] = aligned(flat.shape)
         region[...] = flat
-        return region
+        shared = region.view()
+        shared.flags.writeable = False  # as the ring's: the host's members share it
+        return shared
 
 
 def _exchange(buckets: GraphBuckets, stepper, batch, weight: float, reduce, share=None):
@@ -316,3 +318,26 @@ def test_in_shared_memory_every_gradient_lies_on_a_cache_line_and_the_gaps_are_z
             assert not region[at + g : at + g + p].any()
             at += g + p
         assert region[at] == 1.0  # the weight's element, on a cache line too
+
+
+def test_a_model_of_more_buckets_than_the_host_keeps_regions_for_gets_output_arrays() -> None:
+    """A host's node keeps SHARED_BUCKETS + 1 shared-memory files: with more buckets the means go into output
+    arrays (else every call would make a new file and every bucket's region would be held at once)."""
+    from ddlf.training.replica.graph_buckets import SHARED_BUCKETS
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input(shape=(6,))]
+        + [keras.layers.Dense(4, activation="relu") for _ in range(SHARED_BUCKETS)]
+        + [keras.layers.Dense(3, activation="softmax")]
+    )
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    stepper = stepper_for(model)
+    buckets = stepper.buckets(4)  # a bucket per variable
+    assert len(buckets.members) > SHARED_BUCKETS
+    share = _Shared()
+    x, y = _batch()
+    want = _stepped(stepper, stepper.gradients(x, y))
+    _, totals, _ = _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: flat), share)
+    assert not share.calls and totals == [1.0] * len(buckets.members)
+    _assert_weights(stepper, want)

@@ -8,14 +8,15 @@ about ``bucket_cap_mb``; each bucket's gradients go to a ``tf.numpy_function`` o
 Python its own buffers: no concatenation), which has the ring average them over the ranks, with one more element
 holding this worker's weight (its rows over the batch size), out of place: the ring reads the gradients and
 writes the means into output arrays, 64-byte aligned so that TensorFlow takes them as its tensors without a
-copy, and the optimizer reads them there. Where one host holds every rank (``exchange``'s ``share``) and the
-optimizer is one of Keras's own, there are no output arrays: the means stay where the host's shared memory holds
-them and TensorFlow reads them there (each gradient sent with a gap of zeros after it, so that every view starts
-on a cache line; each bucket its own tag, so its region is rewritten only by its next reduction, which no rank
-starts before every rank has entered it). So a gradient is read once into shared memory (besides the
-finiteness check) and nothing is copied out; between hosts the mean goes once into its output array, and a flat
-ring goes through a buffer of its own (one copy in, one out). The ring's mean scales the result as it copies it
-out (on one host as it sums), so with full batches on every rank nothing else touches the gradients.
+copy, and the optimizer reads them there. Where one host holds every rank (``exchange``'s ``share``), the
+optimizer is one of Keras's own and the model has at most :data:`SHARED_BUCKETS` buckets, there are no output
+arrays: the means stay where the host's shared memory holds them (read-only) and TensorFlow reads them there
+(each gradient sent with a gap of zeros after it, so that every view starts on a cache line; each bucket its own
+tag, so its region is rewritten only by its next reduction, which no rank starts before every rank has entered
+it). So a gradient is read once into shared memory (besides the finiteness check) and nothing is copied out;
+between hosts the mean goes once into its output array, and a flat ring goes through a buffer of its own (one
+copy in, one out). The ring's mean scales the result as it copies it out (on one host as it sums), so with full
+batches on every rank nothing else touches the gradients.
 TensorFlow's executor runs that op as soon as its gradients exist, so the ring reduces the last layers' gradients
 while the first layers' are still being computed (the Rust ring releases the GIL), and the optimizer's step
 follows in the same graph: one call per step, no gradient ever copied in the interpreter's hands.
@@ -58,9 +59,14 @@ Reduce = Callable[[list[np.ndarray], list[np.ndarray]], None]
 elements); ``parts`` only read."""
 
 
+SHARED_BUCKETS = 3
+"""The most buckets whose means are read in shared memory: a host's node keeps 4 shared-memory files
+(``KEEP_SEGMENTS`` in ``rust/ddlf-collective/src/node/mod.rs``), one left for the calls that are not a bucket's."""
+
 Share = Callable[[list[np.ndarray], int], np.ndarray]
 """``share(parts, tag)``: the mean over the ranks of ``parts``' concatenation (only read) as a flat array where the
-host's shared memory holds it (cache-line aligned), rewritten only by the next call with the same ``tag``."""
+host's shared memory holds it (cache-line aligned, read-only), rewritten only by the next call with the same
+``tag``."""
 
 
 def aligned(shape: tuple[int, ...]) -> np.ndarray:
@@ -119,6 +125,9 @@ class GraphBuckets:
             self._gaps.append(gaps)
             self._at.append(offsets)
         self._share: Share | None = None
+        # The host's node keeps SHARED_BUCKETS + 1 shared-memory files (one left for the other calls): a model
+        # with more buckets would make new files at every call and hold every bucket's region at once.
+        self._shares = len(self.members) <= SHARED_BUCKETS
 
         def shared(k: int, parts: list[np.ndarray]) -> list[np.ndarray]:
             """Bucket ``k``'s parts reduced into the host's shared memory, as views of where the results lie."""
@@ -143,7 +152,7 @@ class GraphBuckets:
                         parts = [g * w for g in grads] + [np.full(1, w, np.float32)]  # copies: the graph's are read
                     else:
                         parts = [*grads, one]
-                    if self._keeps and self._share is not None:
+                    if self._keeps and self._shares and self._share is not None:
                         out = shared(k, parts)  # no copy out: rewritten only at this bucket's next reduction
                     else:
                         out = self._out[k] if self._keeps else [aligned(a.shape) for a in self._out[k]]

@@ -311,9 +311,11 @@ impl Node {
             }
         }
         if let Io::Shared(_, tag, _) = &io {
-            if *tag >= MAX_TAG {
+            if *tag == 0 || *tag >= MAX_TAG {
                 return Err(CollectiveError::Invalid(format!(
-                    "a tag of {tag}: tags are below {MAX_TAG}"
+                    "a tag of {tag}: a result left in shared memory takes a tag from 1 to {}, its own (0 is \
+                     every other call's)",
+                    MAX_TAG - 1
                 )));
             }
         }
