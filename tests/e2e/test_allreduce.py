@@ -66,6 +66,14 @@ def test_mixed_dtypes_and_single_arrays_and_empty_lists(four: ddlf.Cluster) -> N
     four.scatter("e", [[] for _ in range(4)])
     four.allreduce("e")
     assert four.get("e") == [[], [], [], []]
+    # Scalars (0-d arrays, as a scalar weight is) alone and in a list: the buffer protocol gives them no shape.
+    four.scatter("s", [[np.array(float(i), np.float32), np.array([i, -i], np.float32)] for i in range(4)])
+    four.allreduce("s", "sum")
+    for s0, s1 in four.get("s"):
+        assert s0.shape == () and float(s0) == 6.0 and s1.tolist() == [6.0, -6.0]
+    four.scatter("z", [np.array(float(i)) for i in range(4)])
+    four.allreduce("z", "mean")
+    assert [float(z) for z in four.get("z")] == [1.5] * 4
 
 
 def test_bad_inputs_are_refused_clearly_and_the_workers_keep_serving(four: ddlf.Cluster) -> None:
