@@ -190,6 +190,8 @@ OPTIMIZERS = {
     "ftrl": lambda: keras.optimizers.Ftrl(0.05),
     "lamb": lambda: keras.optimizers.Lamb(0.01),
     "lion": lambda: keras.optimizers.Lion(0.001),
+    "muon": lambda: keras.optimizers.Muon(0.01),
+    "schedule-free-adamw": lambda: keras.optimizers.ScheduleFreeAdamW(0.01),
     "adam-ema-clipnorm": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=2, clipnorm=0.5),
     "sgd-accumulating": lambda: keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=2),
     "keeps-the-last-gradient": lambda: _KeepsTheLastGradient(0.05),
