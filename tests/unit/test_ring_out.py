@@ -87,11 +87,26 @@ def test_sources_may_share_memory_when_only_read() -> None:
 def test_scalar_arrays_go_through_the_workers_reduction_as_flat_views() -> None:
     """A scalar weight's gradient is a 0-d array, which the buffer protocol describes without a shape: the
     worker's out-of-place reduction passes flat views, and the 0-d result is written where it lies."""
-    from ddlf.worker.collective import reduce_into
+    from ddlf.worker.collective import BucketRing
 
-    spec = RingSpec(group=uuid.uuid4().hex, rank=0, addresses=("127.0.0.1:1",))
+    ring = BucketRing(RingSpec(group=uuid.uuid4().hex, rank=0, addresses=("127.0.0.1:1",)), "mean")
+    assert not ring.shares  # a flat ring of one: no shared memory
     out = [np.full((), np.nan, np.float32), np.full((2, 1), np.nan, np.float32)]
-    reduce_into([np.array(2.5, np.float32), np.array([[1.0], [-1.0]], np.float32)], out, spec, "mean")
+    ring.into([np.array(2.5, np.float32), np.array([[1.0], [-1.0]], np.float32)], out)
     assert float(out[0]) == 2.5 and out[1].ravel().tolist() == [1.0, -1.0]
     with pytest.raises(ValueError, match="C-contiguous"):
-        reduce_into([np.zeros(4, np.float32)], [np.zeros(8, np.float32)[::2]], spec)
+        ring.into([np.zeros(4, np.float32)], [np.zeros(8, np.float32)[::2]])
+
+
+def test_a_result_in_shared_memory_is_refused_where_no_host_holds_every_rank_and_the_ring_still_reduces() -> None:
+    from ddlf.errors import CollectiveError
+
+    ring, src = _ring(), _sources()
+    assert not ring.shares_results  # a flat ring: no shared memory
+    with pytest.raises(TypeError, match="expected float32 or float64"):
+        ring.allreduce_shared_([np.zeros(3, np.int32)])
+    with pytest.raises(CollectiveError, match="one host holding every rank"):
+        ring.allreduce_shared_(src, "mean", tag=1)
+    fine = [np.empty(12, np.float32)]
+    ring.allreduce_(src, "sum", atomic=False, out=fine)
+    np.testing.assert_array_equal(fine[0], np.concatenate([s.ravel() for s in src]))

@@ -92,43 +92,47 @@ def reduce_scratch(flat: np.ndarray, spec: RingSpec, op: str = "sum", wire: str 
         raise
 
 
-def reduce_into(
-    parts: list[np.ndarray], out: list[np.ndarray], spec: RingSpec, op: str = "sum", wire: str | None = None
-) -> None:
-    """All-reduce the concatenation of ``parts`` (only read) into ``out``'s arrays (as many elements, contiguous,
-    float32 or float64 like the parts), with no copy on one host's shared memory; ``out`` is undefined after a
-    failure. ``wire``: as in :func:`reduce_arrays` (float32 only)."""
-    r = ring(spec)
-    if not all(o.flags.c_contiguous for o in out):
-        raise ValueError("reduce_into: the out arrays must be C-contiguous (their flat views are written)")
-    # As flat views: a 0-d array (a scalar weight's gradient) has no shape for the buffer protocol to describe.
-    flat_parts = [np.reshape(p, -1) for p in parts]
-    flat_out = [o.reshape(-1) for o in out]
-    try:
-        r.allreduce_(flat_parts, check_op(op), atomic=False, wire=check_wire(wire), out=flat_out)
-    except BaseException:
-        forget(spec.group)
-        raise
+class BucketRing:
+    """The reductions a round's gradient buckets make on ring ``spec``: ``op`` over the ranks, ``wire`` as in
+    :func:`reduce_arrays`. Called with a flat buffer, it reduces it in place (:func:`reduce_scratch`: PyTorch's
+    buckets); :meth:`into` and :meth:`shared` reduce out of place (TensorFlow's graph). ``shares``: whether
+    :meth:`shared` works here (one host holds every rank, full precision on the wire)."""
+
+    def __init__(self, spec: RingSpec, op: str, wire: str | None = None) -> None:
+        self.spec, self.op, self.wire = spec, check_op(op), check_wire(wire)
+        self.shares = wire is None and bool(ring(spec).shares_results)
+
+    def __call__(self, flat: np.ndarray) -> None:
+        reduce_scratch(flat, self.spec, self.op, self.wire)
+
+    def into(self, parts: list[np.ndarray], out: list[np.ndarray]) -> None:
+        """The concatenation of ``parts`` (only read) reduced into ``out``'s arrays (as many elements, contiguous,
+        float32 or float64 like the parts), with no copy on one host's shared memory; ``out`` is undefined after
+        a failure."""
+        if not all(o.flags.c_contiguous for o in out):
+            raise ValueError("BucketRing.into: the out arrays must be C-contiguous (their flat views are written)")
+        # As flat views: a 0-d array (a scalar weight's gradient) has no shape for the buffer protocol to describe.
+        self._call(lambda r: r.allreduce_(_flat(parts), self.op, atomic=False, wire=self.wire, out=_flat(out)))
+
+    def shared(self, parts: list[np.ndarray], tag: int) -> np.ndarray:
+        """The concatenation of ``parts`` (only read) reduced and returned where the host's shared memory holds
+        it, as a flat, read-only array (cache-line aligned, no copy out). Rewritten by the next call with the
+        same ``tag`` (1 or more, the same on every rank): read it before that call. Only where :attr:`shares`."""
+        dtype = parts[0].dtype if parts else np.dtype(np.float32)
+        shared = self._call(lambda r: r.allreduce_shared_(_flat(parts), self.op, tag=tag))
+        return np.frombuffer(memoryview(shared), dtype=dtype)
+
+    def _call(self, call: Any) -> Any:
+        try:
+            return call(ring(self.spec))
+        except BaseException:
+            forget(self.spec.group)
+            raise
 
 
-def shares_results(spec: RingSpec) -> bool:
-    """Whether :func:`reduce_shared` works on this ring: one host holds every rank (shared memory only)."""
-    return bool(ring(spec).shares_results)
-
-
-def reduce_shared(parts: list[np.ndarray], spec: RingSpec, tag: int, op: str = "mean") -> np.ndarray:
-    """All-reduce the concatenation of ``parts`` (only read) and return the result where the host's shared memory
-    holds it, as a flat, read-only array (cache-line aligned, no copy out). Rewritten by the next call with the
-    same ``tag`` (1 or more, the same on every rank): read it before that call. Only where
-    :func:`shares_results`."""
-    r = ring(spec)
-    dtype = parts[0].dtype if parts else np.dtype(np.float32)
-    try:
-        flat_parts = [np.reshape(p, -1) for p in parts]  # 0-d arrays as flat views (see reduce_into)
-        return np.frombuffer(memoryview(r.allreduce_shared_(flat_parts, check_op(op), tag=tag)), dtype=dtype)
-    except BaseException:
-        forget(spec.group)
-        raise
+def _flat(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """Flat views (copies only of parts that are not contiguous, which are only read)."""
+    return [np.reshape(a, -1) for a in arrays]
 
 
 def allreduce_variable(worker: Any, name: str, spec: RingSpec, op: str, wire: str | None = None) -> None:

@@ -75,11 +75,20 @@ class _Shared:
         return shared
 
 
+class _FakeRing:
+    """What :class:`GraphBuckets` calls (``ddlf.worker.collective.BucketRing`` on a worker): ``into`` the
+    out-of-place reduction, ``shared`` the result left in shared memory where given."""
+
+    def __init__(self, into, shared=None) -> None:
+        self.into, self.shared, self.shares = into, shared, shared is not None
+
+
 def _exchange(buckets: GraphBuckets, stepper, batch, weight: float, reduce, share=None):
+    ring = _FakeRing(reduce, share)
     if batch is None:
-        return buckets.exchange(None, weight, reduce, share=share)
+        return buckets.exchange(None, weight, ring)
     x, y = batch
-    return buckets.exchange(lambda: stepper.backward(x, y), weight, reduce, share=share)
+    return buckets.exchange(lambda: stepper.backward(x, y), weight, ring)
 
 
 def test_buckets_cut_in_reverse_order_and_the_mean_of_identical_ranks_is_the_gradient() -> None:
@@ -219,7 +228,7 @@ def test_steps_are_keras_own_and_the_optimizer_state_never_lives_where_results_l
         x, y = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
         _exchange(buckets, stepper, (x, y), 1.0, _ring(lambda flat: flat), share)
         for out in buckets._out:
-            for a in out:
+            for a in out or []:
                 a[...] = np.nan
         for region in (share.regions if share else {}).values():
             region[...] = np.nan  # what the other ranks' next sums would leave there
@@ -310,6 +319,7 @@ def test_in_shared_memory_every_gradient_lies_on_a_cache_line_and_the_gaps_are_z
     assert totals == [1.0, 1.0] and not bad
     _assert_weights(stepper, want)
     assert [tag for tag, _ in share.calls] == [1, 2]
+    assert buckets._out == [None, None]  # no output arrays made where every result is read in shared memory
     for (tag, sizes), m in zip(share.calls, buckets.members):
         grads, gaps = sizes[:-1:2], sizes[1:-1:2]
         assert grads == [buckets.sizes[i] for i in m] and sizes[-1] == 1

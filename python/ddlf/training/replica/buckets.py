@@ -90,13 +90,11 @@ class Buckets:
         backward: Callable[[], None] | None,
         weight: float,
         reduce: Callable[[np.ndarray], None],
-        share: Callable[[list[np.ndarray], int], np.ndarray] | None = None,
     ) -> tuple[list[np.ndarray], list[float], bool]:
         """Run ``backward`` (``None``: this rank has no batch this step, it sends zeros with weight 0) while the
         buckets are reduced with ``reduce`` (in place, a sum over the ranks). Returns the averaged gradients (one
         array per parameter, views of the bucket buffers), each bucket's total weight (0: no rank sent any), and
-        whether a bucket of this rank's was left out as not finite. ``share`` is not used (the buckets are this
-        object's own buffers: see :meth:`.graph_buckets.GraphBuckets.exchange`)."""
+        whether a bucket of this rank's was left out as not finite."""
         self._flats = [np.empty(n + 1, np.float32) for n in self.lengths]
         self._left = [len(m) for m in self.members]
         self._next = 0

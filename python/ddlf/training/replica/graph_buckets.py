@@ -8,7 +8,7 @@ about ``bucket_cap_mb``; each bucket's gradients go to a ``tf.numpy_function`` o
 Python its own buffers: no concatenation), which has the ring average them over the ranks, with one more element
 holding this worker's weight (its rows over the batch size), out of place: the ring reads the gradients and
 writes the means into output arrays, 64-byte aligned so that TensorFlow takes them as its tensors without a
-copy, and the optimizer reads them there. Where one host holds every rank (``exchange``'s ``share``), the
+copy, and the optimizer reads them there. Where one host holds every rank (the ring's ``shares``), the
 optimizer is one of Keras's own and the model has at most :data:`SHARED_BUCKETS` buckets, there are no output
 arrays: the means stay where the host's shared memory holds them (read-only) and TensorFlow reads them there
 (each gradient sent with a gap of zeros after it, so that every view starts on a cache line; each bucket its own
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,19 +54,24 @@ ALIGN = 64
 """Bytes an output array's address is a multiple of: TensorFlow's CPU alignment (``EIGEN_MAX_ALIGN_BYTES``), below
 which it copies a ``numpy_function``'s result instead of taking its memory."""
 
-Reduce = Callable[[list[np.ndarray], list[np.ndarray]], None]
-"""``reduce(parts, out)``: the mean over the ranks of ``parts``' concatenation, written into ``out``'s (as many
-elements); ``parts`` only read."""
+
+class Ring(Protocol):
+    """The reductions the buckets make (:class:`ddlf.worker.collective.BucketRing` on a worker)."""
+
+    shares: bool
+    """Whether :meth:`shared` works (one host holds every rank)."""
+
+    def into(self, parts: list[np.ndarray], out: list[np.ndarray]) -> None:
+        """The mean over the ranks of ``parts``' concatenation (only read), written into ``out``'s arrays."""
+
+    def shared(self, parts: list[np.ndarray], tag: int) -> np.ndarray:
+        """The same mean as a flat array where the host's shared memory holds it (cache-line aligned,
+        read-only), rewritten only by the next call with the same ``tag``."""
 
 
 SHARED_BUCKETS = 3
 """The most buckets whose means are read in shared memory: a host's node keeps 4 shared-memory files
 (``KEEP_SEGMENTS`` in ``rust/ddlf-collective/src/node/mod.rs``), one left for the calls that are not a bucket's."""
-
-Share = Callable[[list[np.ndarray], int], np.ndarray]
-"""``share(parts, tag)``: the mean over the ranks of ``parts``' concatenation (only read) as a flat array where the
-host's shared memory holds it (cache-line aligned, read-only), rewritten only by the next call with the same
-``tag``."""
 
 
 def aligned(shape: tuple[int, ...]) -> np.ndarray:
@@ -92,7 +97,7 @@ class GraphBuckets:
         self.members = cut(self.sizes, cap_bytes)  # backward finishes the last layers first
         self.waited = 0.0
         """Seconds the last step spent inside the ring's reductions (overlapped with backward where it could)."""
-        self._reduce: Reduce | None = None
+        self._ring: Ring | None = None
         from ..messages import finite
 
         self._bad = False
@@ -102,7 +107,9 @@ class GraphBuckets:
         # Each bucket's results (its gradients' means, then the weights' mean), written by the ring at every step:
         # kept for Keras's own optimizers (see the module docs), made afresh each step for any other.
         self._keeps = type(optimizer).__module__.split(".")[0] == "keras"
-        self._out = [[aligned(shapes[i]) for i in m] + [aligned((1,))] for m in self.members]
+        # (Made at a bucket's first reduction into arrays: none where every result is read in shared memory.)
+        self._shapes = [[shapes[i] for i in m] + [(1,)] for m in self.members]
+        self._out: list[list[np.ndarray] | None] = [None] * len(self.members)
         # What a bucket sends with no batch or non-finite gradients: views of one array of zeros (only read).
         zero = np.zeros(max(self.sizes), np.float32)
         self._zeros = [[zero[: self.sizes[i]].reshape(shapes[i]) for i in m] + [zero[:1]] for m in self.members]
@@ -124,16 +131,16 @@ class GraphBuckets:
             offsets.append(at)  # the weight's element
             self._gaps.append(gaps)
             self._at.append(offsets)
-        self._share: Share | None = None
-        # The host's node keeps SHARED_BUCKETS + 1 shared-memory files (one left for the other calls): a model
-        # with more buckets would make new files at every call and hold every bucket's region at once.
-        self._shares = len(self.members) <= SHARED_BUCKETS
+        # Where the ring allows, the means of Keras's own optimizers are read in shared memory; the host's node
+        # keeps SHARED_BUCKETS + 1 shared-memory files (one left for the other calls): a model with more buckets
+        # would make new files at every call and hold every bucket's region at once.
+        self._may_share = self._keeps and len(self.members) <= SHARED_BUCKETS
 
         def shared(k: int, parts: list[np.ndarray]) -> list[np.ndarray]:
             """Bucket ``k``'s parts reduced into the host's shared memory, as views of where the results lie."""
-            assert self._share is not None
+            assert self._ring is not None
             padded = [a for g, gap in zip(parts, self._gaps[k]) for a in (g, gap)] + [parts[-1]]
-            flat = self._share(padded, k + 1)
+            flat = self._ring.shared(padded, k + 1)
             views = [flat[at : at + self.sizes[i]].reshape(shapes[i]) for at, i in zip(self._at[k], self.members[k])]
             return [*views, flat[self._at[k][-1] :][:1]]
 
@@ -152,12 +159,15 @@ class GraphBuckets:
                         parts = [g * w for g in grads] + [np.full(1, w, np.float32)]  # copies: the graph's are read
                     else:
                         parts = [*grads, one]
-                    if self._keeps and self._shares and self._share is not None:
+                    assert self._ring is not None
+                    if self._may_share and self._ring.shares:
                         out = shared(k, parts)  # no copy out: rewritten only at this bucket's next reduction
                     else:
-                        out = self._out[k] if self._keeps else [aligned(a.shape) for a in self._out[k]]
-                        assert self._reduce is not None
-                        self._reduce(parts, out)  # the 1/n is applied as the result is copied out
+                        kept = self._out[k] if self._keeps else None
+                        out = kept if kept is not None else [aligned(shape) for shape in self._shapes[k]]
+                        if self._keeps:
+                            self._out[k] = out
+                        self._ring.into(parts, out)  # the 1/n is applied as the result is copied out
                 except BaseException as exc:
                     self._error = exc  # raised as itself by exchange(), not as TensorFlow's wrapper
                     raise
@@ -230,19 +240,18 @@ class GraphBuckets:
         self,
         backward: Callable[[], None] | None,
         weight: float,
-        reduce: Reduce,
-        share: Share | None = None,
+        ring: Ring,
     ) -> tuple[None, list[float], bool]:
-        """As :meth:`.buckets.Buckets.exchange`, but ``reduce`` averages out of place (:data:`Reduce`), or, given
-        ``share`` (one host holding every rank) and one of Keras's own optimizers, ``share`` leaves the mean in
-        the host's shared memory and the optimizer reads it there (:data:`Share`); and
+        """As :meth:`.buckets.Buckets.exchange`, but the ring averages out of place (:meth:`Ring.into`), or, where
+        it shares results and the optimizer is one of Keras's own, leaves the mean in the host's shared memory
+        for the optimizer to read there (:meth:`Ring.shared`); and
         the optimizer's step is taken here, in the same graph: ``backward`` hands this step's batch to the
         stepper (:meth:`~.steppers.Stepper.backward`), or is ``None`` (no batch: zeros with weight 0). Returns
         ``None`` where :meth:`.buckets.Buckets.exchange` returns the averages (applied already), each bucket's
         mean weight over the ranks (0: no rank sent any; then no step was taken), and whether a bucket of this
         rank's was left out as not finite."""
         tf = self._tf
-        self._reduce, self._share, self._bad, self._error, self.waited = reduce, share, False, None, 0.0
+        self._ring, self._bad, self._error, self.waited = ring, False, None, 0.0
         try:
             if backward is None:
                 self._stepper.build_optimizer()  # its slots exist before the graph that steps it is traced
@@ -257,5 +266,5 @@ class GraphBuckets:
                 raise self._error from None
             raise
         finally:
-            self._reduce = self._share = None
+            self._ring = None
         return None, totals, self._bad

@@ -12,7 +12,7 @@ import numpy as np
 from ... import ops
 from ...ring_spec import RingSpec
 from ...worker import collective, drain
-from ...worker.collective import reduce_into, reduce_scratch, reduce_shared, shares_results
+from ...worker.collective import BucketRing, reduce_scratch
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
 from .rounds import train_chunk
@@ -287,23 +287,8 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     reduce_s = 0.0
     nonfinite = overflowed = 0
     buckets = stepper.buckets(int(bucket_cap_mb * 2**20), compression) if bucket_cap_mb else None
-    if buckets is not None:
-
-        def reduce(flat: np.ndarray | list[np.ndarray], out: list[np.ndarray] | None = None) -> None:
-            """In place (PyTorch's buckets: a flat buffer of their own), or out of place (TensorFlow's graph)."""
-            if out is None:
-                assert isinstance(flat, np.ndarray)
-                reduce_scratch(flat, ring, buckets.op, wire=compression)
-            else:
-                assert isinstance(flat, list)
-                reduce_into(flat, out, ring, buckets.op, wire=compression)
-
-        share = None
-        if compression is None and shares_results(ring):
-
-            def share(parts: list[np.ndarray], tag: int) -> np.ndarray:
-                """The mean left in the host's shared memory (TensorFlow's graph reads it there)."""
-                return reduce_shared(parts, ring, tag, buckets.op)
+    # The buckets' reductions on this round's ring (PyTorch's in place, TensorFlow's out of place).
+    reduce = BucketRing(ring, buckets.op, compression) if buckets is not None else None
 
     members = ring.local.total if ring.local is not None else len(ring.addresses)
     try:
@@ -321,7 +306,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                         if slow_seconds_per_batch:
                             time.sleep(slow_seconds_per_batch)
 
-                averaged, totals, bad = buckets.exchange(run, n / batch_size, reduce, share=share)
+                averaged, totals, bad = buckets.exchange(run, n / batch_size, reduce)
                 reduce_s += buckets.waited
                 total = max(totals) * batch_size  # only its sign is read: > 0 when some rank had rows
                 if bad:
