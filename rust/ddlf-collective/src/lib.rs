@@ -459,13 +459,7 @@ impl Ring {
             self.scratch = scratch;
             return r;
         }
-        let what = format!("all-reduce of {len} {}", T::NAME);
-        self.guarded(&what, move |ring| match ring.node.take() {
-            Some(node) => ring.on_node::<T, C>(node, node::Io::Into(parts, into), op),
-            None => Err(CollectiveError::Invalid(
-                "a hierarchical ring without its node".into(),
-            )),
-        })
+        self.on_host::<T, C>(len, node::Io::Into(parts, into), op)
     }
 
     /// Whether a result can stay in shared memory ([`Ring::allreduce_parts_shared_over`]): a hierarchical ring
@@ -498,15 +492,25 @@ impl Ring {
             )));
         }
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        let what = format!("all-reduce of {len} {}", T::NAME);
         let mut out = None;
-        self.guarded(&what, |ring| match ring.node.take() {
-            Some(node) => ring.on_node::<T, C>(node, node::Io::Shared(parts, tag, &mut out), op),
+        self.on_host::<T, C>(len, node::Io::Shared(parts, tag, &mut out), op)?;
+        out.ok_or_else(|| CollectiveError::Invalid("the call left no result".into()))
+    }
+
+    /// An all-reduce of `len` elements on this hierarchical ring's host ([`Ring::on_node`]), guarded.
+    fn on_host<T: Elem, C: Codec<T>>(
+        &mut self,
+        len: usize,
+        io: node::Io<'_, '_, '_, T>,
+        op: Op,
+    ) -> Result<(), CollectiveError> {
+        let what = format!("all-reduce of {len} {}", T::NAME);
+        self.guarded(&what, move |ring| match ring.node.take() {
+            Some(node) => ring.on_node::<T, C>(node, io, op),
             None => Err(CollectiveError::Invalid(
                 "a hierarchical ring without its node".into(),
             )),
-        })?;
-        out.ok_or_else(|| CollectiveError::Invalid("the call left no result".into()))
+        })
     }
 
     /// A hierarchical all-reduce on `node` (taken out of the ring for the call, put back after it): the host's

@@ -408,6 +408,24 @@ fn hierarchical(daemons: &[Daemon], hosts: &[Vec<usize>], group: u128) -> Vec<Ri
     specs
 }
 
+/// `f(rank, ring)` on every rank of `specs` at once, each on its own thread with its own ring; the results in rank
+/// order.
+fn each_rank<R: Send>(
+    specs: Vec<RingSpec>,
+    token: &str,
+    f: impl Fn(usize, &mut Ring) -> Result<R, CollectiveError> + Sync,
+) -> Vec<Result<R, CollectiveError>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = specs
+            .into_iter()
+            .enumerate()
+            .map(|(r, spec)| s.spawn(move || f(r, &mut Ring::new(spec, Token::new(token))?)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn hierarchical_ranks_sum_and_average_through_shared_memory_and_the_leaders_ring() {
     let ds = daemons(5, "h");
@@ -562,65 +580,49 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
         hierarchical(&ds, &[vec![0, 1, 2]], 43),
     ] {
         let n = specs.len();
-        let outs: Vec<Result<Vec<Vec<f32>>, CollectiveError>> = std::thread::scope(|s| {
-            let hs: Vec<_> = specs
-                .into_iter()
-                .enumerate()
-                .map(|(r, spec)| {
-                    s.spawn(move || {
-                        let mut ring = Ring::new(spec, Token::new("parts"))?;
-                        let mut two = [0f32; 2];
-                        let short = ring.allreduce_parts_into_over::<f32, Plain>(
-                            &[&[1.0]],
-                            &mut [&mut two],
-                            Op::Sum,
-                        );
-                        assert!(
-                            matches!(short, Err(CollectiveError::Invalid(_))),
-                            "{short:?}"
-                        );
-                        let mut got = Vec::new();
-                        // In place, then out of place (`into`, cut elsewhere again; the parts only read).
-                        for (op, into) in [
-                            (Op::Sum, false),
-                            (Op::Mean, false),
-                            (Op::Sum, true),
-                            (Op::Mean, true),
-                        ] {
-                            let data: Vec<f32> =
-                                (0..len).map(|i| (r * 5 + i % 13) as f32).collect();
-                            // Each rank cuts the same elements differently: r + 1 parts, one of them empty.
-                            let mut pieces: Vec<Vec<f32>> = Vec::new();
-                            let mut at = 0;
-                            for k in 0..=r {
-                                let end = if k == r { len } else { at + 997 * (k + 1) };
-                                pieces.push(data[at..end].to_vec());
-                                at = end;
-                            }
-                            pieces.insert(1, Vec::new());
-                            if into {
-                                let cut = 3001 + 1000 * r;
-                                let mut out =
-                                    [vec![f32::NAN; cut], vec![], vec![f32::NAN; len - cut]];
-                                let parts: Vec<&[f32]> =
-                                    pieces.iter().map(|p| p.as_slice()).collect();
-                                let mut dst: Vec<&mut [f32]> =
-                                    out.iter_mut().map(|p| p.as_mut_slice()).collect();
-                                ring.allreduce_parts_into_over::<f32, Plain>(&parts, &mut dst, op)?;
-                                assert_eq!(pieces.concat(), data, "the parts are only read");
-                                got.push(out.concat());
-                                continue;
-                            }
-                            let mut parts: Vec<&mut [f32]> =
-                                pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
-                            ring.allreduce_parts_over::<f32, Plain>(&mut parts, op)?;
-                            got.push(pieces.concat());
-                        }
-                        Ok(got)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let outs = each_rank(specs, "parts", |r, ring| {
+            let mut two = [0f32; 2];
+            let short =
+                ring.allreduce_parts_into_over::<f32, Plain>(&[&[1.0]], &mut [&mut two], Op::Sum);
+            assert!(
+                matches!(short, Err(CollectiveError::Invalid(_))),
+                "{short:?}"
+            );
+            let mut got = Vec::new();
+            // In place, then out of place (`into`, cut elsewhere again; the parts only read).
+            for (op, into) in [
+                (Op::Sum, false),
+                (Op::Mean, false),
+                (Op::Sum, true),
+                (Op::Mean, true),
+            ] {
+                let data: Vec<f32> = (0..len).map(|i| (r * 5 + i % 13) as f32).collect();
+                // Each rank cuts the same elements differently: r + 1 parts, one of them empty.
+                let mut pieces: Vec<Vec<f32>> = Vec::new();
+                let mut at = 0;
+                for k in 0..=r {
+                    let end = if k == r { len } else { at + 997 * (k + 1) };
+                    pieces.push(data[at..end].to_vec());
+                    at = end;
+                }
+                pieces.insert(1, Vec::new());
+                if into {
+                    let cut = 3001 + 1000 * r;
+                    let mut out = [vec![f32::NAN; cut], vec![], vec![f32::NAN; len - cut]];
+                    let parts: Vec<&[f32]> = pieces.iter().map(|p| p.as_slice()).collect();
+                    let mut dst: Vec<&mut [f32]> =
+                        out.iter_mut().map(|p| p.as_mut_slice()).collect();
+                    ring.allreduce_parts_into_over::<f32, Plain>(&parts, &mut dst, op)?;
+                    assert_eq!(pieces.concat(), data, "the parts are only read");
+                    got.push(out.concat());
+                    continue;
+                }
+                let mut parts: Vec<&mut [f32]> =
+                    pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
+                ring.allreduce_parts_over::<f32, Plain>(&mut parts, op)?;
+                got.push(pieces.concat());
+            }
+            Ok(got)
         });
         for out in &outs {
             let out = out.as_ref().unwrap();
@@ -768,43 +770,27 @@ fn a_result_left_in_shared_memory_is_the_reduction_and_each_tag_keeps_its_own() 
     let len = 5_003usize;
     let specs = hierarchical(&ds, &[vec![0, 1, 2]], 51);
     let n = specs.len();
-    let outs: Vec<Result<Vec<Vec<f32>>, CollectiveError>> = std::thread::scope(|s| {
-        let hs: Vec<_> = specs
-            .into_iter()
-            .enumerate()
-            .map(|(r, spec)| {
-                s.spawn(move || {
-                    let mut ring = Ring::new(spec, Token::new("shared"))?;
-                    assert!(ring.shares_results());
-                    let a: Vec<f32> = (0..len).map(|i| (r * 3 + i % 7) as f32).collect();
-                    let b: Vec<f32> = (0..len).map(|i| (r + i % 5) as f32 * 0.5).collect();
-                    let (a1, a2) = a.split_at(1234);
-                    // Two calls of one length with different tags: the first result must survive the second.
-                    let first = ring.allreduce_parts_shared_over::<f32, Plain>(
-                        &[a1, &[], a2],
-                        Op::Mean,
-                        1,
-                    )?;
-                    let second =
-                        ring.allreduce_parts_shared_over::<f32, Plain>(&[&b], Op::Sum, 2)?;
-                    // An in-place call of the same length in between uses tag 0: neither result is touched.
-                    let mut c = vec![1f32; len];
-                    ring.allreduce_parts_over::<f32, Plain>(&mut [&mut c], Op::Sum)?;
-                    assert!(c.iter().all(|&v| v == n as f32));
-                    let floats = |res: &ddlf_collective::node::SharedResult| -> Vec<f32> {
-                        assert_eq!((res.start % 64, res.len), (0, len * 4));
-                        bytemuck::cast_slice::<u8, f32>(&res.map[res.start..res.start + res.len])
-                            .to_vec()
-                    };
-                    assert_eq!(
-                        a,
-                        (0..len).map(|i| (r * 3 + i % 7) as f32).collect::<Vec<_>>()
-                    );
-                    Ok(vec![floats(&first), floats(&second)])
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let outs = each_rank(specs, "shared", |r, ring| {
+        assert!(ring.shares_results());
+        let a: Vec<f32> = (0..len).map(|i| (r * 3 + i % 7) as f32).collect();
+        let b: Vec<f32> = (0..len).map(|i| (r + i % 5) as f32 * 0.5).collect();
+        let (a1, a2) = a.split_at(1234);
+        // Two calls of one length with different tags: the first result must survive the second.
+        let first = ring.allreduce_parts_shared_over::<f32, Plain>(&[a1, &[], a2], Op::Mean, 1)?;
+        let second = ring.allreduce_parts_shared_over::<f32, Plain>(&[&b], Op::Sum, 2)?;
+        // An in-place call of the same length in between uses tag 0: neither result is touched.
+        let mut c = vec![1f32; len];
+        ring.allreduce_parts_over::<f32, Plain>(&mut [&mut c], Op::Sum)?;
+        assert!(c.iter().all(|&v| v == n as f32));
+        let floats = |res: &ddlf_collective::node::SharedResult| -> Vec<f32> {
+            assert_eq!((res.start % 64, res.len), (0, len * 4));
+            bytemuck::cast_slice::<u8, f32>(&res.map[res.start..res.start + res.len]).to_vec()
+        };
+        assert_eq!(
+            a,
+            (0..len).map(|i| (r * 3 + i % 7) as f32).collect::<Vec<_>>()
+        );
+        Ok(vec![floats(&first), floats(&second)])
     });
     for out in &outs {
         let out = out.as_ref().unwrap();

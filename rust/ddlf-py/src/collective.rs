@@ -215,37 +215,7 @@ impl Ring {
     ) -> PyResult<()> {
         let wire = parse_wire(wire)?;
         let op = parse_op(op)?;
-        let views = arrays
-            .iter()
-            .map(|a| View::new(a, "allreduce"))
-            .collect::<PyResult<Vec<_>>>()?;
-        let dtype = views.first().map_or(DType::F32, |v| v.dtype);
-        for (i, v) in views.iter().enumerate() {
-            if !matches!(v.dtype, DType::F32 | DType::F64) {
-                return Err(PyTypeError::new_err(format!(
-                    "allreduce: array {i} is not float32 or float64"
-                )));
-            }
-            if v.dtype != dtype {
-                return Err(PyTypeError::new_err(format!(
-                    "allreduce: array {i} is {} and array 0 {}: pass one dtype (cast first), so every element \
-                     is reduced at the same precision",
-                    name(v.dtype),
-                    name(dtype)
-                )));
-            }
-            if v.readonly && out.is_none() {
-                return Err(PyValueError::new_err(format!(
-                    "allreduce: array {i} is read-only"
-                )));
-            }
-            // Sources only read (with `out`) may share memory: a framework may hand the same buffer twice.
-            if out.is_none() && views[..i].iter().any(|w| v.overlaps(w)) {
-                return Err(PyValueError::new_err(format!(
-                    "allreduce: array {i} shares memory with an earlier array: pass distinct arrays"
-                )));
-            }
-        }
+        let (views, dtype) = float_views(&arrays, "allreduce", out.is_none())?;
         if wire != Wire::Plain && dtype != DType::F32 {
             return Err(PyTypeError::new_err(
                 "allreduce: half precision on the wire is for float32 arrays (sums stay float32)",
@@ -298,24 +268,7 @@ impl Ring {
         tag: u32,
     ) -> PyResult<RecvBuffer> {
         let op = parse_op(op)?;
-        if tag == 0 {
-            return Err(PyValueError::new_err(
-                "allreduce_shared: tag 0 is every other call's; pass 1 or more",
-            ));
-        }
-        let views = arrays
-            .iter()
-            .map(|a| View::new(a, "allreduce_shared"))
-            .collect::<PyResult<Vec<_>>>()?;
-        let dtype = views.first().map_or(DType::F32, |v| v.dtype);
-        for (i, v) in views.iter().enumerate() {
-            if v.dtype != dtype || !matches!(v.dtype, DType::F32 | DType::F64) {
-                return Err(PyTypeError::new_err(format!(
-                    "allreduce_shared: array {i} is {}: pass float32 or float64 arrays of one dtype",
-                    name(v.dtype)
-                )));
-            }
-        }
+        let (views, dtype) = float_views(&arrays, "allreduce_shared", false)?;
         let result = py.detach(|| {
             let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             match dtype {
@@ -434,6 +387,47 @@ enum Wire {
     Plain,
     F16,
     Bf16,
+}
+
+/// The arrays of a reduction, all float32 or all float64 (that dtype returned). `written`: reduced where they lie,
+/// so each must be writable and share memory with no other; arrays only read may be read-only and overlap (a
+/// framework may hand the same buffer twice).
+fn float_views(
+    arrays: &[Bound<'_, PyAny>],
+    what: &str,
+    written: bool,
+) -> PyResult<(Vec<View>, DType)> {
+    let views = arrays
+        .iter()
+        .map(|a| View::new(a, what))
+        .collect::<PyResult<Vec<_>>>()?;
+    let dtype = views.first().map_or(DType::F32, |v| v.dtype);
+    for (i, v) in views.iter().enumerate() {
+        if !matches!(v.dtype, DType::F32 | DType::F64) {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: array {i} is not float32 or float64"
+            )));
+        }
+        if v.dtype != dtype {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: array {i} is {} and array 0 {}: pass one dtype (cast first), so every element is \
+                 reduced at the same precision",
+                name(v.dtype),
+                name(dtype)
+            )));
+        }
+        if written && v.readonly {
+            return Err(PyValueError::new_err(format!(
+                "{what}: array {i} is read-only"
+            )));
+        }
+        if written && views[..i].iter().any(|w| v.overlaps(w)) {
+            return Err(PyValueError::new_err(format!(
+                "{what}: array {i} shares memory with an earlier array: pass distinct arrays"
+            )));
+        }
+    }
+    Ok((views, dtype))
 }
 
 /// The `out` arrays of `allreduce_`: writable, `dtype`, as many elements as `sources`, and sharing memory with

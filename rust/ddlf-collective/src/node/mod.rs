@@ -523,14 +523,7 @@ impl Node {
         self.wait_all()?;
         // 3. The hosts' sums (or, for a reduce-scatter, each host's chunk of them), on the leaders' ring.
         if !single {
-            if self.is_leader() {
-                let seg = &self.segments[current];
-                // SAFETY: every member finished its chunk (barrier passed); until the next barrier only the leader
-                // touches the result region.
-                let all = unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(k), len) };
-                inter(all)?;
-            }
-            self.wait_all()?;
+            self.leaders(current, len, inter)?;
         }
         // On one host the sums are scaled already.
         Ok(Ready {
@@ -566,6 +559,26 @@ impl Node {
         }
     }
 
+    /// The leaders' stage (step 3, or the all-gather's): the leader runs `inter` on the result region of segment
+    /// `current`, then every member waits for it at a barrier. Called once every member has written its part of
+    /// the region (a barrier passed).
+    fn leaders<T: Elem>(
+        &mut self,
+        current: usize,
+        len: usize,
+        inter: impl FnOnce(&mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        if self.is_leader() {
+            let seg = &self.segments[current];
+            // SAFETY: every member finished its part of the region (the caller's barrier passed); until the next
+            // barrier only the leader touches it, and `region` checked that `len` elements fit.
+            let all =
+                unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(self.members()), len) };
+            inter(all)?;
+        }
+        self.wait_all()
+    }
+
     /// The all-gather's steps after the shapes agreed (see the module docs).
     fn gather<T: Elem>(
         &mut self,
@@ -590,14 +603,7 @@ impl Node {
         out.copy_from_slice(&data[shard]);
         self.wait_all()?;
         self.segments[current].unlink();
-        if self.is_leader() {
-            let seg = &self.segments[current];
-            // SAFETY: every member wrote its shard (barrier passed); until the next barrier only the leader
-            // touches the result region.
-            let all = unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(k), len) };
-            inter(all)?;
-        }
-        self.wait_all()?;
+        self.leaders(current, len, inter)?;
         Ok(Ready {
             current,
             scale: None,
