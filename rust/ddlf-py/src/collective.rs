@@ -255,8 +255,8 @@ impl Ring {
 
     /// Reduce `arrays` (C-contiguous, all float32 or all float64; only read, so they may be read-only and may
     /// share memory) with the other ranks and return the result's bytes where the host's shared memory holds
-    /// it: a read-only buffer (the host's members share it), cache-line aligned (`numpy.frombuffer` makes the flat array), with no copy out.
-    /// Only where `shares_results`. The memory is rewritten by the next call with the same `tag` (every rank
+    /// it: a read-only buffer (the host's members share it), cache-line aligned (`numpy.frombuffer` makes the
+    /// flat array), with no copy out. Only where `shares_results`; tags from 1 (0 is every other call's). The memory is rewritten by the next call with the same `tag` (every rank
     /// passes the same; other calls use none): read the result before making it. Raises
     /// `ddlf.errors.CollectiveError` like `allreduce_`.
     #[pyo3(signature = (arrays, op = "mean", tag = 1))]
