@@ -32,29 +32,51 @@ from . import netns, report
 TOKEN = "bench-collective"
 
 
+BUCKETS = 6
+"""Arrays of distinct lengths that :func:`measure` reduces one call each, as a model's gradient buckets go."""
+
+
+def bucket_lengths(elements: int) -> list[int]:
+    """:data:`BUCKETS` distinct lengths (in the ratios 6:5:4:3:2:1, as a model's layers differ) that hold
+    ``elements`` together."""
+    weights = range(BUCKETS, 0, -1)
+    lengths = [elements * w // sum(weights) for w in weights]
+    lengths[0] += elements - sum(lengths)
+    return lengths
+
+
 def fill(worker: Any, elements: int, seed: int, parts: int = 4) -> int:
-    """Run on a worker: the variable ``x`` holds ``elements`` float32 values of its own, and ``xs`` as many as a
-    list of ``parts`` arrays (model weights are lists)."""
+    """Run on a worker: the variable ``x`` holds ``elements`` float32 values of its own, ``xs`` as many as a
+    list of ``parts`` arrays (model weights are lists), and ``b0``, ``b1``, ... as many as :data:`BUCKETS`
+    arrays of distinct lengths."""
     worker.vars["x"] = np.random.default_rng(seed).standard_normal(elements, dtype=np.float32)
     worker.vars["xs"] = [a.copy() for a in np.array_split(worker.vars["x"], parts)]
+    at = 0
+    for i, length in enumerate(bucket_lengths(elements)):
+        worker.vars[f"b{i}"] = worker.vars["x"][at : at + length].copy()
+        at += length
     return int(worker.vars["x"].nbytes)
 
 
 def measure(
     cluster: ddlf.Cluster, mb: float, repeat: int, streams: int = 1, hierarchical: bool | None = None
 ) -> dict[str, Any]:
-    """Median seconds of ``cluster.allreduce`` over ``mb`` megabytes as one array and as a list of four arrays
-    (interleaved), and the one array's bandwidths."""
+    """Median seconds of ``cluster.allreduce`` over ``mb`` megabytes as one array, as a list of four arrays, and
+    as :data:`BUCKETS` arrays of distinct lengths, one call each (a model's gradient buckets; the three
+    interleaved), and the one array's bandwidths."""
     n = len(cluster)
     elements = int(mb * 1e6) // 4
     size = cluster.run_each(fill, [(elements, i) for i in range(n)])[0]
-    times: dict[str, list[float]] = {"x": [], "xs": []}
-    for name in times:  # warm-up: opens the ring's links, maps the shared memory
-        cluster.allreduce(name, "sum", streams=streams, hierarchical=hierarchical)
-    for _ in range(repeat):
-        for name, got in times.items():
-            t0 = time.perf_counter()
+    calls = {"x": ["x"], "xs": ["xs"], "buckets": [f"b{i}" for i in range(BUCKETS)]}
+    times: dict[str, list[float]] = {what: [] for what in calls}
+    for names in calls.values():  # warm-up: opens the ring's links, maps the shared memory
+        for name in names:
             cluster.allreduce(name, "sum", streams=streams, hierarchical=hierarchical)
+    for _ in range(repeat):
+        for what, got in times.items():
+            t0 = time.perf_counter()
+            for name in calls[what]:
+                cluster.allreduce(name, "sum", streams=streams, hierarchical=hierarchical)
             got.append(time.perf_counter() - t0)
     t = report.median(times["x"])
     algbw = size / t
@@ -65,6 +87,7 @@ def measure(
         "bytes": size,
         "seconds": t,
         "list_seconds": report.median(times["xs"]),
+        "buckets_seconds": report.median(times["buckets"]),
         "algbw": algbw,
         "busbw": algbw * 2 * (n - 1) / n,
     }
@@ -181,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
             r["memcpy_seconds"] = copy
             local_rows.append(r)
             print(
-                f"loopback n={n} {r['mode']}: {r['seconds']:.3f} s (list of 4: {r['list_seconds']:.3f} s), busbw "
+                f"loopback n={n} {r['mode']}: {r['seconds']:.3f} s (list of 4: {r['list_seconds']:.3f} s, "
+                f"{BUCKETS} buckets: {r['buckets_seconds']:.3f} s), busbw "
                 f"{r['busbw'] / 1e9:.2f} GB/s, raw socket "
                 f"{r['raw_bw'] / 1e9:.2f} GB/s, memcpy {r['memcpy_bw'] / 1e9:.2f} GB/s"
             )
@@ -263,7 +287,10 @@ def _markdown(args: argparse.Namespace, local_rows: list[dict], ns_rows: list[di
             "no socket. Anchors from the same run: one raw TCP socket moving the same bytes, and one numpy copy "
             "of them (the hierarchical stage reads every member's array and writes the result back to each). "
             "*list of 4* reduces the same bytes as a list of four arrays (model weights are lists), interleaved "
-            "with the one array; *copies* is the one array's time in numpy copies of its size:",
+            f"with the one array; *{BUCKETS} buckets* reduces the same bytes as {BUCKETS} arrays of distinct lengths "
+            "(6:5:4:3:2:1), one call each, as a model's gradient buckets go at every step (a host keeps 4 "
+            "shared-memory files; a call reuses any that holds at least its length); *copies* is the one array's "
+            "time in numpy copies of its size:",
             "",
             report.table(
                 [
@@ -272,6 +299,8 @@ def _markdown(args: argparse.Namespace, local_rows: list[dict], ns_rows: list[di
                     "seconds",
                     "list of 4 s",
                     "list / one array",
+                    f"{BUCKETS} buckets s",
+                    "buckets / one array",
                     "copies",
                     "algbw GB/s",
                     "busbw GB/s",
@@ -286,6 +315,8 @@ def _markdown(args: argparse.Namespace, local_rows: list[dict], ns_rows: list[di
                         f"{r['seconds']:.3f}",
                         f"{r['list_seconds']:.3f}",
                         f"{r['list_seconds'] / r['seconds']:.2f}",
+                        f"{r['buckets_seconds']:.3f}",
+                        f"{r['buckets_seconds'] / r['seconds']:.2f}",
                         f"{r['seconds'] / r['memcpy_seconds']:.1f}",
                         f"{r['algbw'] / 1e9:.2f}",
                         f"{r['busbw'] / 1e9:.2f}",

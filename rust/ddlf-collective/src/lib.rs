@@ -366,6 +366,12 @@ impl Ring {
         Ok(streams)
     }
 
+    /// How many shared-memory data files this rank's host stage has made ([`node::Node::files_made`]); `None` on a
+    /// flat ring, which has no host stage.
+    pub fn shared_files_made(&self) -> Option<u64> {
+        self.node.as_ref().map(node::Node::files_made)
+    }
+
     /// Whether a failed [`Ring::allreduce`] leaves `data` as it was: true for a hierarchical rank (the host's
     /// stage works on shared memory and writes `data` only after the last step that can fail) and for a ring of
     /// one; a flat ring's passes write `data` as they go.
@@ -405,22 +411,50 @@ impl Ring {
             None if hosts == 1 => Ok(()),
             None => match parts {
                 [one] => ring.reduce::<T, C>(one, op),
-                _ => {
-                    let mut scratch = std::mem::take(&mut ring.scratch);
-                    let flat = flat_buffer::<T>(&mut scratch, len);
-                    copy_concatenation(
-                        &parts.iter().map(|p| &**p).collect::<Vec<_>>(),
-                        &mut [&mut *flat],
-                    );
-                    let r = ring.reduce::<T, C>(flat, op);
-                    if r.is_ok() {
-                        copy_concatenation(&[&*flat], parts);
-                    }
-                    ring.scratch = scratch;
-                    r
-                }
+                _ => ring.through_buffer::<T, C>(parts, len, op),
             },
         })
+    }
+
+    /// [`Ring::allreduce_over`] of one slice that a failure leaves as it was: a hierarchical rank (or a ring of
+    /// one) writes it only after the last step that can fail anyway; a flat ring, whose passes write as they go,
+    /// reduces a copy in the buffer it keeps between calls (warm memory, not a fresh allocation) and copies the
+    /// result back on success.
+    pub fn allreduce_atomic_over<T: Elem, C: Codec<T>>(
+        &mut self,
+        data: &mut [T],
+        op: Op,
+    ) -> Result<(), CollectiveError> {
+        if self.leaves_data_on_failure() {
+            return self.allreduce_parts_over::<T, C>(&mut [data], op);
+        }
+        let len = data.len();
+        let what = format!("all-reduce of {len} {}", T::NAME);
+        self.guarded(&what, move |ring| {
+            ring.through_buffer::<T, C>(&mut [data], len, op)
+        })
+    }
+
+    /// A flat ring's reduction of `parts` (`len` elements together) through its kept buffer: gathered into it,
+    /// reduced there, and scattered back only if the reduction succeeded.
+    fn through_buffer<T: Elem, C: Codec<T>>(
+        &mut self,
+        parts: &mut [&mut [T]],
+        len: usize,
+        op: Op,
+    ) -> Result<(), CollectiveError> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let flat = flat_buffer::<T>(&mut scratch, len);
+        copy_concatenation(
+            &parts.iter().map(|p| &**p).collect::<Vec<_>>(),
+            &mut [&mut *flat],
+        );
+        let r = self.reduce::<T, C>(flat, op);
+        if r.is_ok() {
+            copy_concatenation(&[&*flat], parts);
+        }
+        self.scratch = scratch;
+        r
     }
 
     /// [`Ring::allreduce_parts_over`] out of place: `parts` are only read and the result is written into `into`

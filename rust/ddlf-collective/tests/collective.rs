@@ -816,3 +816,106 @@ fn a_result_left_in_shared_memory_is_the_reduction_and_each_tag_keeps_its_own() 
         assert!(matches!(refused, Err(CollectiveError::Invalid(_))));
     }
 }
+
+#[test]
+fn calls_of_many_lengths_reuse_the_hosts_files_instead_of_making_one_per_call() {
+    use ddlf_collective::Plain;
+    // A model's buckets: more distinct lengths than a node keeps files for, cycling step after step.
+    let lens = [5_003usize, 4_001, 5_002, 6_007, 17, 6_004, 4_003];
+    let ds = daemons(4, "reuse");
+    for (group, hosts) in [
+        (61u128, vec![vec![0, 1, 2]]),
+        (62, vec![vec![0, 1], vec![2, 3]]),
+    ] {
+        let specs = hierarchical(&ds, &hosts, group);
+        let n = specs.len();
+        let outs = each_rank(specs, "reuse", |r, ring| {
+            let mut made = Vec::new();
+            for step in 0..3 {
+                for (b, &len) in lens.iter().enumerate() {
+                    let src: Vec<f32> = (0..len)
+                        .map(|i| (r * 5 + i % 9 + b + step) as f32)
+                        .collect();
+                    let mut out = vec![f32::NAN; len];
+                    ring.allreduce_parts_into_over::<f32, Plain>(
+                        &[&src],
+                        &mut [&mut out],
+                        Op::Sum,
+                    )?;
+                    for (i, v) in out.iter().enumerate() {
+                        let want: usize = (0..n).map(|q| q * 5 + i % 9 + b + step).sum();
+                        assert_eq!(*v, want as f32, "step {step}, length {len}, element {i}");
+                    }
+                }
+                made.push(ring.shared_files_made().unwrap());
+            }
+            // A tagged result shorter than its file is as long as its call.
+            if ring.shares_results() {
+                for len in [6_007usize, 4_001] {
+                    let src = vec![1f32; len];
+                    let res =
+                        ring.allreduce_parts_shared_over::<f32, Plain>(&[&src], Op::Sum, 7)?;
+                    assert_eq!(res.len, len * 4);
+                    let got: &[f32] =
+                        bytemuck::cast_slice(&res.map[res.start..res.start + res.len]);
+                    assert!(got.iter().all(|&v| v == n as f32));
+                }
+            }
+            Ok(made)
+        });
+        for out in outs {
+            let made = out.unwrap();
+            // Files are made on the first step only (at most one per length that no kept file holds), and the
+            // later steps make none.
+            assert!(made[0] <= 4, "{made:?}");
+            assert_eq!((made[1], made[2]), (made[0], made[0]), "{made:?}");
+        }
+    }
+}
+
+#[test]
+fn an_atomic_reduction_on_a_flat_ring_leaves_the_data_as_it_was_when_it_fails() {
+    use ddlf_collective::Plain;
+    let ds = daemons(3, "atomic");
+    let len = 300_001usize;
+    let outs = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|rank| {
+                let mut sp = spec(&ds, 71, rank, 1);
+                sp.timeout = Duration::from_secs(2);
+                s.spawn(move || -> Result<CollectiveError, CollectiveError> {
+                    let mut ring = Ring::new(sp, Token::new("atomic"))?;
+                    // One reduction that succeeds, through the kept buffer.
+                    let mut data: Vec<f32> = (0..len).map(|i| (rank + i % 13) as f32).collect();
+                    ring.allreduce_atomic_over::<f32, Plain>(&mut data, Op::Sum)?;
+                    for (i, v) in data.iter().enumerate() {
+                        assert_eq!(*v, (3 * (i % 13) + 3) as f32, "element {i}");
+                    }
+                    // Rank 2 passes one element too many: the ranks find out only once data flows (each
+                    // checks its left neighbour's header), and rank 1 has summed rank 0's first chunk by then.
+                    let mine = if rank == 2 { len + 1 } else { len };
+                    let before: Vec<f32> = (0..mine).map(|i| (rank * 7 + i % 5) as f32).collect();
+                    let mut data = before.clone();
+                    let err = ring
+                        .allreduce_atomic_over::<f32, Plain>(&mut data, Op::Sum)
+                        .unwrap_err();
+                    assert_eq!(
+                        data, before,
+                        "rank {rank}: a failed atomic reduction changed the data"
+                    );
+                    Ok(err)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for (rank, out) in outs.into_iter().enumerate() {
+        let err = out.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(
+            matches!(err, CollectiveError::Ring { .. }),
+            "rank {rank}: {err}"
+        );
+    }
+}

@@ -483,24 +483,22 @@ fn reduce_into<T: Elem + crate::arrays::Elem, C: Codec<T>>(
 
 /// Reduce the arrays in place. A hierarchical rank (or a ring of one) writes them only after the last step that can
 /// fail, and takes a list as it takes one array: each goes into shared memory and the result back into it, with no
-/// buffer in between. A flat ring gathers several arrays into one buffer and scatters it back on success; one
-/// array it reduces where it lies, unless `atomic` asks for it to be unchanged after a failure (then through a
-/// copy, since a flat ring's passes write as they go).
+/// buffer in between. A flat ring gathers several arrays into the buffer it keeps and scatters it back on success;
+/// one array it reduces where it lies, unless `atomic` asks for it to be unchanged after a failure (then through
+/// that buffer too, since a flat ring's passes write as they go).
 fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut ddlf_collective::Ring,
     views: &[View],
     op: Op,
     atomic: bool,
 ) -> Result<(), CollectiveError> {
-    if !atomic || views.len() != 1 || ring.leaves_data_on_failure() {
-        let mut parts: Vec<&mut [T]> = views.iter().map(|v| v.slice_mut::<T>()).collect();
-        return ring.allreduce_parts_over::<T, C>(&mut parts, op);
+    if let [one] = views {
+        if atomic {
+            return ring.allreduce_atomic_over::<T, C>(one.slice_mut::<T>(), op);
+        }
     }
-    let one = &views[0];
-    let mut flat: Vec<T> = one.slice::<T>().to_vec();
-    ring.allreduce_over::<T, C>(&mut flat, op)?;
-    one.slice_mut::<T>().copy_from_slice(&flat);
-    Ok(())
+    let mut parts: Vec<&mut [T]> = views.iter().map(|v| v.slice_mut::<T>()).collect();
+    ring.allreduce_parts_over::<T, C>(&mut parts, op)
 }
 
 fn collective_error(py: Python<'_>, err: &CollectiveError) -> PyErr {

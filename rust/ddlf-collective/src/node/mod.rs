@@ -3,7 +3,8 @@
 //! memory. Loopback TCP carries nothing.
 //!
 //! A control file per node (a header page: the barrier words, each member's call shape, a failure flag and its
-//! reason) and a data file per call shape (a header page, one slot per member and a result region), both under
+//! reason) and data files for the calls (a header page, one slot per member and a result region; a file serves
+//! every call of its element size and tag whose length it holds, see [`Node::segment_for`]), both under
 //! `/dev/shm`, created by the leader and removed as soon as every member has mapped them (a crash leaves nothing
 //! behind). A call goes:
 //!
@@ -78,7 +79,7 @@ pub struct Node {
     liveness: Duration,
     /// Barriers, shapes and failures, for the node's life.
     control: Option<Segment>,
-    /// The data files of the last few call shapes (a training round reduces one or two: one per dtype).
+    /// The data files kept (oldest first; see [`Node::segment_for`]).
     segments: Vec<Segment>,
     /// Data files made so far (every member makes the same sequence, so the count names the next file).
     serial: u64,
@@ -88,7 +89,7 @@ pub struct Node {
     pub(crate) activity: u64,
 }
 
-/// Call shapes whose files a node keeps mapped.
+/// Data files a node keeps mapped.
 const KEEP_SEGMENTS: usize = 4;
 /// Tags ([`Io::Shared`]) travel in the top 24 bits of a member's published call shape.
 pub const MAX_TAG: u32 = 1 << 24;
@@ -134,6 +135,8 @@ pub struct SharedResult {
 /// out (times `scale`, if any).
 struct Ready {
     current: usize,
+    /// The call's elements (the segment may hold more: see [`Node::segment_for`]).
+    len: usize,
     scale: Option<f64>,
 }
 
@@ -193,6 +196,12 @@ impl Node {
     /// Whether this member runs the ring between hosts.
     pub fn is_leader(&self) -> bool {
         self.spec.index == 0
+    }
+
+    /// How many data files this member's host stage has made so far (each made file is a new mapping whose pages
+    /// are faulted in on first use: a diagnostic of how well calls reuse them).
+    pub fn files_made(&self) -> u64 {
+        self.serial
     }
 
     /// Whether this host holds every rank (no ring between hosts): then a result can stay in shared memory
@@ -337,7 +346,8 @@ impl Node {
             Io::InPlace(dst) | Io::Into(_, dst) => self.finish(ready, dst, &mode),
             Io::Shared(_, _, out) => {
                 // One host: the sums are scaled already (`ready.scale` is None), so the region is the result.
-                let (map, start, len) = self.segments[ready.current].shared_region(self.members());
+                let (map, start, len) =
+                    self.segments[ready.current].shared_region(self.members(), ready.len);
                 *out = Some(SharedResult { map, start, len });
             }
         });
@@ -448,23 +458,7 @@ impl Node {
                 ));
             }
         }
-        let current = match self
-            .segments
-            .iter()
-            .position(|s| s.len == len && s.elem == elem && s.tag == tag)
-        {
-            Some(i) => i,
-            None => {
-                self.serial += 1;
-                let mut seg = self.attach(&self.path(&self.serial.to_string()), len, elem)?;
-                seg.tag = tag;
-                if self.segments.len() == KEEP_SEGMENTS {
-                    self.segments.remove(0);
-                }
-                self.segments.push(seg);
-                self.segments.len() - 1
-            }
-        };
+        let current = self.segment_for(len, elem, tag)?;
         if let Mode::Gather(shard) = mode {
             return self.gather(current, parts, shard.clone(), inter);
         }
@@ -479,7 +473,7 @@ impl Node {
         let seg = &self.segments[current];
         // SAFETY: `region` checked that `len` elements of `T` at slot `j` lie inside the mapping, aligned. Slot `j`
         // is written by this member only, and read by others only after the barrier below.
-        let slot = unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(j), len) };
+        let slot = unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(j, len), len) };
         for (piece, at) in pieces(parts, 0..len) {
             for r in [
                 at.start..at.end.min(mine.start),
@@ -498,7 +492,7 @@ impl Node {
         // SAFETY: the result region holds `len` elements (checked by `region`); this member writes only its own
         // chunk of it (chunks of different members are disjoint), and nobody reads it before the next barrier.
         let out = unsafe {
-            std::slice::from_raw_parts_mut(seg.region::<T>(k).add(mine.start), mine.len())
+            std::slice::from_raw_parts_mut(seg.region::<T>(k, len).add(mine.start), mine.len())
         };
         for i in 0..k {
             let last = if single && i + 1 == k { by } else { None };
@@ -515,7 +509,7 @@ impl Node {
                 // SAFETY: slot `i` holds `len` elements, all written before the barrier passed and not written
                 // again before the next call's barriers, which this member has not reached.
                 let src = unsafe {
-                    std::slice::from_raw_parts(seg.region::<T>(i).add(mine.start), mine.len())
+                    std::slice::from_raw_parts(seg.region::<T>(i, len).add(mine.start), mine.len())
                 };
                 combine(out, src, i == 0, last);
             }
@@ -528,8 +522,36 @@ impl Node {
         // On one host the sums are scaled already.
         Ok(Ready {
             current,
+            len,
             scale: if single { None } else { by },
         })
+    }
+
+    /// The index of the data file for a call of `len` elements of `elem` bytes with `tag`: the smallest kept file
+    /// of that element size and tag whose regions hold at least `len` elements, or a new one of exactly `len`
+    /// (the oldest dropped once [`KEEP_SEGMENTS`] are kept). A file serves every shorter call too, so the buckets of
+    /// a model (lengths that differ, and often more of them than the files kept) reuse one file instead of making
+    /// and faulting in a new one per call. Every member makes the same calls in the same order, so all choose the
+    /// same file.
+    fn segment_for(&mut self, len: usize, elem: usize, tag: u32) -> Result<usize, CollectiveError> {
+        let fits = self
+            .segments
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.elem == elem && s.tag == tag && s.len >= len)
+            .min_by_key(|(_, s)| s.len)
+            .map(|(i, _)| i);
+        if let Some(i) = fits {
+            return Ok(i);
+        }
+        self.serial += 1;
+        let mut seg = self.attach(&self.path(&self.serial.to_string()), len, elem)?;
+        seg.tag = tag;
+        if self.segments.len() == KEEP_SEGMENTS {
+            self.segments.remove(0);
+        }
+        self.segments.push(seg);
+        Ok(self.segments.len() - 1)
     }
 
     /// Step 4, the result (or this member's shard of it) to every member: `dst` is written only now, after the
@@ -540,7 +562,7 @@ impl Node {
         // SAFETY: the last barrier passed (every chunk summed, the leader's ring done); the next call writes the
         // result region only after a barrier of its own, which every member reaches only after this copy. The
         // region holds `len` elements: `run` checked the call's shape, and `dst` holds as many as the sources.
-        let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(self.members()), len) };
+        let all = unsafe { std::slice::from_raw_parts(seg.region::<T>(self.members(), len), len) };
         if let Mode::Scatter(shard) = mode {
             if let [data] = dst {
                 combine(
@@ -572,8 +594,9 @@ impl Node {
             let seg = &self.segments[current];
             // SAFETY: every member finished its part of the region (the caller's barrier passed); until the next
             // barrier only the leader touches it, and `region` checked that `len` elements fit.
-            let all =
-                unsafe { std::slice::from_raw_parts_mut(seg.region::<T>(self.members()), len) };
+            let all = unsafe {
+                std::slice::from_raw_parts_mut(seg.region::<T>(self.members(), len), len)
+            };
             inter(all)?;
         }
         self.wait_all()
@@ -598,7 +621,7 @@ impl Node {
         // first barrier, so none still reads the region for an earlier call; each writes only its own shard
         // (the members' shards are disjoint), and nobody reads the region before the next barrier.
         let out = unsafe {
-            std::slice::from_raw_parts_mut(seg.region::<T>(k).add(shard.start), shard.len())
+            std::slice::from_raw_parts_mut(seg.region::<T>(k, len).add(shard.start), shard.len())
         };
         out.copy_from_slice(&data[shard]);
         self.wait_all()?;
@@ -606,6 +629,7 @@ impl Node {
         self.leaders(current, len, inter)?;
         Ok(Ready {
             current,
+            len,
             scale: None,
         })
     }

@@ -31,12 +31,13 @@ const REASON_AT: usize = 2048;
 pub const MAX_MEMBERS: usize = 64;
 const _: () = assert!((W_SHAPE + 2 * MAX_MEMBERS) * 8 <= REASON_AT);
 
-/// One call shape's shared-memory file, mapped.
+/// One shared-memory data file (or the control file), mapped.
 pub(super) struct Segment {
     /// Shared with the results handed out by [`Segment::shared_region`]: the mapping lives while any does.
     map: Arc<MmapMut>,
     path: PathBuf,
     members: usize,
+    /// Elements each region holds: the most a call using the file may have (shorter calls use its start).
     pub(super) len: usize,
     pub(super) elem: usize,
     /// The caller's tag for the calls that use this segment (0 unless a call asks for its own; see
@@ -61,9 +62,10 @@ impl Segment {
         unsafe { &*(p as *const AtomicU64) }
     }
 
-    /// Region `r` (a member's slot, or the result at `members`) as a raw pointer to `len` elements of `T`.
-    pub(super) fn region<T: Elem>(&self, r: usize) -> *mut T {
-        assert!(r <= self.members && std::mem::size_of::<T>() == self.elem);
+    /// Region `r` (a member's slot, or the result at `members`) as a raw pointer to `len` elements of `T` (at
+    /// most the file's [`Segment::len`]).
+    pub(super) fn region<T: Elem>(&self, r: usize, len: usize) -> *mut T {
+        assert!(r <= self.members && std::mem::size_of::<T>() == self.elem && len <= self.len);
         let stride = (self.len * self.elem).next_multiple_of(64);
         let start = HEADER + r * stride;
         assert!(start + self.len * self.elem <= self.map.len());
@@ -103,14 +105,14 @@ impl Segment {
         ))
     }
 
-    /// Region `r` as bytes of the mapping: the mapping itself (kept alive by the `Arc`), the region's first byte
-    /// and its length. The region starts on a cache line (64 bytes).
-    pub(super) fn shared_region(&self, r: usize) -> (Arc<MmapMut>, usize, usize) {
-        assert!(r <= self.members);
+    /// The first `len` elements of region `r` as bytes of the mapping: the mapping itself (kept alive by the
+    /// `Arc`), the region's first byte and the length in bytes. The region starts on a cache line (64 bytes).
+    pub(super) fn shared_region(&self, r: usize, len: usize) -> (Arc<MmapMut>, usize, usize) {
+        assert!(r <= self.members && len <= self.len);
         let stride = (self.len * self.elem).next_multiple_of(64);
         let start = HEADER + r * stride;
-        assert!(start + self.len * self.elem <= self.map.len());
-        (Arc::clone(&self.map), start, self.len * self.elem)
+        assert!(start + len * self.elem <= self.map.len());
+        (Arc::clone(&self.map), start, len * self.elem)
     }
 
     pub(super) fn unlink(&mut self) {
