@@ -47,6 +47,31 @@ def val_set():
     return xt[:1000], yt[:1000]
 
 
+class Epochs(ddlf.callbacks.Callback):
+    """Records (its own id, the epoch) in a list every copy shares: each trial must get its own copy."""
+
+    seen: list[tuple[int, int]] = []
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.seen.append((id(self), epoch))
+
+
+class KillOnFirstEpoch(ddlf.callbacks.Callback):
+    """Kills a daemon when the first epoch of any trial ends: the trials start together, so a slower one is
+    mid-trial then, however loaded the machine. Shared by every trial (no copies)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon, self.done = daemon, threading.Event()
+
+    def __deepcopy__(self, memo: dict) -> KillOnFirstEpoch:
+        return self
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            self.daemon.proc.send_signal(signal.SIGKILL)
+
+
 # Strong configs first: ASHA keeps whatever is best so far at a rung, so trials that arrive in improving order all
 # continue; weak ones arriving after strong ones are the ones it must stop (which is what the test checks).
 CONFIGS = [{"lr": lr, "width": w} for lr in (3e-3, 1e-3, 1e-5) for w in (32, 8)]
@@ -56,9 +81,14 @@ CONFIGS = [{"lr": lr, "width": w} for lr in (3e-3, 1e-3, 1e-5) for w in (32, 8)]
 def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, val_set, tmp_path: Path) -> None:
     result = ddlf.sweep(
         cluster, make_app, CONFIGS, epochs=4, grace_epochs=1, reduction_factor=2, validation_data=val_set,
-        batch_size=64, report=tmp_path / "sweep.html",
+        batch_size=64, report=tmp_path / "sweep.html", callbacks=[Epochs()],
     )  # fmt: skip
     statuses = [t.status for t in result.trials]
+    # fit's callbacks reach every trial, each trial its own copy, every epoch it trained.
+    per_copy: dict[int, int] = {}
+    for copy_id, _ in Epochs.seen:
+        per_copy[copy_id] = per_copy.get(copy_id, 0) + 1
+    assert sorted(per_copy.values()) == sorted(t.epochs for t in result.trials), Epochs.seen
     assert set(statuses) <= {"completed", "stopped"}, [(t.status, t.error) for t in result.trials]
     assert "stopped" in statuses and "completed" in statuses
     best = result.best
@@ -85,20 +115,20 @@ def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, v
 
 @pytest.mark.slow
 def test_a_lost_worker_requeues_only_its_trial(val_set, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Worker 2 trains slowly (50 ms a batch: the master's experiment hook), so it is mid-trial when it is killed.
+    # Worker 2 trains slowly (50 ms a batch: the master's experiment hook), so it is mid-trial (its first of three
+    # epochs, the others' trials ahead of it) when the first epoch of any trial ends and it is killed.
     monkeypatch.setenv(SLOW_WORKER_ENV, "2:0.05")
     daemons = [Daemon(), Daemon(), Daemon()]
     try:
         with ddlf.Cluster([d.address for d in daemons], token=daemons[0].token, heartbeat_timeout=3.0) as c:
-            killer = threading.Timer(4.0, lambda: daemons[2].proc.send_signal(signal.SIGKILL))
-            killer.start()
+            killer = KillOnFirstEpoch(daemons[2])
             t0 = time.monotonic()
             with pytest.warns(RuntimeWarning, match="lost"):
                 result = ddlf.sweep(
                     c, make_app, CONFIGS[2:], epochs=3, grace_epochs=3, validation_data=val_set,
-                    batch_size=64, run=ddlf.RunConfig(rejoin_timeout=1.0),
+                    batch_size=64, run=ddlf.RunConfig(rejoin_timeout=1.0), callbacks=[killer],
                 )  # fmt: skip
-            killer.cancel()
+            assert killer.done.is_set()
             assert time.monotonic() - t0 < 180
             assert [t.status for t in result.trials] == ["completed"] * 4, [(t.status, t.error) for t in result.trials]
             assert all(t.workers != [2] for t in result.trials)  # what ran on the dead worker ran again elsewhere
@@ -121,5 +151,12 @@ def test_bad_sweeps_are_refused(cluster: ddlf.Cluster) -> None:
         ddlf.sweep(cluster, make_app, [(1e-3, 8)], epochs=1)  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"\.html"):
         ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, metric="loss", mode="min", report="sweep.txt")
+
+    class Locked(ddlf.callbacks.Callback):
+        def __init__(self) -> None:
+            self.lock = threading.Lock()  # cannot be copied
+
+    with pytest.raises(TypeError, match="its own copy"):
+        ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, metric="loss", mode="min", callbacks=[Locked()])
     # Nothing was started: the workers serve as before.
     assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]

@@ -28,6 +28,7 @@ are all lost takes no more trials.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import queue
@@ -97,7 +98,11 @@ def sweep(
         strategy, data, run: each trial's options as in :meth:`IApp.train` (``run.workers`` is set per trial to
             its group).
         report: an ``.html`` path: the sweep's page (:meth:`SweepResult.write_report`) is written there at the end.
-        train_kwargs: ``fit``'s other arguments, passed to :meth:`IApp.train` as they are (``batch_size``, ...).
+        train_kwargs: ``fit``'s other arguments, passed to :meth:`IApp.train` (``batch_size``, ...).
+            ``callbacks``: each trial gets its own copy (``copy.deepcopy``), as each trial is its own ``fit``:
+            trials run at once, and one ``EarlyStopping`` must not see two trials' epochs (a callback meant to be
+            shared defines ``__deepcopy__`` returning itself). ``verbose`` is 0 unless given (the trials'
+            progress bars would interleave).
     """
     if not configs:
         raise ValueError("configs is empty: give at least one")
@@ -116,6 +121,15 @@ def sweep(
         from ..report.training import check_report_path
 
         check_report_path(report)
+    callbacks = list(train_kwargs.pop("callbacks", None) or [])
+    verbose = train_kwargs.pop("verbose", 0)
+    try:
+        copy.deepcopy(callbacks)
+    except Exception as exc:
+        raise TypeError(
+            f"callbacks: each trial gets its own copy (copy.deepcopy), and these cannot be copied ({exc}); a "
+            "callback meant to be shared by every trial defines __deepcopy__ returning itself"
+        ) from exc
     # A trial whose workers are all lost gives up after this long and is queued again elsewhere.
     run = run if run is not None else RunConfig(rejoin_timeout=5.0)
     groups = [live[i : i + workers_per_trial] for i in range(0, len(live) - workers_per_trial + 1, workers_per_trial)]
@@ -154,8 +168,8 @@ def sweep(
                     data=data,
                     run=dataclasses.replace(run, workers=tuple(group)),
                     validation_data=validation_data,
-                    callbacks=[_Report(trial, asha, metric, mode)],
-                    verbose=0,
+                    callbacks=[_Report(trial, asha, metric, mode), *copy.deepcopy(callbacks)],
+                    verbose=verbose,
                     **train_kwargs,
                 )
                 if trial.status == "running":
