@@ -100,7 +100,9 @@ def test_workers_hosted_in_a_barrier_stage_train_beside_their_partitions(spark) 
             return model()
 
     before = set(glob.glob("/dev/shm/ddlf-spark-*"))
-    with ddlf.spark.hosted(df, "features", "label", num_workers=2) as c:
+    # token= is a Cluster argument like the others: the stage's workers take it instead of one made for them (the
+    # master authenticates with it, so connecting at all shows they did).
+    with ddlf.spark.hosted(df, "features", "label", num_workers=2, token="chosen-by-the-user") as c:
         assert len(c) == 2
         h = FromSpark(c).train(epochs=3, batch_size=32, verbose=0)
         shapes = c.run(lambda: [a.shape for a in ddlf.spark.partition()])

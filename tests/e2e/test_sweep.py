@@ -48,12 +48,12 @@ def val_set():
 
 
 class Epochs(ddlf.callbacks.Callback):
-    """Records (its own id, the epoch) in a list every copy shares: each trial must get its own copy."""
+    """Records (itself, the epoch) in a list every copy shares: each trial must get its own copy."""
 
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[Epochs, int]] = []
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.seen.append((id(self), epoch))
+        self.seen.append((self, epoch))  # the copy itself, kept alive: ids of freed copies could be reused
 
 
 class KillOnFirstEpoch(ddlf.callbacks.Callback):
@@ -79,6 +79,7 @@ CONFIGS = [{"lr": lr, "width": w} for lr in (3e-3, 1e-3, 1e-5) for w in (32, 8)]
 
 @pytest.mark.slow
 def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, val_set, tmp_path: Path) -> None:
+    Epochs.seen.clear()
     result = ddlf.sweep(
         cluster, make_app, CONFIGS, epochs=4, grace_epochs=1, reduction_factor=2, validation_data=val_set,
         batch_size=64, report=tmp_path / "sweep.html", callbacks=[Epochs()],
@@ -86,8 +87,8 @@ def test_a_sweep_stops_weak_trials_and_finds_a_good_one(cluster: ddlf.Cluster, v
     statuses = [t.status for t in result.trials]
     # fit's callbacks reach every trial, each trial its own copy, every epoch it trained.
     per_copy: dict[int, int] = {}
-    for copy_id, _ in Epochs.seen:
-        per_copy[copy_id] = per_copy.get(copy_id, 0) + 1
+    for cb, _ in Epochs.seen:
+        per_copy[id(cb)] = per_copy.get(id(cb), 0) + 1
     assert sorted(per_copy.values()) == sorted(t.epochs for t in result.trials), Epochs.seen
     assert set(statuses) <= {"completed", "stopped"}, [(t.status, t.error) for t in result.trials]
     assert "stopped" in statuses and "completed" in statuses
@@ -138,7 +139,19 @@ def test_a_lost_worker_requeues_only_its_trial(val_set, monkeypatch: pytest.Monk
             d.stop()
 
 
-def test_bad_sweeps_are_refused(cluster: ddlf.Cluster) -> None:
+def test_fits_validation_split_and_validation_freq_reach_the_trials(cluster: ddlf.Cluster) -> None:
+    result = ddlf.sweep(
+        cluster, make_app, CONFIGS[:2], epochs=3, grace_epochs=1, validation_split=0.2, validation_freq=[1, 3],
+        batch_size=64,
+    )  # fmt: skip
+    for t in result.trials:
+        assert t.status in ("completed", "stopped"), (t.status, t.error)
+        assert t.metric is not None and t.epochs >= 1
+        validated = [e for e in (1, 3) if e <= t.epochs]  # the epochs, counted from 1, that validation_freq names
+        assert len(t.history.history["val_accuracy"]) == len(validated), t.history.history
+
+
+def test_bad_sweeps_are_refused(cluster: ddlf.Cluster, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="configs is empty"):
         ddlf.sweep(cluster, make_app, [], epochs=1)
     with pytest.raises(ValueError, match="workers_per_trial"):
@@ -158,5 +171,15 @@ def test_bad_sweeps_are_refused(cluster: ddlf.Cluster) -> None:
 
     with pytest.raises(TypeError, match="its own copy"):
         ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, metric="loss", mode="min", callbacks=[Locked()])
+    import keras
+
+    for writer in (keras.callbacks.BackupAndRestore(str(tmp_path)), ddlf.callbacks.ModelCheckpoint(str(tmp_path))):
+        with pytest.raises(ValueError, match="write over each other"):
+            ddlf.sweep(cluster, make_app, CONFIGS, epochs=1, metric="loss", mode="min", callbacks=[writer])
+    # The rungs here are epochs 1, 2 and 4: validating every 2nd epoch would leave the first without the metric.
+    with pytest.raises(ValueError, match=r"rungs at epochs \[1\]"):
+        ddlf.sweep(
+            cluster, make_app, CONFIGS, epochs=8, reduction_factor=2, validation_data=([0], [0]), validation_freq=2
+        )
     # Nothing was started: the workers serve as before.
     assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]

@@ -42,10 +42,11 @@ def main(out: str) -> None:
     ckpt = os.environ.get("CKPT")
     run = ddlf.RunConfig(checkpoint_dir=ckpt, resume=True, seed=7) if ckpt else ddlf.RunConfig(seed=7)
     record: dict[str, object] = {"job": os.environ["SLURM_JOB_ID"], "restart": os.environ.get("SLURM_RESTART_COUNT")}
-    with ddlf.Cluster.from_slurm(per="task") as cluster:
+    with ddlf.Cluster.from_slurm(per="task", token=os.environ.get("TOKEN")) as cluster:
         info = cluster.worker_info()
         record["workers"] = [(i["hostname"], i["name"]) for i in info]
         record["addresses"] = cluster.addresses
+        record["token"] = cluster.token
         app = SlurmMnist(cluster)
         if os.environ.get("BEFORE_TRAIN") and record["restart"] in (None, "0"):
             open(out + ".started", "w").close()

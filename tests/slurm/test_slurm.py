@@ -73,9 +73,11 @@ def _finish(cluster: slurm.SlurmCluster, job: int, tmp: Path, name: str, timeout
 
 
 def test_sbatch_trains_across_three_nodes_with_from_slurm(slurm_cluster: slurm.SlurmCluster, tmp_path: Path) -> None:
-    job, out = _submit(slurm_cluster, tmp_path, "three", ["--nodes=3", "--ntasks-per-node=1"])
+    # token= is a Cluster argument like the others: the job's workers take it (instead of one made for the job).
+    job, out = _submit(slurm_cluster, tmp_path, "three", ["--nodes=3", "--ntasks-per-node=1"], TOKEN="users-own")
     _finish(slurm_cluster, job, tmp_path, "three")
     [record] = _records(out)
+    assert record["token"] == "users-own"
     assert record["status"] == "done" and record["epochs"] == 2 and record["samples"] == 2 * ROWS
     assert [h for h, _ in record["workers"]] == ["node0", "node1", "node2"]  # one worker per node, rank order
     assert [a.rsplit(":", 1)[0] for a in record["addresses"]] == ["10.77.0.11", "10.77.0.12", "10.77.0.13"]

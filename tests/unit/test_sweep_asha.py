@@ -58,3 +58,36 @@ def test_the_best_trial_and_the_table() -> None:
         "seconds": 0.0,
         "workers": [],
     }
+
+
+def test_each_trial_gets_its_own_callbacks_without_what_an_earlier_run_left_on_them() -> None:
+    import sys
+
+    from ddlf.callbacks import Callback, EarlyStopping
+    from ddlf.tune.sweep import _own_copies
+
+    class Heavy:
+        copies = 0
+
+        def __deepcopy__(self, memo: dict) -> Heavy:
+            Heavy.copies += 1
+            return Heavy()
+
+    stop = EarlyStopping(patience=2)
+    stop.app, stop.model, stop.history = Heavy(), Heavy(), Heavy()  # as an earlier train() leaves them
+    shared = Callback()
+    shared.stream = sys.stdout  # type: ignore[attr-defined]
+    a, b = _own_copies([stop, shared]), _own_copies([stop, shared])
+    assert a[0] is not b[0] and a[0] is not stop and a[0].patience == 2
+    assert (a[0].app, a[0].model, a[0].history) == (None, None, None) and Heavy.copies == 0
+    assert a[1].stream is sys.stdout
+    assert (stop.app, stop.model) != (None, None)  # the originals keep theirs
+
+
+def test_validation_freq_as_fit_reads_it() -> None:
+    from ddlf.tune.sweep import _validated
+
+    every_third = _validated(3)
+    assert [e for e in range(9) if every_third(e)] == [2, 5, 8]  # epochs counted from 0: after the 3rd, 6th, 9th
+    listed = _validated([1, 4])
+    assert [e for e in range(6) if listed(e)] == [0, 3]

@@ -208,8 +208,8 @@ class Cluster(Collectives):
         token made for this job, passed in ``srun``'s environment) to this process (:mod:`ddlf.cluster.slurm`).
         ``per="gpu"``: one worker per GPU of each node (``--gpus-per-task=1``). ``python``: the workers'
         interpreter (default this one). Worker logs go to ``run_dir`` (default ``DDLF_RUN_DIR``, else
-        ``./ddlf-<job id>``), one file per worker. Other keyword arguments go to :class:`Cluster`. Outside an
-        allocation: :class:`~ddlf.errors.LaunchError`.
+        ``./ddlf-<job id>``), one file per worker. ``token``: the workers' token (default: one made for this job).
+        Other keyword arguments go to :class:`Cluster`. Outside an allocation: :class:`~ddlf.errors.LaunchError`.
 
         From here on, Slurm's advance warning (SIGUSR1, ``#SBATCH --signal=B:USR1@N``) no longer ends the script
         where it arrives outside ``train()``: it is kept, and the next ``train()`` with a ``checkpoint_dir``
@@ -219,7 +219,12 @@ class Cluster(Collectives):
         if os.environ.get("SLURM_JOB_ID"):
             hold_signals()  # before the workers start: that takes seconds too
         workers = SlurmWorkers(
-            per=per, python=python, start_timeout=start_timeout, worker_args=worker_args, run_dir=run_dir
+            per=per,
+            python=python,
+            start_timeout=start_timeout,
+            worker_args=worker_args,
+            run_dir=run_dir,
+            token=kwargs.pop("token", None),
         )
         try:
             return cls(workers.addresses, workers.token, _local=workers, **kwargs)

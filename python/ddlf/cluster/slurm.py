@@ -170,13 +170,14 @@ class SlurmWorkers:
         start_timeout: float = 120.0,
         worker_args: Sequence[str] = (),
         run_dir: str | os.PathLike[str] | None = None,
+        token: str | None = None,
     ) -> None:
         self.alloc = alloc or SlurmAllocation.from_environ()
         if shutil.which("srun") is None:
             raise LaunchError("srun is not on PATH: Cluster.from_slurm runs inside a Slurm allocation")
         self.run_dir = Path(run_dir or os.environ.get("DDLF_RUN_DIR") or f"ddlf-{self.alloc.job_id}").resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.token = secrets.token_urlsafe(24)
+        self.token = token or secrets.token_urlsafe(24)
         self.process: subprocess.Popen[bytes] | None = None
         self.workers: list[Enlisted] = []
         cmd = srun_command(self.alloc, per=per, python=python, log_dir=self.run_dir, worker_args=worker_args)

@@ -169,7 +169,8 @@ def hosted(
     (numeric columns, arrays of one length or Spark ML vectors; stacked like :func:`ddlf.datasets.parquet`, cast
     to ``dtype``) and ``label`` to shared memory and starts a ddlf worker beside it. Train a :class:`SparkApp`
     on the cluster; leaving the ``with`` block stops the workers and ends the stage. ``cluster_kwargs`` go to
-    :class:`~ddlf.Cluster` (timeouts, heartbeats). Worker ``i`` holds partition ``i``.
+    :class:`~ddlf.Cluster` (timeouts, heartbeats; ``token``, default one made for this stage, is the workers' too).
+    Worker ``i`` holds partition ``i``.
     """
     from pyspark.sql.types import LongType, StructField, StructType
 
@@ -180,7 +181,7 @@ def hosted(
     df = _vectors_to_arrays(df.select(*features, *([label] if label else [])))
     if df.rdd.getNumPartitions() != n:
         df = df.repartition(n)
-    token = secrets.token_urlsafe(24)
+    token = cluster_kwargs.pop("token", None) or secrets.token_urlsafe(24)
     spark_conf = df.sparkSession.sparkContext.getConf()
     driver_host = spark_conf.get("spark.driver.host", "127.0.0.1")
     server = socket.create_server(("", 0))

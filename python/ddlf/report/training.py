@@ -1,5 +1,5 @@
 """The training report: one self-contained HTML file (inline SVG and CSS, no script, nothing fetched), written by
-``app.train(..., report="run.html")`` or :func:`write_report`.
+``app.train(..., run=ddlf.RunConfig(report="run.html"))`` or :func:`write_report`.
 
 It answers "why is training slow?" at a glance: the loss and metric curves, a per-worker timeline of every
 round split into sending the weights, computing, moving request and reply, and waiting for the slowest worker,

@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,11 +48,17 @@ from .result import SweepResult, Trial
 class _Report(Callback):
     """Reports a trial's metric to ASHA after each epoch and stops the trial where ASHA says so."""
 
-    def __init__(self, trial: Trial, asha: _Asha, metric: str, mode: str) -> None:
+    def __init__(
+        self, trial: Trial, asha: _Asha, metric: str, mode: str, validated: Callable[[int], bool] | None = None
+    ) -> None:
         self.trial, self.asha, self.metric, self.mode = trial, asha, metric, mode
+        self.validated = validated
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         logs = logs or {}
+        if self.metric not in logs and self.validated is not None and not self.validated(epoch):
+            self.trial.epochs = epoch + 1  # validation_freq skipped this epoch (never a rung: checked up front)
+            return
         if self.metric not in logs:
             raise KeyError(f"the sweep's metric {self.metric!r} is not in the epoch's logs {sorted(logs)}")
         value = float(logs[self.metric])
@@ -101,8 +108,10 @@ def sweep(
         train_kwargs: ``fit``'s other arguments, passed to :meth:`IApp.train` (``batch_size``, ...).
             ``callbacks``: each trial gets its own copy (``copy.deepcopy``), as each trial is its own ``fit``:
             trials run at once, and one ``EarlyStopping`` must not see two trials' epochs (a callback meant to be
-            shared defines ``__deepcopy__`` returning itself). ``verbose`` is 0 unless given (the trials'
-            progress bars would interleave).
+            shared defines ``__deepcopy__`` returning itself). Callbacks that write to a path (checkpoints,
+            backups, CSV and TensorBoard logs) are refused: the trials would write over each other. ``verbose``
+            is 0 unless given (the trials' progress bars would interleave). ``validation_freq`` must validate at
+            every rung when ``metric`` is a validation metric.
     """
     if not configs:
         raise ValueError("configs is empty: give at least one")
@@ -115,21 +124,15 @@ def sweep(
     live = cluster.live_workers
     if workers_per_trial < 1 or workers_per_trial > len(live):
         raise ValueError(f"workers_per_trial must be from 1 to {len(live)} (the live workers)")
-    if metric.startswith("val_") and validation_data is None:
-        raise ValueError(f"metric {metric!r} is a validation metric: pass validation_data=(x, y)")
+    if metric.startswith("val_") and validation_data is None and not train_kwargs.get("validation_split"):
+        raise ValueError(f"metric {metric!r} is a validation metric: pass validation_data=(x, y) or validation_split")
     if report is not None:
         from ..report.training import check_report_path
 
         check_report_path(report)
     callbacks = list(train_kwargs.pop("callbacks", None) or [])
     verbose = train_kwargs.pop("verbose", 0)
-    try:
-        copy.deepcopy(callbacks)
-    except Exception as exc:
-        raise TypeError(
-            f"callbacks: each trial gets its own copy (copy.deepcopy), and these cannot be copied ({exc}); a "
-            "callback meant to be shared by every trial defines __deepcopy__ returning itself"
-        ) from exc
+    _check_callbacks(callbacks)
     # A trial whose workers are all lost gives up after this long and is queued again elsewhere.
     run = run if run is not None else RunConfig(rejoin_timeout=5.0)
     groups = [live[i : i + workers_per_trial] for i in range(0, len(live) - workers_per_trial + 1, workers_per_trial)]
@@ -138,6 +141,15 @@ def sweep(
     for t in trials:
         todo.put(t)
     asha = _Asha(epochs, grace_epochs, reduction_factor, mode)
+    validated = None
+    if metric.startswith("val_") and train_kwargs.get("validation_freq", 1) != 1:
+        validated = _validated(train_kwargs["validation_freq"])
+        skipped = [r for r in asha.rungs if not validated(r - 1)]
+        if skipped:
+            raise ValueError(
+                f"validation_freq={train_kwargs['validation_freq']!r} leaves the rungs at epochs {skipped} without "
+                f"{metric!r}, which ASHA judges trials by there (rungs: {asha.rungs}); validate at every rung"
+            )
     t0 = time.perf_counter()
     done = threading.Event()
     lock = threading.Lock()
@@ -168,7 +180,7 @@ def sweep(
                     data=data,
                     run=dataclasses.replace(run, workers=tuple(group)),
                     validation_data=validation_data,
-                    callbacks=[_Report(trial, asha, metric, mode), *copy.deepcopy(callbacks)],
+                    callbacks=[_Report(trial, asha, metric, mode, validated), *_own_copies(callbacks)],
                     verbose=verbose,
                     **train_kwargs,
                 )
@@ -206,3 +218,46 @@ def sweep(
     if report is not None:
         result.write_report(report)
     return result
+
+
+# Callbacks that write to a path of their own: the trials, running at once, would write one place.
+_PATH_CALLBACKS = ("BackupAndRestore", "ModelCheckpoint", "CSVLogger", "TensorBoard")
+
+
+def _check_callbacks(callbacks: list[Any]) -> None:
+    """Refuse, before any trial starts, callbacks that trials running at once cannot each have a copy of."""
+    for cb in callbacks:
+        name = type(cb).__name__
+        if name in _PATH_CALLBACKS and type(cb).__module__.split(".")[0] in ("keras", "ddlf"):
+            raise ValueError(
+                f"callbacks: a {name} writes to one path, and a sweep's trials run at once: they would write "
+                "over each other (and BackupAndRestore would resume one trial from another's state). Keep "
+                "each trial's results through SweepResult (result.trials[i].history) or its report="
+            )
+    try:
+        _own_copies(callbacks)
+    except Exception as exc:
+        raise TypeError(
+            f"callbacks: each trial gets its own copy (copy.deepcopy), and these cannot be copied ({exc}); a "
+            "callback meant to be shared by every trial defines __deepcopy__ returning itself"
+        ) from exc
+
+
+def _own_copies(callbacks: list[Any]) -> list[Any]:
+    """A trial's own copies of ``callbacks``: what a callback took from an earlier run (its app, model and
+    history) is not copied but left out, and the standard streams are shared."""
+    memo: dict[int, Any] = {id(s): s for s in (sys.stdout, sys.stderr)}
+    for cb in callbacks:
+        for attr in ("app", "model", "history", "_model"):
+            held = vars(cb).get(attr) if hasattr(cb, "__dict__") else None
+            if held is not None:
+                memo[id(held)] = None
+    return copy.deepcopy(callbacks, memo)
+
+
+def _validated(freq: Any) -> Callable[[int], bool]:
+    """Whether ``fit``'s ``validation_freq`` validates after epoch ``e`` (counted from 0)."""
+    if isinstance(freq, (list, tuple, set, frozenset, range)):
+        epochs = set(freq)
+        return lambda e: e + 1 in epochs
+    return lambda e: (e + 1) % int(freq) == 0

@@ -160,8 +160,10 @@ pub struct Ring {
     node: Option<node::Node>,
     /// The call in progress ([`activity`]; 0 between calls).
     activity: u64,
-    /// A flat ring's buffer for a list of parts, kept between calls (a fresh one each call would fault in its
-    /// pages every time: a model's gradients every step).
+    /// A flat ring's buffer for a list of parts (and for an atomic call's one array), kept between calls (a fresh
+    /// one each call would fault in its pages every time: a model's gradients every step). It is as large as the
+    /// largest such call so far, for the ring's life (a worker keeps its few latest rings open:
+    /// `ddlf.worker.collective`).
     scratch: Vec<u64>,
 }
 

@@ -851,14 +851,15 @@ fn calls_of_many_lengths_reuse_the_hosts_files_instead_of_making_one_per_call() 
             }
             // A tagged result shorter than its file is as long as its call.
             if ring.shares_results() {
-                for len in [6_007usize, 4_001] {
-                    let src = vec![1f32; len];
+                // (Each call its own values: the second, shorter one must not read the first's.)
+                for (len, value) in [(6_007usize, 1f32), (4_001, 2.0)] {
+                    let src = vec![value; len];
                     let res =
                         ring.allreduce_parts_shared_over::<f32, Plain>(&[&src], Op::Sum, 7)?;
                     assert_eq!(res.len, len * 4);
                     let got: &[f32] =
                         bytemuck::cast_slice(&res.map[res.start..res.start + res.len]);
-                    assert!(got.iter().all(|&v| v == n as f32));
+                    assert!(got.iter().all(|&v| v == n as f32 * value));
                 }
             }
             Ok(made)
