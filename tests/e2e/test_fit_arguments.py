@@ -178,6 +178,11 @@ def test_named_inputs_and_outputs_train_and_validate_on_the_workers(cluster: ddl
         assert everything[key] == pytest.approx(value, rel=1e-4), key
     predicted = app.predict()
     assert sorted(predicted) == ["label", "score"]
+    # Keras arguments these whole-dataset passes do not take are refused, not dropped.
+    with pytest.raises(ValueError, match="takes no steps"):
+        app.evaluate(steps=2)
+    with pytest.raises(ValueError, match="takes no steps"):
+        app.predict(steps=2)
     np.testing.assert_allclose(predicted["label"], app.model.predict(x, verbose=0)["label"], rtol=1e-5, atol=1e-6)
 
 

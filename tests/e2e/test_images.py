@@ -69,6 +69,9 @@ def test_workers_train_from_an_image_folder_decoded_in_rust(tmp_path) -> None:
         assert h.history["val_accuracy"][-1] > 0.9, h.history
         _, acc = app.evaluate(x_val, y_val, batch_size=64)
         assert acc > 0.9
+        # Keras's steps: at most that many batches (the pass decodes batch by batch and names its own steps).
+        _, first_two = app.evaluate(x_val, y_val, batch_size=64, steps=2)
+        assert first_two == app.evaluate(x_val[:128], y_val[:128], batch_size=64)[1]
         assert c.run(lambda: 1) == [1, 1]
 
 

@@ -77,6 +77,8 @@ def test_train_on_batch_evaluate_and_optimizer_state(tmp_path) -> None:
     assert logs["loss"] < first["loss"]  # the running mean falls as it fits the batch
     loss, acc = m.evaluate(x, y, batch_size=16)
     assert acc > 0.5 and loss < first["loss"]
+    with pytest.raises(ValueError, match="no sample weights"):  # not silently unweighted
+        m.evaluate(x, y, sample_weight=np.ones(64))
     assert m.predict(x).shape == (64, 10)
     state = m.get_optimizer_state()
     assert m.optimizer_built and len(state) == 3 * 4  # Adam: exp_avg, exp_avg_sq, step for each of 4 tensors

@@ -407,9 +407,22 @@ class TorchModel:
         return self._logs(self._sums, self._seen, return_dict)
 
     def evaluate(
-        self, x: Any, y: Any, batch_size: int = 32, verbose: int = 0, return_dict: bool = False, **_: Any
+        self,
+        x: Any,
+        y: Any,
+        batch_size: int = 32,
+        verbose: int = 0,
+        return_dict: bool = False,
+        sample_weight: Any = None,
+        **_: Any,
     ) -> Any:
-        """Mean loss (and metrics) over ``x, y``, in evaluation mode without gradients."""
+        """Mean loss (and metrics) over ``x, y``, in evaluation mode without gradients. No ``sample_weight`` (as in
+        training: weigh the rows in the loss function instead)."""
+        if sample_weight is not None:
+            raise ValueError(
+                "a ddlf.models.TorchModel takes no sample weights (evaluate's sample_weight, validation_data's "
+                "third item): weigh the rows in its loss function instead"
+            )
         self.module.eval()
         sums: dict[str, float] = {}
         seen = 0

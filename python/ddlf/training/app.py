@@ -237,8 +237,11 @@ class IApp:
         over all the rows (metric states added up across the workers). Returns the loss, or a list of loss and
         metrics, or with ``return_dict`` a dict, as Keras does."""
         if x is None:
-            if y is not None or sample_weight is not None:
-                raise ValueError("evaluate() without x evaluates the workers' dataset: give no y or sample_weight")
+            if y is not None or sample_weight is not None or kwargs:
+                given = ", ".join(["y"] * (y is not None) + ["sample_weight"] * (sample_weight is not None) + [*kwargs])
+                raise ValueError(
+                    f"evaluate() without x evaluates every row of the workers' dataset: it takes no {given}"
+                )
             logs = self._on_workers("evaluate", batch_size)
             if return_dict:
                 return logs
@@ -249,6 +252,9 @@ class IApp:
                 raise ValueError("evaluate() on EncodedImages takes no sample_weight")
             batches = datasets.batches([x, y], batch_size=batch_size, preprocess=self.preprocess)
             steps = -(-len(x) // batch_size)
+            if kwargs.get("steps") is not None:  # Keras's: at most this many batches
+                steps = min(steps, int(kwargs.pop("steps")))
+            kwargs.pop("steps", None)
             return self.model.evaluate(batches, steps=steps, verbose=verbose, return_dict=return_dict, **kwargs)
         x, y = self.preprocess(x, y)
         if sample_weight is not None:
@@ -259,6 +265,9 @@ class IApp:
         """The master's model's predictions, as Keras' ``model.predict``: for ``x`` (after :meth:`preprocess`,
         on the master, batch by batch), or without ``x`` for every row of the workers' dataset, computed on the
         workers with the master's weights and returned in row order (a sharded app: shard after shard)."""
+        if (x is None or isinstance(x, EncodedImages)) and kwargs:
+            where = "every row of the workers' dataset" if x is None else "EncodedImages batch by batch"
+            raise ValueError(f"predict() of {where} takes no {', '.join(kwargs)}")
         if x is None:
             return self._on_workers("predict", batch_size)
         if isinstance(x, EncodedImages):
