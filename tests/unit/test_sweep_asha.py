@@ -85,9 +85,7 @@ def test_each_trial_gets_its_own_callbacks_without_what_an_earlier_run_left_on_t
 
 
 def test_validation_freq_as_fit_reads_it() -> None:
-    from ddlf.tune.sweep import _validated
+    from ddlf.training.options import validates
 
-    every_third = _validated(3)
-    assert [e for e in range(9) if every_third(e)] == [2, 5, 8]  # epochs counted from 0: after the 3rd, 6th, 9th
-    listed = _validated([1, 4])
-    assert [e for e in range(6) if listed(e)] == [0, 3]
+    assert [e for e in range(9) if validates(3, e)] == [2, 5, 8]  # epochs counted from 0: after the 3rd, 6th, 9th
+    assert [e for e in range(6) if validates({1, 4}, e)] == [0, 3]

@@ -252,9 +252,9 @@ class IApp:
                 raise ValueError("evaluate() on EncodedImages takes no sample_weight")
             batches = datasets.batches([x, y], batch_size=batch_size, preprocess=self.preprocess)
             steps = -(-len(x) // batch_size)
-            if kwargs.get("steps") is not None:  # Keras's: at most this many batches
-                steps = min(steps, int(kwargs.pop("steps")))
-            kwargs.pop("steps", None)
+            cap = kwargs.pop("steps", None)  # Keras's: at most this many batches
+            if cap is not None:
+                steps = min(steps, int(cap))
             return self.model.evaluate(batches, steps=steps, verbose=verbose, return_dict=return_dict, **kwargs)
         x, y = self.preprocess(x, y)
         if sample_weight is not None:

@@ -32,6 +32,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -396,6 +397,15 @@ class RunConfig:
 
 # -- the whole request ----------------------------------------------------------------------------------------
 
+
+def validates(freq: int | Collection[int], epoch: int) -> bool:
+    """Whether ``fit``'s ``validation_freq`` (every ``freq`` epochs, or the epochs listed, counted from 1) runs
+    validation after epoch ``epoch`` (counted from 0)."""
+    if isinstance(freq, int):
+        return (epoch + 1) % freq == 0
+    return epoch + 1 in freq
+
+
 SLOW_WORKER_ENV = "DDLF_SLOW_WORKER"
 """``WORKER:SECONDS``: that worker sleeps this long per batch, in every run this master starts (for experiments
 with stragglers: the slow-worker benchmark and tests)."""
@@ -467,10 +477,7 @@ class TrainConfig:
 
     def validates(self, epoch: int) -> bool:
         """Whether validation runs after epoch ``epoch`` (counted from 0), as ``validation_freq`` says."""
-        freq = self.validation_freq
-        if isinstance(freq, tuple):
-            return epoch + 1 in freq
-        return (epoch + 1) % freq == 0
+        return validates(self.validation_freq, epoch)
 
     # -- resolved values the loops read ------------------------------------------------------------------------
 

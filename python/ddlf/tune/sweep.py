@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import queue
 import sys
@@ -40,7 +41,7 @@ from typing import Any, Literal
 
 from ..errors import WorkerUnavailable
 from ..training.callbacks import Callback
-from ..training.options import DataConfig, RunConfig, Strategy
+from ..training.options import DataConfig, RunConfig, Strategy, validates
 from .asha import _Asha
 from .result import SweepResult, Trial
 
@@ -143,7 +144,8 @@ def sweep(
     asha = _Asha(epochs, grace_epochs, reduction_factor, mode)
     validated = None
     if metric.startswith("val_") and train_kwargs.get("validation_freq", 1) != 1:
-        validated = _validated(train_kwargs["validation_freq"])
+        freq = train_kwargs["validation_freq"]
+        validated = functools.partial(validates, set(freq) if not isinstance(freq, int) else freq)
         skipped = [r for r in asha.rungs if not validated(r - 1)]
         if skipped:
             raise ValueError(
@@ -253,11 +255,3 @@ def _own_copies(callbacks: list[Any]) -> list[Any]:
             if held is not None:
                 memo[id(held)] = None
     return copy.deepcopy(callbacks, memo)
-
-
-def _validated(freq: Any) -> Callable[[int], bool]:
-    """Whether ``fit``'s ``validation_freq`` validates after epoch ``e`` (counted from 0)."""
-    if isinstance(freq, (list, tuple, set, frozenset, range)):
-        epochs = set(freq)
-        return lambda e: e + 1 in epochs
-    return lambda e: (e + 1) % int(freq) == 0

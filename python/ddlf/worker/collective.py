@@ -14,7 +14,9 @@ own worker functions, users reduce with :func:`reduce_arrays` and the spec of ``
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,18 @@ def forget(group: str) -> None:
     _RINGS.pop(group, None)
 
 
+@contextlib.contextmanager
+def _retired_on_failure(spec: RingSpec) -> Iterator[Any]:
+    """This worker's ring for ``spec``; a call on it that fails closes it (a failed ring is spent, or out of step
+    with its neighbours: the master retires it)."""
+    r = ring(spec)
+    try:
+        yield r
+    except BaseException:
+        forget(spec.group)
+        raise
+
+
 def reduce_arrays(arrays: list[np.ndarray], spec: RingSpec, op: str = "mean", wire: str | None = None) -> None:
     """All-reduce ``arrays`` in place with the ring's other members: float32 and float64 arrays (one ring pass
     per dtype, each at its own precision). Arrays that are not C-contiguous and writable are replaced in the list
@@ -67,14 +81,10 @@ def reduce_arrays(arrays: list[np.ndarray], spec: RingSpec, op: str = "mean", wi
     groups = [g for g in groups if g]
     # Several passes: reduce copies and write them back only once every pass succeeded (all or nothing).
     work = arrays if len(groups) <= 1 else [a.copy() for a in arrays]
-    r = ring(spec)
-    try:
+    with _retired_on_failure(spec) as r:
         for g in groups or [[]]:
             half = wire if g and work[g[0]].dtype == np.float32 else None
-            r.allreduce_([work[i].reshape(-1) for i in g], op, wire=half)  # flat views: 0-d arrays have no shape
-    except BaseException:
-        forget(spec.group)
-        raise
+            r.allreduce_(_flat([work[i] for i in g]), op, wire=half)
     if work is not arrays:
         for a, w in zip(arrays, work):
             a[...] = w
@@ -84,12 +94,8 @@ def reduce_scratch(flat: np.ndarray, spec: RingSpec, op: str = "sum", wire: str 
     """All-reduce one contiguous float32 or float64 buffer where it lies, with no copy; its contents are
     undefined after a failure (for buffers made for the reduction, as training's). ``wire``: as in
     :func:`reduce_arrays` (float32 only)."""
-    r = ring(spec)
-    try:
+    with _retired_on_failure(spec) as r:
         r.allreduce_([flat], check_op(op), atomic=False, wire=check_wire(wire))
-    except BaseException:
-        forget(spec.group)
-        raise
 
 
 class BucketRing:
@@ -103,7 +109,9 @@ class BucketRing:
         self.shares = wire is None and bool(ring(spec).shares_results)
 
     def __call__(self, flat: np.ndarray) -> None:
-        reduce_scratch(flat, self.spec, self.op, self.wire)
+        """:func:`reduce_scratch` with the op and wire checked once, in ``__init__``."""
+        with _retired_on_failure(self.spec) as r:
+            r.allreduce_([flat], self.op, atomic=False, wire=self.wire)
 
     def into(self, parts: list[np.ndarray], out: list[np.ndarray]) -> None:
         """The concatenation of ``parts`` (only read) reduced into ``out``'s arrays (as many elements, contiguous,
@@ -111,27 +119,22 @@ class BucketRing:
         a failure."""
         if not all(o.flags.c_contiguous for o in out):
             raise ValueError("BucketRing.into: the out arrays must be C-contiguous (their flat views are written)")
-        # As flat views: a 0-d array (a scalar weight's gradient) has no shape for the buffer protocol to describe.
-        self._call(lambda r: r.allreduce_(_flat(parts), self.op, atomic=False, wire=self.wire, out=_flat(out)))
+        with _retired_on_failure(self.spec) as r:
+            r.allreduce_(_flat(parts), self.op, atomic=False, wire=self.wire, out=_flat(out))
 
     def shared(self, parts: list[np.ndarray], tag: int) -> np.ndarray:
         """The concatenation of ``parts`` (only read) reduced and returned where the host's shared memory holds
         it, as a flat, read-only array (cache-line aligned, no copy out). Rewritten by the next call with the
         same ``tag`` (1 or more, the same on every rank): read it before that call. Only where :attr:`shares`."""
         dtype = parts[0].dtype if parts else np.dtype(np.float32)
-        shared = self._call(lambda r: r.allreduce_shared_(_flat(parts), self.op, tag=tag))
+        with _retired_on_failure(self.spec) as r:
+            shared = r.allreduce_shared_(_flat(parts), self.op, tag=tag)
         return np.frombuffer(memoryview(shared), dtype=dtype)
-
-    def _call(self, call: Any) -> Any:
-        try:
-            return call(ring(self.spec))
-        except BaseException:
-            forget(self.spec.group)
-            raise
 
 
 def _flat(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """Flat views (copies only of parts that are not contiguous, which are only read)."""
+    """Flat views (copies only of parts that are not contiguous, which are only read): a 0-d array (a scalar
+    weight's gradient) has no shape for the buffer protocol to describe."""
     return [np.reshape(a, -1) for a in arrays]
 
 

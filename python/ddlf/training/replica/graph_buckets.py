@@ -164,10 +164,12 @@ class GraphBuckets:
                         out = shared(k, parts)  # no copy out: rewritten only at this bucket's next reduction
                     else:
                         kept = self._out[k] if self._keeps else None
-                        out = kept if kept is not None else [aligned(shape) for shape in self._shapes[k]]
-                        if self._keeps:
-                            self._out[k] = out
-                        self._ring.into(parts, out)  # the 1/n is applied as the result is copied out
+                        if kept is None:
+                            kept = [aligned(shape) for shape in self._shapes[k]]
+                            if self._keeps:
+                                self._out[k] = kept
+                        self._ring.into(parts, kept)
+                        out = kept  # the 1/n is applied as the result is copied out
                 except BaseException as exc:
                     self._error = exc  # raised as itself by exchange(), not as TensorFlow's wrapper
                     raise
