@@ -520,13 +520,8 @@ impl Ring {
                 "a result stays in shared memory only on one host holding every rank".into(),
             ));
         }
-        if tag == 0 || tag >= node::MAX_TAG {
-            // Refused before the call (a caller's mistake does not spend the ring); `Node::call` checks too.
-            return Err(CollectiveError::Invalid(format!(
-                "a tag of {tag}: a result left in shared memory takes a tag from 1 to {}",
-                node::MAX_TAG - 1
-            )));
-        }
+        // Refused before the call: a caller's mistake does not spend the ring.
+        node::check_tag(tag)?;
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let mut out = None;
         self.on_host::<T, C>(len, node::Io::Shared(parts, tag, &mut out), op)?;

@@ -94,6 +94,18 @@ const KEEP_SEGMENTS: usize = 4;
 /// Tags ([`Io::Shared`]) travel in the top 24 bits of a member's published call shape.
 pub const MAX_TAG: u32 = 1 << 24;
 
+/// Refuse a tag that [`Io::Shared`] cannot take: 0 (every other call's) or one past 24 bits.
+pub fn check_tag(tag: u32) -> Result<(), CollectiveError> {
+    if tag == 0 || tag >= MAX_TAG {
+        return Err(CollectiveError::Invalid(format!(
+            "a tag of {tag}: a result left in shared memory takes a tag from 1 to {}, its own (0 is every \
+             other call's)",
+            MAX_TAG - 1
+        )));
+    }
+    Ok(())
+}
+
 /// Which call a member makes (see the module docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Mode {
@@ -320,13 +332,7 @@ impl Node {
             }
         }
         if let Io::Shared(_, tag, _) = &io {
-            if *tag == 0 || *tag >= MAX_TAG {
-                return Err(CollectiveError::Invalid(format!(
-                    "a tag of {tag}: a result left in shared memory takes a tag from 1 to {}, its own (0 is \
-                     every other call's)",
-                    MAX_TAG - 1
-                )));
-            }
+            check_tag(*tag)?;
         }
         if matches!(io, Io::Shared(..)) && !(self.single_host() && matches!(mode, Mode::Both)) {
             return Err(CollectiveError::Invalid(
