@@ -14,9 +14,14 @@ from ..conftest import Daemon
 from .apps import ROWS, Linear, Nan, Replicas, _kill_at_round, global_batches, one_process, train_replicated
 
 
-@pytest.mark.parametrize(("n", "frequency"), [(2, None), (3, 4)])
-def test_n_workers_equal_one_process_on_the_global_batches(n: int, frequency: int | None) -> None:
-    strategy = ddlf.GradientAveraging(check_in_every=frequency)
+@pytest.mark.parametrize(("n", "frequency", "hierarchical"), [(2, None, None), (3, 4, None), (3, None, False)])
+def test_n_workers_equal_one_process_on_the_global_batches(
+    n: int, frequency: int | None, hierarchical: bool | None
+) -> None:
+    """Local workers reduce through the host's shared memory; ``hierarchical=False`` makes them a flat ring, as
+    one worker per host is, whose passes send each gradient from where it lies and write the means straight
+    into the step's arrays (three ranks: means are sums scaled as each rank finishes with them)."""
+    strategy = ddlf.GradientAveraging(check_in_every=frequency, ring=ddlf.Ring(hierarchical=hierarchical))
     app, start, got, h, held = train_replicated(Linear, n, strategy)
     assert h.params["exchange"] == "allreduce" and h.params["averaging"] == "gradients"
     want = one_process(app, start, global_batches(n, 16, 2, 4, frequency))

@@ -160,8 +160,8 @@ pub struct Ring {
     node: Option<node::Node>,
     /// The call in progress ([`activity`]; 0 between calls).
     activity: u64,
-    /// A flat ring's buffer for a list of parts (and for an atomic call's one array), kept between calls (a fresh
-    /// one each call would fault in its pages every time: a model's gradients every step). It is as large as the
+    /// A flat ring's buffer for the results of a list of parts reduced in place (and of an atomic call's one
+    /// array), kept between calls (a fresh one each call would fault in its pages every time). It is as large as the
     /// largest such call so far, for the ring's life (a worker keeps its few latest rings open:
     /// `ddlf.worker.collective`).
     scratch: Vec<u64>,
@@ -398,8 +398,8 @@ impl Ring {
     /// [`Ring::allreduce_over`] of several slices reduced as one (their concatenation, in order; every rank
     /// passes the same total, however it is cut). A hierarchical rank copies each part into shared memory and
     /// the result back into it, as it does one slice: a list costs what one array of its size does. A flat
-    /// ring's passes need one contiguous buffer: several parts are gathered into one and scattered back after
-    /// the reduction succeeded (so on failure they are unchanged); one part is reduced where it lies.
+    /// ring's pass reads several parts where they lie and writes the results into one buffer, scattered back
+    /// after the reduction succeeded (so on failure they are unchanged); one part is reduced where it lies.
     pub fn allreduce_parts_over<T: Elem, C: Codec<T>>(
         &mut self,
         parts: &mut [&mut [T]],
@@ -437,8 +437,9 @@ impl Ring {
         })
     }
 
-    /// A flat ring's reduction of `parts` (`len` elements together) through its kept buffer: gathered into it,
-    /// reduced there, and scattered back only if the reduction succeeded.
+    /// A flat ring's reduction of `parts` (`len` elements together) through its kept buffer: the pass reads the
+    /// parts where they lie and writes the results into the buffer, which is copied back only if the reduction
+    /// succeeded.
     fn through_buffer<T: Elem, C: Codec<T>>(
         &mut self,
         parts: &mut [&mut [T]],
@@ -447,11 +448,13 @@ impl Ring {
     ) -> Result<(), CollectiveError> {
         let mut scratch = std::mem::take(&mut self.scratch);
         let flat = flat_buffer::<T>(&mut scratch, len);
-        copy_concatenation(
-            &parts.iter().map(|p| &**p).collect::<Vec<_>>(),
-            &mut [&mut *flat],
-        );
-        let r = self.reduce::<T, C>(flat, op);
+        let input: Vec<&[T]> = parts.iter().map(|p| &**p).collect();
+        let r = match ring::OutOfPlace::new(input, vec![&mut *flat]) {
+            Some(data) => self.reduce_into::<T, C>(data, op),
+            None => Err(CollectiveError::Invalid(format!(
+                "an all-reduce of {len} elements through a buffer of another length"
+            ))),
+        };
         if r.is_ok() {
             copy_concatenation(&[&*flat], parts);
         }
@@ -463,8 +466,8 @@ impl Ring {
     /// (as many elements, cut however the caller likes; on failure `into` holds nothing meaningful). A
     /// hierarchical rank reads the parts into shared memory and copies the result straight into `into`, so
     /// no copy is added: a gradient goes to the reduction from the buffer its framework made, and the result
-    /// into a buffer the framework then reads. A flat ring copies the parts into `into` where it is one array and
-    /// reduces it there, else into a buffer it keeps between calls, copied out after the reduction.
+    /// into a buffer the framework then reads. A flat ring's pass does the same over the wire: it sends the parts
+    /// from where they lie and writes the results straight into `into` ([`ring::OutOfPlace`]).
     pub fn allreduce_parts_into_over<T: Elem, C: Codec<T>>(
         &mut self,
         parts: &[&[T]],
@@ -479,21 +482,22 @@ impl Ring {
             )));
         }
         if self.node.is_none() {
-            // The ring's passes need one contiguous buffer: `into` where it is one array, else the ring's own (one
-            // copy in, one out, as for a list reduced in place).
-            if let [one] = into {
-                copy_concatenation(parts, &mut [&mut **one]);
-                return self.allreduce_parts_over::<T, C>(&mut [&mut **one], op);
-            }
-            let mut scratch = std::mem::take(&mut self.scratch);
-            let flat = flat_buffer::<T>(&mut scratch, len);
-            copy_concatenation(parts, &mut [&mut *flat]);
-            let r = self.allreduce_parts_over::<T, C>(&mut [&mut *flat], op);
-            if r.is_ok() {
-                copy_concatenation(&[&*flat], into);
-            }
-            self.scratch = scratch;
-            return r;
+            // The pass reads the parts where they lie and writes the results into `into`: nothing in between.
+            let hosts = self.n();
+            let what = format!("all-reduce of {len} {}", T::NAME);
+            let into: Vec<&mut [T]> = into.iter_mut().map(|p| &mut **p).collect();
+            let Some(mut data) = ring::OutOfPlace::new(parts.to_vec(), into) else {
+                return Err(CollectiveError::Invalid(format!(
+                    "an all-reduce of {len} elements into {out}"
+                )));
+            };
+            return self.guarded(&what, move |ring| {
+                if hosts == 1 {
+                    data.copy();
+                    return Ok(());
+                }
+                ring.reduce_into::<T, C>(data, op)
+            });
         }
         self.on_host::<T, C>(len, node::Io::Into(parts, into), op)
     }
@@ -743,6 +747,49 @@ impl Ring {
         Ok(())
     }
 
+    /// Run `pass` on the links of each of the ring's streams, each over its own consecutive part of a call's
+    /// `len` elements (`split` cuts the call at the lengths it is given: the same cut on every rank, since it
+    /// depends on the length only), the streams in parallel where there are several.
+    fn on_streams<P: Send>(
+        &mut self,
+        len: usize,
+        split: impl FnOnce(&[usize]) -> Vec<P>,
+        pass: impl Fn(P, &mut ring::Links, Watch<'_>) -> Result<(), RingError> + Sync,
+    ) -> Result<(), CollectiveError> {
+        self.on_links(|streams, watch| {
+            let k = streams.len();
+            let mut rest = len;
+            let lens: Vec<usize> = (0..k)
+                .map(|i| {
+                    let part = ring::chunk(rest, k - i, 0).len();
+                    rest -= part;
+                    part
+                })
+                .collect();
+            let mut parts = split(&lens);
+            if k == 1 {
+                return match parts.pop() {
+                    Some(part) => pass(part, &mut streams[0].links, watch),
+                    None => Ok(()),
+                };
+            }
+            let pass = &pass;
+            std::thread::scope(|s| {
+                let handles: Vec<_> = parts
+                    .into_iter()
+                    .zip(streams.iter_mut())
+                    .map(|(part, st)| s.spawn(move || pass(part, &mut st.links, watch)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or(Err(RingError::BadHeader)))
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .collect::<Result<(), RingError>>()
+            })
+        })
+    }
+
     /// How the neighbours are named in `ddlf stacks` (left, right).
     fn names(&self) -> [String; 2] {
         [Side::Left, Side::Right].map(|side| {
@@ -773,48 +820,36 @@ impl Ring {
         data: &mut [T],
         op: Op,
     ) -> Result<(), CollectiveError> {
-        let (rank, n) = (self.spec.rank, self.n());
-        self.on_links(|streams, watch| {
-            // Each stream reduces its own contiguous slice (the same cut on every rank: it depends on the length
-            // only).
-            let k = streams.len();
-            let mut parts: Vec<&mut [T]> = Vec::with_capacity(k);
+        let (rank, n, len) = (self.spec.rank, self.n(), data.len());
+        let split = |lens: &[usize]| {
+            let mut parts: Vec<&mut [T]> = Vec::with_capacity(lens.len());
             let mut rest = data;
-            for i in 0..k {
-                let len = ring::chunk(rest.len(), k - i, 0).len();
+            for &len in lens {
                 let (head, tail) = rest.split_at_mut(len);
                 parts.push(head);
                 rest = tail;
             }
-            if k == 1 {
-                let part = parts.pop().unwrap_or_default();
-                return ring::allreduce_over::<T, C>(
-                    part,
-                    rank,
-                    n,
-                    &mut streams[0].links,
-                    op,
-                    watch,
-                );
-            }
-            std::thread::scope(|s| {
-                let handles: Vec<_> = parts
-                    .into_iter()
-                    .zip(streams.iter_mut())
-                    .map(|(part, st)| {
-                        s.spawn(move || {
-                            ring::allreduce_over::<T, C>(part, rank, n, &mut st.links, op, watch)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or(Err(RingError::BadHeader)))
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .collect::<Result<(), RingError>>()
-            })
+            parts
+        };
+        self.on_streams(len, split, |part, links, watch| {
+            ring::allreduce_over::<T, C>(part, rank, n, links, op, watch)
         })
+    }
+
+    /// [`Ring::reduce`] out of place: `data`'s input only read, its results written.
+    fn reduce_into<T: Elem, C: Codec<T>>(
+        &mut self,
+        data: ring::OutOfPlace<'_, T>,
+        op: Op,
+    ) -> Result<(), CollectiveError> {
+        let (rank, n) = (self.spec.rank, self.n());
+        self.on_streams(
+            data.len(),
+            |lens| data.split(lens),
+            |mut part, links, watch| {
+                ring::allreduce_into_over::<T, C>(&mut part, rank, n, links, op, watch)
+            },
+        )
     }
 }
 

@@ -14,9 +14,9 @@ arrays: the means stay where the host's shared memory holds them (read-only) and
 (each gradient sent with a gap of zeros after it, so that every view starts on a cache line; each bucket its own
 tag, so its region is rewritten only by its next reduction, which no rank starts before every rank has entered
 it). So a gradient is read once into shared memory (besides the finiteness check) and nothing is copied out;
-between hosts the mean goes once into its output array, and a flat ring goes through a buffer of its own (one
-copy in, one out). The ring's mean scales the result as it copies it out (on one host as it sums), so with full
-batches on every rank nothing else touches the gradients.
+between hosts the mean goes once into its output array, and a flat ring (one rank per host) sends each gradient
+from where it lies and writes the means straight into the output arrays. The ring's mean scales the result as it
+writes it (on one host as it sums), so with full batches on every rank nothing else touches the gradients.
 TensorFlow's executor runs that op as soon as its gradients exist, so the ring reduces the last layers' gradients
 while the first layers' are still being computed (the Rust ring releases the GIL), and the optimizer's step
 follows in the same graph: one call per step, no gradient ever copied in the interpreter's hands.

@@ -50,6 +50,8 @@ pub trait Codec<T: Elem>: Send + Sync {
     fn encode(src: &[T], out: &mut [Self::W]);
     /// Add the widened `src` to `dst` (same length).
     fn add(dst: &mut [T], src: &[Self::W]);
+    /// Write `a` plus the widened `src` into `dst` (same lengths; the same bits as [`Codec::add`] to a copy of `a`).
+    fn sum(dst: &mut [T], a: &[T], src: &[Self::W]);
     /// Replace `dst` by the widened `src` (same length).
     fn copy(dst: &mut [T], src: &[Self::W]);
 }
@@ -68,6 +70,11 @@ impl<T: Elem> Codec<T> for Plain {
     fn add(dst: &mut [T], src: &[T]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = d.add(*s);
+        }
+    }
+    fn sum(dst: &mut [T], a: &[T], src: &[T]) {
+        for ((d, a), s) in dst.iter_mut().zip(a).zip(src) {
+            *d = a.add(*s);
         }
     }
     fn copy(dst: &mut [T], src: &[T]) {
@@ -91,6 +98,11 @@ impl Codec<f32> for F16Wire {
             *d += s.to_f32();
         }
     }
+    fn sum(dst: &mut [f32], a: &[f32], src: &[half::f16]) {
+        for ((d, a), s) in dst.iter_mut().zip(a).zip(src) {
+            *d = a + s.to_f32();
+        }
+    }
     fn copy(dst: &mut [f32], src: &[half::f16]) {
         half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
     }
@@ -110,6 +122,11 @@ impl Codec<f32> for Bf16Wire {
     fn add(dst: &mut [f32], src: &[half::bf16]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d += s.to_f32();
+        }
+    }
+    fn sum(dst: &mut [f32], a: &[f32], src: &[half::bf16]) {
+        for ((d, a), s) in dst.iter_mut().zip(a).zip(src) {
+            *d = a + s.to_f32();
         }
     }
     fn copy(dst: &mut [f32], src: &[half::bf16]) {

@@ -30,6 +30,7 @@
 mod codec;
 mod header;
 mod pass;
+mod target;
 mod wait;
 
 #[cfg(test)]
@@ -46,6 +47,8 @@ pub use wait::{Probe, Watch};
 use header::exchange_header;
 use pass::Pass;
 pub use pass::Phase;
+pub use target::OutOfPlace;
+use target::{scale, Target};
 use wait::io_error;
 
 /// What one reduction does with the summed values.
@@ -177,22 +180,43 @@ pub fn allreduce_over<T: Elem, C: Codec<T>>(
     op: Op,
     watch: Watch<'_>,
 ) -> Result<(), RingError> {
-    if n <= 1 {
-        return Ok(());
-    }
-    exchange_header::<T, C>(data.len() as u64, Phase::Both, links, watch)?;
-    Pass::new(data.len(), rank, n, Phase::Both).run::<T, C>(data, links, watch)?;
-    if op == Op::Mean {
-        scale(data, n);
-    }
-    Ok(())
+    all_reduce::<T, C, [T]>(data, rank, n, links, op, watch)
 }
 
-fn scale<T: Elem>(data: &mut [T], n: usize) {
-    let by = 1.0 / n as f64;
-    for x in data.iter_mut() {
-        *x = x.scale(by);
+/// [`allreduce_over`] out of place: `data`'s input is only read (sent from where it lies) and the results are
+/// written into its output, with no buffer in between. A ring of one copies the input.
+pub fn allreduce_into_over<T: Elem, C: Codec<T>>(
+    data: &mut OutOfPlace<'_, T>,
+    rank: usize,
+    n: usize,
+    links: &mut Links,
+    op: Op,
+    watch: Watch<'_>,
+) -> Result<(), RingError> {
+    all_reduce::<T, C, _>(data, rank, n, links, op, watch)
+}
+
+fn all_reduce<T: Elem, C: Codec<T>, D: Target<T> + ?Sized>(
+    data: &mut D,
+    rank: usize,
+    n: usize,
+    links: &mut Links,
+    op: Op,
+    watch: Watch<'_>,
+) -> Result<(), RingError> {
+    if n <= 1 {
+        data.unreduced();
+        return Ok(());
     }
+    let len = data.elements();
+    exchange_header::<T, C>(len as u64, Phase::Both, links, watch)?;
+    let pass = Pass::new(len, rank, n, Phase::Both);
+    let pass = if op == Op::Mean {
+        pass.scaled(1.0 / n as f64)
+    } else {
+        pass
+    };
+    pass.run::<T, C, D>(data, links, watch)
 }
 
 /// The elements rank `rank` of `n` owns between [`reduce_scatter_over`] and [`allgather_over`]: chunk `rank`.
@@ -216,9 +240,9 @@ pub fn reduce_scatter_over<T: Elem, C: Codec<T>>(
         return Ok(mine);
     }
     exchange_header::<T, C>(data.len() as u64, Phase::Scatter, links, watch)?;
-    Pass::new(data.len(), rank, n, Phase::Scatter).run::<T, C>(data, links, watch)?;
+    Pass::new(data.len(), rank, n, Phase::Scatter).run::<T, C, [T]>(data, links, watch)?;
     if op == Op::Mean {
-        scale(&mut data[mine.clone()], n);
+        scale(&mut data[mine.clone()], 1.0 / n as f64);
     }
     Ok(mine)
 }
@@ -237,5 +261,5 @@ pub fn allgather_over<T: Elem, C: Codec<T>>(
         return Ok(());
     }
     exchange_header::<T, C>(data.len() as u64, Phase::Gather, links, watch)?;
-    Pass::new(data.len(), rank, n, Phase::Gather).run::<T, C>(data, links, watch)
+    Pass::new(data.len(), rank, n, Phase::Gather).run::<T, C, [T]>(data, links, watch)
 }

@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use super::target::Target;
 use super::wait::{io_error, retry, wait, Clock, Watch};
 use super::{chunk, Codec, Elem, Links, RingError, Side};
 
@@ -49,6 +50,8 @@ pub(super) struct Pass {
     /// Receive side: step, and elements of that step's chunk reduced (or copied).
     recv_step: usize,
     done: usize,
+    /// What the results are multiplied by (a mean's `1/n`; see [`Pass::scaled`]).
+    by: Option<f64>,
 }
 
 impl Pass {
@@ -68,7 +71,18 @@ impl Pass {
             sent: 0,
             recv_step: first,
             done: 0,
+            by: None,
         }
+    }
+
+    /// An all-reduce ([`Phase::Both`]) whose results end multiplied by `by` (a mean's `1/n`). Every rank sends the
+    /// finished sums on and scales each chunk once it has no more use for the sum: an all-gather chunk as soon as
+    /// it has been sent on, the one received in the last step as it is put. So each result is one sum times
+    /// `by`, the same bits on every rank as scaling all of them after the pass, and the scaling is done while the
+    /// wire still carries the pass instead of after it.
+    pub(super) fn scaled(mut self, by: f64) -> Self {
+        self.by = Some(by);
+        self
     }
 
     fn send_chunk(&self, t: usize) -> Range<usize> {
@@ -91,9 +105,9 @@ impl Pass {
         }
     }
 
-    pub(super) fn run<T: Elem, C: Codec<T>>(
+    pub(super) fn run<T: Elem, C: Codec<T>, D: Target<T> + ?Sized>(
         mut self,
-        data: &mut [T],
+        data: &mut D,
         links: &mut Links,
         watch: Watch<'_>,
     ) -> Result<(), RingError> {
@@ -126,39 +140,53 @@ impl Pass {
                 let range = self.send_chunk(self.send_step);
                 let ready_elems = self.ready();
                 let ready = ready_elems * size;
+                // This rank's own values go out in the pass's first step; later steps send what it received.
+                let own = self.send_step == self.first;
+                let mut whole = true; // the write took all it was given: more may go at once
                 if self.sent < ready {
+                    let at = range.start + self.sent / size;
                     let bytes: &[u8] = if C::PLAIN {
-                        bytemuck::cast_slice(&data[range.clone()])
+                        bytemuck::cast_slice(data.outgoing(own, at, range.start + ready_elems))
                     } else {
-                        if staged < ready_elems {
-                            let fresh = range.start + staged..range.start + ready_elems;
-                            C::encode(&data[fresh.clone()], &mut stage[staged..ready_elems]);
+                        while staged < ready_elems {
+                            let from = range.start + staged;
+                            let piece = data.outgoing(own, from, range.start + ready_elems);
+                            let to = staged + piece.len();
+                            C::encode(piece, &mut stage[staged..to]);
                             if self.send_step == self.n - 1 {
                                 // This rank's finished chunk leaves rounded: keep the rounded value too, so
                                 // every rank ends with the same bits.
-                                C::copy(&mut data[fresh], &stage[staged..ready_elems]);
+                                data.put::<C>(from, &stage[staged..to], None);
                             }
-                            staged = ready_elems;
+                            staged = to;
                         }
-                        bytemuck::cast_slice(&stage[..range.len()])
+                        &bytemuck::cast_slice(&stage[..range.len()])
+                            [(at - range.start) * size..ready]
                     };
-                    match links.right.write(&bytes[self.sent..ready]) {
-                        Ok(k) => (self.sent, progressed) = (self.sent + k, true),
+                    // A partial element already sent: the rest of its bytes first.
+                    let bytes = &bytes[self.sent % size..];
+                    match links.right.write(bytes) {
+                        Ok(k) => {
+                            (self.sent, progressed, whole) = (self.sent + k, true, k == bytes.len())
+                        }
                         Err(e) if retry(&e) => break,
                         Err(e) => return Err(io_error(Side::Right, e)),
                     }
                 }
                 if self.sent == range.len() * size {
+                    if let (Some(by), true) = (self.by, self.send_step >= self.n - 1) {
+                        data.scale(range, by); // an all-gather chunk, sent on as the sum
+                    }
                     (self.send_step, self.sent, staged) = (self.send_step + 1, 0, 0);
                     progressed = true;
-                } else {
+                } else if !(whole && self.sent < ready) {
                     break;
                 }
             }
             // Receive whatever has arrived and apply every whole element of it (empty chunks complete first: a
             // neighbour that finished may already have closed, and nothing is read for them).
             if filled == 0 {
-                self.apply::<T, C>(data, &[]);
+                self.apply::<T, C, D>(data, &[]);
             }
             if self.recv_step < self.steps {
                 let room: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
@@ -169,7 +197,7 @@ impl Pass {
                     Err(e) if retry(&e) => {}
                     Err(e) => return Err(io_error(Side::Left, e)),
                 }
-                let applied = self.apply::<T, C>(data, &scratch[..filled / size]);
+                let applied = self.apply::<T, C, D>(data, &scratch[..filled / size]);
                 let used = applied * size;
                 if used > 0 {
                     let room: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
@@ -198,17 +226,23 @@ impl Pass {
     /// Reduce (reduce-scatter steps) or copy (all-gather steps) received elements into `data`, moving through the
     /// steps as chunks complete (empty chunks, when there are fewer elements than ranks, complete at once).
     /// Returns how many elements of `got` were used.
-    fn apply<T: Elem, C: Codec<T>>(&mut self, data: &mut [T], got: &[C::W]) -> usize {
+    fn apply<T: Elem, C: Codec<T>, D: Target<T> + ?Sized>(
+        &mut self,
+        data: &mut D,
+        got: &[C::W],
+    ) -> usize {
         let mut used = 0;
         while self.recv_step < self.steps {
             let range = self.recv_chunk(self.recv_step);
             let take = (range.len() - self.done).min(got.len() - used);
-            let dst = &mut data[range.start + self.done..range.start + self.done + take];
+            let at = range.start + self.done;
             let src = &got[used..used + take];
             if self.recv_step < self.n - 1 {
-                C::add(dst, src);
+                data.reduce::<C>(at, src);
             } else {
-                C::copy(dst, src);
+                // Scaled as it is put only where it is not sent on (see `scaled`).
+                let last = self.recv_step + 1 == self.steps;
+                data.put::<C>(at, src, self.by.filter(|_| last));
             }
             used += take;
             self.done += take;

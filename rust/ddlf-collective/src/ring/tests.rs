@@ -383,3 +383,124 @@ fn a_slow_neighbour_that_answers_its_probes_is_waited_for() {
     let k = probes.load(std::sync::atomic::Ordering::Relaxed);
     assert!((3..=12).contains(&k), "{k} probes");
 }
+
+/// Each rank reduces `inputs[r]` out of place (`wire` as in `run_wire`), its input cut at `cuts_in` and its
+/// output at `cuts_out` (element offsets), and returns the output and the input as it was left.
+fn run_out_of_place(
+    inputs: Vec<Vec<f32>>,
+    cuts_in: &[usize],
+    cuts_out: &[usize],
+    wire: u8,
+    op: Op,
+) -> Vec<(Vec<f32>, Vec<f32>)> {
+    fn pieces(len: usize, cuts: &[usize]) -> Vec<std::ops::Range<usize>> {
+        let mut at: Vec<usize> = cuts.iter().copied().filter(|&c| c <= len).collect();
+        at.insert(0, 0);
+        at.push(len);
+        at.windows(2).map(|w| w[0]..w[1].max(w[0])).collect()
+    }
+    let n = inputs.len();
+    let links = ring(n);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = inputs
+            .into_iter()
+            .zip(links)
+            .enumerate()
+            .map(|(rank, (input, mut links))| {
+                s.spawn(move || {
+                    let len = input.len();
+                    let mut out = vec![f32::NAN; len];
+                    {
+                        let ins: Vec<&[f32]> = pieces(len, cuts_in)
+                            .into_iter()
+                            .map(|r| &input[r])
+                            .collect();
+                        let mut outs: Vec<&mut [f32]> = Vec::new();
+                        let mut rest: &mut [f32] = &mut out;
+                        for r in pieces(len, cuts_out) {
+                            let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                            outs.push(head);
+                            rest = tail;
+                        }
+                        let mut data = OutOfPlace::new(ins, outs).unwrap();
+                        let d = Watch::stall(Duration::from_secs(10));
+                        match wire {
+                            2 => allreduce_into_over::<f32, Bf16Wire>(
+                                &mut data, rank, n, &mut links, op, d,
+                            ),
+                            _ => allreduce_into_over::<f32, Plain>(
+                                &mut data, rank, n, &mut links, op, d,
+                            ),
+                        }
+                        .unwrap();
+                    }
+                    (out, input)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn out_of_place_gives_the_in_place_bits_however_both_sides_are_cut() {
+    for n in 1..=5 {
+        let len = 1_003;
+        let ins: Vec<Vec<f32>> = (0..n)
+            .map(|r| {
+                (0..len)
+                    .map(|i| ((i * 7919 + r * 104_729) % 1000) as f32 * 1e-3 + 1e-7)
+                    .collect()
+            })
+            .collect();
+        for (wire, op) in [(0u8, Op::Sum), (0, Op::Mean), (2, Op::Mean)] {
+            let want = run_wire(ins.clone(), &vec![wire; n], op);
+            let got = run_out_of_place(
+                ins.clone(),
+                &[0, 5, 5, 333, 800],
+                &[1, 400, 401, 1000],
+                wire,
+                op,
+            );
+            for (r, ((out, input), want)) in got.into_iter().zip(want).enumerate() {
+                let want = want.unwrap();
+                assert!(
+                    out.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "n {n} wire {wire} {op:?} rank {r}"
+                );
+                assert_eq!(input, ins[r], "the input is only read");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_mean_is_the_sum_times_one_over_n_on_every_rank() {
+    // The mean scales each chunk as the pass finishes with it: the same bits as the sum scaled afterwards.
+    for n in 2..=5 {
+        let ins: Vec<Vec<f32>> = (0..n)
+            .map(|r| {
+                (0..777)
+                    .map(|i| ((i * 31 + r * 17) % 97) as f32 * 0.37 + 0.1)
+                    .collect()
+            })
+            .collect();
+        let sums: Vec<_> = run(ins.clone(), Op::Sum)
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let by = 1.0 / n as f64;
+        let want: Vec<f32> = sums[0].iter().map(|x| x.scale(by)).collect();
+        for mean in run(ins, Op::Mean) {
+            let mean = mean.unwrap();
+            assert!(
+                mean.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "n {n}"
+            );
+        }
+    }
+}
