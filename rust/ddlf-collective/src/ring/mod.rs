@@ -23,9 +23,13 @@
 //! chunk leaves its owner rounded to the wire type, and the owner keeps the same rounded value, so every rank still
 //! ends with identical bits (a received value re-encodes to the same bits it arrived as).
 //!
+//! **Out of place** ([`allreduce_into_over`]): the pass reads the caller's arrays where they lie and writes the
+//! results into other arrays, both cut anywhere ([`OutOfPlace`]), so a list of gradients needs no buffer. A mean
+//! is scaled as the pass finishes with each chunk, not in a pass over the results afterwards.
+//!
 //! The parts, in the order a call meets them: the element types and how they travel (`codec.rs`), the call
-//! header (`header.rs`), the pipelined pass (`pass.rs`), and the poll loop with its stall clock and liveness
-//! probes (`wait.rs`).
+//! header (`header.rs`), where a pass reads and writes (`target.rs`), the pipelined pass (`pass.rs`), and the
+//! poll loop with its stall clock and liveness probes (`wait.rs`).
 
 mod codec;
 mod header;
