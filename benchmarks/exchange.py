@@ -15,6 +15,12 @@ per worker per round, TCP between namespaces. Per worker count, in one run:
 * ``one process``: the same round's samples in one process on one math thread (5 batches of n x 64): what one
   machine of the same kind would take for the work of the round, without any exchange.
 
+Beside the gradient rows, two baselines on the same links: plain TCP sockets moving the bytes each worker sent in
+the ring's pattern (the rate a link really carries), and the ring alone: the workers reducing the model's
+gradient arrays as gradient averaging does (out of place, one call per step, a pause for the step's compute
+between calls) with nothing else running, timed per call against plain TCP moving the bytes the calls put on
+the link.
+
 Bytes are *measured*: each namespace's ``eth0`` counters (``/proc/net/dev``) before and after the run, divided by
 the run's rounds (the first round and the set-up included). The projection (:mod:`benchmarks.project`) takes the
 rows of both exchanges and checks its per-round model against each measured worker count.
@@ -92,6 +98,48 @@ def one_process(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 RAW_PORT = 7999
+RING_CALLS = 12
+"""Ring-alone calls per measurement (the first two, which form the ring and fault in its pages, left out)."""
+STEP_PAUSE = 0.03
+"""Seconds between ring-alone calls: about one step's compute here, so the link idles between calls as it does in
+training."""
+
+
+def ring_calls(spec: Any, sizes: list[int], calls: int, pause: float) -> list[float]:
+    """Run on each worker: ``calls`` out-of-place mean reductions of float32 arrays of ``sizes`` (a model's
+    gradients and the weight element gradient averaging adds), ``pause`` seconds apart; seconds per call."""
+    import numpy as np
+
+    from ddlf.worker.collective import BucketRing
+
+    parts = [np.full(n, 0.5, np.float32) for n in sizes]
+    outs = [np.empty(n, np.float32) for n in sizes]
+    ring = BucketRing(spec, "mean")
+    took = []
+    for _ in range(calls):
+        time.sleep(pause)
+        t = time.perf_counter()
+        ring.into(parts, outs)
+        took.append(time.perf_counter() - t)
+    return took
+
+
+def ring_alone(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run in the master's namespace: :func:`ring_calls` on every worker of ``spec["addresses"]`` at once (a flat
+    ring, as one worker per host is), the wide MLP's gradient arrays; the median over calls of the slowest
+    rank's call, the first two left out."""
+    import numpy as np
+
+    import ddlf
+
+    app = WideMlp(None)  # type: ignore[arg-type]  # only its model is used
+    sizes = [int(np.prod(tuple(v.shape))) for v in app.create_model().trainable_variables] + [1]
+    with ddlf.Cluster(spec["addresses"], token=TOKEN, heartbeat_timeout=120, timeout=600) as cluster:
+        plan = cluster.ring(hierarchical=False)
+        n = len(cluster)
+        each = cluster.run_each(ring_calls, [(plan.spec(w), sizes, RING_CALLS, STEP_PAUSE) for w in range(n)])
+    slowest = [max(calls) for calls in zip(*each)][2:]
+    return {"seconds": float(np.median(slowest)), "bytes": 4 * sum(sizes), "calls": RING_CALLS}
 
 
 def raw_ring(spec: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +213,25 @@ def _raw_rate(net: netns.VirtualNetwork, n: int, nbytes: int, rounds: int = 5) -
     return sum(sent) / len(sent) / max(seconds)
 
 
+def _ring_alone(net: netns.VirtualNetwork, addresses: list[str], raw_rate: float) -> dict[str, Any]:
+    """:func:`ring_alone` on the workers at ``addresses``, with the bytes its calls put on each worker's link
+    (``/proc/net/dev``, per call) and the time plain TCP at ``raw_rate`` takes for them."""
+    hosts = net.hosts[: len(addresses)]
+    before = _link_bytes(net, hosts)
+    res = _run_json(net, "ring-alone", {"addresses": addresses})
+    after = _link_bytes(net, hosts)
+    sent = sum(after[h.name][1] - before[h.name][1] for h in hosts) / len(hosts) / res["calls"]
+    return {**res, "link_bytes": sent, "raw_seconds": sent / raw_rate}
+
+
+def _run_json(net: netns.VirtualNetwork, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """``python -m benchmarks.exchange --<mode> <spec>`` in the master's namespace; its last line's JSON."""
+    done = net.run(net.master, [sys.executable, "-m", "benchmarks.exchange", f"--{mode}", json.dumps(spec)])
+    if done.returncode != 0:
+        raise RuntimeError(f"the {mode} failed: {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def master(spec: dict[str, Any]) -> dict[str, Any]:
     """Run in the master's namespace: train ``rounds`` rounds with the case's exchange, return per-round medians
     (the first round, with its compilation, left out)."""
@@ -193,11 +260,8 @@ def master(spec: dict[str, Any]) -> dict[str, Any]:
 def _run(net: netns.VirtualNetwork, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
     hosts = [net.master, *net.hosts[: spec["workers"]]]
     before = _link_bytes(net, hosts)
-    done = net.run(net.master, [sys.executable, "-m", "benchmarks.exchange", f"--{mode}", json.dumps(spec)])
+    res = _run_json(net, mode, spec)
     after = _link_bytes(net, hosts)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {mode} failed: {done.stderr[-3000:]}")
-    res = json.loads(done.stdout.strip().splitlines()[-1])
     rounds = res.get("rounds", spec["rounds"])
     workers = [h.name for h in hosts[1:]]
     res["master_mb"] = sum(after[net.master.name][i] - before[net.master.name][i] for i in (0, 1)) / rounds / 1e6
@@ -221,9 +285,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--master", help=argparse.SUPPRESS)
     p.add_argument("--one-process", help=argparse.SUPPRESS)
     p.add_argument("--raw-ring", help=argparse.SUPPRESS)
+    p.add_argument("--ring-alone", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.raw_ring:
         print(json.dumps(raw_ring(json.loads(args.raw_ring))))
+        return
+    if args.ring_alone:
+        print(json.dumps(ring_alone(json.loads(args.ring_alone))))
         return
     if args.master:
         print(json.dumps(master(json.loads(args.master))))
@@ -257,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                 if averaging == "gradients" and comp is None:
                     # Plain TCP moving the bytes this row's workers sent, in the ring's pattern, same links.
                     res["raw_rate"] = _raw_rate(net, n, int(res["worker_sent_mb"] * 1e6))
+                    res["ring_alone"] = _ring_alone(net, addresses[:n], res["raw_rate"])
                 rows.append(res)
                 print(
                     f"{n} hosts {label:>11} {averaging or '-':>9} {comp or 'none':>7}: {res['wall']:.3f} s/round, "
@@ -365,6 +434,24 @@ def _bound_cell(r: dict[str, Any], compute: dict[int, float], raw: dict[int, flo
     return f"{r['wall'] / bound:.2f}x (compute {compute[r['workers']]:.3f}, wire {wire:.3f})"
 
 
+def _ring_alone_reading(rows: list[dict[str, Any]]) -> str:
+    """The ring-alone baseline's sentence (empty where it was not measured)."""
+    alone = {r["workers"]: r["ring_alone"] for r in rows if "ring_alone" in r}
+    if not alone:
+        return ""
+    each = "; ".join(
+        f"{n} hosts {a['seconds'] * 1e3:.1f} ms a call against {a['raw_seconds'] * 1e3:.1f} ms "
+        f"({a['seconds'] / a['raw_seconds']:.2f}x; {a['link_bytes'] / 1e6:.1f} MB on each link a call)"
+        for n, a in sorted(alone.items())
+    )
+    mb = next(iter(alone.values()))["bytes"] / 1e6
+    return (
+        f". *Ring alone*: the workers reducing the model's gradient arrays ({mb:.1f} MB) out of place as gradient "
+        f"averaging does, {STEP_PAUSE * 1e3:.0f} ms apart with nothing else running, "
+        f"median of the slowest rank's call, against plain TCP moving the bytes each call put on a link: {each}"
+    )
+
+
 def _markdown(rows: list[dict[str, Any]], took: float) -> str:
     master_wall = {r["workers"]: r["wall"] for r in rows if r["exchange"] == "master"}
     lines = [
@@ -418,7 +505,9 @@ def _markdown(rows: list[dict[str, Any]], took: float) -> str:
         "plain TCP sockets reached in the ring's pattern (each host streaming to the next while receiving from the "
         "previous) over the same links in this run, headers counted alike: "
         + "; ".join(f"{n} hosts {rate * 8 / 1e6:.0f} Mbit/s" for n, rate in sorted(raw.items()))
-        + f" of the nominal {RATE}.",
+        + f" of the nominal {RATE}"
+        + _ring_alone_reading(rows)
+        + ".",
     ]
     return "\n".join(lines)
 
