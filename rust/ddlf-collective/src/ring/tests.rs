@@ -504,3 +504,51 @@ fn a_mean_is_the_sum_times_one_over_n_on_every_rank() {
         }
     }
 }
+
+#[test]
+fn a_neighbour_that_dies_mid_pass_leaves_the_out_of_place_input_as_it_was() {
+    // Rank 1 exchanges a valid header, sends part of its first chunk, and closes: rank 0 has reduced some of it
+    // into its output by then. Its input, which it only reads, is unchanged (what lets a flat ring's atomic
+    // call, whose parts are the input, leave them as they were), and the pass fails instead of hanging.
+    let len = 1 << 16;
+    let mut links = ring(2);
+    let mut fake = links.pop().unwrap();
+    let mut mine = links.pop().unwrap();
+    let input: Vec<f32> = (0..len).map(|i| i as f32).collect();
+    let mut out = vec![f32::NAN; len];
+    let err = std::thread::scope(|s| {
+        s.spawn(move || {
+            let watch = Watch::stall(Duration::from_secs(5));
+            exchange_header::<f32, Plain>(len as u64, Phase::Both, &mut fake, watch).unwrap();
+            let part: Vec<u8> = bytemuck::cast_slice(&vec![1.0f32; 1000]).to_vec();
+            let mut sent = 0;
+            while sent < part.len() {
+                match fake.right.write(&part[sent..]) {
+                    Ok(k) => sent += k,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::yield_now()
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100)); // rank 0 reads it before the link closes
+        });
+        let mut data = OutOfPlace::new(vec![&input[..]], vec![&mut out[..]]).unwrap();
+        allreduce_into_over::<f32, Plain>(
+            &mut data,
+            0,
+            2,
+            &mut mine,
+            Op::Mean,
+            Watch::stall(Duration::from_secs(5)),
+        )
+        .unwrap_err()
+    });
+    assert!(
+        matches!(err, RingError::Closed { .. } | RingError::Io { .. }),
+        "{err}"
+    );
+    assert!(input.iter().enumerate().all(|(i, &x)| x == i as f32));
+    // Some of the neighbour's elements arrived and were reduced into the output: the failure was mid-pass.
+    assert!(out.iter().any(|x| !x.is_nan()));
+}
