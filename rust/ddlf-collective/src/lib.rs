@@ -767,6 +767,11 @@ impl Ring {
                 })
                 .collect();
             let mut parts = split(&lens);
+            debug_assert_eq!(
+                parts.len(),
+                k,
+                "one part per stream, or a stream's peers would wait forever"
+            );
             if k == 1 {
                 return match parts.pop() {
                     Some(part) => pass(part, &mut streams[0].links, watch),

@@ -483,9 +483,9 @@ fn reduce_into<T: Elem + crate::arrays::Elem, C: Codec<T>>(
 
 /// Reduce the arrays in place. A hierarchical rank (or a ring of one) writes them only after the last step that can
 /// fail, and takes a list as it takes one array: each goes into shared memory and the result back into it, with no
-/// buffer in between. A flat ring gathers several arrays into the buffer it keeps and scatters it back on success;
-/// one array it reduces where it lies, unless `atomic` asks for it to be unchanged after a failure (then through
-/// that buffer too, since a flat ring's passes write as they go).
+/// buffer in between. A flat ring's pass reads several arrays where they lie and writes the results into the buffer
+/// it keeps, copied back on success; one array it reduces where it lies, unless `atomic` asks for it to be
+/// unchanged after a failure (then through that buffer too, since a pass in place writes as it goes).
 fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut ddlf_collective::Ring,
     views: &[View],

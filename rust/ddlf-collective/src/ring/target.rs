@@ -99,18 +99,12 @@ impl<'a, T: Elem> OutOfPlace<'a, T> {
 
     /// The results as the input (a ring of one: the sum and the mean of one value are the value).
     pub fn copy(&mut self) {
-        let mut at = 0;
-        while at < self.len() {
-            let (i, o) = (piece(&self.input_at, at), piece(&self.out_at, at));
-            let (a, b) = (at - self.input_at[i], at - self.out_at[o]);
-            let n = (self.input[i].len() - a).min(self.out[o].len() - b);
-            self.out[o][b..b + n].copy_from_slice(&self.input[i][a..a + n]);
-            at += n;
-        }
+        let len = self.len();
+        self.runs(0, len, |input, out, _| out.copy_from_slice(input));
     }
 
-    /// Consecutive parts of the sequence, `lens` elements each (together all of it; fewer parts where they
-    /// are not): each stream of a ring reduces its own.
+    /// Consecutive parts of the sequence, `lens` elements each (`lens` adds up to its length: one part per
+    /// length, empty ones too): each stream of a ring reduces its own.
     pub fn split(self, lens: &[usize]) -> Vec<OutOfPlace<'a, T>> {
         let inputs = cut(self.input, lens, |s, n| s.split_at(n));
         let outs = cut(self.out, lens, |s, n| s.split_at_mut(n));

@@ -425,6 +425,9 @@ fn run_out_of_place(
                         let mut data = OutOfPlace::new(ins, outs).unwrap();
                         let d = Watch::stall(Duration::from_secs(10));
                         match wire {
+                            1 => allreduce_into_over::<f32, F16Wire>(
+                                &mut data, rank, n, &mut links, op, d,
+                            ),
                             2 => allreduce_into_over::<f32, Bf16Wire>(
                                 &mut data, rank, n, &mut links, op, d,
                             ),
@@ -444,33 +447,37 @@ fn run_out_of_place(
 
 #[test]
 fn out_of_place_gives_the_in_place_bits_however_both_sides_are_cut() {
+    // Fewer elements than ranks (empty chunks) too, and every wire type.
     for n in 1..=5 {
-        let len = 1_003;
-        let ins: Vec<Vec<f32>> = (0..n)
-            .map(|r| {
-                (0..len)
-                    .map(|i| ((i * 7919 + r * 104_729) % 1000) as f32 * 1e-3 + 1e-7)
-                    .collect()
-            })
-            .collect();
-        for (wire, op) in [(0u8, Op::Sum), (0, Op::Mean), (2, Op::Mean)] {
-            let want = run_wire(ins.clone(), &vec![wire; n], op);
-            let got = run_out_of_place(
-                ins.clone(),
-                &[0, 5, 5, 333, 800],
-                &[1, 400, 401, 1000],
-                wire,
-                op,
-            );
-            for (r, ((out, input), want)) in got.into_iter().zip(want).enumerate() {
-                let want = want.unwrap();
-                assert!(
-                    out.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "n {n} wire {wire} {op:?} rank {r}"
+        for len in [0, 1, 2, 1_003] {
+            let ins: Vec<Vec<f32>> = (0..n)
+                .map(|r| {
+                    (0..len)
+                        .map(|i| ((i * 7919 + r * 104_729) % 1000) as f32 * 1e-3 + 1e-7)
+                        .collect()
+                })
+                .collect();
+            for (wire, op) in [(0u8, Op::Sum), (0, Op::Mean), (1, Op::Mean), (2, Op::Mean)] {
+                let want = run_wire(ins.clone(), &vec![wire; n], op);
+                let got = run_out_of_place(
+                    ins.clone(),
+                    &[0, 5, 5, 333, 800],
+                    &[1, 400, 401, 1000],
+                    wire,
+                    op,
                 );
-                assert_eq!(input, ins[r], "the input is only read");
+                for (r, ((out, input), want)) in got.into_iter().zip(want).enumerate() {
+                    let want = want.unwrap();
+                    assert!(
+                        out.len() == want.len()
+                            && out
+                                .iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "n {n} len {len} wire {wire} {op:?} rank {r}"
+                    );
+                    assert_eq!(input, ins[r], "the input is only read");
+                }
             }
         }
     }
