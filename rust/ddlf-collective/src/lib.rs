@@ -449,12 +449,8 @@ impl Ring {
         let mut scratch = std::mem::take(&mut self.scratch);
         let flat = flat_buffer::<T>(&mut scratch, len);
         let input: Vec<&[T]> = parts.iter().map(|p| &**p).collect();
-        let r = match ring::OutOfPlace::new(input, vec![&mut *flat]) {
-            Some(data) => self.reduce_into::<T, C>(data, op),
-            None => Err(CollectiveError::Invalid(format!(
-                "an all-reduce of {len} elements through a buffer of another length"
-            ))),
-        };
+        let r = out_of_place(input, vec![&mut *flat])
+            .and_then(|data| self.reduce_into::<T, C>(data, op));
         if r.is_ok() {
             copy_concatenation(&[&*flat], parts);
         }
@@ -477,20 +473,14 @@ impl Ring {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let out: usize = into.iter().map(|p| p.len()).sum();
         if len != out {
-            return Err(CollectiveError::Invalid(format!(
-                "an all-reduce of {len} elements into {out}"
-            )));
+            return Err(into_mismatch(len, out));
         }
         if self.node.is_none() {
             // The pass reads the parts where they lie and writes the results into `into`: nothing in between.
             let hosts = self.n();
             let what = format!("all-reduce of {len} {}", T::NAME);
             let into: Vec<&mut [T]> = into.iter_mut().map(|p| &mut **p).collect();
-            let Some(mut data) = ring::OutOfPlace::new(parts.to_vec(), into) else {
-                return Err(CollectiveError::Invalid(format!(
-                    "an all-reduce of {len} elements into {out}"
-                )));
-            };
+            let mut data = out_of_place(parts.to_vec(), into)?;
             return self.guarded(&what, move |ring| {
                 if hosts == 1 {
                     data.copy();
@@ -903,6 +893,21 @@ fn flat_buffer<T: Elem>(scratch: &mut Vec<u64>, len: usize) -> &mut [T] {
         scratch.resize(words, 0);
     }
     &mut bytemuck::cast_slice_mut::<u64, T>(&mut scratch[..words])[..len]
+}
+
+/// The refusal of an out-of-place call whose output does not hold as many elements as its input.
+fn into_mismatch(len: usize, out: usize) -> CollectiveError {
+    CollectiveError::Invalid(format!("an all-reduce of {len} elements into {out}"))
+}
+
+/// `input` and `out` as one out-of-place call's target, or [`into_mismatch`].
+fn out_of_place<'a, T: Elem>(
+    input: Vec<&'a [T]>,
+    out: Vec<&'a mut [T]>,
+) -> Result<ring::OutOfPlace<'a, T>, CollectiveError> {
+    let len = input.iter().map(|i| i.len()).sum();
+    let held = out.iter().map(|o| o.len()).sum();
+    ring::OutOfPlace::new(input, out).ok_or_else(|| into_mismatch(len, held))
 }
 
 /// `dst`'s parts filled, in order, with the concatenation of `src`'s (the two hold as many elements).

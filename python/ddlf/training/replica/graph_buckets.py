@@ -169,7 +169,7 @@ class GraphBuckets:
                             if self._keeps:
                                 self._out[k] = kept
                         self._ring.into(parts, kept)
-                        out = kept  # the 1/n is applied as the result is copied out
+                        out = kept  # the 1/n is applied as the ring writes the result
                 except BaseException as exc:
                     self._error = exc  # raised as itself by exchange(), not as TensorFlow's wrapper
                     raise

@@ -31,57 +31,45 @@ fn ring(n: usize) -> Vec<Links> {
         .collect()
 }
 
-fn run<T: Elem + Copy>(inputs: Vec<Vec<T>>, op: Op) -> Vec<Result<Vec<T>, String>> {
+/// `each(rank, n, input, links)` on every rank of a loopback ring of `inputs.len()`, each on its own thread.
+fn each_rank<I: Send, R: Send>(
+    inputs: Vec<I>,
+    each: impl Fn(usize, usize, I, &mut Links) -> R + Sync,
+) -> Vec<R> {
     let n = inputs.len();
     let links = ring(n);
+    let each = &each;
     std::thread::scope(|s| {
         let handles: Vec<_> = inputs
             .into_iter()
             .zip(links)
             .enumerate()
-            .map(|(rank, (mut data, mut links))| {
-                s.spawn(move || {
-                    allreduce(
-                        &mut data,
-                        rank,
-                        n,
-                        &mut links,
-                        op,
-                        Watch::stall(Duration::from_secs(10)),
-                    )
-                    .map(|_| data)
-                    .map_err(|e| e.to_string())
-                })
-            })
+            .map(|(rank, (input, mut links))| s.spawn(move || each(rank, n, input, &mut links)))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
 
+fn run<T: Elem + Copy>(inputs: Vec<Vec<T>>, op: Op) -> Vec<Result<Vec<T>, String>> {
+    each_rank(inputs, |rank, n, mut data, links| {
+        let d = Watch::stall(Duration::from_secs(10));
+        allreduce(&mut data, rank, n, links, op, d)
+            .map(|_| data)
+            .map_err(|e| e.to_string())
+    })
+}
+
 /// Like `run`, each rank with its own codec (`wires[r]`: 0 plain, 1 float16, 2 bfloat16).
 fn run_wire(inputs: Vec<Vec<f32>>, wires: &[u8], op: Op) -> Vec<Result<Vec<f32>, String>> {
-    let n = inputs.len();
-    let links = ring(n);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = inputs
-            .into_iter()
-            .zip(links)
-            .enumerate()
-            .map(|(rank, (mut data, mut links))| {
-                let wire = wires[rank];
-                s.spawn(move || {
-                    let d = Watch::stall(Duration::from_secs(10));
-                    match wire {
-                        1 => allreduce_over::<f32, F16Wire>(&mut data, rank, n, &mut links, op, d),
-                        2 => allreduce_over::<f32, Bf16Wire>(&mut data, rank, n, &mut links, op, d),
-                        _ => allreduce(&mut data, rank, n, &mut links, op, d),
-                    }
-                    .map(|_| data)
-                    .map_err(|e| e.to_string())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    each_rank(inputs, |rank, n, mut data, links| {
+        let d = Watch::stall(Duration::from_secs(10));
+        match wires[rank] {
+            1 => allreduce_over::<f32, F16Wire>(&mut data, rank, n, links, op, d),
+            2 => allreduce_over::<f32, Bf16Wire>(&mut data, rank, n, links, op, d),
+            _ => allreduce(&mut data, rank, n, links, op, d),
+        }
+        .map(|_| data)
+        .map_err(|e| e.to_string())
     })
 }
 
@@ -399,49 +387,31 @@ fn run_out_of_place(
         at.push(len);
         at.windows(2).map(|w| w[0]..w[1].max(w[0])).collect()
     }
-    let n = inputs.len();
-    let links = ring(n);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = inputs
-            .into_iter()
-            .zip(links)
-            .enumerate()
-            .map(|(rank, (input, mut links))| {
-                s.spawn(move || {
-                    let len = input.len();
-                    let mut out = vec![f32::NAN; len];
-                    {
-                        let ins: Vec<&[f32]> = pieces(len, cuts_in)
-                            .into_iter()
-                            .map(|r| &input[r])
-                            .collect();
-                        let mut outs: Vec<&mut [f32]> = Vec::new();
-                        let mut rest: &mut [f32] = &mut out;
-                        for r in pieces(len, cuts_out) {
-                            let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
-                            outs.push(head);
-                            rest = tail;
-                        }
-                        let mut data = OutOfPlace::new(ins, outs).unwrap();
-                        let d = Watch::stall(Duration::from_secs(10));
-                        match wire {
-                            1 => allreduce_into_over::<f32, F16Wire>(
-                                &mut data, rank, n, &mut links, op, d,
-                            ),
-                            2 => allreduce_into_over::<f32, Bf16Wire>(
-                                &mut data, rank, n, &mut links, op, d,
-                            ),
-                            _ => allreduce_into_over::<f32, Plain>(
-                                &mut data, rank, n, &mut links, op, d,
-                            ),
-                        }
-                        .unwrap();
-                    }
-                    (out, input)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    each_rank(inputs, |rank, n, input, links| {
+        let len = input.len();
+        let mut out = vec![f32::NAN; len];
+        {
+            let ins: Vec<&[f32]> = pieces(len, cuts_in)
+                .into_iter()
+                .map(|r| &input[r])
+                .collect();
+            let mut outs: Vec<&mut [f32]> = Vec::new();
+            let mut rest: &mut [f32] = &mut out;
+            for r in pieces(len, cuts_out) {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                outs.push(head);
+                rest = tail;
+            }
+            let mut data = OutOfPlace::new(ins, outs).unwrap();
+            let d = Watch::stall(Duration::from_secs(10));
+            match wire {
+                1 => allreduce_into_over::<f32, F16Wire>(&mut data, rank, n, links, op, d),
+                2 => allreduce_into_over::<f32, Bf16Wire>(&mut data, rank, n, links, op, d),
+                _ => allreduce_into_over::<f32, Plain>(&mut data, rank, n, links, op, d),
+            }
+            .unwrap();
+        }
+        (out, input)
     })
 }
 
