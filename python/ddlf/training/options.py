@@ -193,9 +193,10 @@ class GradientAveraging:
     ``scale_learning_rate``: multiply the compiled learning rate by the number of workers (Goyal et al. 2017's linear
     scaling rule), reached linearly over ``warmup_epochs``. ``bucket_cap_mb``: on PyTorch and on Keras with
     TensorFlow, gradients go to the ring in buckets of about this many MB while backward still runs (DDP's
-    ``bucket_cap_mb``; on TensorFlow the reduction and the optimizer's step run inside the step's graph; ``None``:
-    one buffer after backward). ``check_in_every``: batches between the workers' replies to the master (progress,
-    faults; default one per epoch's partition).
+    ``bucket_cap_mb``; on TensorFlow the reduction and the optimizer's step run inside the step's graph, and
+    overlap backward only where TensorFlow has two or more inter-op threads, not on a worker started with
+    ``--threads 1``; ``None``: one buffer after backward). ``check_in_every``: batches between the workers'
+    replies to the master (progress, faults; default one per epoch's partition).
 
     ``shard_optimizer``: each worker keeps the optimizer state of ``1/n`` of the weights only (DeepSpeed's ZeRO
     stage 1; :mod:`ddlf.training.replica.sharded`): the ring reduce-scatters the gradients, each worker steps its

@@ -17,9 +17,23 @@ it). So a gradient is read once into shared memory (besides the finiteness check
 between hosts the mean goes once into its output array, and a flat ring (one rank per host) sends each gradient
 from where it lies and writes the means straight into the output arrays. The ring's mean scales the result as it
 writes it (on one host as it sums), so with full batches on every rank nothing else touches the gradients.
-TensorFlow's executor runs that op as soon as its gradients exist, so the ring reduces the last layers' gradients
-while the first layers' are still being computed (the Rust ring releases the GIL), and the optimizer's step
-follows in the same graph: one call per step, no gradient ever copied in the interpreter's hands.
+The optimizer's step follows in the same graph: one call per step, no gradient ever copied in the interpreter's
+hands.
+
+Overlap with backward needs a second thread in TensorFlow's inter-op pool. A bucket's op holds the thread that
+runs it until its ring pass ends (the Rust ring releases the GIL, not the thread). With two or more threads
+(TensorFlow's default is one per core, as on a ``ddlf-worker`` started without ``--threads``), the executor runs
+the op as soon as its gradients exist, and the ring reduces the last layers' gradients while the first layers'
+are still being computed. With one (``--threads 1``, which ``Cluster.local`` gives each worker when there are no
+more cores than workers, and Slurm with one CPU a task), the executor finishes backward first and the buckets
+follow it one by one. Measured on 2 cores (2026-11-27, the wide MLP; numbers in issue 38's notes):
+- two network-namespace hosts at 1 Gbit/s, 4 MB buckets with two inter-op threads: bucket 0 (16.9 MB) went to
+  the ring ~20 ms into the step instead of ~27, but the rounds were no faster (median 1.222 s against 1.222 s
+  over three alternations). The second ring call and the other host's share of the two cores took back what
+  the overlap hid;
+- loopback: a second inter-op thread made model averaging ~4% slower, with both workers' threads on two
+  cores.
+So the budget stays one inter-op thread per ``--threads``: overlap pays where a host's cores are its own.
 
 Nothing the graph computes is written in place: the gradients are only read, and a short batch's weighted
 gradients are copies. For Keras's own optimizers the output arrays are kept and written again at the next step,
@@ -96,7 +110,8 @@ class GraphBuckets:
         self.sizes = [int(np.prod(tuple(v.shape))) for v in trainable]
         self.members = cut(self.sizes, cap_bytes)  # backward finishes the last layers first
         self.waited = 0.0
-        """Seconds the last step spent inside the ring's reductions (overlapped with backward where it could)."""
+        """Seconds the last step spent inside the ring's reductions (overlapped with backward where the inter-op
+        pool has a second thread, see the module docs)."""
         self._ring: Ring | None = None
         from ..messages import finite
 

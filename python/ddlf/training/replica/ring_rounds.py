@@ -296,7 +296,8 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
             factor = _warm_up(stepper, learning_rate_factor, step, steps, factor)
             batch = next(batches, None)
             if buckets is not None:
-                # Overlapped: the buckets go to the ring while backward runs; only the wait after it counts.
+                # The buckets go to the ring while backward runs (on TensorFlow: with a second inter-op thread, see
+                # graph_buckets); only the wait after backward counts.
                 run, n = None, 0
                 if batch is not None:
                     bx, by, sw, n = batch
