@@ -168,3 +168,56 @@ def test_a_torch_models_optimizer_state_bytes_are_those_of_its_arrays() -> None:
     assert optimizer_state_bytes(model) == 0 == len(optimizer_state(model))  # no state before the first step
     stepper_for(model).build_optimizer()
     assert optimizer_state_bytes(model) == sum(a.nbytes for a in optimizer_state(model)) > 0
+
+
+_JAX_ALIASING = """
+import numpy as np, keras
+from ddlf.training.replica.shard_optimizers import KerasShard
+from ddlf.training.replica.steppers import stepper_for
+
+def aligned(n):  # a view starting on 64 bytes: where JAX takes a numpy array's memory as its own
+    raw = np.zeros(n * 4 + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip : skip + n * 4].view(np.float32)
+
+model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)])
+model.compile(optimizer="adam", loss="mse")
+shard = KerasShard(model)
+shard.build(1024)
+buffer = aligned(1024)
+buffer[:] = 1.0
+shard.write(buffer)
+buffer[:] = 7.0  # the next step's gradients go where the weights were
+assert np.all(np.asarray(shard.variable.numpy()) == 1.0), "the shard's weights changed with the caller's buffer"
+
+stepper = stepper_for(model)
+sizes = [int(np.prod(w.shape)) for w in model.trainable_weights]
+flat = aligned(sum(sizes) + 16 * len(sizes))
+views, at = [], 0
+for w, n in zip(model.trainable_weights, sizes):
+    views.append(flat[at : at + n].reshape(w.shape))
+    at += n + (-n % 16)  # each view on 64 bytes
+flat[:] = 2.0
+stepper.set_trainable(views)
+flat[:] = 9.0
+got = [np.asarray(w.numpy()) for w in model.trainable_weights]
+assert all(np.all(g == 2.0) for g in got), "the model's weights changed with the caller's buffer"
+print("ok")
+"""
+
+
+def test_on_jax_weights_written_from_a_reused_buffer_do_not_follow_it() -> None:
+    """Keras on JAX keeps a 64-byte aligned numpy array's memory as a variable's value: the shard's weights and the
+    weights the all-gather writes into the model are views of buffers the next step overwrites, so both are copied."""
+    import os
+    import subprocess
+    import sys
+
+    from ddlf.frameworks.keras_backend import installed_keras_backends
+
+    if "jax" not in installed_keras_backends():
+        pytest.skip("Keras's JAX backend is not installed")
+    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run([sys.executable, "-c", _JAX_ALIASING], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ok"

@@ -515,10 +515,12 @@ class _JaxStepper(_KerasStepper):
         state[0], state[3] = list(tv), list(ov)
 
     def set_trainable(self, values: list[np.ndarray]) -> None:
+        # Copies: the caller reuses its buffer, and JAX takes a numpy array's memory as its own where it is
+        # 64-byte aligned (a variable assigned a view would change when the buffer is written next).
         if self._state is None:
-            super().set_trainable(values)
+            super().set_trainable([np.array(a) for a in values])
             return
-        self._state[0] = [self._jax.numpy.array(a) for a in values]  # a copy: the caller reuses its buffer
+        self._state[0] = [self._jax.numpy.array(a) for a in values]
 
     def end(self) -> dict[str, float]:
         if self._state is not None:
