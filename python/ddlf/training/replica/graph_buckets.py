@@ -24,8 +24,8 @@ Overlap with backward needs a second thread in TensorFlow's inter-op pool. A buc
 runs it until its ring pass ends (the Rust ring releases the GIL, not the thread). With two or more threads
 (TensorFlow's default is one per core, as on a ``ddlf-worker`` started without ``--threads``), the executor runs
 the op as soon as its gradients exist, and the ring reduces the last layers' gradients while the first layers'
-are still being computed. With one (``--threads 1``, which ``Cluster.local`` gives each worker when there are no
-more cores than workers, and Slurm with one CPU a task), the executor finishes backward first and the buckets
+are still being computed. With one (``--threads 1``, which ``Cluster.local`` gives each worker when there are
+fewer than two cores per worker, and Slurm with one CPU a task), the executor finishes backward first and the buckets
 follow it one by one. Measured on 2 cores (2026-11-27, the wide MLP; numbers in issue 38's notes):
 - two network-namespace hosts at 1 Gbit/s, 4 MB buckets with two inter-op threads: bucket 0 (16.9 MB) went to
   the ring ~20 ms into the step instead of ~27, but the rounds were no faster (median 1.222 s against 1.222 s

@@ -76,7 +76,10 @@ class KerasShard:
         self.slots = [v for v in self.optimizer.variables if len(v.shape) == 1 and id(v) not in own]
         self.scalars = [v for v in self.optimizer.variables if len(v.shape) == 0]
         self._apply = None
-        if keras.backend.backend() == "tensorflow" and size:
+        # Compiled where fit would compile the model's step: not with run_eagerly, and on JAX only with jit_compile.
+        backend = keras.backend.backend()
+        compiled = size and not getattr(self.model, "run_eagerly", False)
+        if backend == "tensorflow" and compiled:
             # One graph per step, as fit runs the optimizer (inside its train function, AutoGraph on): eagerly,
             # each of the update's element-wise ops is dispatched from Python and makes its own temporary
             # (Adam on a 2.9 M-element shard: 20 ms a step eagerly, 14 ms as a graph).
@@ -88,7 +91,7 @@ class KerasShard:
                 optimizer.apply([mean], [variable])
 
             self._apply = tf.function(apply, input_signature=[tf.TensorSpec([size], tf.float32)])
-        elif keras.backend.backend() == "jax" and size:
+        elif backend == "jax" and compiled and getattr(self.model, "jit_compile", True):
             # Compiled, as fit compiles its step: the optimizer's stateless step on the variables' values (Adam
             # on a 2.9 M-element shard: 21 ms a step eagerly, 13 ms compiled; within float32 rounding of it).
             import jax
@@ -117,7 +120,7 @@ class KerasShard:
     def load(self, slots: list[np.ndarray], scalars: list[np.ndarray] | None) -> None:
         """Take ``slots`` (and ``scalars``, unless None: the step count stays)."""
         for v, a in zip(self.slots, slots):
-            v.assign(a)
+            v.assign(np.array(a))  # a copy, as in write()
         if scalars is not None:
             for v, a in zip(self.scalars, scalars):
                 _assign_scalar(v, a)
