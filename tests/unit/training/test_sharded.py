@@ -174,16 +174,12 @@ def test_a_torch_models_optimizer_state_bytes_are_those_of_its_arrays() -> None:
 _ON_JAX = """
 import json
 import numpy as np, keras
+from ddlf.training.replica.graph_buckets import aligned  # starts on 64 bytes: where JAX keeps an array's memory
 from ddlf.training.replica.shard_optimizers import KerasShard
 from ddlf.training.replica.steppers import stepper_for
 
-def aligned(n):  # a view starting on 64 bytes: where JAX takes a numpy array's memory as its own
-    raw = np.zeros(n * 4 + 64, np.uint8)
-    skip = -raw.ctypes.data % 64
-    return raw[skip : skip + n * 4].view(np.float32)
-
 # The canary: does this JAX keep an assigned aligned array's memory? (If not, the copies guard nothing here.)
-canary, probe = keras.Variable(np.zeros(1024, np.float32)), aligned(1024)
+canary, probe = keras.Variable(np.zeros(1024, np.float32)), aligned((1024,))
 canary.assign(probe)
 probe[:] = 3.0
 aliases = bool(np.asarray(canary.numpy())[0] == 3.0)
@@ -192,7 +188,7 @@ model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)])
 model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
 shard = KerasShard(model)
 shard.build(1024)
-buffer = aligned(1024)
+buffer = aligned((1024,))
 buffer[:] = 1.0
 shard.write(buffer)
 buffer[:] = 7.0  # the next step's gradients go where the weights were
@@ -200,7 +196,7 @@ shard_kept = bool(np.all(np.asarray(shard.variable.numpy()) == 1.0))
 
 stepper = stepper_for(model)
 sizes = [int(np.prod(w.shape)) for w in model.trainable_weights]
-flat = aligned(sum(sizes) + 16 * len(sizes))
+flat = aligned((sum(sizes) + 16 * len(sizes),))
 views, at = [], 0
 for w, n in zip(model.trainable_weights, sizes):
     views.append(flat[at : at + n].reshape(w.shape))
