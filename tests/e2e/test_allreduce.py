@@ -207,6 +207,7 @@ def _train(c: ddlf.Cluster, exchange: str, compression: str | None = None, hiera
     return app, h
 
 
+@pytest.mark.slow
 def test_sync_allreduce_equals_the_master_exchange_within_rounding_and_is_deterministic() -> None:
     with ddlf.Cluster.local(3, threads=1) as c:
         master, hm = _train(c, "master")

@@ -247,6 +247,7 @@ with ddlf.Cluster({addresses!r}, token=None) as c:
 """
 
 
+@pytest.mark.slow
 def test_master_killed_mid_epoch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     daemons = [Daemon("--threads", "1", token=None) for _ in range(2)]
     try:

@@ -190,6 +190,7 @@ def test_a_model_averaging_checkpoint_is_not_resumed_by_gradient_averaging(clust
 
 
 @pytest.mark.parametrize(("wire", "tol"), [("float16", 2e-3), ("bfloat16", 2e-2)])
+@pytest.mark.slow
 def test_half_precision_gradients_stay_near_one_process_and_replicas_identical(wire: str, tol: float) -> None:
     with ddlf.Cluster.local(3, threads=1) as c:
         app = Linear(c)

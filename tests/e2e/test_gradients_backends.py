@@ -35,6 +35,7 @@ with ddlf.Cluster.local(2, threads=1) as c:
 @pytest.mark.parametrize(
     ("backend", "shard"), [("tensorflow", False), ("torch", False), ("tensorflow", True), ("torch", True)]
 )
+@pytest.mark.slow
 def test_gradient_averaging_equals_one_process_on(backend: str, shard: bool) -> None:
     """Unsharded, and with sharded optimizer state (Adam)."""
     pytest.importorskip(backend)

@@ -112,6 +112,7 @@ class StopTheJob(ddlf.callbacks.Callback):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_a_sigterm_to_every_process_of_a_ring_run_loses_only_the_round_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,6 +171,7 @@ class StopOneWorker(ddlf.callbacks.Callback):
             os.kill(self.pid, signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_a_worker_stopped_alone_is_left_out_and_training_goes_on(tmp_path: Path) -> None:
     """A worker told to stop while the master is not (no preemption) refuses new rounds while it drains: the
     failure policy takes that as a lost worker (``lost_worker="continue"``), and the run ends on the others."""

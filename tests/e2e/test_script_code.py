@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import MNIST_DIR
 
 
@@ -145,6 +147,7 @@ def test_a_neighbour_module_finds_the_data_beside_it_on_the_same_host(tmp_path) 
     assert out["here"] == [out["master"]] * 2
 
 
+@pytest.mark.slow
 def test_an_app_importing_a_helper_module_trains(tmp_path) -> None:
     files = {
         "models.py": """

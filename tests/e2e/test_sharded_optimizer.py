@@ -68,6 +68,7 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 @pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.slow
 def test_sharded_adam_on_n_workers_equals_one_process_and_the_replicas_are_identical(n: int) -> None:
     strategy = ddlf.GradientAveraging(shard_optimizer=True)
     app, start, got, h, held = train_replicated(AdamLinear, n, strategy)
@@ -84,6 +85,7 @@ def test_sharded_adam_on_n_workers_equals_one_process_and_the_replicas_are_ident
     assert max(per_worker) <= -(-225 // n) * 2 * 4
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_on_another_number_of_workers_with_its_whole_state(tmp_path) -> None:
     """One epoch on 3 workers writes the checkpoint (the master joins the three shards); the second epoch resumes
     on 2, which cut the whole state into their own shards: the result is one process's over both epochs' global

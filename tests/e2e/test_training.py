@@ -232,6 +232,7 @@ def test_sharded_dataset_rotation_and_seeded_mode(cluster: ddlf.Cluster) -> None
         SmallMnist(cluster).train(verbose=0, data=ddlf.DataConfig(rotate_shards_every=2))
 
 
+@pytest.mark.slow
 def test_app_subclassing_an_app_from_a_neighbour_module(tmp_path) -> None:
     """A script's app that subclasses an app defined in a file beside the script: workers, started elsewhere,
     cannot import that file, so its module travels by value too (not only the script's own class)."""
