@@ -49,7 +49,6 @@ section "pytest: unit"
 section "pytest: end to end, network namespaces and Slurm"
 # Two test processes (pytest-xdist), each taking whole modules (a module's cluster starts once; the Slurm tests,
 # one module, run one at a time): much of an end-to-end test is waiting (daemons starting, heartbeats, Slurm's
-# scheduler), so two of them share the two cores well. The longest modules go out first (tests/conftest.py), so
-# that neither process ends long after the other. DDLF_TEST_PROCESSES=0: one process.
+# scheduler), so two of them share the two cores well. DDLF_TEST_PROCESSES=0: one process.
 .venv/bin/python -m pytest tests/e2e tests/netns tests/slurm -n "${DDLF_TEST_PROCESSES:-2}" --dist loadfile \
-  --no-loadscope-reorder --durations=15 "$@"
+  --durations=15 "$@"

@@ -44,28 +44,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(lambda: shutil.rmtree(store, ignore_errors=True))
 
 
-SLOW_SECONDS = 25.0
-"""What a test marked ``slow`` (about 15 s or more here) is reckoned to take when modules are ordered (below)."""
-OTHER_SECONDS = 1.5
-"""What any other test is reckoned to take."""
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Where pytest-xdist hands whole modules to its processes (``--dist loadfile``, as ``scripts/test.sh`` runs the
-    end-to-end tests, with ``--no-loadscope-reorder``), hand out the longest modules first: a long module that came
-    last would run alone while the other process idles (the longest-processing-time rule). A module's length is
-    reckoned from its tests' ``slow`` marks (:data:`SLOW_SECONDS`, :data:`OTHER_SECONDS`); the tests keep their
-    order within a module. Elsewhere the order is pytest's."""
-    if config.getoption("dist", "no") != "loadfile":
-        return
-    length: dict[str, float] = {}
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        slow = item.get_closest_marker("slow") is not None
-        length[module] = length.get(module, 0.0) + (SLOW_SECONDS if slow else OTHER_SECONDS)
-    items.sort(key=lambda item: -length[item.nodeid.split("::", 1)[0]])  # stable: each module's own order stays
-
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Helper processes (``python -m benchmarks.relay``, ``tests/netns/multihost_master.py``) import from the checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)

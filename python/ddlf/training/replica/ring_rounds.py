@@ -79,6 +79,9 @@ def _weighted_mean(
         if not idx:
             continue
         sizes = [arrays[i].size for i in idx]
+        # A new buffer at every call, never a reused one: the results are views of it, and Keras on JAX keeps a
+        # 64-byte-aligned array's memory as a variable's value (no copy), so a reused buffer would be rewritten
+        # under the model's weights by the next reduction.
         flat = np.empty(sum(sizes) + 1, dtype=kind)
         views, at = [], 0
         for i, n in zip(idx, sizes):
