@@ -286,6 +286,11 @@ class WireOverflowWarning(DdlfWarning, RuntimeWarning):
     """An update overflowed float16 on the ring and was skipped on every worker."""
 
 
+class OptimizerStateWarning(DdlfWarning, RuntimeWarning):
+    """The master's model could not take the run's optimizer state (``ddlf.training.master_optimizer``): the
+    trained weights are kept; its optimizer is not what ``fit`` would leave."""
+
+
 class ConfigWarning(DdlfWarning, UserWarning):
     """An option that works but is probably not what was meant."""
 

@@ -128,10 +128,13 @@ def test_csv_logger_and_model_checkpoint_write_as_in_fit(cluster: ddlf.Cluster, 
 def test_backup_and_restore_resumes_an_interrupted_run_as_fit_does(cluster: ddlf.Cluster, tmp_path: Path) -> None:
     """``keras.callbacks.BackupAndRestore``: a run interrupted after its second epoch is resumed by the next
     ``train`` with the same backup directory from its third epoch, the master's model (and so every worker)
-    starting from the backed-up weights, as ``fit`` resumes."""
+    starting from the backed-up weights and optimizer state, as ``fit`` resumes."""
+
+    steps: list[int] = []
 
     class Interrupt(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
+            steps.append(int(self.model.optimizer.iterations.numpy()))
             if epoch == 1:
                 raise RuntimeError("preempted")
 
@@ -148,9 +151,12 @@ def test_backup_and_restore_resumes_an_interrupted_run_as_fit_does(cluster: ddlf
     backed_up = [np.array(w) for w in app.model.get_weights()]  # the backup was written before the interruption
 
     resumed = SmallMnist(cluster)
-    seen: dict[str, list] = {"epochs": [], "start": []}
+    seen: dict[str, list] = {"epochs": [], "start": [], "steps": []}
     probe = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs: seen["start"].append([np.array(w) for w in resumed.model.get_weights()]),
+        on_train_begin=lambda logs: (
+            seen["start"].append([np.array(w) for w in resumed.model.get_weights()]),
+            seen["steps"].append(int(resumed.model.optimizer.iterations.numpy())),
+        ),
         on_epoch_begin=lambda epoch, logs: seen["epochs"].append(epoch),
     )
     history = resumed.train(
@@ -164,6 +170,10 @@ def test_backup_and_restore_resumes_an_interrupted_run_as_fit_does(cluster: ddlf
     for got, want in zip(seen["start"][0], backed_up):
         np.testing.assert_array_equal(got, want)
     assert next(e for e in history.events if e["event"] == "resumed")["epochs_done"] == 2
+    # the optimizer too, as fit's backup holds it: the workers go on from its step count and moments
+    per_epoch = steps[0]
+    assert per_epoch > 0 and steps == [per_epoch, 2 * per_epoch] and seen["steps"] == [2 * per_epoch]
+    assert int(resumed.model.optimizer.iterations.numpy()) == 4 * per_epoch
 
 
 def test_tensorboard_and_progbar_logger_behave_as_in_fit(

@@ -38,7 +38,7 @@ from ..frameworks.loading import guard_torch_compiler
 from ..frameworks.seeding import set_random_seed
 from ..process import frozen_heap
 from ..report.training import check_report_path, write_report
-from . import checkpoint
+from . import checkpoint, master_optimizer
 from . import replica as remote
 from .asynchronous import train_async as _train_async
 from .callbacks import ProgressBar
@@ -430,6 +430,9 @@ class IApp:
         if restored:
             initial_epoch = max(initial_epoch, int(restored))
             members.note("resumed", epochs_done=initial_epoch, checkpoint="keras.callbacks.BackupAndRestore")
+        # As the next fit goes on from its model's optimizer, the workers start from the master's (the last run's,
+        # or one loaded or restored with the model), unless ddlf's own checkpoint gave each worker its own.
+        adopted = resumed is None and master_optimizer.push(self, cfg, live)
         run = TrainingRun(
             app=self,
             cfg=cfg,
@@ -442,12 +445,15 @@ class IApp:
             validation_data=validation_data,
             resumed=resumed,
             resume_position=int(resumed.get("epoch_position", 0)) if resumed is not None else 0,
+            optimizer_adopted=adopted,
         )
         catching = cfg.run.preemption_signals if cfg.run.checkpoint_dir else ()
         try:
             # The master's long-lived objects out of the collector's full scans while the epochs run (process.py)
             with Preemption(catching) as run.preemption, frozen_heap():
                 loop(run)
+            if not run.optimizer_pulled:
+                master_optimizer.pull(run)  # the master's model ends as fit leaves it: its optimizer stepped
         except BaseException:
             if cfg.run.report:  # the report of a failed run helps; failing to write it must not hide why it failed
                 with contextlib.suppress(Exception):

@@ -79,10 +79,11 @@ class RingExchange:
         self.sharded_ring: tuple[tuple[int, int], ...] | None = None
         """With sharded optimizer state: the members (worker, daemon instance) of the last round, whose shards
         the workers hold..."""
-        self.shards_held = bool(
+        self.shards_held = run.optimizer_adopted or bool(
             run.resumed and any((s or {}).get("optimizer_shard") for s in run.resumed.get("worker_states", {}).values())
         )
-        """...and whether any worker holds optimizer state (after a round, or restored from a checkpoint)."""
+        """...and whether any worker holds optimizer state (after a round, restored from a checkpoint, or the
+        master's: :func:`.master_optimizer.push`)."""
 
     # -- what the loop asks ---------------------------------------------------------------------------------
 

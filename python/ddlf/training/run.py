@@ -27,11 +27,11 @@ from ..errors import (
     WorkerLostWarning,
     WorkerUnavailable,
 )
-from . import checkpoint
+from . import checkpoint, master_optimizer
 from . import replica as remote
 from .evaluation import contiguous_parts, evaluate_on_workers
 from .history import History, RoundStats
-from .keras_callbacks import learning_rate
+from .keras_callbacks import KerasCallback, learning_rate
 from .membership import Members
 from .messages import WorkerResult
 from .options import TrainConfig
@@ -70,6 +70,10 @@ class TrainingRun:
     """The signals that end this run at a round boundary (:mod:`.preemption`; None: none caught)."""
     resume_position: int = 0
     """Where in ``initial_epoch`` a preempted run resumes (its plan's :meth:`seek`)."""
+    optimizer_adopted: bool = False
+    """Whether the workers started from the master's optimizer state (:func:`.master_optimizer.push`)."""
+    optimizer_pulled: bool = False
+    """Whether the master's optimizer holds the workers' state as of now (:func:`.master_optimizer.pull`)."""
 
     def __post_init__(self) -> None:
         self.start_learning_rate = learning_rate(self.app.model)
@@ -143,6 +147,7 @@ class TrainingRun:
     def begin_epoch(self, epoch: int) -> float:
         """Open an epoch; returns its start time."""
         self.members.epoch = epoch
+        self.optimizer_pulled = False
         for cb in self.callbacks:
             cb.on_epoch_begin(epoch)
         return time.perf_counter()
@@ -176,6 +181,10 @@ class TrainingRun:
         if self.cfg.validates(epoch):
             logs.update(self.validation_logs(weights))
         self.history.record_epoch(logs, time.perf_counter() - t_epoch)
+        if any(isinstance(cb, KerasCallback) for cb in self.callbacks):
+            # Keras' callbacks see the model as fit shows it, its optimizer too (BackupAndRestore and
+            # ModelCheckpoint save it with the weights)
+            self.optimizer_pulled = master_optimizer.pull(self)
         for cb in self.callbacks:
             cb.on_epoch_end(epoch, logs)
         app.epochs_done = epoch + 1

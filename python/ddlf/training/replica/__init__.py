@@ -68,6 +68,16 @@ def restore_state(run_id: str, state: dict[str, Any]) -> None:
     SESSIONS.get(run_id).restore(state)
 
 
+def optimizer_state(run_id: str) -> dict[str, Any]:
+    """Run ``run_id``'s optimizer state here, for the master's model (:meth:`.session.Session.held_optimizer_state`)."""
+    return SESSIONS.get(run_id).held_optimizer_state()
+
+
+def adopt_optimizer_state(run_id: str, state: dict[str, Any]) -> None:
+    """Start run ``run_id`` here from the master's optimizer state (:meth:`.session.Session.adopt_optimizer_state`)."""
+    SESSIONS.get(run_id).adopt_optimizer_state(state)
+
+
 def train_chunk(worker: Any, spec: MasterRound) -> dict[str, Any]:
     """A round through the master, or an asynchronous chunk."""
     round_started()  # refused while the worker drains; else a stop interrupts it (ddlf.worker.drain)

@@ -145,6 +145,17 @@ class Session:
         generators' state, its top-k residual and its outer momentum. Saved in checkpoints, so a resumed run
         continues identically."""
         model = self.model
+        unfinished = self.in_flight is not None
+        return {
+            **self.held_optimizer_state(),
+            "rng": self.rng_start if unfinished and self.rng_start is not None else rng_state(model),
+            "residual": self.residual,
+            "outer": self.outer.state() if self.outer is not None else None,
+        }
+
+    def held_optimizer_state(self) -> dict[str, Any]:
+        """This worker's optimizer state: ``optimizer`` (the model's optimizer, None before it is built) and
+        ``optimizer_shard`` (with sharded optimizer state: the shard it holds, :meth:`.sharded.Held.to_dict`)."""
         # A gradient-averaging round that did not end here leaves the optimizer part-way through it: the state
         # that goes with the last reduced weights is the one the round started from.
         unfinished = self.in_flight is not None
@@ -157,15 +168,34 @@ class Session:
         optimizer = None
         if unfinished:
             optimizer = self.optimizer_start  # None: not built when the round started (a fresh one on resume)
-        elif optimizer_built(model):
-            optimizer = optimizer_state(model)
-        return {
-            "optimizer": optimizer,
-            "optimizer_shard": held.to_dict() if held is not None else None,
-            "rng": self.rng_start if unfinished and self.rng_start is not None else rng_state(model),
-            "residual": self.residual,
-            "outer": self.outer.state() if self.outer is not None else None,
-        }
+        elif optimizer_built(self.model):
+            optimizer = optimizer_state(self.model)
+        return {"optimizer": optimizer, "optimizer_shard": held.to_dict() if held is not None else None}
+
+    def adopt_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Start this run from the master's optimizer state (its model's, as after ``fit``: the last run's, or one
+        a callback restored): ``optimizer`` for the model's own optimizer, every variable but the learning rate
+        (the rate is the run's: compiled, scaled, or set by a callback), or ``optimizer_shard`` (the whole
+        state, with sharded optimizer state: this worker cuts its shard from it at the first round)."""
+        if state.get("optimizer_shard") is not None:
+            from .sharded import Held
+
+            self.restored_shard = Held.from_dict(state["optimizer_shard"])
+        values = state.get("optimizer")
+        model = self.model
+        if values is None or hasattr(model, "get_optimizer_state"):
+            return
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        variables = model.optimizer.variables
+        if len(variables) != len(values) or any(tuple(v.shape) != np.shape(a) for v, a in zip(variables, values)):
+            raise ValueError(
+                f"the master's optimizer state ({len(values)} arrays) does not fit this worker's optimizer "
+                f"({len(variables)} variables): create_model must build the same model and optimizer everywhere"
+            )
+        for v, a in zip(variables, values):
+            if v.name != "learning_rate":
+                v.assign(a)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Put back what :meth:`state` returned (after setup on a fresh or restarted worker)."""
