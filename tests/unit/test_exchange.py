@@ -89,6 +89,7 @@ def test_a_preemption_checkpoint_never_pairs_old_weights_with_a_later_round() ->
         cluster = Gone()
         cfg = Cfg()
         resumed = None
+        optimizer_adopted = False
 
     start = [np.zeros(3, np.float32)]
     ex = RingExchange(Run(), start)  # type: ignore[arg-type]
