@@ -120,6 +120,35 @@ def test_script_values_functions_and_neighbour_modules_reach_the_workers(tmp_pat
     assert all("ddlf-modules-" in path for path in out["imported_from"])  # the shipped copies
 
 
+def test_an_edited_neighbour_module_reaches_the_workers_again(tmp_path) -> None:
+    """A module beside the script edited while the script runs (a notebook's reload): the workers import the new
+    version, both for a script function that refers to it and for the module's own function, as the master does
+    after ``importlib.reload``."""
+    files = {
+        "helper.py": "def value():\n    return 1\n",
+        "main.py": """
+            import importlib, json
+            import ddlf
+            import helper
+
+            def use():
+                return helper.value()
+
+            out = {}
+            with ddlf.Cluster.local(2) as cluster:
+                out["before"] = cluster.run(use) + cluster.run(helper.value)
+                with open(helper.__file__, "w") as f:
+                    f.write("def value():\\n    return 20\\n")
+                importlib.reload(helper)
+                out["after"] = cluster.run(use) + cluster.run(helper.value)
+                out["again"] = cluster.run(use)
+            print(json.dumps(out))
+            """,
+    }
+    out = _run(tmp_path, files)
+    assert out == {"before": [1, 1, 1, 1], "after": [20, 20, 20, 20], "again": [20, 20]}
+
+
 def test_a_neighbour_module_finds_the_data_beside_it_on_the_same_host(tmp_path) -> None:
     # The master's file exists on this host with the same content: workers import it from there, so a path
     # computed from its __file__ (the data directory beside it) means the same on both sides.

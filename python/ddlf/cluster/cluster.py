@@ -471,7 +471,6 @@ class Cluster(Collectives):
         self._dispatch.upload(name, files_digest(files), files, self._targets(None), timeout)
         self._replay.record("module", name, files)
         self._dispatch.shipped[name] = "uploaded"  # the user's choice wins over automatic shipping
-        self._dispatch.ship_done.clear()
         return name
 
     def clean(self, *, timeout: float | None = None) -> None:

@@ -8,6 +8,7 @@ or without it, and each worker's context.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -37,8 +38,8 @@ class Dispatch:
         self.pickled = serialization.PickledFunctions()
         self.shipped: dict[str, str] = {}
         """Local module -> digest shipped to the workers (``"uploaded"``: by ``upload_module``, which wins)."""
-        self.ship_done: set[frozenset[str]] = set()
-        """Module sets already shipped with their imports."""
+        self.closures: dict[frozenset[str], list[str]] = {}
+        """Each set of modules sent code referred to, with the local modules they import in turn."""
 
     def close(self) -> Any:
         """Stop sending; returns the client that was open (for the caller to shut daemons down through)."""
@@ -101,15 +102,30 @@ class Dispatch:
             self.ship(modules, None)
         return encoded
 
-    def ship(self, modules: Iterable[str], timeout: float | None) -> None:
+    def ship(self, modules: Iterable[str], timeout: float | None) -> str:
         """Make the local modules (beside the script) that code or values sent to workers refer to importable on
         every worker, with the local modules they import in turn: each version once (the workers skip a version
-        they hold), replayed to a daemon that restarts. See :mod:`ddlf.shipping`."""
+        they hold; a module edited since is shipped again, and the workers import it anew), replayed to a daemon
+        that restarts. See :mod:`ddlf.shipping`. Returns a digest of the versions now in place (it changes when
+        any of them is edited)."""
         asked = frozenset(modules)
-        if asked in self.ship_done:
-            return  # the common case: every call of a pushed function refers to the same modules
-        for name in local_closure(asked):
-            if name in self.shipped and self.shipped[name] == "uploaded":
+        closure = self.closures.get(asked)
+        if closure is None:
+            closure = self.closures[asked] = local_closure(asked)
+        elif self._ship_each(closure, timeout):
+            closure = self.closures[asked] = local_closure(asked)  # an edit may import other local modules now
+        self._ship_each(closure, timeout)
+        h = hashlib.sha256()
+        for name in closure:
+            h.update(f"{name}\0{self.shipped.get(name, '')}\0".encode())
+        return h.hexdigest()
+
+    def _ship_each(self, names: list[str], timeout: float | None) -> bool:
+        """Ship each of ``names`` whose version on disk the workers were not given yet (a ``stat`` of its sources
+        tells); returns whether any was."""
+        shipped_any = False
+        for name in names:
+            if self.shipped.get(name) == "uploaded":
                 continue
             try:
                 digest, files = Shipment.files(name)
@@ -128,7 +144,8 @@ class Dispatch:
                 self.upload(name, digest, shipment, need, timeout)
             self.replay.record("module", name, shipment)
             self.shipped[name] = digest
-        self.ship_done.add(asked)
+            shipped_any = True
+        return shipped_any
 
     def upload(self, name: str, digest: str, payload: Any, targets: list[int], timeout: float | None) -> list[Any]:
         """Upload a module's files (or a probe for them) to the targets."""
@@ -162,7 +179,10 @@ class Dispatch:
             return fn, ""
         fname, digest, blob, modules = self.pickled.get(fn, name)
         if modules:
-            self.ship(modules, timeout)
+            # The function's version includes the modules it refers to: one edited since is pushed again, and the
+            # workers unpickle it anew, so that its globals refer to the new module (as a master's reload does).
+            versions = self.ship(modules, timeout)
+            digest = hashlib.sha256(f"{digest}\0{versions}".encode()).hexdigest()
         pool = range(len(self)) if targets is None else targets
         known = self.recovery.known
         missing = [i for i in pool if known[i].get(fname) != digest]

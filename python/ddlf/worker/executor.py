@@ -381,11 +381,15 @@ class Executor:
         if not isinstance(files, dict) or not isinstance(options, dict):
             raise _Failure("BAD_REQUEST", "TypeError", "a module upload is a {path: bytes} dict")
         key = (name, bool(options.get("prefer_native")))
-        if digest and self._module_digests.get(key) == digest:
+        held = self._module_digests.get(key)
+        if digest and held == digest:
             return True  # this version is here already (shipped by another master, or replayed)
         if key[1] and digest and self._native_digest(name) == digest:
             # The very same code is importable here already (the same file on this host, or installed): use it,
-            # so that its __file__ (and the data files beside it) stay where they are.
+            # so that its __file__ (and the data files beside it) stay where they are. An older version this
+            # interpreter imported (the file was edited since) is forgotten: the next import reads the new one.
+            if held is not None:
+                _forget_module(name)
             self._module_digests[key] = digest
             return True
         origin = options.get("origin")
