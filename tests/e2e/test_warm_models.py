@@ -87,3 +87,38 @@ def test_another_architecture_is_built_fresh_and_both_are_kept() -> None:
         both = c.call(_kept)[0]
         assert len(both) == 2 and set(first) < set(both)
         assert h.history["loss"][-1] < h.history["loss"][0]
+
+
+class RankedLabels(ddlf.IApp):
+    """The same model for labels shaped ``(n,)`` or ``(n, 1)``: a step traced for one rank cannot take the other."""
+
+    def __init__(self, cluster: ddlf.Cluster, column: bool) -> None:
+        super().__init__(cluster)
+        self.column = column
+        self.dataset_key = f"warm-ranked-labels-{column}"
+
+    def load_dataset(self) -> Any:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((200, 6)).astype(np.float32)
+        y = (x[:, 0] > 0).astype(np.int64)
+        return x, (y[:, None] if self.column else y)
+
+    def create_model(self) -> Any:
+        import keras
+
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2, activation="softmax")])
+        model.compile("sgd", "sparse_categorical_crossentropy")
+        return model
+
+
+@pytest.mark.parametrize("strategy", [ddlf.GradientAveraging(), ddlf.ModelAveraging(every=5)], ids=["ga", "ma"])
+def test_a_kept_model_is_not_lent_to_data_of_another_shape(cluster: ddlf.Cluster, strategy: Any) -> None:
+    """The same architecture fed labels of another rank trains as a cold run does (a fresh model, traced for its
+    data), and each kind of data then finds its own kept model."""
+    losses = []
+    for column in (False, True, False, True):
+        h = RankedLabels(cluster, column).train(epochs=1, batch_size=32, verbose=0, strategy=strategy)
+        losses.append(h.history["loss"][0])
+    assert all(np.isfinite(losses))
+    assert losses[0] == losses[2] and losses[1] == losses[3]  # warm runs learn what the cold ones did
+    assert [len(k) for k in cluster.run(_kept)] == [2, 2]

@@ -119,7 +119,8 @@ class Sessions:
         if hasattr(model, "set_rng_state"):
             set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
         self.admit(worker, run_id)
-        model, stepper, key = warm.lend(model)  # an earlier run's traced model, holding this one's initial state
+        # an earlier run's traced model (for data of the same shapes), holding this one's initial state
+        model, stepper, key = warm.lend(model, warm.data_signature(app, parts, fit))
         self.by_id[run_id] = Session(
             run_id, app, model, parts, rows, fit, n_shards, stepper=stepper, warm_key=key, identity=identity
         )

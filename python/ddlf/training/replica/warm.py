@@ -9,7 +9,8 @@ run's seed) and then copies everything of the new model into the kept one: weigh
 has them; its metrics are reset. The run then continues exactly as it would have on the new model (tested: a warm
 run's history and weights equal a cold run's, bit for bit), and the kept step functions are not traced again.
 
-Only Keras ``Sequential`` and functional models made of Keras's own layers, losses and metrics are lent (their
+A kept model is lent only to a run whose data has the same shapes (:func:`data_signature`): its step was traced
+for them. Only Keras ``Sequential`` and functional models made of Keras's own layers, losses and metrics are lent (their
 configuration describes all of their code); a subclassed model, a custom layer, loss or metric (whose code may
 change between runs while its configuration does not), a ``TorchModel``, or a model whose configuration cannot be
 read is always built fresh. A model is lent to one run at a time; at most :data:`KEEP` are kept per worker process
@@ -125,10 +126,31 @@ def _same_structure(a: list[Any], b: list[Any]) -> bool:
     )
 
 
-def lend(model: Any) -> tuple[Any, Any, str | None]:
-    """``(model, stepper, key)`` for a run that built ``model``: a kept model holding ``model``'s initial state, with
-    its stepper, or ``model`` itself with no stepper yet. ``key`` goes back to :func:`keep` at the run's end."""
+def data_signature(app: Any, parts: Any, fit: Any) -> str:
+    """What the data a run feeds its step must share with the kept model's runs for its traced step to take it:
+    each array's dtype, rank and row shape and how they make up ``x``, ``y`` and the sample weights, whether weights
+    come with the batches, and the app's ``preprocess`` (which may change any of these: its code, pickled). A step
+    traced for labels of one rank fails on another's (Keras' losses squeeze by the traced rank)."""
+    import hashlib
+
+    import cloudpickle
+
+    leaves = [(str(getattr(a, "dtype", type(a).__name__)), tuple(getattr(a, "shape", ())[1:])) for a in parts.leaves]
+    weighted = fit.class_weight is not None or fit.sample_weight is not None
+    try:
+        preprocess = hashlib.sha256(cloudpickle.dumps(type(app).preprocess)).hexdigest()
+    except Exception:  # not picklable: never the same as another run's
+        preprocess = repr(id(app))
+    return json.dumps([leaves, repr(parts.specs), weighted, preprocess], default=repr)
+
+
+def lend(model: Any, data: str = "") -> tuple[Any, Any, str | None]:
+    """``(model, stepper, key)`` for a run that built ``model`` and feeds it ``data`` (:func:`data_signature`): a
+    kept model holding ``model``'s initial state, with its stepper, or ``model`` itself with no stepper yet.
+    ``key`` goes back to :func:`keep` at the run's end."""
     key = fingerprint(model)
+    if key is not None:
+        key = f"{key}\n{data}"
     if key is None or key not in _KEPT:
         return model, None, key
     kept, stepper = _KEPT.pop(key)
