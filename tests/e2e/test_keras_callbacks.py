@@ -109,6 +109,39 @@ def test_a_learning_rate_set_by_a_callback_reaches_every_worker(cluster: ddlf.Cl
     assert float(np.asarray(app.model.optimizer.learning_rate)) == pytest.approx(2.5e-4)
 
 
+def test_history_holds_what_fits_history_holds_from_initial_epoch_with_the_learning_rate(
+    cluster: ddlf.Cluster, tmp_path: Path
+) -> None:
+    """``History.epoch`` counts from ``initial_epoch``, and the ``learning_rate`` that ``LearningRateScheduler``
+    adds to an epoch's logs reaches History and the callbacks after it (``CSVLogger``), as in ``fit``, where
+    every callback shares one logs dict and History comes last."""
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    y = np.random.default_rng(1).standard_normal((64, 1)).astype(np.float32)
+
+    def callbacks(csv: Path) -> list:
+        schedule = keras.callbacks.LearningRateScheduler(lambda e, lr: 1e-3 * (e + 1))
+        return [schedule, keras.callbacks.CSVLogger(str(csv))]
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    want = model.fit(x, y, epochs=3, initial_epoch=1, verbose=0, callbacks=callbacks(tmp_path / "fit.csv"))
+
+    app = SmallMnist(cluster)
+    got = app.train(
+        epochs=3,
+        initial_epoch=1,
+        batch_size=64,
+        verbose=0,
+        callbacks=callbacks(tmp_path / "ddlf.csv"),
+        strategy=ddlf.ModelAveraging(every=10),
+    )
+    assert got.epoch == want.epoch == [1, 2]
+    assert sorted(got.history) == sorted([*want.history, "accuracy"])  # SmallMnist compiles an accuracy metric
+    assert got.history["learning_rate"] == pytest.approx(want.history["learning_rate"]) == [0.002, 0.003]
+    header = (tmp_path / "ddlf.csv").read_text().splitlines()[0].split(",")
+    assert "learning_rate" in header and (tmp_path / "fit.csv").read_text().splitlines()[0].count("learning_rate")
+
+
 def test_csv_logger_and_model_checkpoint_write_as_in_fit(cluster: ddlf.Cluster, tmp_path: Path) -> None:
     csv = tmp_path / "log.csv"
     ckpt = tmp_path / "best.weights.h5"

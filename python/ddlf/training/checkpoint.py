@@ -74,6 +74,7 @@ def save(
         "history": {
             "history": history.history,
             "epoch_seconds": history.epoch_seconds,
+            "epoch": history.epoch,
             "stats": [asdict(s) for s in history.stats],
             "events": history.events,
         },
@@ -149,6 +150,7 @@ def restore_history(history: History, saved: dict[str, Any]) -> None:
     """Put the saved History back (params stay those of the new run)."""
     history.history = {k: list(v) for k, v in saved["history"].items()}
     history.epoch_seconds = list(saved["epoch_seconds"])
+    history.recorded_epochs = list(saved.get("epoch", range(len(history.epoch_seconds))))
     history.stats = [RoundStats(**s) for s in saved["stats"]]
     history.events = list(saved["events"])
 

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass
 class RoundStats:
@@ -79,15 +81,31 @@ class History:
     """Faults and membership changes during training (worker lost, rejoined, restarted, added, removed; resumed
     from a checkpoint), each with its time, epoch and round."""
 
+    recorded_epochs: list[int] = field(default_factory=list)
+    """The index of each epoch recorded (a run from ``initial_epoch`` starts there)."""
+
     @property
     def epoch(self) -> list[int]:
-        """Epoch indices recorded (Keras compatibility)."""
-        return list(range(len(self.epoch_seconds)))
+        """Epoch indices recorded, as Keras' ``History.epoch``."""
+        if len(self.recorded_epochs) == len(self.epoch_seconds):
+            return list(self.recorded_epochs)
+        return list(range(len(self.epoch_seconds)))  # a History from before epochs were recorded
 
-    def record_epoch(self, logs: dict[str, float], seconds: float) -> None:
+    def record_epoch(self, logs: dict[str, float], seconds: float, epoch: int | None = None) -> None:
+        """Record epoch ``epoch`` (default: the next index) with its ``logs`` and wall time."""
         for k, v in logs.items():
             self.history.setdefault(k, []).append(float(v))
         self.epoch_seconds.append(seconds)
+        self.recorded_epochs.append(len(self.epoch_seconds) - 1 if epoch is None else int(epoch))
+
+    def record_added(self, logs: dict[str, Any], recorded: Iterable[str]) -> None:
+        """Add the numeric logs a callback put into an epoch's ``logs`` after :meth:`record_epoch` took the keys
+        ``recorded`` (Keras' ``LearningRateScheduler`` and ``ReduceLROnPlateau`` add ``learning_rate``, which
+        ``fit``'s History, the last callback, records)."""
+        done = set(recorded)
+        for k, v in logs.items():
+            if k not in done and isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
+                self.history.setdefault(k, []).append(float(v))
 
     def summary(self) -> dict[str, Any]:
         """Totals over the run: per worker (:func:`worker_totals`) and the seconds of each epoch."""

@@ -96,7 +96,8 @@ class KerasCallback(Callback):
         self._after()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self.callback.on_epoch_end(epoch, dict(logs or {}))
+        # the run's own dict, as fit hands it on: LearningRateScheduler and ReduceLROnPlateau add learning_rate
+        self.callback.on_epoch_end(epoch, logs if logs is not None else {})
         self._after()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:

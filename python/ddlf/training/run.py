@@ -180,13 +180,15 @@ class TrainingRun:
         logs = weighted_logs([r for r in results if r.samples > 0])
         if self.cfg.validates(epoch):
             logs.update(self.validation_logs(weights))
-        self.history.record_epoch(logs, time.perf_counter() - t_epoch)
+        self.history.record_epoch(logs, time.perf_counter() - t_epoch, epoch)
+        recorded = list(logs)
         if any(isinstance(cb, KerasCallback) for cb in self.callbacks):
             # Keras' callbacks see the model as fit shows it, its optimizer too (BackupAndRestore and
             # ModelCheckpoint save it with the weights)
             self.optimizer_pulled = master_optimizer.pull(self)
         for cb in self.callbacks:
-            cb.on_epoch_end(epoch, logs)
+            cb.on_epoch_end(epoch, logs)  # one dict for all, as in fit: what a callback adds, the next ones see
+        self.history.record_added(logs, recorded)  # History is fit's last callback
         app.epochs_done = epoch + 1
         return bool(app.stop_training)
 
