@@ -89,12 +89,19 @@ def test_bad_inputs_are_refused_clearly_and_the_workers_keep_serving(four: ddlf.
         four.allreduce("i", "max")
     with pytest.raises(ValueError, match="streams must be 1 to 16"):
         four.allreduce("i", streams=0)
-    # Workers that pass different sizes: every one fails (none adds unrelated bytes), naming the mismatch.
+    # Workers that hold different sizes or dtypes: refused before any of them joins the ring (none adds unrelated
+    # bytes, none waits for the one that cannot join), naming the workers and what they hold.
     four.scatter("d", [np.ones(4 + (w == 2), np.float32) for w in range(4)])
-    with pytest.raises(RemoteError) as info:
+    with pytest.raises(ValueError, match=r"worker 0 holds float32 \(4,\), worker 2 float32 \(5,\)"):
         four.allreduce("d")
-    assert any("elements" in str(e) for e in info.value.exceptions)
     assert [len(v) for v in four.get("d")] == [4, 4, 5, 4]  # unchanged
+    four.scatter("t", [np.ones(3, np.int32 if w == 1 else np.float32) for w in range(4)])
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match="int32; only float32 and float64"):
+        four.allreduce("t", timeout=60)
+    assert time.monotonic() - t0 < 10  # not the timeout: the others never entered the ring
+    with pytest.raises(ValueError, match="worker 0 more than once"):
+        four.allreduce("ok", workers=[0, 0])
     four.scatter("ok", [np.full(3, w, np.float32) for w in range(4)])
     four.allreduce("ok", "sum")
     assert all(np.array_equal(v, np.full(3, 6.0, np.float32)) for v in four.get("ok"))
@@ -352,18 +359,29 @@ def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training
         local.terminate()
 
 
+def _reduce_t(worker, spec) -> None:
+    from ddlf.collective import reduce_arrays
+
+    reduce_arrays([worker.vars["t"]], spec, "sum")
+
+
 def test_allreduce_with_a_stopped_worker_fails_fast_and_names_it() -> None:
     local = ddlf.cluster.local.LocalWorkers(3, threads=1)
     try:
         c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=2.0)
         c.scatter("t", [np.ones(1000, np.float32)] * 3)
         c.allreduce("t")  # the ring forms and works
+        # A member stopped while the others are in the ring (the ring's own path, as a worker's function
+        # reduces with ddlf.collective; cluster.allreduce checks every member before any joins it).
+        plan = c.ring()
+        c.add_function(_reduce_t)  # on every worker before one stops
         os.kill(local.pids()[2], signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.warns(RuntimeWarning, match="worker 2 .* lost"), pytest.raises(ddlf.DdlfError) as info:
-            c.allreduce("t", "sum")
+            c.run_each(_reduce_t, [(plan.spec(w),) for w in plan.workers])
         took = time.monotonic() - t0
         assert took < 2.0 + 0.5 + 3.0, took
+        c.retire_ring(plan)
         # The stopped worker is named unavailable (the master's heartbeat); the survivors say why their ring
         # ended (the probe of its daemon went unanswered).
         subs = list(getattr(info.value, "exceptions", [info.value]))
@@ -372,6 +390,16 @@ def test_allreduce_with_a_stopped_worker_fails_fast_and_names_it() -> None:
         # The survivors kept their values unchanged and still serve.
         os.kill(local.pids()[2], signal.SIGCONT)
         assert wait_until(lambda: c.recover() == [2] or not c.lost_workers, 10)
+        assert all(np.array_equal(v, np.ones(1000, np.float32)) for v in c.get("t", workers=[0, 1]))
+        # cluster.allreduce with a member stopped before the call: it fails as fast, naming it.
+        os.kill(local.pids()[2], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="worker 2 .* lost"), pytest.raises(ddlf.DdlfError) as info:
+            c.allreduce("t", "sum")
+        assert time.monotonic() - t0 < 2.0 + 0.5 + 3.0
+        subs = list(getattr(info.value, "exceptions", [info.value]))
+        assert any(isinstance(e, ddlf.WorkerUnavailable) and e.worker_id == 2 for e in subs), subs
+        os.kill(local.pids()[2], signal.SIGCONT)
         assert all(np.array_equal(v, np.ones(1000, np.float32)) for v in c.get("t", workers=[0, 1]))
         c.close()
     finally:

@@ -595,6 +595,9 @@ class Cluster(Collectives):
         for w in targets:
             if not 0 <= w < len(self):
                 raise IndexError(f"worker {w} out of range: the cluster has {len(self)} workers")
+        if len(set(targets)) != len(targets):
+            twice = sorted({w for w in targets if targets.count(w) > 1})
+            raise ValueError(f"workers names worker {', '.join(map(str, twice))} more than once: name each once")
         return targets
 
     def _check_per_worker(self, values: Sequence[Any], what: str) -> None:

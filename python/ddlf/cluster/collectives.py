@@ -72,6 +72,19 @@ class Collectives:
         check_op(op)
         check_wire(compression)
         plan = self.ring(workers, streams=streams, timeout=timeout, hierarchical=hierarchical)
+        # Every member's variable checked first, and compared: one that is missing, of another dtype or shape fails
+        # the call on all of them at once (in the ring, the others would wait out the timeout for it).
+        members = list(plan.workers)
+        described = self.run_each(
+            worker_collective.describe_variable, [(name,)] * len(members), workers=members, timeout=timeout
+        )
+        for w, d in zip(members, described):
+            if d != described[0]:
+                raise ValueError(
+                    f"allreduce: variable {name!r} differs between workers: worker {members[0]} holds "
+                    f"{_describe(described[0])}, worker {w} {_describe(d)}; every worker must hold the same "
+                    "dtypes and shapes (nothing was reduced)"
+                )
         args = [(name, plan.spec(w), op, compression) for w in plan.workers]
         try:
             self.run_each(worker_collective.allreduce_variable, args, workers=list(plan.workers), timeout=timeout)
@@ -118,3 +131,9 @@ class Collectives:
         """Forget a ring that failed (its workers closed its links): the next :meth:`ring` of those workers is a
         new one."""
         self._rings.retire(ring)
+
+
+def _describe(arrays: list[tuple[str, tuple[int, ...]]]) -> str:
+    """``float32 (3, 4)``, or a list of them."""
+    parts = [f"{dtype} {tuple(shape)}" for dtype, shape in arrays]
+    return parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"

@@ -71,10 +71,7 @@ def reduce_arrays(arrays: list[np.ndarray], spec: RingSpec, op: str = "mean", wi
     check_op(op)
     check_wire(wire)
     for i, a in enumerate(arrays):
-        if not isinstance(a, np.ndarray):
-            raise TypeError(f"allreduce: item {i} is {type(a).__name__}, not a numpy array")
-        if a.dtype not in (np.float32, np.float64):
-            raise TypeError(f"allreduce: array {i} is {a.dtype}; only float32 and float64 arrays are reduced")
+        _check_array(i, a)
         if not (a.flags.c_contiguous and a.flags.writeable):
             arrays[i] = np.array(a, order="C", copy=True)
     groups = [[i for i, a in enumerate(arrays) if a.dtype == kind] for kind in (np.float32, np.float64)]
@@ -138,17 +135,42 @@ def _flat(arrays: list[np.ndarray]) -> list[np.ndarray]:
     return [np.reshape(a, -1) for a in arrays]
 
 
-def allreduce_variable(worker: Any, name: str, spec: RingSpec, op: str, wire: str | None = None) -> None:
-    """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
-    tuple of arrays) in place with the ring's other members."""
+def _variable_arrays(worker: Any, name: str) -> tuple[Any, list[Any]]:
+    """The variable ``name`` and its arrays (itself, or the items of a list or tuple)."""
     if name not in worker.vars:
         raise KeyError(f"no variable named {name!r} on this worker")
     value = worker.vars[name]
-    single = isinstance(value, np.ndarray)
-    if not single and not isinstance(value, (list, tuple)):
+    if isinstance(value, np.ndarray):
+        return value, [value]
+    if not isinstance(value, (list, tuple)):
         raise TypeError(
             f"allreduce: variable {name!r} holds {type(value).__name__}; expected a numpy array or a list of them"
         )
-    arrays = [value] if single else list(value)
+    return value, list(value)
+
+
+def describe_variable(worker: Any, name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Run on every worker by :meth:`ddlf.Cluster.allreduce` before any of them joins the ring: the dtype and shape
+    of each array of variable ``name``, after the checks the reduction makes (raising as it would), so that a
+    variable that is missing, of the wrong kind or unlike the others' fails the call at once on every worker
+    instead of leaving the others waiting in the ring."""
+    _, arrays = _variable_arrays(worker, name)
+    for i, a in enumerate(arrays):
+        _check_array(i, a)
+    return [(a.dtype.name, tuple(a.shape)) for a in arrays]
+
+
+def _check_array(i: int, a: Any) -> None:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"allreduce: item {i} is {type(a).__name__}, not a numpy array")
+    if a.dtype not in (np.float32, np.float64):
+        raise TypeError(f"allreduce: array {i} is {a.dtype}; only float32 and float64 arrays are reduced")
+
+
+def allreduce_variable(worker: Any, name: str, spec: RingSpec, op: str, wire: str | None = None) -> None:
+    """Run on a worker by :meth:`ddlf.Cluster.allreduce`: reduce the variable ``name`` (an array, or a list or
+    tuple of arrays) in place with the ring's other members."""
+    value, arrays = _variable_arrays(worker, name)
+    single = isinstance(value, np.ndarray)
     reduce_arrays(arrays, spec, op, wire)
     worker.vars[name] = arrays[0] if single else (tuple(arrays) if isinstance(value, tuple) else arrays)
