@@ -99,6 +99,40 @@ def test_one_worker_in_order_matches_fit_exactly(cluster: ddlf.Cluster, case: st
         np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
 
 
+class OneRow(Plain):
+    """One row for two workers: one of them has no batch at all."""
+
+    dataset_key = "fit-args-one-row"
+
+    def load_dataset(self) -> Any:
+        x, y = _data()
+        return x[:1], y[:1]
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [ddlf.GradientAveraging(), ddlf.ModelAveraging(every=2), ddlf.Asynchronous(chunk=2)],
+    ids=["gradients", "model", "async"],
+)
+def test_fewer_rows_than_workers_train_as_fit_trains_them(cluster: ddlf.Cluster, strategy: Any) -> None:
+    """A worker whose share is no row trains nothing (its metrics were never built: no logs from it) and the run
+    reports what the other's batch gave; with gradient averaging the one step is fit's own."""
+    app = OneRow(cluster)
+    app.model = app.create_model()
+    start = app.model.get_weights()
+    h = app.train(epochs=1, batch_size=32, verbose=0, strategy=strategy, shuffle=False)
+    one = app.create_model()
+    one.set_weights(start)
+    x, y = app.load_dataset()
+    want = one.fit(x, y, epochs=1, batch_size=32, shuffle=False, verbose=0)
+    assert sorted(h.history) == sorted(want.history) and np.isfinite(h.history["loss"]).all()
+    if isinstance(strategy, ddlf.GradientAveraging):
+        assert h.history["loss"] == pytest.approx(want.history["loss"], rel=1e-5)
+        for a, b in zip(app.model.get_weights(), one.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert cluster.run(lambda: "serving") == ["serving", "serving"]
+
+
 def test_a_sample_weight_function_weighs_each_batch_as_the_same_array_would(cluster: ddlf.Cluster) -> None:
     """``sample_weight=f`` (run on the workers, on each raw batch) trains as fit with ``f``'s weights as an array."""
     app = Plain(cluster)

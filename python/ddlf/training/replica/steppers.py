@@ -294,6 +294,8 @@ class _KerasStepper(Stepper):
 
     def end(self) -> dict[str, float]:
         self._flush()
+        if not all(getattr(m, "built", True) for m in self.model.metrics):
+            return {}  # no batch here yet (fewer rows than workers): Keras builds compiled metrics on the first
         return {k: float(v) for k, v in self.model.get_metrics_result().items()}
 
     def set_learning_rate_factor(self, factor: float) -> None:
