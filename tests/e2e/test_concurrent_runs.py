@@ -196,6 +196,34 @@ def test_worker_subsets_train_from_two_threads_of_one_master(cluster: ddlf.Clust
     assert [st["runs"] for st in cluster.status()] == [[], []]  # and none once they ended
 
 
+def test_apps_trained_from_threads_learn_as_each_alone(cluster: ddlf.Cluster) -> None:
+    """Each app's model is created on the master from its run's seed (the process's global generators): two apps
+    started from threads at once still get the initial weights, and so the losses, each gets alone."""
+
+    def train(w: int, app_cls: type[SmallMnist]) -> list[float]:
+        h = app_cls(cluster).train(epochs=1, batch_size=64, verbose=0, run=ddlf.RunConfig(workers=[w], seed=5 + w))
+        return h.history["loss"]
+
+    pairs = ((0, SmallMnist), (1, OtherMnist))
+    alone = {w: train(w, cls) for w, cls in pairs}
+    together: dict[int, object] = {}
+
+    def run(w: int, cls: type[SmallMnist]) -> None:
+        try:
+            together[w] = train(w, cls)
+        except BaseException as exc:  # reported by the main thread
+            together[w] = exc
+
+    for _ in range(2):
+        together.clear()
+        threads = [threading.Thread(target=run, args=pair) for pair in pairs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert together == alone
+
+
 def test_bad_worker_subsets_are_refused(cluster: ddlf.Cluster) -> None:
     app = SmallMnist(cluster)
     with pytest.raises(IndexError, match="out of range"):

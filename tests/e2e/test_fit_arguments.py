@@ -133,6 +133,29 @@ def test_fewer_rows_than_workers_train_as_fit_trains_them(cluster: ddlf.Cluster,
     assert cluster.run(lambda: "serving") == ["serving", "serving"]
 
 
+class Empty(Plain):
+    dataset_key = "fit-args-empty"
+
+    def load_dataset(self) -> Any:
+        x, y = _data()
+        return x[:0], y[:0]
+
+
+class NotAModel(Plain):
+    def create_model(self) -> Any:
+        return "a model"
+
+
+def test_no_rows_and_no_model_are_refused_clearly_and_batch_size_none_is_fits_32(cluster: ddlf.Cluster) -> None:
+    with pytest.raises(ddlf.DatasetError, match=r"Empty\.load_dataset returned no rows"):
+        Empty(cluster).train(epochs=1, verbose=0, strategy=ddlf.ModelAveraging())
+    with pytest.raises(TypeError, match=r"create_model\(\) must return a compiled Keras model .* not str"):
+        NotAModel(cluster).train(epochs=1, verbose=0)
+    h = Plain(cluster).train(epochs=1, batch_size=None, verbose=0, strategy=ddlf.ModelAveraging())
+    assert h.params["batch_size"] == 32
+    assert cluster.run(lambda: "serving") == ["serving", "serving"]
+
+
 def test_a_sample_weight_function_weighs_each_batch_as_the_same_array_would(cluster: ddlf.Cluster) -> None:
     """``sample_weight=f`` (run on the workers, on each raw batch) trains as fit with ``f``'s weights as an array."""
     app = Plain(cluster)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from .. import serialization
 from ..cluster.cluster import Cluster
 from ..data.images import EncodedImages
 from ..data.structure import concatenate_rows
-from ..errors import WorkerUnavailable
+from ..errors import DatasetError, WorkerUnavailable
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
 from ..frameworks.seeding import set_random_seed
@@ -55,6 +56,9 @@ from .replica.sharded import check_shardable
 from .replica.steppers import check_steppable
 from .run import TrainingRun
 from .synchronous import train_sync as _train_sync
+
+_SEEDING = threading.Lock()
+"""Held while an app seeds the process's random generators and draws its model's initial weights from them."""
 
 
 class IApp:
@@ -109,7 +113,7 @@ class IApp:
     def train(
         self,
         epochs: int = 1,
-        batch_size: int = 32,
+        batch_size: int | None = 32,
         *,
         validation_data: tuple[Any, Any] | None = None,
         validation_split: float = 0.0,
@@ -160,15 +164,13 @@ class IApp:
         if strategy is None:  # ddlf's default, chosen for this model and cluster (ddlf.training.defaults)
             if not isinstance(run, RunConfig):
                 raise TypeError(f"run must be a ddlf.RunConfig, not {run!r}")
-            if self.model is None:
-                set_random_seed(run.seed)  # as _run seeds before it creates the model
-                self.model = self.create_model()
+            self._seed_and_build(run.seed)  # as _run does
             if run.resume and run.checkpoint_dir:
                 resumed = checkpoint.load(run.checkpoint_dir)
             strategy, reason = default_strategy(self.model, self._worker_count(run), resumed)
         cfg = TrainConfig(
             epochs=epochs,
-            batch_size=batch_size,
+            batch_size=32 if batch_size is None else batch_size,  # fit's default for None
             strategy=strategy,
             data=data if data is not None else DataConfig(),
             run=run,
@@ -328,6 +330,21 @@ class IApp:
         clone.model = None
         return serialization.dumps_inline(clone, modules)
 
+    def _seed_and_build(self, seed: int) -> None:
+        """Seed the process's random generators with the run's ``seed`` and, if the app has no model yet, create
+        it (its initial weights drawn from them): one app at a time, so that apps trained from threads at once
+        do not interleave their draws (each gets the weights its seed gives alone)."""
+        with _SEEDING:
+            set_random_seed(seed)
+            if self.model is None:
+                model = self.create_model()
+                if not (hasattr(model, "get_weights") and hasattr(model, "set_weights")):
+                    raise TypeError(
+                        f"{type(self).__name__}.create_model() must return a compiled Keras model or a "
+                        f"ddlf.models.TorchModel, not {type(model).__name__}"
+                    )
+                self.model = model
+
     def _run(
         self,
         loop: Any,
@@ -338,9 +355,7 @@ class IApp:
         mode: str,
     ) -> History:
         t_start = cfg.t0 = time.perf_counter()
-        set_random_seed(cfg.run.seed)
-        if self.model is None:
-            self.model = self.create_model()
+        self._seed_and_build(cfg.run.seed)
         if isinstance(cfg.strategy, GradientAveraging):
             check_steppable(self.model, self._worker_count(cfg.run))
             if cfg.strategy.shard_optimizer:
@@ -367,6 +382,12 @@ class IApp:
             if len(sizes) != 1:
                 raise ValueError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
             rows = members.rows = sizes.pop()
+        if rows == 0:  # fit refuses empty data too
+            self.cluster.call(remote.teardown, (cfg.run_id,), workers=members.candidates(), return_exceptions=True)
+            raise DatasetError(
+                f"{type(self).__name__}.load_dataset returned no rows to train on"
+                + (" (after validation_split)" if cfg.fit.validation_split else "")
+            )
         self.stop_training = False
         history.params = {
             "epochs": cfg.epochs,
