@@ -146,9 +146,14 @@ class NotAModel(Plain):
         return "a model"
 
 
-def test_no_rows_and_no_model_are_refused_clearly_and_batch_size_none_is_fits_32(cluster: ddlf.Cluster) -> None:
+def test_no_rows_and_no_model_are_refused_clearly_and_batch_size_none_is_32(
+    cluster: ddlf.Cluster,
+) -> None:
+    from ddlf.training import replica
+
     with pytest.raises(ddlf.DatasetError, match=r"Empty\.load_dataset returned no rows"):
         Empty(cluster).train(epochs=1, verbose=0, strategy=ddlf.ModelAveraging())
+    assert cluster.run(replica.runs) == [[], []]  # the refused run does not stay on the workers
     with pytest.raises(TypeError, match=r"create_model\(\) must return a compiled Keras model .* not str"):
         NotAModel(cluster).train(epochs=1, verbose=0)
     h = Plain(cluster).train(epochs=1, batch_size=None, verbose=0, strategy=ddlf.ModelAveraging())

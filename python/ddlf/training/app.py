@@ -345,6 +345,10 @@ class IApp:
                     )
                 self.model = model
 
+    def _abandon(self, cfg: TrainConfig, members: Members) -> None:
+        """Tear the run down on its workers before it trains (refused): nothing of it stays there."""
+        self.cluster.call(remote.teardown, (cfg.run_id,), workers=members.candidates(), return_exceptions=True)
+
     def _run(
         self,
         loop: Any,
@@ -380,10 +384,11 @@ class IApp:
         else:
             sizes = set(shard_rows)
             if len(sizes) != 1:
+                self._abandon(cfg, members)
                 raise ValueError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
             rows = members.rows = sizes.pop()
         if rows == 0:  # fit refuses empty data too
-            self.cluster.call(remote.teardown, (cfg.run_id,), workers=members.candidates(), return_exceptions=True)
+            self._abandon(cfg, members)
             raise DatasetError(
                 f"{type(self).__name__}.load_dataset returned no rows to train on"
                 + (" (after validation_split)" if cfg.fit.validation_split else "")
