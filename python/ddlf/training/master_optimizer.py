@@ -29,13 +29,11 @@ from . import replica as remote
 from .options import GradientAveraging
 from .replica.shard_optimizers import KerasShard, trainable_variables
 from .replica.sharded import join
+from .replica.state import LEARNING_RATE, set_optimizer_state
 
 if TYPE_CHECKING:
     from .options import TrainConfig
     from .run import TrainingRun
-
-_RATE = "learning_rate"
-"""The name of a Keras optimizer's learning-rate variable (a plain rate; a schedule has none)."""
 
 
 def keras_optimizer(model: Any) -> Any | None:
@@ -117,9 +115,8 @@ def set_mean(model: Any, states: list[list[np.ndarray]]) -> bool:
     fitting = [s for s in states if [np.shape(a) for a in s] == shapes]
     if not fitting:
         return False
-    for i, v in enumerate(variables):
-        if v.name != _RATE:
-            v.assign(_mean([np.asarray(s[i]) for s in fitting]))
+    means = [_mean([np.asarray(s[i]) for s in fitting]) for i in range(len(variables))]
+    set_optimizer_state(model, means, keep_learning_rate=True)
     return True
 
 
@@ -185,7 +182,7 @@ def set_whole(model: Any, whole: dict[str, Any] | None) -> bool:
             v.assign(np.asarray(flat[at : at + n], np.float32).reshape(tuple(v.shape)))
             at += n
     for v, value in zip(scalars, whole["scalars"]):
-        if v.name != _RATE:
+        if v.name != LEARNING_RATE:
             v.assign(value)
     return True
 

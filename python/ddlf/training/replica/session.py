@@ -193,9 +193,7 @@ class Session:
                 f"the master's optimizer state ({len(values)} arrays) does not fit this worker's optimizer "
                 f"({len(variables)} variables): create_model must build the same model and optimizer everywhere"
             )
-        for v, a in zip(variables, values):
-            if v.name != "learning_rate":
-                v.assign(a)
+        set_optimizer_state(model, values, keep_learning_rate=True)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Put back what :meth:`state` returned (after setup on a fresh or restarted worker)."""

@@ -72,8 +72,13 @@ def _variable_bytes(v: Any) -> int:
     return np.dtype(v.dtype).itemsize * int(np.prod(tuple(v.shape)))
 
 
-def set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
-    """Put back what :func:`optimizer_state` returned."""
+LEARNING_RATE = "learning_rate"
+"""The name of a Keras optimizer's learning-rate variable (a plain rate; a schedule has none)."""
+
+
+def set_optimizer_state(model: Any, state: list[np.ndarray], *, keep_learning_rate: bool = False) -> None:
+    """Put back what :func:`optimizer_state` returned. ``keep_learning_rate``: a Keras optimizer keeps its own
+    rate (the state came from another process, whose rate may be scaled or set by a callback)."""
     if hasattr(model, "set_optimizer_state"):
         # An optimizer that has not stepped yet has no state to take: it adopts the averaged one next round.
         model.set_optimizer_state(state)
@@ -82,7 +87,8 @@ def set_optimizer_state(model: Any, state: list[np.ndarray]) -> None:
     if len(variables) != len(state):
         return  # not built yet on this worker: it builds on the first step and adopts the state next round
     for v, s in zip(variables, state):
-        v.assign(s)
+        if not (keep_learning_rate and v.name == LEARNING_RATE):
+            v.assign(s)
 
 
 def keras_metrics(model: Any) -> bool:
