@@ -231,6 +231,11 @@ class DatasetError(DdlfError, ValueError):
     """A dataset file is missing, malformed or inconsistent. The message names the file."""
 
 
+class ModelMismatchError(DdlfError, ValueError):
+    """The model ``create_model()`` built on a worker cannot be made to agree with the master's model (another
+    architecture, another optimizer class): ``create_model`` must build the same model everywhere."""
+
+
 class ConfigError(DdlfError, ValueError):
     """A cluster file that cannot be used; the message names the file and line."""
 
@@ -289,6 +294,11 @@ class WireOverflowWarning(DdlfWarning, RuntimeWarning):
 class OptimizerStateWarning(DdlfWarning, RuntimeWarning):
     """The master's model could not take the run's optimizer state (``ddlf.training.master_optimizer``): the
     trained weights are kept; its optimizer is not what ``fit`` would leave."""
+
+
+class ModelChangeWarning(DdlfWarning, RuntimeWarning):
+    """A change to the master's model (a recompile, a ``trainable`` flag, an optimizer hyperparameter) that the
+    workers could not take where it was made: the warning says when they take it, or that they do not."""
 
 
 class ConfigWarning(DdlfWarning, UserWarning):
@@ -410,6 +420,8 @@ __all__ = [
     "InsecureConfiguration",
     "LaunchError",
     "MemoryBudgetExceeded",
+    "ModelChangeWarning",
+    "ModelMismatchError",
     "NonFiniteGradientsWarning",
     "NonFiniteUpdate",
     "NotFoundError",

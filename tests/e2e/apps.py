@@ -186,3 +186,19 @@ def train_replicated(app_class: type[ddlf.IApp], n: int, strategy: object, epoch
         )
         got = app.model.get_weights()
     return app, start, got, h, held
+
+
+SEPARABLE_ROWS = 1024
+
+
+def separable(shift: float = 0.0, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Two separable classes in 8 features (of ``scale`` and offset ``shift``: what a Normalization adapts to)."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(SEPARABLE_ROWS, 8)).astype(np.float32)
+    y = (x[:, :4].sum(axis=1) > 0).astype(np.int32)
+    return x * scale + shift, y
+
+
+def flat(weights: list) -> np.ndarray:
+    """A model's weights as one vector."""
+    return np.concatenate([np.asarray(w).ravel() for w in weights])

@@ -145,6 +145,7 @@ def train_async(run: TrainingRun) -> History:
                     return_delta=True,
                     topk_ratio=cfg.topk_ratio,
                     learning_rate=run.learning_rate(),
+                    optimizer_groups=run.optimizer_groups(),
                 )
                 res = cluster.call(remote.train_chunk, (spec,), workers=[w], return_exceptions=True)[0]
                 call_s = cluster.last_call_timings().get(w, (0.0, 0.0))[1]

@@ -164,6 +164,7 @@ class RingExchange:
                 shard = self._shard_plan(targets, attempt) if cfg.gradients and cfg.gradients.shard_optimizer else None
             outer = cfg.outer()
             new_rate = run.learning_rate()
+            new_groups = run.optimizer_groups()
             for w, rows in pending:
                 common: dict[str, Any] = {
                     "run_id": cfg.run_id,
@@ -178,6 +179,7 @@ class RingExchange:
                     "ring": ring.spec(w),
                     "fresh": w in fresh,
                     "learning_rate": new_rate,
+                    "optimizer_groups": new_groups,
                 }
                 spec: GradientRound | RingRound
                 if gradients:

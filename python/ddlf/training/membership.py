@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from ..errors import WorkerUnavailable
+from ..frameworks import model_spec
 from ..frameworks.keras_backend import keras_backend_in_use
 from ..frameworks.seeding import uses_torch
 from ..serialization import dumps_inline
@@ -42,6 +43,9 @@ class Members:
         self.blob = app.shipped(self.modules)
         # train's data arguments (class weights, a sample-weight function by value), sent with each set-up
         self.fit_blob = dumps_inline(fit, self.modules) if fit is not None and not fit.plain else None
+        # What the master's model is beyond its weights (compile, trainable flags, preprocessing state, torch's
+        # optimizer groups): each worker's create_model() result is made to agree with it (frameworks.model_spec)
+        self.spec_blob = dumps_inline(model_spec.describe(app.model), self.modules)
         self.backend = keras_backend_in_use()  # workers run the master's Keras backend
         # Workers load PyTorch's compiler before TensorFlow only for a run that needs it (ddlf.frameworks.loading).
         self.torch = uses_torch(app.model)
@@ -84,7 +88,7 @@ class Members:
                     c._ship(self.modules, None)
                 outcomes = c.call(
                     remote.setup,
-                    (self.run_id, self.blob, self.seed, self.backend, self.torch, self.fit_blob),
+                    (self.run_id, self.blob, self.seed, self.backend, self.torch, self.fit_blob, self.spec_blob),
                     workers=need,
                     return_exceptions=True,
                 )

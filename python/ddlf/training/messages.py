@@ -156,6 +156,9 @@ class RoundSpec:
     """Sleep after each batch (``DDLF_SLOW_WORKER``: experiments with stragglers)."""
     learning_rate: float | None = None
     """The learning rate to train with from this round on: set when a callback changed the master's."""
+    optimizer_groups: tuple[dict[str, Any], ...] | None = None
+    """A ``TorchModel``'s optimizer hyperparameters, group by group, to train with from this round on: set when the
+    master's changed (a torch scheduler stepped from a callback, ``group["lr"] = ...``)."""
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -27,6 +27,7 @@ from ..errors import (
     WorkerLostWarning,
     WorkerUnavailable,
 )
+from ..frameworks import model_spec
 from . import checkpoint, master_optimizer
 from . import replica as remote
 from .evaluation import contiguous_parts, evaluate_on_workers
@@ -66,6 +67,9 @@ class TrainingRun:
     start_learning_rate: float | None = None
     """The master's learning rate when training began (None: not a plain Keras rate)."""
     learning_rate_changed: bool = False
+    start_optimizer_groups: list[dict[str, Any]] | None = None
+    """A ``TorchModel``'s optimizer hyperparameters when training began (None: not a TorchModel)."""
+    optimizer_groups_changed: bool = False
     preemption: Preemption | None = None
     """The signals that end this run at a round boundary (:mod:`.preemption`; None: none caught)."""
     resume_position: int = 0
@@ -77,6 +81,7 @@ class TrainingRun:
 
     def __post_init__(self) -> None:
         self.start_learning_rate = learning_rate(self.app.model)
+        self.start_optimizer_groups = model_spec.optimizer_groups(self.app.model)
 
     @property
     def cluster(self) -> Any:
@@ -161,6 +166,18 @@ class TrainingRun:
         if now is not None and (self.learning_rate_changed or now != self.start_learning_rate):
             self.learning_rate_changed = True
             return now
+        return None
+
+    def optimizer_groups(self) -> tuple[dict[str, Any], ...] | None:
+        """A ``TorchModel`` optimizer's hyperparameters on the master once they changed during the run (a torch
+        scheduler stepped by a callback, ``group["lr"] = ...``), for the next rounds to carry to the workers; None
+        until then (the workers hold what the master's optimizer held when the run set up)."""
+        if self.start_optimizer_groups is None:
+            return None
+        now = model_spec.optimizer_groups(self.app.model)
+        if now is not None and (self.optimizer_groups_changed or now != self.start_optimizer_groups):
+            self.optimizer_groups_changed = True
+            return tuple(now)
         return None
 
     def round_end(self, round_no: int, logs: dict[str, Any]) -> None:

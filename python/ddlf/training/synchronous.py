@@ -180,6 +180,7 @@ def _round(
     t_sent = time.perf_counter()
     args, running = [], []
     learning_rate = run.learning_rate()
+    optimizer_groups = run.optimizer_groups()
     for (w, rows), ok in zip(assignments, sent_ok):
         if isinstance(ok, BaseException):
             run.fail(ok)
@@ -197,6 +198,7 @@ def _round(
             optimizer_state=opt_state,
             topk_ratio=cfg.topk_ratio,
             learning_rate=learning_rate,
+            optimizer_groups=optimizer_groups,
         )
         args.append((spec,))
         running.append(w)

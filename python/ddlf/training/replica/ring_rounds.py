@@ -21,9 +21,9 @@ from .state import (
     optimizer_state,
     optimizer_state_bytes,
     rng_state,
-    set_learning_rate,
     set_optimizer_state,
     set_rng_state,
+    take_round_rates,
 )
 from .steppers import local_mask
 
@@ -151,6 +151,7 @@ def train_reduce(session: Session, worker: Any, spec: RingRound) -> dict[str, An
         prefetch=spec.prefetch,
         slow_seconds_per_batch=spec.slow_seconds_per_batch,
         learning_rate=spec.learning_rate,
+        optimizer_groups=spec.optimizer_groups,
         weights=start,
     )
     result = train_chunk(session, worker, own)
@@ -279,10 +280,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
     session.optimizer_start = optimizer_state(model) if optimizer_built(model) else None
     session.rng_start = rng_state(model)
     session.in_flight = round_no  # until _end_round: a checkpoint meanwhile takes these starting states
-    if spec.learning_rate is not None:
-        set_learning_rate(model, spec.learning_rate)
-        if getattr(stepper, "base_lr", None) is not None:
-            stepper.base_lr = spec.learning_rate  # the rate the linear scaling multiplies
+    take_round_rates(model, stepper, spec)
     model.reset_metrics()
     stepper.begin()
     batches = iter(feed)
@@ -407,10 +405,7 @@ def _train_sharded(session: Session, spec: GradientRound, start: list[np.ndarray
     index = {id(w): i for i, w in enumerate(model.weights)}
     trainable = [np.asarray(start[index[id(v)]]) for v in sharded.variables]
     ring = collective.ring(spec.ring)
-    if spec.learning_rate is not None:
-        set_learning_rate(model, spec.learning_rate)
-        if getattr(stepper, "base_lr", None) is not None:
-            stepper.base_lr = spec.learning_rate  # the rate the linear scaling multiplies
+    take_round_rates(model, stepper, spec)
     reduce_s = 0.0
     nonfinite = overflowed = 0
     model.reset_metrics()

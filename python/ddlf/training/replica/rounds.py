@@ -9,7 +9,7 @@ import numpy as np
 
 from ... import ops
 from ..messages import MasterRound, weights_var
-from .state import MetricSum, keras_metrics, optimizer_state, set_learning_rate, set_optimizer_state
+from .state import MetricSum, keras_metrics, optimizer_state, set_optimizer_state, take_round_rates
 from .steppers import steps_whole_rounds
 
 if TYPE_CHECKING:
@@ -28,8 +28,7 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
     model.set_weights(weights)
     if spec.optimizer_state is not None:
         set_optimizer_state(model, spec.optimizer_state)
-    if spec.learning_rate is not None:
-        set_learning_rate(model, spec.learning_rate)  # after the state: a rate among the optimizer's variables
+    take_round_rates(model, session.stepper, spec)  # after the state: a rate among the optimizer's variables
     model.reset_metrics()
     logs: dict[str, float] = {}
     if steps_whole_rounds(model):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import TooManyRuns
+from ...frameworks import model_spec
 from ...frameworks.console import quiet_start
 from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
 from ...frameworks.seeding import set_random_seed
@@ -89,11 +90,14 @@ class Sessions:
         backend: str | None = None,
         torch: bool | None = None,
         fit_blob: bytes | None = None,
+        spec_blob: bytes | None = None,
     ) -> dict[str, Any]:
         """Load (or reuse) the app's dataset and build its model on this worker, on the master's Keras
         ``backend``. ``torch``: the master's model is a ``TorchModel`` or Keras runs on torch (None: as far as this
         worker can tell, :func:`~ddlf.frameworks.seeding.uses_torch`). ``fit_blob``: the run's pickled
-        :class:`~..messages.FitData` (``train``'s data arguments; None: ``fit``'s defaults)."""
+        :class:`~..messages.FitData` (``train``'s data arguments; None: ``fit``'s defaults). ``spec_blob``: the master's
+        model beyond its weights (:mod:`ddlf.frameworks.model_spec`), which the model built here is made to agree with
+        before anything else uses it (None: nothing to agree with)."""
         import cloudpickle
 
         if torch:
@@ -107,6 +111,7 @@ class Sessions:
         with quiet_start():  # the app's module may import a framework: its start-up notices go to the log
             app = cloudpickle.loads(app_blob)
             fit = cloudpickle.loads(fit_blob) if fit_blob is not None else FitData()
+            spec = cloudpickle.loads(spec_blob) if spec_blob is not None else None
         t0 = time.perf_counter()
         worker_seed = seed + 1000 * (worker.id + 1)
         set_random_seed(worker_seed, torch=torch)
@@ -118,6 +123,11 @@ class Sessions:
         model = app.create_model()
         if hasattr(model, "set_rng_state"):
             set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
+        # The master's model is the truth: what the user changed on it since create_model() (a recompile, trainable
+        # flags, a learning rate, an adapted layer) is made so here too, before a warm model is looked up by it.
+        changes = model_spec.apply(model, spec)
+        if changes:
+            log.info("training run %s: the model built here took the master's %s", run_id, ", ".join(changes))
         self.admit(worker, run_id)
         # an earlier run's traced model (for data of the same shapes), holding this one's initial state
         model, stepper, key = warm.lend(model, warm.data_signature(app, parts, fit))
@@ -134,6 +144,7 @@ class Sessions:
             "load_seconds": 0.0 if cached else item.load_seconds,
             "first_load_seconds": item.load_seconds,
             "setup_seconds": time.perf_counter() - t0,
+            "model_changes": changes,
         }
 
     def admit(self, worker: Any, run_id: str) -> None:

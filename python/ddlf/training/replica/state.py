@@ -47,6 +47,24 @@ def set_learning_rate(model: Any, value: float) -> None:
         rate.assign(value)
 
 
+def take_round_rates(model: Any, stepper: Any, spec: Any) -> None:
+    """What the master's optimizer says now, carried by a round (``spec``, a :class:`~..messages.RoundSpec`): its
+    learning rate (Keras) or its parameter groups' hyperparameters (a ``TorchModel``: a torch scheduler, or the
+    user, changed them on the master). ``stepper`` (None: none yet) scales the rate by the run's factor: it now
+    multiplies the new rate."""
+    if spec.learning_rate is not None:
+        set_learning_rate(model, spec.learning_rate)  # after the state: a rate among the optimizer's variables
+        if getattr(stepper, "base_lr", None) is not None:
+            stepper.base_lr = spec.learning_rate  # the rate the linear scaling multiplies
+    groups = getattr(spec, "optimizer_groups", None)
+    if groups is not None:
+        from ...frameworks.model_spec import set_optimizer_groups
+
+        set_optimizer_groups(model, list(groups))
+        if getattr(stepper, "base_lr", None) is not None:
+            stepper.base_lr = [float(g["lr"]) for g in groups]
+
+
 def optimizer_state(model: Any) -> list[np.ndarray]:
     """The optimizer's state arrays, in a fixed order."""
     if hasattr(model, "get_optimizer_state"):

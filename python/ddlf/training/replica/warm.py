@@ -24,6 +24,8 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
+from ...frameworks import model_spec
+
 KEEP = 2
 """Warm models kept per worker process."""
 
@@ -33,8 +35,9 @@ _KEPT: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
 
 
 def fingerprint(model: Any) -> str | None:
-    """What must be equal for a kept model to stand in for ``model``: its class, architecture, compile and
-    optimizer settings and the Keras backend; ``None`` when ``model`` is not lent or kept."""
+    """What must be equal for a kept model to stand in for ``model``: its class, architecture, trainable flags,
+    compile and optimizer settings (a plain learning rate aside: lend copies it), the state of its preprocessing
+    layers and the Keras backend; ``None`` when ``model`` is not lent or kept."""
     try:
         import keras
     except ImportError:
@@ -46,15 +49,26 @@ def fingerprint(model: Any) -> str | None:
     if type(model) not in (keras.Sequential, Functional) or getattr(model, "optimizer", None) is None:
         return None
     try:
+        optimizer = json.loads(json.dumps(keras.optimizers.serialize(model.optimizer), default=repr))
+        if model_spec.compile_key(model) is not None and hasattr(
+            getattr(model.optimizer, "_learning_rate", None), "assign"
+        ):
+            # A plain rate is a variable of the traced step: lend copies it (a rate set on the master reaches a warm
+            # model without tracing again)
+            optimizer.get("config", {}).pop("learning_rate", None)
         described = [
             keras.backend.backend(),
             type(model).__name__,
             model.get_config(),
             model.get_compile_config(),
-            keras.optimizers.serialize(model.optimizer),
+            optimizer,
             bool(getattr(model, "jit_compile", False)),
             bool(getattr(model, "run_eagerly", False)),
             str(getattr(model, "dtype_policy", "")),
+            [bool(v.trainable) for v in model.weights],
+            # an adapted preprocessing layer's state is a constant of the traced step (Normalization's mean): a kept
+            # model adapted to other data must not stand in
+            model_spec.preprocessing_digest(model),
         ]
         plain = json.loads(json.dumps(described, default=repr))
         outside = _outside_keras(plain)
@@ -170,6 +184,11 @@ def lend(model: Any, data: str = "") -> tuple[Any, Any, str | None]:
         for old, new in groups:
             for o, n in zip(old, new):
                 o.assign(n.value)
+        rate = getattr(kept.optimizer, "_learning_rate", None)
+        if rate is not None and hasattr(rate, "assign"):
+            rate.assign(fresh.learning_rate)  # the run's rate (copied above too when the kept optimizer was built)
+        if hasattr(stepper, "base_lr"):
+            stepper.base_lr = None  # the rate a scaled run multiplies: read again from this run's
         kept.reset_metrics()
     except Exception as exc:  # anything unexpected: the new model, cold, is always correct
         log.debug("kept model not lent (%s): building fresh", exc)

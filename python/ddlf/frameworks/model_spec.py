@@ -1,0 +1,380 @@
+"""What the master's model is beyond its weights, carried to every worker when a run sets up: the master's model is
+the truth of every ``train()``.
+
+Each worker builds its replica with the app's ``create_model()``, and the rounds carry weights (and optimizer state).
+What the user changed on the master's model since ``create_model()`` built it would miss the workers: a recompile
+(``model.compile(Adam(1e-5))`` in Keras' fine-tuning recipe), a changed ``trainable`` flag, a learning rate or any
+other optimizer hyperparameter set by hand or by a callback of an earlier run, the state of a preprocessing layer
+(``Normalization.adapt``, a ``StringLookup``'s vocabulary), a ``TorchModel`` optimizer's ``param_groups`` (a torch
+scheduler, ``group["lr"] = ...``) or a parameter's ``requires_grad``.
+
+:func:`describe` reads these off the master's model into a :class:`ModelSpec`; :func:`apply` makes a worker's freshly
+built model agree with it before the run's first round (and before a kept warm model is looked up, so that one is
+lent only when it matches). Each part is compared first and changed only where it differs, so a model that
+``create_model()`` built just as the master holds it stays as it is (and its warm model stays lent).
+
+During a run the master's learning rate (Keras) and optimizer groups (torch) travel with every round once they
+change (:func:`optimizer_groups`, :func:`set_optimizer_groups`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ModelMismatchError
+
+log = logging.getLogger("ddlf.training")
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """A Keras object (optimizer, loss, metric) as its class and configuration: built anew where it lands (its
+    variables are the receiving model's own)."""
+
+    cls: Any
+    config: dict[str, Any]
+
+    def build(self) -> Any:
+        return self.cls.from_config(self.config)
+
+
+@dataclass
+class ModelSpec:
+    """What a replica must share with the master's model besides its weights (see the module docs)."""
+
+    framework: str
+    """``"keras"`` or ``"torch"``."""
+    trainable: list[bool] | None = None
+    """Keras: each layer's ``trainable`` flag (the model first, then its layers depth first); torch: each
+    parameter's ``requires_grad``."""
+    variable_trainable: list[bool] | None = None
+    """Keras: each weight's own ``trainable`` flag."""
+    compile_key: str | None = None
+    """What the compile configuration says (optimizer and its hyperparameters but a plain learning rate, loss, loss
+    weights, metrics, ``run_eagerly``, ``jit_compile``, ``steps_per_execution``); None where it cannot be read, in
+    which case a worker always recompiles with :attr:`compile_args`."""
+    compile_args: Any = None
+    """``model.compile``'s arguments as the master's model was last compiled (its optimizer as it holds it now),
+    Keras objects as :class:`Rebuilt`; None: the master's model is not compiled."""
+    learning_rate: float | None = None
+    """The master's plain learning rate now (None: a schedule, or none)."""
+    preprocessing: list[tuple[int, list[np.ndarray], Any]] = field(default_factory=list)
+    """For each adaptable preprocessing layer (``Normalization``, ``StringLookup``, ``TextVectorization``,
+    ``Discretization``...): its index among the layers, its weights and its vocabulary (None: has none)."""
+    optimizer_class: str | None = None
+    """torch: the optimizer's class."""
+    optimizer_groups: list[dict[str, Any]] | None = None
+    """torch: each parameter group's hyperparameters (all but its ``params``)."""
+
+
+# -- Keras ----------------------------------------------------------------------------------------------------------
+
+
+def _keras() -> Any:
+    import sys
+
+    return sys.modules.get("keras")
+
+
+def is_keras_model(model: Any) -> bool:
+    keras = _keras()
+    return keras is not None and isinstance(model, keras.Model)
+
+
+def is_torch_model(model: Any) -> bool:
+    return hasattr(model, "get_optimizer_state") and hasattr(model, "module")
+
+
+def layers(model: Any) -> list[Any]:
+    """The model and every layer in it, depth first, in one fixed order (the same for two builds of one
+    architecture)."""
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
+def adaptable(layer: Any) -> bool:
+    """Whether ``layer`` keeps state that ``adapt()`` computes outside training (Keras' preprocessing layers)."""
+    return callable(getattr(layer, "adapt", None)) and callable(getattr(layer, "finalize_state", None))
+
+
+def _vocabulary(layer: Any) -> Any:
+    get = getattr(layer, "get_vocabulary", None)
+    if not callable(get):
+        return None
+    try:
+        return list(get())
+    except Exception:  # not adapted yet
+        return None
+
+
+def preprocessing_state(model: Any) -> list[tuple[int, list[np.ndarray], Any]]:
+    """Each adaptable layer's index, weights and vocabulary (:attr:`ModelSpec.preprocessing`)."""
+    out = []
+    for i, layer in enumerate(layers(model)):
+        if adaptable(layer):
+            weights = [np.asarray(w) for w in layer.get_weights()]
+            out.append((i, weights, _vocabulary(layer)))
+    return out
+
+
+def preprocessing_digest(model: Any) -> str:
+    """A digest of :func:`preprocessing_state`: two models whose preprocessing layers were adapted to other data
+    differ here (their configurations do not)."""
+    h = hashlib.sha256()
+    for i, weights, vocabulary in preprocessing_state(model):
+        h.update(str(i).encode())
+        for w in weights:
+            h.update(str((w.dtype.str, w.shape)).encode())
+            h.update(np.ascontiguousarray(w).tobytes())
+        h.update(repr(vocabulary).encode())
+    return h.hexdigest()
+
+
+def _plain_rate(optimizer: Any) -> float | None:
+    rate = getattr(optimizer, "_learning_rate", None)
+    if rate is None or not hasattr(rate, "assign"):  # a schedule (its config says it) or none
+        return None
+    value = float(np.asarray(optimizer.learning_rate))
+    return value if math.isfinite(value) else None
+
+
+def compile_key(model: Any) -> str | None:
+    """What ``model``'s compile configuration says, its plain learning rate left out (it is carried on its own and
+    changes nothing compiled); None where it cannot be read."""
+    keras = _keras()
+    if keras is None or not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        return None
+    try:
+        config = dict(model.get_compile_config() or {})
+        optimizer = keras.optimizers.serialize(model.optimizer)
+        optimizer = json.loads(json.dumps(optimizer, default=repr))
+        optimizer.get("config", {}).pop("name", None)  # numbered per process (adam_3): not a setting
+        if _plain_rate(model.optimizer) is not None:
+            optimizer.get("config", {}).pop("learning_rate", None)
+        config["optimizer"] = optimizer
+        return json.dumps(config, sort_keys=True, default=repr)
+    except Exception as exc:  # a loss or metric that does not serialise: the spec's compile always applies
+        log.debug("compile configuration not readable (%s)", exc)
+        return None
+
+
+def _portable(value: Any) -> Any:
+    """``value`` with every Keras optimizer, loss and metric as a :class:`Rebuilt` (functions and strings stay)."""
+    keras = _keras()
+    kinds = (keras.optimizers.Optimizer, keras.losses.Loss, keras.metrics.Metric)
+    if isinstance(value, kinds):
+        return Rebuilt(type(value), value.get_config())
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_portable(v) for v in value)
+    return value
+
+
+def _built(value: Any) -> Any:
+    if isinstance(value, Rebuilt):
+        return value.build()
+    if isinstance(value, dict):
+        return {k: _built(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_built(v) for v in value)
+    return value
+
+
+def _compile_args(model: Any) -> Any:
+    held = getattr(model, "_compile_config", None)
+    config = getattr(held, "config", None)
+    if not getattr(model, "compiled", False) or not isinstance(config, dict):
+        return None
+    args = dict(config)
+    args["optimizer"] = model.optimizer  # as it is now (hyperparameters set by hand since compile)
+    return _portable(args)
+
+
+def _describe_keras(model: Any) -> ModelSpec:
+    every = layers(model)
+    return ModelSpec(
+        framework="keras",
+        trainable=[bool(layer.trainable) for layer in every],
+        variable_trainable=[bool(v.trainable) for v in model.weights],
+        compile_key=compile_key(model),
+        compile_args=_compile_args(model),
+        learning_rate=_plain_rate(getattr(model, "optimizer", None)),
+        preprocessing=preprocessing_state(model),
+    )
+
+
+def _apply_keras(model: Any, spec: ModelSpec) -> list[str]:
+    changed: list[str] = []
+    every = layers(model)
+    if spec.trainable is not None:
+        if len(spec.trainable) != len(every):
+            raise ModelMismatchError(
+                f"the master's model has {len(spec.trainable)} layers, the one create_model() built here "
+                f"{len(every)}: create_model must build the same architecture everywhere"
+            )
+        flipped = False
+        for layer, t in zip(every, spec.trainable):  # a parent first: it sets its sublayers, set after it
+            if layer.trainable != t:
+                layer.trainable = t
+                flipped = True
+        if flipped:
+            changed.append("trainable")
+    if spec.variable_trainable is not None and len(spec.variable_trainable) == len(model.weights):
+        moved = False
+        for v, t in zip(model.weights, spec.variable_trainable):
+            if bool(v.trainable) != t:
+                v.trainable = t
+                moved = True
+        if moved:
+            changed.append("trainable")
+    for index, weights, vocabulary in spec.preprocessing:
+        layer = every[index] if index < len(every) else None
+        if layer is None or not adaptable(layer):
+            raise ModelMismatchError(
+                f"the master's model has a preprocessing layer at {index} that create_model() did not build here"
+            )
+        mine = [np.asarray(w) for w in layer.get_weights()]
+        same = len(mine) == len(weights) and all(
+            a.shape == b.shape and np.array_equal(a, b) for a, b in zip(mine, weights)
+        )
+        if vocabulary is not None and _vocabulary(layer) != vocabulary:
+            layer.set_vocabulary(vocabulary)
+            same = False
+        if not same:
+            if weights:
+                layer.set_weights(weights)
+            layer.finalize_state()  # the constants its call uses (Normalization's mean) follow the variables
+            changed.append(f"preprocessing:{layer.name}")
+    if spec.compile_args is not None and (spec.compile_key is None or compile_key(model) != spec.compile_key):
+        model.compile(**_built(spec.compile_args))
+        changed.append("compile")
+    if spec.learning_rate is not None:
+        rate = getattr(getattr(model, "optimizer", None), "_learning_rate", None)
+        if rate is not None and hasattr(rate, "assign") and _plain_rate(model.optimizer) != spec.learning_rate:
+            rate.assign(spec.learning_rate)
+            changed.append("learning_rate")
+    return changed
+
+
+# -- PyTorch --------------------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return False
+
+
+def optimizer_groups(model: Any) -> list[dict[str, Any]] | None:
+    """A ``TorchModel`` optimizer's hyperparameters, group by group (what a torch scheduler or the user changes:
+    ``lr``, ``momentum``, ``weight_decay``, ``betas``...); None for another model."""
+    if not is_torch_model(model):
+        return None
+    out = []
+    for group in model.optimizer.param_groups:
+        hyper = {}
+        for k, v in group.items():
+            if k == "params":
+                continue
+            if hasattr(v, "item") and getattr(v, "numel", lambda: 0)() == 1:  # a tensor rate (capturable)
+                v = v.item()
+            if _plain(v):
+                hyper[k] = v
+        out.append(hyper)
+    return out
+
+
+def set_optimizer_groups(model: Any, groups: list[dict[str, Any]]) -> bool:
+    """Give a ``TorchModel`` optimizer the master's hyperparameters (:func:`optimizer_groups`); whether any
+    changed."""
+    own = model.optimizer.param_groups
+    if len(own) != len(groups):
+        raise ModelMismatchError(
+            f"the master's optimizer has {len(groups)} parameter groups, this worker's {len(own)}: "
+            "create_model must build the same optimizer everywhere"
+        )
+    changed = False
+    for group, hyper in zip(own, groups):
+        for k, v in hyper.items():
+            now = group.get(k)
+            if hasattr(now, "fill_") and hasattr(now, "numel"):  # a tensor hyperparameter: in place
+                if float(now.item()) != v:
+                    now.fill_(v)
+                    changed = True
+            elif now != v:
+                group[k] = tuple(v) if isinstance(now, tuple) and isinstance(v, list) else v
+                changed = True
+    return changed
+
+
+def _describe_torch(model: Any) -> ModelSpec:
+    return ModelSpec(
+        framework="torch",
+        trainable=[bool(p.requires_grad) for p in model.module.parameters()],
+        optimizer_class=f"{type(model.optimizer).__module__}.{type(model.optimizer).__qualname__}",
+        optimizer_groups=optimizer_groups(model),
+    )
+
+
+def _apply_torch(model: Any, spec: ModelSpec) -> list[str]:
+    changed: list[str] = []
+    mine = f"{type(model.optimizer).__module__}.{type(model.optimizer).__qualname__}"
+    if spec.optimizer_class is not None and mine != spec.optimizer_class:
+        raise ModelMismatchError(
+            f"the master's TorchModel trains with {spec.optimizer_class}, the one create_model() built here with "
+            f"{mine}: create_model must build the same optimizer everywhere"
+        )
+    params = list(model.module.parameters())
+    if spec.trainable is not None:
+        if len(params) != len(spec.trainable):
+            raise ModelMismatchError(
+                f"the master's module has {len(spec.trainable)} parameters, the one create_model() built here "
+                f"{len(params)}: create_model must build the same module everywhere"
+            )
+        flips = [(p, t) for p, t in zip(params, spec.trainable) if p.requires_grad != t]
+        for p, t in flips:
+            p.requires_grad_(t)
+        if flips:
+            changed.append("requires_grad")
+    if spec.optimizer_groups is not None and set_optimizer_groups(model, spec.optimizer_groups):
+        changed.append("optimizer")
+    return changed
+
+
+# -- both -----------------------------------------------------------------------------------------------------------
+
+
+def describe(model: Any) -> ModelSpec | None:
+    """The master's ``model`` as a :class:`ModelSpec`; None for a model of no framework ddlf knows (nothing is
+    carried)."""
+    if model is None:
+        return None
+    if is_torch_model(model):
+        return _describe_torch(model)
+    if is_keras_model(model):
+        return _describe_keras(model)
+    return None
+
+
+def apply(model: Any, spec: ModelSpec | None) -> list[str]:
+    """Make ``model`` (built here by ``create_model()``) agree with the master's ``spec``; returns what had to
+    change (empty: it agreed already). Raises :class:`~ddlf.errors.ModelMismatchError` where the two cannot be the
+    same model."""
+    if spec is None:
+        return []
+    if spec.framework == "torch" and is_torch_model(model):
+        return _apply_torch(model, spec)
+    if spec.framework == "keras" and is_keras_model(model):
+        return _apply_keras(model, spec)
+    raise ModelMismatchError(
+        f"the master's model is a {spec.framework} model, the one create_model() built here a {type(model).__name__}"
+    )

@@ -1,0 +1,187 @@
+"""The master's model is the truth of every ``train()``: what the user changes on it between runs (a recompile with
+another optimizer or rate, an unfrozen base, a learning rate set by hand, a preprocessing layer adapted to other
+data, a torch optimizer's ``param_groups``) is what the workers train with, as the next ``fit`` (or torch loop) in
+one process would; and a warm model is lent only when it matches (:mod:`ddlf.frameworks.model_spec`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ddlf
+
+from .apps import SEPARABLE_ROWS, flat, separable
+
+ROWS = SEPARABLE_ROWS
+BATCH = 32
+STEPS = ROWS // 2 // BATCH  # batches a worker trains per epoch (two workers)
+
+
+class Binary(ddlf.IApp):
+    """A base (a Dense layer, frozen when ``frozen``) and a head, Adam(1e-3)."""
+
+    frozen = False
+
+    def load_dataset(self) -> Any:
+        return separable()
+
+    def create_model(self) -> Any:
+        import keras
+
+        base = keras.layers.Dense(16, activation="relu", name="base")
+        base.trainable = not self.frozen
+        model = keras.Sequential([keras.Input(shape=(8,)), base, keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy", metrics=["accuracy"])
+        return model
+
+
+class Frozen(Binary):
+    dataset_key = "model-truth-binary"
+    frozen = True
+
+
+class Normalized(ddlf.IApp):
+    """A model whose ``create_model`` adapts a ``Normalization`` layer to the app's own data (offset ``shift``,
+    scale ``scale``): two such apps share an architecture and a configuration, not their constants."""
+
+    shift = 0.0
+    scale = 1.0
+
+    def load_dataset(self) -> Any:
+        return separable(self.shift, self.scale)
+
+    def adapt_to(self) -> np.ndarray:
+        return separable(self.shift, self.scale)[0]
+
+    def create_model(self) -> Any:
+        import keras
+
+        norm = keras.layers.Normalization()
+        norm.adapt(self.adapt_to())
+        model = keras.Sequential(
+            [keras.Input(shape=(8,)), norm, keras.layers.Dense(16, "relu"), keras.layers.Dense(1, "sigmoid")]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy", metrics=["accuracy"])
+        return model
+
+
+class Plain(Normalized):
+    dataset_key = "model-truth-plain"
+
+
+class Shifted(Normalized):
+    dataset_key = "model-truth-shifted"
+    shift = 40.0
+    scale = 25.0
+
+
+STRATEGIES = {
+    "model averaging": lambda: ddlf.ModelAveraging(every=4),
+    "gradient averaging": lambda: ddlf.GradientAveraging(scale_learning_rate=False),
+    "asynchronous": lambda: ddlf.Asynchronous(),
+}
+
+
+def _train(app: ddlf.IApp, strategy: str, epochs: int = 1, **kw: Any) -> ddlf.History:
+    return app.train(
+        epochs=epochs, batch_size=BATCH, strategy=STRATEGIES[strategy](), run=ddlf.RunConfig(seed=3), verbose=0, **kw
+    )
+
+
+def _moved(before: list[np.ndarray], after: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_fine_tuning_unfreezes_the_base_and_trains_at_the_recompiled_rate(cluster: ddlf.Cluster, strategy: str) -> None:
+    """Keras' transfer-learning recipe: train the head with the base frozen, set ``base.trainable = True``,
+    recompile with ``Adam(1e-5)``, train again. As in one process, the base moves, and nothing moves faster than
+    Adam at 1e-5 moves a weight (about the rate per step)."""
+    import keras
+
+    app = Frozen(cluster)
+    _train(app, strategy)
+    model = app.model
+    base = model.get_layer("base")
+    assert not base.trainable_weights  # trained frozen
+    start_base = [np.array(w) for w in base.get_weights()]
+    start = [np.array(w) for w in model.get_weights()]
+    base.trainable = True
+    model.compile(optimizer=keras.optimizers.Adam(1e-5), loss="binary_crossentropy", metrics=["accuracy"])
+    history = _train(app, strategy)
+    for setup in history.params["setup"]:  # what each worker's replica took from the master's model
+        assert "trainable" in setup["model_changes"]
+        assert "learning_rate" in setup["model_changes"]  # Adam again: only its rate differs (no recompile needed)
+    moved_base = _moved(start_base, base.get_weights())
+    moved = _moved(start, model.get_weights())
+    # Adam moves a weight by about the rate per step (at most a few times it early on): STEPS steps per worker.
+    bound = 4 * 1e-5 * STEPS * (2 if strategy == "asynchronous" else 1)
+    assert 0 < moved <= bound, (moved, bound)
+    assert moved_base > 1e-3 * bound, moved_base  # the base trains (frozen, it would not move at all)
+
+
+@pytest.mark.parametrize("strategy", ["model averaging", "gradient averaging"])
+def test_a_recompile_with_a_tiny_rate_barely_moves_the_weights(cluster: ddlf.Cluster, strategy: str) -> None:
+    """``model.compile(SGD(1e-9))`` between two runs: the second run trains at 1e-9, as the next ``fit`` would."""
+    import keras
+
+    app = Binary(cluster)
+    _train(app, strategy)
+    start = [np.array(w) for w in app.model.get_weights()]
+    app.model.compile(optimizer=keras.optimizers.SGD(1e-9), loss="binary_crossentropy", metrics=["accuracy"])
+    _train(app, strategy)
+    assert _moved(start, app.model.get_weights()) < 1e-6
+    assert isinstance(app.model.optimizer, keras.optimizers.SGD)
+
+
+def test_a_learning_rate_set_by_hand_between_runs_reaches_the_workers(cluster: ddlf.Cluster) -> None:
+    """``model.optimizer.learning_rate = 0`` between two runs (no recompile): nothing moves in the second, while the
+    warm model is still lent (only a rate changed: nothing traced again)."""
+    app = Binary(cluster)
+    _train(app, "gradient averaging")
+    start = [np.array(w) for w in app.model.get_weights()]
+    app.model.optimizer.learning_rate = 0.0
+    history = _train(app, "gradient averaging")
+    np.testing.assert_array_equal(np.concatenate([w.ravel() for w in start]), flat(app.model.get_weights()))
+    assert any("learning_rate" in s.get("model_changes", []) for s in history.params["setup"])
+
+
+def test_a_warm_model_adapted_to_other_data_is_not_lent(cluster: ddlf.Cluster) -> None:
+    """Two apps of one architecture whose ``Normalization`` layers adapted to different data (``Shifted``'s rows
+    are ``Plain``'s, shifted and scaled: normalized, they are the same rows). A warm model holds its normalization
+    constants inside its traced step, so one adapted to the other app's data must not stand in: each app trains as
+    it does alone, and so both learn the same."""
+    plain = _train(Plain(cluster), "gradient averaging", epochs=2)
+    shifted = _train(Shifted(cluster), "gradient averaging", epochs=2)  # after Plain, on the same workers
+    np.testing.assert_allclose(shifted.history["loss"], plain.history["loss"], rtol=1e-4)
+    assert shifted.history["accuracy"][-1] > 0.85, shifted.history
+    app = Plain(cluster)
+    again = _train(app, "gradient averaging", epochs=2)  # its own warm model lent again: exactly as before
+    np.testing.assert_array_equal(again.history["loss"], plain.history["loss"])
+    norm = app.model.layers[0]  # and the master's model holds the normalization its own create_model adapted
+    np.testing.assert_allclose(np.asarray(norm.mean).ravel(), separable()[0].mean(axis=0), atol=1e-4)
+
+
+class Misadapted(Shifted):
+    """``create_model`` adapts its ``Normalization`` to the wrong data (unshifted): the user adapts the master's
+    model again, to the rows the workers hold."""
+
+    def adapt_to(self) -> np.ndarray:
+        return separable()[0]
+
+
+def test_the_masters_adapted_state_is_what_the_workers_normalize_with(cluster: ddlf.Cluster) -> None:
+    """A ``Normalization`` layer adapted again on the master between ``create_model`` and ``train``: the workers'
+    replicas take its constants, as ``fit`` would train with them, and the trained model scores on the master."""
+    app = Misadapted(cluster)
+    app.model = app.create_model()
+    norm = app.model.layers[0]
+    norm.adapt(separable(Shifted.shift, Shifted.scale)[0])  # the user fixes it on the master
+    history = _train(app, "gradient averaging", epochs=2)
+    for setup in history.params["setup"]:
+        assert any(c.startswith("preprocessing:") for c in setup["model_changes"]), setup
+    x, y = separable(Shifted.shift, Shifted.scale)
+    assert app.evaluate(x, y, return_dict=True)["accuracy"] > 0.85
+    np.testing.assert_allclose(np.asarray(norm.mean).ravel(), x.mean(axis=0), rtol=1e-3, atol=1e-3)

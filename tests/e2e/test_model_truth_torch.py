@@ -1,0 +1,94 @@
+"""The master's model is the truth of every ``train()``, for a ``TorchModel`` too: its optimizer's ``param_groups``
+set by hand or by a torch scheduler (between runs and between epochs), and its parameters' ``requires_grad``,
+are what the workers train with (:mod:`ddlf.frameworks.model_spec`). Its own module: its daemons load PyTorch
+before anything loads TensorFlow (:mod:`ddlf.frameworks.loading`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf.training.callbacks import LambdaCallback
+
+from .apps import flat, separable
+
+BATCH = 32
+
+
+def _train(app: ddlf.IApp, strategy: str, epochs: int = 1, **kw: Any) -> ddlf.History:
+    strategies = {
+        "model averaging": ddlf.ModelAveraging(every=4),
+        "gradient averaging": ddlf.GradientAveraging(scale_learning_rate=False),
+        "asynchronous": ddlf.Asynchronous(),
+    }
+    return app.train(
+        epochs=epochs, batch_size=BATCH, strategy=strategies[strategy], run=ddlf.RunConfig(seed=3), verbose=0, **kw
+    )
+
+
+torch = pytest.importorskip("torch")
+
+
+class TorchBinary(ddlf.IApp):
+    dataset_key = "model-truth-binary"
+
+    def load_dataset(self) -> Any:
+        return separable()
+
+    def create_model(self) -> Any:
+        import torch
+
+        from ddlf.models import TorchModel
+
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        return TorchModel(net, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), torch.nn.CrossEntropyLoss())
+
+
+@pytest.mark.parametrize("strategy", ["model averaging", "gradient averaging", "asynchronous"])
+def test_a_torch_rate_set_between_runs_reaches_the_workers(cluster: ddlf.Cluster, strategy: str) -> None:
+    """``optimizer.param_groups[0]["lr"] = 0`` on the master's ``TorchModel`` between two runs: nothing moves."""
+    app = TorchBinary(cluster)
+    _train(app, strategy)
+    start = flat(app.model.get_weights())
+    for group in app.model.optimizer.param_groups:
+        group["lr"] = 0.0
+    history = _train(app, strategy)
+    np.testing.assert_array_equal(start, flat(app.model.get_weights()))
+    assert all("optimizer" in s["model_changes"] for s in history.params["setup"])
+
+
+@pytest.mark.parametrize("strategy", ["model averaging", "gradient averaging", "asynchronous"])
+def test_a_torch_scheduler_stepped_by_a_callback_reaches_the_workers(cluster: ddlf.Cluster, strategy: str) -> None:
+    """A torch scheduler stepped at each epoch's end by a callback (``StepLR`` with ``gamma=0``: no rate after the
+    first epoch): the second epoch trains nothing, as in a torch loop."""
+    app = TorchBinary(cluster)
+    app.model = app.create_model()
+    scheduler = torch.optim.lr_scheduler.StepLR(app.model.optimizer, step_size=1, gamma=0.0)
+    after: list[np.ndarray] = []
+
+    def on_epoch_end(epoch: int, logs: Any = None) -> None:
+        scheduler.step()
+        after.append(flat(app.model.get_weights()))
+
+    _train(app, strategy, epochs=3, callbacks=[LambdaCallback(on_epoch_end=on_epoch_end)])
+    assert app.model.optimizer.param_groups[0]["lr"] == 0.0
+    assert np.max(np.abs(after[0] - after[1])) == 0.0  # nothing trained after the rate went to 0
+    np.testing.assert_array_equal(after[1], after[2])
+
+
+def test_a_frozen_torch_parameter_stays_as_the_master_froze_it(cluster: ddlf.Cluster) -> None:
+    """``requires_grad = False`` on a parameter of the master's module between runs: it does not move."""
+    app = TorchBinary(cluster)
+    _train(app, "gradient averaging")
+    first = app.model.module[0]
+    first.weight.requires_grad_(False)
+    first.bias.requires_grad_(False)
+    start = first.weight.detach().numpy().copy()
+    others = app.model.module[2].weight.detach().numpy().copy()
+    history = _train(app, "gradient averaging")
+    np.testing.assert_array_equal(start, first.weight.detach().numpy())
+    assert np.max(np.abs(others - app.model.module[2].weight.detach().numpy())) > 0
+    assert all("requires_grad" in s["model_changes"] for s in history.params["setup"])
