@@ -1,7 +1,10 @@
-"""The master's model is the truth of every ``train()``: what the user changes on it between runs (a recompile with
+"""The master's model is the truth of every ``train()``, and ``train()`` takes what ``fit`` takes: what the user
+changes on the master's model between runs (a recompile with
 another optimizer or rate, an unfrozen base, a learning rate set by hand, a preprocessing layer adapted to other
 data, a torch optimizer's ``param_groups``) is what the workers train with, as the next ``fit`` (or torch loop) in
-one process would; and a warm model is lent only when it matches (:mod:`ddlf.frameworks.model_spec`)."""
+one process would; a warm model is lent only when it matches (:mod:`ddlf.frameworks.model_spec`); a model ``fit``
+builds on its first batch trains; lists and pandas from ``load_dataset`` train, strings are refused before any
+round; ``stop_training`` set in a batch ends training at the round's end."""
 
 from __future__ import annotations
 
@@ -185,3 +188,140 @@ def test_the_masters_adapted_state_is_what_the_workers_normalize_with(cluster: d
     x, y = separable(Shifted.shift, Shifted.scale)
     assert app.evaluate(x, y, return_dict=True)["accuracy"] > 0.85
     np.testing.assert_allclose(np.asarray(norm.mean).ravel(), x.mean(axis=0), rtol=1e-3, atol=1e-3)
+
+
+class SubclassedBinary(Binary):
+    """A ``keras.Model`` subclass with only ``call()``: ``fit`` builds it on its first batch."""
+
+    def create_model(self) -> Any:
+        import keras
+
+        class TwoLayers(keras.Model):
+            def __init__(self) -> None:
+                super().__init__()
+                self.hidden = keras.layers.Dense(16, activation="relu")
+                self.out = keras.layers.Dense(1, activation="sigmoid")
+
+            def call(self, x: Any) -> Any:
+                return self.out(self.hidden(x))
+
+        model = TwoLayers()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy", metrics=["accuracy"])
+        return model
+
+
+class NoInputBinary(Binary):
+    """``Sequential([Dense(16), Dense(1)])`` without ``keras.Input``: built on the first batch too."""
+
+    def create_model(self) -> Any:
+        import keras
+
+        model = keras.Sequential([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1, "sigmoid")])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy", metrics=["accuracy"])
+        return model
+
+
+@pytest.mark.parametrize("app_class", [SubclassedBinary, NoInputBinary])
+@pytest.mark.parametrize("strategy", [None, "model averaging", "asynchronous"])
+def test_models_fit_builds_on_the_first_batch_train(
+    cluster: ddlf.Cluster, app_class: type[ddlf.IApp], strategy: str | None
+) -> None:
+    """A model without weights until its first batch is built from the dataset's first rows, on the master and
+    the workers alike, and trains as under ``fit`` (with the default strategy too)."""
+    app = app_class(cluster)
+    if strategy is None:
+        history = app.train(epochs=3, batch_size=BATCH, run=ddlf.RunConfig(seed=3), verbose=0)
+    else:
+        history = _train(app, strategy, epochs=3)
+    assert app.model.built and len(app.model.weights) == 4
+    assert history.history["accuracy"][-1] > 0.85, history.history
+    x, y = separable()
+    assert app.evaluate(x, y, return_dict=True)["accuracy"] > 0.85
+
+
+# -- data as fit takes it ---------------------------------------------------------------------------------------
+
+
+class ListsBinary(Binary):
+    """``load_dataset`` returns Python lists (``x.tolist()``), as ``fit`` takes them."""
+
+    dataset_key = "model-truth-lists"
+
+    def load_dataset(self) -> Any:
+        x, y = separable()
+        return x.tolist(), y.tolist()
+
+
+class PandasBinary(Binary):
+    """``load_dataset`` returns a pandas DataFrame and Series."""
+
+    dataset_key = "model-truth-pandas"
+
+    def load_dataset(self) -> Any:
+        import pandas as pd
+
+        x, y = separable()
+        return pd.DataFrame(x, columns=[f"f{i}" for i in range(8)]), pd.Series(y)
+
+
+class TextBinary(Binary):
+    """``load_dataset`` returns numpy strings for the model (which takes numbers)."""
+
+    dataset_key = "model-truth-text"
+
+    def load_dataset(self) -> Any:
+        x, y = separable()
+        return np.array([" ".join(f"{v:.2f}" for v in row) for row in x]), y
+
+
+@pytest.mark.parametrize("app_class", [ListsBinary, PandasBinary])
+def test_lists_and_pandas_from_load_dataset_train_as_arrays(cluster: ddlf.Cluster, app_class: type) -> None:
+    if app_class is PandasBinary:
+        pytest.importorskip("pandas")
+    reference = _train(Binary(cluster), "model averaging", epochs=2)
+    history = _train(app_class(cluster), "model averaging", epochs=2)
+    np.testing.assert_allclose(history.history["loss"], reference.history["loss"], rtol=1e-5)
+
+
+def test_strings_for_a_model_are_refused_before_training_naming_the_part(cluster: ddlf.Cluster) -> None:
+    with pytest.raises(ddlf.DdlfError, match=r"x as load_dataset returned holds strings \(dtype <U\d+\).*numbers"):
+        _train(TextBinary(cluster), "model averaging")
+    assert cluster.ping()  # the workers still serve, and nothing of the refused run stays
+    assert all(not runs for runs in cluster.call(_runs))
+    assert _train(Binary(cluster), "model averaging").history["accuracy"]
+
+
+def _runs() -> list:
+    from ddlf.training import replica
+
+    return replica.runs()
+
+
+# -- stop_training ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_stop_training_set_in_a_batch_ends_training_at_the_next_round(cluster: ddlf.Cluster, strategy: str) -> None:
+    """A Keras callback sets ``model.stop_training`` in ``on_train_batch_end`` of the first epoch: as ``fit`` stops
+    at that batch, training ends at the round's end (not the epoch's), with the epoch's logs of what trained."""
+    import keras
+
+    class StopEarly(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.model.stop_training = True
+
+    app = Binary(cluster)
+    if strategy == "gradient averaging":  # its round is an epoch's partition unless the workers check in sooner
+        history = app.train(
+            epochs=3,
+            batch_size=BATCH,
+            strategy=ddlf.GradientAveraging(check_in_every=4),
+            callbacks=[StopEarly()],
+            verbose=0,
+        )
+    else:
+        history = _train(app, strategy, epochs=3, callbacks=[StopEarly()])
+    assert len(history.history["loss"]) == 1 and np.isfinite(history.history["loss"][0])
+    trained = sum(s.samples for s in history.stats)
+    assert 0 < trained < ROWS, trained  # part of the first epoch, not all of it
+    assert app.epochs_done == 1

@@ -26,6 +26,38 @@ def _is_pandas(value: Any) -> bool:
     return module.startswith("pandas.") and type(value).__name__ in ("DataFrame", "Series")
 
 
+def is_array_like(value: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether a list or tuple is one array's rows (numbers, strings or nested lists of them: ``x.tolist()``), as
+    ``np.asarray`` takes it, rather than several arrays (a model's inputs: arrays, frames, dicts)."""
+    return bool(value) and all(
+        isinstance(v, (int, float, complex, str, bytes, np.generic, list, tuple)) for v in value[:64]
+    )
+
+
+def as_arrays(value: Any) -> Any:
+    """What ``load_dataset`` returned, each part's array-likes as numpy arrays, as ``fit`` converts them: pandas
+    DataFrames and Series to their values, lists of numbers (``x.tolist()``) through ``np.asarray``; the
+    structure (``(x, y)``, dicts of named inputs, lists of arrays) kept. Converted once, when the worker loads the
+    dataset (so the host's one copy holds arrays)."""
+    if isinstance(value, dict):
+        return {k: _arrayed(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)) and len(value) in (2, 3):
+        return type(value)(_arrayed(v) for v in value)
+    return value
+
+
+def _arrayed(part: Any) -> Any:
+    if _is_pandas(part):
+        return part.to_numpy()
+    if isinstance(part, dict):
+        return {k: _arrayed(v) for k, v in part.items()}
+    if isinstance(part, (tuple, list)):
+        if is_array_like(part):
+            return np.asarray(part)
+        return type(part)(_arrayed(v) for v in part)
+    return part
+
+
 def _leaf(value: Any, where: str) -> Any:
     """One array of a part, as the pipeline takes it: numpy arrays as they are, pandas' values as numpy, other
     array-likes (lists, framework tensors) through ``np.asarray``; Python objects refused with the part named."""
@@ -56,7 +88,7 @@ def _flatten(value: Any, where: str, leaves: list[Any]) -> Spec:
         if not keys:
             raise DatasetError(f"{where} is an empty dict: it needs at least one array")
         return ("dict", keys, [_flatten(value[k], f"{where}[{k!r}]", leaves) for k in keys])
-    if isinstance(value, (tuple, list)) and not (value and isinstance(value[0], (int, float, np.number))):
+    if isinstance(value, (tuple, list)) and not is_array_like(value):
         if not value:
             raise DatasetError(f"{where} is an empty {type(value).__name__}: it needs at least one array")
         kind = "tuple" if isinstance(value, tuple) else "list"

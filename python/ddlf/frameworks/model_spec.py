@@ -94,8 +94,12 @@ def is_torch_model(model: Any) -> bool:
 
 def layers(model: Any) -> list[Any]:
     """The model and every layer in it, depth first, in one fixed order (the same for two builds of one
-    architecture)."""
-    return list(model._flatten_layers(include_self=True, recursive=True))
+    architecture), without input layers (a ``Sequential`` without ``keras.Input`` gains one when it is built)."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if type(layer).__name__ != "InputLayer"
+    ]
 
 
 def adaptable(layer: Any) -> bool:
@@ -261,6 +265,18 @@ def _apply_keras(model: Any, spec: ModelSpec) -> list[str]:
             rate.assign(spec.learning_rate)
             changed.append("learning_rate")
     return changed
+
+
+def needs_build(model: Any) -> bool:
+    """Whether ``model`` is a Keras model that ``fit`` would build on its first batch (a subclassed model, a
+    ``Sequential`` without ``keras.Input``): it has no weights yet."""
+    return is_keras_model(model) and not model.weights and not getattr(model, "built", False)
+
+
+def build_from(model: Any, x: Any) -> None:
+    """Build ``model`` from a batch of inputs ``x`` (a few rows, after the app's ``preprocess``), as ``fit`` builds
+    it on its first batch: each layer's weights created for these shapes."""
+    model(x, training=False)
 
 
 # -- PyTorch --------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ..cluster.cluster import Cluster
 from ..data.images import EncodedImages
 from ..data.structure import concatenate_rows
 from ..errors import DatasetError, WorkerUnavailable
+from ..frameworks import model_spec
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
 from ..frameworks.seeding import set_random_seed
@@ -294,6 +295,7 @@ class IApp:
             raise WorkerUnavailable(f"app.{what}() needs a live worker: every worker is lost")
         try:
             infos = [members.info[self.cluster.addresses[w]] for w in live]
+            self._build_from_workers(infos)
             if self.sharded:
                 parts = [(0, int(i["rows"])) for i in infos]
             else:
@@ -345,6 +347,18 @@ class IApp:
                     )
                 self.model = model
 
+    def _build_from_workers(self, infos: list[dict[str, Any]], seed: int = 0) -> None:
+        """A master's model that ``fit`` would build on its first batch (a subclassed model, a ``Sequential``
+        without ``keras.Input``) is built from the inputs of the dataset's first rows, as the workers built theirs
+        (:meth:`~.replica.sessions.Sessions.setup`)."""
+        if not model_spec.needs_build(self.model):
+            return
+        sample = next((i["first_inputs"] for i in infos if i.get("first_inputs") is not None), None)
+        if sample is not None:
+            with _SEEDING:  # its initial weights drawn from the run's seed, one app at a time
+                set_random_seed(seed)
+                model_spec.build_from(self.model, sample)
+
     def _abandon(self, cfg: TrainConfig, members: Members) -> None:
         """Tear the run down on its workers before it trains (refused): nothing of it stays there."""
         self.cluster.call(remote.teardown, (cfg.run_id,), workers=members.candidates(), return_exceptions=True)
@@ -362,8 +376,6 @@ class IApp:
         self._seed_and_build(cfg.run.seed)
         if isinstance(cfg.strategy, GradientAveraging):
             check_steppable(self.model, self._worker_count(cfg.run))
-            if cfg.strategy.shard_optimizer:
-                check_shardable(self.model)  # here, before any round: the workers' models are the master's
         resumed = cfg.resumed
         if resumed is None and cfg.run.resume and cfg.run.checkpoint_dir:
             resumed = checkpoint.load(cfg.run.checkpoint_dir)
@@ -393,6 +405,9 @@ class IApp:
                 f"{type(self).__name__}.load_dataset returned no rows to train on"
                 + (" (after validation_split)" if cfg.fit.validation_split else "")
             )
+        self._build_from_workers(infos, cfg.run.seed)
+        if isinstance(cfg.strategy, GradientAveraging) and cfg.strategy.shard_optimizer:
+            check_shardable(self.model)  # here, before any round: the workers' models are the master's
         self.stop_training = False
         history.params = {
             "epochs": cfg.epochs,

@@ -124,8 +124,10 @@ def train_async(run: TrainingRun) -> History:
                 except ValueError:
                     return False  # removed from the cluster
                 with lock:
-                    if state["error"] is not None or run.preempted():
-                        return False  # preempted: no new chunk; those in flight finish (or fail with their workers)
+                    if state["error"] is not None or run.preempted() or app.stop_training:
+                        # preempted or stopped by a callback: no new chunk; those in flight finish (or fail with
+                        # their workers)
+                        return False
                     item = ep.take(w)
                     if item is None:
                         return False
@@ -208,7 +210,7 @@ def train_async(run: TrainingRun) -> History:
                     logs = dict(res.logs, samples_done=ep.done)
                 run.round_end(round_no, logs)
 
-        _supervise(cluster, members, ep, work, lock, state, cfg, run.preempted)
+        _supervise(cluster, members, ep, work, lock, state, cfg, lambda: run.preempted() or bool(app.stop_training))
         if state["error"] is not None:
             raise state["error"]
         # Preempted mid-epoch: the weights so far are kept, and the resumed run goes on after the rows trained
@@ -233,7 +235,7 @@ def _supervise(
     preempted: Callable[[], bool],
 ) -> None:
     """Run one worker thread per live worker until the epoch's chunks are done (or, once ``preempted()``, the
-    chunks in flight); start threads for workers that join during the epoch; wait for a lost cluster to come back
+    chunks in flight: preempted, or a callback set ``stop_training``); start threads for workers that join during the epoch; wait for a lost cluster to come back
     for up to ``rejoin_timeout``."""
     threads: dict[str, threading.Thread] = {}
     active: set[str] = set()  # workers whose thread has not ended (under ``lock``)

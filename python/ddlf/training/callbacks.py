@@ -1,7 +1,8 @@
 """Callbacks for ``app.train``, with Keras' hooks: ``on_train_begin/end``, ``on_epoch_begin/end`` and
 (ddlf's own) ``on_round_end``. A callback sees the app (``self.app``), the master's model (``self.model``) and
 the run's :class:`~ddlf.History` as it grows (``self.history``, with per-round worker statistics); setting
-``self.app.stop_training = True`` ends training after the current epoch."""
+``self.app.stop_training = True`` ends training at the end of the current round (sync; the chunks in flight, async),
+with the epoch's logs of what trained, as ``fit`` ends it at the current batch."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@
 logs and, as its ``batch``, the index (from the epoch's start) of the last batch a worker has run by then, as
 ``fit`` reports it with ``steps_per_execution``: distributed training has no per-batch view on the master. What
 a callback does to the model reaches the workers: ``model.stop_training = True`` (EarlyStopping, TerminateOnNaN)
-ends training after the epoch, and a new learning rate on the master's optimizer (ReduceLROnPlateau,
+ends training at the end of the round (sync) or chunks in flight (async) it was set in, as ``fit`` ends it at the
+batch, and a new learning rate on the master's optimizer (ReduceLROnPlateau,
 LearningRateScheduler) is what every worker trains with from the next round (:func:`learning_rate`, carried by each
 round's ``learning_rate``). ``BackupAndRestore`` resumes where its backup says, as in ``fit``: the master's model
 restored, the workers starting from it.

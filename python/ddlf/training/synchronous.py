@@ -153,6 +153,10 @@ def train_sync(run: TrainingRun) -> History:
             round_logs["samples_done"] = done
             run.round_end(round_no, round_logs)
             round_no += 1
+            if app.stop_training:
+                # a callback set stop_training (TerminateOnNaN, a user's on_train_batch_end): as fit ends its
+                # epoch at the batch it was set on, this one ends at the round's end, with the logs of what trained
+                break
         if ring is not None:
             weights = ring.weights()
         stop = run.end_epoch(weights, epoch_results, epoch, t_epoch)

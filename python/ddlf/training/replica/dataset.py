@@ -10,7 +10,7 @@ import numpy as np
 
 from ... import ops
 from ...data.store import STORE
-from ...data.structure import Parts, class_weights, rows_of
+from ...data.structure import Parts, as_arrays, class_weights, rows_of
 from ...errors import DatasetError
 from ..messages import FitData
 
@@ -24,10 +24,10 @@ def load(app: Any, identity: bytes, shard: int | None, n_shards: int) -> tuple[A
     """The app's dataset (or one shard of it) through the worker's store, and whether it was cached; ``identity``,
     the digest of the app as received, names the host's copy (no second pickle of the app here)."""
     if shard is None:
-        return STORE.get_or_load(app.dataset_key, app.load_dataset, identity=identity)
+        return STORE.get_or_load(app.dataset_key, lambda: as_arrays(app.load_dataset()), identity=identity)
     return STORE.get_or_load(
         shard_key(app, shard, n_shards),
-        lambda: app.load_shard(shard, n_shards),
+        lambda: as_arrays(app.load_shard(shard, n_shards)),
         shard=(shard, n_shards),
         identity=identity,
     )
@@ -107,3 +107,40 @@ class Feed:
     def stats(self) -> dict[str, Any]:
         """The pipeline's counters: rows gathered, seconds waited for data."""
         return self.pipeline.stats()
+
+
+def first_batch(parts: Parts, preprocess: Callable[[Any, Any], tuple[Any, Any]], rows: int = 2) -> tuple[Any, Any]:
+    """``(x, y)`` of the dataset's first ``rows`` rows, after ``preprocess`` (None: the dataset has no rows): what a
+    model that ``fit`` builds on its first batch is built from, and what :func:`check_model_data` reads."""
+    n = min(rows, parts.rows)
+    if n == 0:
+        return None, None
+    feed = Feed(parts, np.arange(n, dtype=np.uint32), n, 1, preprocess, FitData())
+    x, y, _sw, _n = next(iter(feed))
+    return x, y
+
+
+def check_model_data(x: Any, y: Any, preprocessed: bool) -> None:
+    """Refuse, before any round, a batch a model cannot take (``fit`` refuses it too, with a backend's error on
+    the first step): strings or Python objects in ``x`` or ``y``, named, with what to return instead."""
+    for part, value in (("x", x), ("y", y)):
+        for where, leaf in _named_leaves(value, part):
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is None or np.dtype(dtype).kind not in "USO":
+                continue
+            what = "strings" if np.dtype(dtype).kind in "US" else "Python objects"
+            source = "preprocess() returned" if preprocessed else "load_dataset returned"
+            raise DatasetError(
+                f"{where} as {source} holds {what} (dtype {np.dtype(dtype)}): a model trains on numbers. Turn them "
+                "into numbers in load_dataset or preprocess: text as integer token ids (keras.layers.TextVectorization "
+                "or StringLookup, adapted, applied to the data rather than inside the model), categories as ids or "
+                "one-hot arrays"
+            )
+
+
+def _named_leaves(value: Any, where: str) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _named_leaves(v, f"{where}[{k!r}]")]
+    if isinstance(value, (tuple, list)):
+        return [leaf for i, v in enumerate(value) for leaf in _named_leaves(v, f"{where}[{i}]")]
+    return [(where, value)] if value is not None else []

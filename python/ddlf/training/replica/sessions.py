@@ -26,7 +26,7 @@ from ...frameworks.seeding import set_random_seed
 from ...process import release_heap
 from ..messages import FitData, weights_var
 from . import warm
-from .dataset import load, parts_of, training_rows
+from .dataset import check_model_data, first_batch, load, parts_of, training_rows
 from .session import Session
 
 log = logging.getLogger("ddlf.training")
@@ -123,6 +123,12 @@ class Sessions:
         model = app.create_model()
         if hasattr(model, "set_rng_state"):
             set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
+        sample, first_y = first_batch(parts, app.preprocess)
+        check_model_data(sample, first_y, type(app).preprocess.__qualname__ != "IApp.preprocess")
+        if sample is not None and model_spec.needs_build(model):  # built on its first batch, as fit builds it
+            model_spec.build_from(model, sample)
+        else:
+            sample = None  # the master needs no inputs to build its model from
         # The master's model is the truth: what the user changed on it since create_model() (a recompile, trainable
         # flags, a learning rate, an adapted layer) is made so here too, before a warm model is looked up by it.
         changes = model_spec.apply(model, spec)
@@ -145,6 +151,7 @@ class Sessions:
             "first_load_seconds": item.load_seconds,
             "setup_seconds": time.perf_counter() - t0,
             "model_changes": changes,
+            "first_inputs": sample,  # a model built on its first batch: the master builds its own from them
         }
 
     def admit(self, worker: Any, run_id: str) -> None:

@@ -253,11 +253,14 @@ class _Grouped:
 class _KerasStepper(Stepper):
     def __init__(self, model: Any) -> None:
         if getattr(model, "optimizer", None) is None:
-            raise ValueError("GradientAveraging needs a compiled model (create_model must compile it)")
+            raise ValueError("ddlf trains a compiled model: create_model must compile it (model.compile(...))")
         self.model = model
         self.trainable = list(model.trainable_weights)
         if not self.trainable:
-            raise ValueError("GradientAveraging: the model has no trainable weights")
+            raise ValueError(
+                "the model has no trainable weights: every layer is frozen (trainable=False), so there is nothing "
+                "to train"
+            )
         self.base_lr: float | None = None
 
     def _flush(self) -> None:
