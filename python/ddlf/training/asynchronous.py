@@ -235,8 +235,8 @@ def _supervise(
     preempted: Callable[[], bool],
 ) -> None:
     """Run one worker thread per live worker until the epoch's chunks are done (or, once ``preempted()``, the
-    chunks in flight: preempted, or a callback set ``stop_training``); start threads for workers that join during the epoch; wait for a lost cluster to come back
-    for up to ``rejoin_timeout``."""
+    chunks in flight: preempted, or a callback set ``stop_training``); start threads for workers that join during
+    the epoch; wait for a lost cluster to come back for up to ``rejoin_timeout``."""
     threads: dict[str, threading.Thread] = {}
     active: set[str] = set()  # workers whose thread has not ended (under ``lock``)
     failed_at: dict[str, float] = {}  # when a worker's thread last ended on a failed call
