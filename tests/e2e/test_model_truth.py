@@ -325,3 +325,46 @@ def test_stop_training_set_in_a_batch_ends_training_at_the_next_round(cluster: d
     trained = sum(s.samples for s in history.stats)
     assert 0 < trained < ROWS, trained  # part of the first epoch, not all of it
     assert app.epochs_done == 1
+
+
+# -- what else the master's model carries ---------------------------------------------------------------------------
+
+
+def test_the_scripts_global_dtype_policy_is_the_workers(cluster: ddlf.Cluster) -> None:
+    """``keras.config.set_dtype_policy("mixed_float16")`` in the script, before ``create_model``: the workers build
+    their replicas under it too (their configuration is the master's: no warning)."""
+    import warnings
+
+    import keras
+
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        app = Binary(cluster)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ddlf.ModelChangeWarning)
+            history = _train(app, "gradient averaging")
+    finally:
+        keras.config.set_dtype_policy(before)
+    assert app.model.layers[0].dtype_policy.name == "mixed_float16"
+    assert all(s["model_mismatch"] is None for s in history.params["setup"])
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_a_master_model_of_another_architecture_warns(cluster: ddlf.Cluster) -> None:
+    """The master's model replaced by hand with one of other activations (the same weight shapes): the workers
+    train ``create_model()``'s, and ddlf says so rather than train it silently."""
+    import keras
+
+    app = Binary(cluster)
+    app.model = keras.Sequential(
+        [
+            keras.Input(shape=(8,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
+    app.model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy", metrics=["accuracy"])
+    with pytest.warns(ddlf.ModelChangeWarning, match="another configuration than the master's model"):
+        history = _train(app, "model averaging")
+    assert any(e["event"] == "model_mismatch" for e in history.events)

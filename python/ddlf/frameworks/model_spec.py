@@ -19,10 +19,12 @@ change (:func:`optimizer_groups`, :func:`set_optimizer_groups`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +70,14 @@ class ModelSpec:
     preprocessing: list[tuple[int, list[np.ndarray], Any]] = field(default_factory=list)
     """For each adaptable preprocessing layer (``Normalization``, ``StringLookup``, ``TextVectorization``,
     ``Discretization``...): its index among the layers, its weights and its vocabulary (None: has none)."""
+    dtype_policy: str | None = None
+    """Keras: the master's global dtype policy (``mixed_float16``...), under which a worker's ``create_model`` runs
+    (:func:`building_as`): a policy set in the user's script is not set on the workers otherwise."""
+    run_eagerly: bool | None = None
+    """Keras: the master's ``model.run_eagerly`` (set as an attribute after ``compile`` as well as by it)."""
+    architecture: str | None = None
+    """Keras: a digest of the master's built model's configuration (layer names aside); None: not built, or its
+    configuration cannot be read. A worker whose model differs says so (the master warns)."""
     optimizer_class: str | None = None
     """torch: the optimizer's class."""
     optimizer_groups: list[dict[str, Any]] | None = None
@@ -201,10 +211,54 @@ def _compile_args(model: Any) -> Any:
     return _portable(args)
 
 
+def anonymous(config: Any) -> Any:
+    """``config`` with layer and model names replaced by their order of appearance: Keras numbers names per
+    process (``dense_3``), so two builds of one architecture differ only there."""
+    names: dict[str, str] = {}
+
+    def collect(c: Any) -> None:
+        if isinstance(c, dict):
+            for k, v in c.items():
+                if k == "name" and isinstance(v, str):
+                    names.setdefault(v, f"#{len(names)}")
+                collect(v)
+        elif isinstance(c, (list, tuple)):
+            for v in c:
+                collect(v)
+
+    def rename(c: Any) -> Any:
+        if isinstance(c, dict):
+            return {k: rename(v) for k, v in c.items()}
+        if isinstance(c, (list, tuple)):
+            return [rename(v) for v in c]
+        if isinstance(c, str):
+            return names.get(c, c)
+        return c
+
+    collect(config)
+    return rename(config)
+
+
+def architecture(model: Any) -> str | None:
+    """A digest of a built Keras model's configuration, names aside (None: not built, or not readable)."""
+    if not getattr(model, "built", False) or not model.weights:
+        return None
+    try:
+        plain = json.loads(json.dumps(model.get_config(), default=repr))
+    except Exception:  # a subclassed model without get_config
+        return None
+    text = json.dumps(anonymous(plain), sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _describe_keras(model: Any) -> ModelSpec:
     every = layers(model)
+    keras = _keras()
     return ModelSpec(
         framework="keras",
+        dtype_policy=keras.config.dtype_policy().name,
+        run_eagerly=bool(getattr(model, "run_eagerly", False)),
+        architecture=architecture(model),
         trainable=[bool(layer.trainable) for layer in every],
         variable_trainable=[bool(v.trainable) for v in model.weights],
         compile_key=compile_key(model),
@@ -259,6 +313,9 @@ def _apply_keras(model: Any, spec: ModelSpec) -> list[str]:
     if spec.compile_args is not None and (spec.compile_key is None or compile_key(model) != spec.compile_key):
         model.compile(**_built(spec.compile_args))
         changed.append("compile")
+    if spec.run_eagerly is not None and bool(getattr(model, "run_eagerly", False)) != spec.run_eagerly:
+        model.run_eagerly = spec.run_eagerly
+        changed.append("run_eagerly")
     if spec.learning_rate is not None:
         rate = getattr(getattr(model, "optimizer", None), "_learning_rate", None)
         if rate is not None and hasattr(rate, "assign") and _plain_rate(model.optimizer) != spec.learning_rate:
@@ -364,6 +421,40 @@ def _apply_torch(model: Any, spec: ModelSpec) -> list[str]:
     if spec.optimizer_groups is not None and set_optimizer_groups(model, spec.optimizer_groups):
         changed.append("optimizer")
     return changed
+
+
+def differs(model: Any, spec: ModelSpec | None) -> str | None:
+    """What still differs between ``model`` (after :func:`apply`) and the master's ``spec`` that cannot be carried
+    (its architecture: layer types, sizes, activations, dtypes); None: nothing found."""
+    if spec is None or spec.framework != "keras" or spec.architecture is None:
+        return None
+    mine = architecture(model)
+    if mine is None or mine == spec.architecture:
+        return None
+    return (
+        "the model create_model() built on this worker has another configuration than the master's model (layers, "
+        "their sizes, activations or dtypes): the workers train create_model()'s architecture"
+    )
+
+
+@contextlib.contextmanager
+def building_as(spec: ModelSpec | None) -> Iterator[None]:
+    """While a worker runs ``create_model()``: the master's global Keras dtype policy (``mixed_float16`` set in the
+    user's script), restored after."""
+    if spec is None or spec.framework != "keras" or not spec.dtype_policy:
+        yield
+        return
+    import keras
+
+    before = keras.config.dtype_policy()
+    if before.name == spec.dtype_policy:
+        yield
+        return
+    keras.config.set_dtype_policy(spec.dtype_policy)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(before)
 
 
 # -- both -----------------------------------------------------------------------------------------------------------

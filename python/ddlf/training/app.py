@@ -23,6 +23,7 @@ import dataclasses
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from .. import serialization
 from ..cluster.cluster import Cluster
 from ..data.images import EncodedImages
 from ..data.structure import concatenate_rows
-from ..errors import DatasetError, WorkerUnavailable
+from ..errors import DatasetError, ModelChangeWarning, WorkerUnavailable
 from ..frameworks import model_spec
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
@@ -406,6 +407,10 @@ class IApp:
                 + (" (after validation_split)" if cfg.fit.validation_split else "")
             )
         self._build_from_workers(infos, cfg.run.seed)
+        mismatch = next((i["model_mismatch"] for i in infos if i.get("model_mismatch")), None)
+        if mismatch:
+            warnings.warn(mismatch, ModelChangeWarning, stacklevel=3)
+            members.note("model_mismatch", reason=mismatch)
         if isinstance(cfg.strategy, GradientAveraging) and cfg.strategy.shard_optimizer:
             check_shardable(self.model)  # here, before any round: the workers' models are the master's
         self.stop_training = False

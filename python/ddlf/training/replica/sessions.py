@@ -120,7 +120,8 @@ class Sessions:
         item, cached = load(app, identity, worker.id if n_shards else None, n_shards)
         parts = parts_of(item.value, fit)
         rows = training_rows(parts.rows, fit)
-        model = app.create_model()
+        with model_spec.building_as(spec):  # under the master's global dtype policy
+            model = app.create_model()
         if hasattr(model, "set_rng_state"):
             set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
         sample, first_y = first_batch(parts, app.preprocess)
@@ -132,6 +133,7 @@ class Sessions:
         # The master's model is the truth: what the user changed on it since create_model() (a recompile, trainable
         # flags, a learning rate, an adapted layer) is made so here too, before a warm model is looked up by it.
         changes = model_spec.apply(model, spec)
+        mismatch = model_spec.differs(model, spec)
         if changes:
             log.info("training run %s: the model built here took the master's %s", run_id, ", ".join(changes))
         self.admit(worker, run_id)
@@ -151,6 +153,7 @@ class Sessions:
             "first_load_seconds": item.load_seconds,
             "setup_seconds": time.perf_counter() - t0,
             "model_changes": changes,
+            "model_mismatch": mismatch,  # the master warns (ModelChangeWarning)
             "first_inputs": sample,  # a model built on its first batch: the master builds its own from them
         }
 

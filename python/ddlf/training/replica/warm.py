@@ -78,7 +78,7 @@ def fingerprint(model: Any) -> str | None:
             log.debug("model not kept warm: it uses %s, which is not Keras's own", outside)
             return None
         return json.dumps(
-            _anonymous(plain),
+            model_spec.anonymous(plain),
             sort_keys=True,
             default=repr,
         )
@@ -104,34 +104,6 @@ def _outside_keras(config: Any) -> str | None:
         if found is not None:
             return found
     return None
-
-
-def _anonymous(config: Any) -> Any:
-    """``config`` with layer and model names replaced by their order of appearance: Keras numbers names per
-    process (``dense_3``), so two builds of one architecture differ only there."""
-    names: dict[str, str] = {}
-
-    def collect(c: Any) -> None:
-        if isinstance(c, dict):
-            for k, v in c.items():
-                if k == "name" and isinstance(v, str):
-                    names.setdefault(v, f"#{len(names)}")
-                collect(v)
-        elif isinstance(c, (list, tuple)):
-            for v in c:
-                collect(v)
-
-    def rename(c: Any) -> Any:
-        if isinstance(c, dict):
-            return {k: rename(v) for k, v in c.items()}
-        if isinstance(c, (list, tuple)):
-            return [rename(v) for v in c]
-        if isinstance(c, str):
-            return names.get(c, c)
-        return c
-
-    collect(config)
-    return rename(config)
 
 
 def _same_structure(a: list[Any], b: list[Any]) -> bool:
