@@ -368,3 +368,23 @@ def test_a_master_model_of_another_architecture_warns(cluster: ddlf.Cluster) -> 
     with pytest.warns(ddlf.ModelChangeWarning, match="another configuration than the master's model"):
         history = _train(app, "model averaging")
     assert any(e["event"] == "model_mismatch" for e in history.events)
+
+
+def test_a_recompile_during_train_is_warned_of_and_taken_by_the_next_train(cluster: ddlf.Cluster) -> None:
+    """A callback that recompiles the master's model (``SGD(1e-9)``) after the first epoch: the workers keep the
+    model they set up with until this ``train()`` ends (ddlf says so), and the next ``train()`` takes it."""
+    import keras
+
+    app = Binary(cluster)
+
+    class Recompile(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if epoch == 0:
+                self.model.compile(optimizer=keras.optimizers.SGD(1e-9), loss="binary_crossentropy")
+
+    with pytest.warns(ddlf.ModelChangeWarning, match=r"changed during train\(\) \(its compile, in epoch 0\)"):
+        history = _train(app, "model averaging", epochs=2, callbacks=[Recompile()])
+    assert [e["parts"] for e in history.events if e["event"] == "model_changed"] == [["compile"]]
+    start = [np.array(w) for w in app.model.get_weights()]
+    _train(app, "model averaging")
+    assert _moved(start, app.model.get_weights()) < 1e-6

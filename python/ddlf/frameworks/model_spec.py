@@ -457,6 +457,30 @@ def building_as(spec: ModelSpec | None) -> Iterator[None]:
         keras.config.set_dtype_policy(before)
 
 
+def signature(model: Any) -> dict[str, Any]:
+    """What of the master's model is carried only when a run sets up (not with each round): its trainable flags,
+    compile configuration and ``run_eagerly`` (Keras), its parameters' ``requires_grad`` and optimizer class
+    (torch). :func:`changed` compares two of them. (Not the adapted layers: their variables are averaged with the
+    weights each round, and so change in the last bits.)"""
+    if is_torch_model(model):
+        return {
+            "requires_grad": [bool(p.requires_grad) for p in model.module.parameters()],
+            "optimizer": type(model.optimizer).__qualname__,
+        }
+    if not is_keras_model(model):
+        return {}
+    return {
+        "trainable": [bool(layer.trainable) for layer in layers(model)],
+        "compile": compile_key(model),
+        "run_eagerly": bool(getattr(model, "run_eagerly", False)),
+    }
+
+
+def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The parts of two :func:`signature` that differ."""
+    return [k for k in before if k in after and before[k] != after[k]]
+
+
 # -- both -----------------------------------------------------------------------------------------------------------
 
 

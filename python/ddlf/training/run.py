@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import (
     BadWorkerReply,
+    ModelChangeWarning,
     NonFiniteGradientsWarning,
     NonFiniteUpdate,
     Preempted,
@@ -70,6 +71,9 @@ class TrainingRun:
     start_optimizer_groups: list[dict[str, Any]] | None = None
     """A ``TorchModel``'s optimizer hyperparameters when training began (None: not a TorchModel)."""
     optimizer_groups_changed: bool = False
+    start_signature: dict[str, Any] | None = None
+    """What of the master's model the workers took at setup only (:func:`~ddlf.frameworks.model_spec.signature`):
+    a change during the run is warned of once."""
     preemption: Preemption | None = None
     """The signals that end this run at a round boundary (:mod:`.preemption`; None: none caught)."""
     resume_position: int = 0
@@ -82,6 +86,7 @@ class TrainingRun:
     def __post_init__(self) -> None:
         self.start_learning_rate = learning_rate(self.app.model)
         self.start_optimizer_groups = model_spec.optimizer_groups(self.app.model)
+        self.start_signature = model_spec.signature(self.app.model)
 
     @property
     def cluster(self) -> Any:
@@ -168,6 +173,25 @@ class TrainingRun:
             return now
         return None
 
+    def check_model_changes(self, epoch: int) -> None:
+        """Warn (once a run) when a callback changed what the workers take at setup only: a recompile, a
+        ``trainable`` flag or ``run_eagerly`` (Keras), ``requires_grad`` or the optimizer
+        (torch). The workers take it when the next ``train()`` sets up; a learning rate (Keras) and torch's
+        optimizer groups travel with every round and need no warning."""
+        if self.start_signature is None:
+            return
+        parts = model_spec.changed(self.start_signature, model_spec.signature(self.app.model))
+        if not parts:
+            return
+        self.start_signature = None
+        what = ", ".join(parts)
+        message = (
+            f"the master's model changed during train() (its {what}, in epoch {epoch}): the workers took the model "
+            "as it was when training started and keep it until this train() ends; the next train() takes the change"
+        )
+        warnings.warn(message, ModelChangeWarning, stacklevel=2)
+        self.members.note("model_changed", parts=parts)
+
     def optimizer_groups(self) -> tuple[dict[str, Any], ...] | None:
         """A ``TorchModel`` optimizer's hyperparameters on the master once they changed during the run (a torch
         scheduler stepped by a callback, ``group["lr"] = ...``), for the next rounds to carry to the workers; None
@@ -206,6 +230,7 @@ class TrainingRun:
         for cb in self.callbacks:
             cb.on_epoch_end(epoch, logs)  # one dict for all, as in fit: what a callback adds, the next ones see
         self.history.record_added(logs, recorded)  # History is fit's last callback
+        self.check_model_changes(epoch)
         app.epochs_done = epoch + 1
         return bool(app.stop_training)
 
