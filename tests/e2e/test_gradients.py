@@ -337,7 +337,7 @@ def test_a_worker_killed_mid_training_is_left_out() -> None:
         held = Replicas(c)
         with pytest.warns(RuntimeWarning, match="worker 2 .* lost"):
             h = app.train(
-                epochs=2,
+                epochs=3,
                 batch_size=16,
                 callbacks=[cb, held],
                 verbose=0,
@@ -347,6 +347,11 @@ def test_a_worker_killed_mid_training_is_left_out() -> None:
         lost = [e for e in h.events if e["event"] == "lost"]
         assert [e["worker"] for e in lost] == [2]
         assert 0 <= lost[0]["time"] - when["t"] < 5.0  # the ring failed at once: no step waited on the dead worker
-        assert sum(s.samples for s in h.stats if s.epoch == 1) == ROWS  # the survivors cover the last epoch
+        # The kill lands 50 ms after round 2, in epoch 0 or (rounds of 2 batches are quick) a later one: the
+        # lost worker's rows of that round are not retried (ddlf.training.synchronous), and the survivors cover
+        # every epoch after it.
+        assert lost[0]["epoch"] < 2
+        for epoch in range(lost[0]["epoch"] + 1, 3):
+            assert sum(s.samples for s in h.stats if s.epoch == epoch) == ROWS, epoch
         assert len(held.held) == 2 and held.identical()
         assert h.history["accuracy"][-1] > 0.85
