@@ -231,6 +231,11 @@ class DatasetError(DdlfError, ValueError):
     """A dataset file is missing, malformed or inconsistent. The message names the file."""
 
 
+class ResetRefused(DdlfError, RuntimeError):
+    """``Cluster.reset()`` refused: a worker serves a training run (named in the message, with its app and idle
+    time), another master's or one left behind; ``reset(force=True)`` tears it down. No worker was reset."""
+
+
 class ModelMismatchError(DdlfError, ValueError):
     """The model ``create_model()`` built on a worker cannot be made to agree with the master's model (another
     architecture, another optimizer class): ``create_model`` must build the same model everywhere."""
@@ -430,6 +435,7 @@ __all__ = [
     "RemoteError",
     "ReplyRefusedWarning",
     "RequestRejected",
+    "ResetRefused",
     "SerializationError",
     "TooManyRuns",
     "WireOverflowWarning",

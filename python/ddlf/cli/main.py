@@ -1,7 +1,7 @@
 """The ``ddlf`` command: ``ddlf worker`` (the daemon), ``ddlf status`` (a table of workers), ``ddlf logs`` (a
-worker's recent log lines), ``ddlf stacks`` (every worker's Python stacks), ``ddlf up`` / ``ddlf down`` (start /
-stop a cluster.toml's workers over SSH), ``ddlf demo`` (the README's local MNIST run). The benchmarks run from a
-checkout: ``python -m benchmarks NAME``."""
+worker's recent log lines), ``ddlf stacks`` (every worker's Python stacks), ``ddlf reset`` (workers back to their
+starting state), ``ddlf up`` / ``ddlf down`` (start / stop a cluster.toml's workers over SSH), ``ddlf demo`` (the
+README's local MNIST run). The benchmarks run from a checkout: ``python -m benchmarks NAME``."""
 
 from __future__ import annotations
 
@@ -102,6 +102,30 @@ def _cmd_stacks(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_reset(args: argparse.Namespace) -> int:
+    """Reset every worker (``Cluster.reset``): print what each dropped."""
+    from ..cluster.cluster import Cluster
+
+    found = _targets(args, "reset")
+    if found is None:
+        return 2
+    addresses, kw = found
+    try:
+        with Cluster(addresses, timeout=args.timeout, **kw) as cluster:
+            dropped = cluster.reset(force=args.force)
+    except DdlfError as exc:
+        print(f"ddlf reset: {exc}", file=sys.stderr)
+        return 1
+    for address, d in zip(addresses, dropped):
+        training = d.get("training") or {}
+        print(
+            f"{address}: reset ({len(training.get('runs', []))} runs torn down, {training.get('warm_models', 0)} "
+            f"warm models, {len(d.get('datasets', []))} datasets, {len(d.get('modules', []))} modules, "
+            f"{d.get('variables', 0)} variables, {d.get('functions', 0)} functions dropped)"
+        )
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     script = os.path.join(os.getcwd(), "examples", "mnist_sync.py")
     if not os.path.exists(script):
@@ -135,6 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sk.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
     sk.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     sk.add_argument("--timeout", type=float, default=2.0, help="seconds allowed per worker (default 2)")
+    rs = sub.add_parser(
+        "reset", help="every worker back to the state it started in (runs, datasets, modules, variables), no restart"
+    )
+    rs.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    rs.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
+    rs.add_argument("--force", action="store_true", help="tear down the training runs they serve too")
+    rs.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per worker (default 60)")
     upp = sub.add_parser("up", help="start the workers of a cluster.toml over ssh, check versions, show status")
     upp.add_argument("config", help="cluster.toml (workers, token_file, [launch] ssh settings); written with --slurm")
     upp.add_argument(
@@ -157,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_logs(args)
         if args.command == "stacks":
             return _cmd_stacks(args)
+        if args.command == "reset":
+            return _cmd_reset(args)
         if args.command == "up" and args.slurm:
             from . import launch
 

@@ -25,6 +25,7 @@ ASYNC_METHODS = (
     "exec",
     "upload_module",
     "clean",
+    "reset",
     "load_dataset",
     "put_dataset",
     "datasets",

@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import _ddlf
 from ..data import store
-from ..errors import DdlfError, raise_for
+from ..errors import DdlfError, ResetRefused, raise_for
 from ..process import hold_signals, prepare_process
 from ..settings import check_lane_spin_us, read_pem
 from ..shipping import files_digest, module_files
@@ -474,11 +474,49 @@ class Cluster(Collectives):
         return name
 
     def clean(self, *, timeout: float | None = None) -> None:
-        """Drop every variable, function and exec global on every worker."""
+        """Drop every variable, function and exec global on every worker (datasets, warm models, uploaded modules
+        and training runs stay: :meth:`reset` drops those too)."""
         self._call(OPS["CLEAN"], "", "", None, None, timeout)
         for known in self._recovery.known:
             known.clear()
         self._replay.clean()
+
+    def reset(self, *, force: bool = False, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every worker back to the state it started in, without a restart: training runs torn down, warm models
+        dropped, cached datasets dropped (the host's shared copy too, when no other worker maps it), uploaded
+        modules forgotten, Keras' session cleared, random generators reseeded from fresh entropy, and (as
+        :meth:`clean`) every variable, function and ``exec`` global dropped. Returns what each worker dropped.
+
+        Use :meth:`clean` between the steps of one script (datasets and warm models stay: the next ``train()``
+        starts at once); use ``reset`` when a long-lived daemon (``ddlf up``, a hand-started ``ddlf-worker``) is
+        handed to a new script or notebook, or to give a test a fresh worker without a restart.
+
+        Raises :class:`~ddlf.errors.ResetRefused`, before any worker is reset, when a worker serves a training run
+        (another master's, or one left behind): ``force=True`` tears those down too. A worker lost during the reset
+        is reported as any call reports it (:class:`~ddlf.errors.WorkerUnavailable`; the others are reset)."""
+        from ..worker import reset as worker_reset
+
+        if not force:
+            held = self.call(worker_reset.held, timeout=timeout, return_exceptions=True)
+            busy = [
+                f"worker {i} ({self.addresses[i]}): {', '.join(h)}"
+                for i, h in enumerate(held)
+                if isinstance(h, list) and h
+            ]
+            if busy:
+                raise ResetRefused(
+                    "reset refused, nothing was reset: " + "; ".join(busy) + " (reset(force=True) tears them down)"
+                )
+        try:
+            # every worker that answers is reset; one lost on the way raises afterwards, as any call does
+            return raise_for(self.call(worker_reset.reset, (force,), timeout=timeout, return_exceptions=True))
+        finally:
+            # the workers hold nothing pushed before: push everything again when next needed, replay nothing
+            for known in self._recovery.known:
+                known.clear()
+            self._replay.entries.clear()
+            self._dispatch.shipped.clear()
+            self._dispatch.closures.clear()
 
     # -- datasets ---------------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import _ddlf, serialization
-from ..errors import SerializationError, raise_for
+from ..errors import SerializationError, WorkerUnavailable, raise_for
 from ..shipping import Shipment, local_closure
 from .calls import Calls, ClosedClient, Encoded, FunctionRef
 from .recovery import Recovery
@@ -162,9 +162,14 @@ class Dispatch:
 
     def push(self, name: str, digest: str, blob: bytes, targets: list[int], timeout: float | None) -> None:
         """Add function ``name`` (this version) on the targets, and record it for replay."""
-        raise_for(self.send(OPS["ADD_FUNCTION"], name, digest, targets, [(blob, [])], timeout))
-        for i in targets:
-            self.recovery.known[i][name] = digest
+        # Through recovery, as a call goes: a worker whose connection broke is marked lost (a restarted one is
+        # provisioned and asked again). An unreachable worker's error is left to the call that follows (which
+        # fails on it too, and is returned with the others' results where the caller asks for exceptions).
+        outcomes = self.recovery.invoke(OPS["ADD_FUNCTION"], name, digest, targets, [(blob, [])], timeout)
+        raise_for([None if isinstance(o, WorkerUnavailable) else o for o in outcomes])
+        for i, out in zip(targets, outcomes):
+            if not isinstance(out, BaseException):
+                self.recovery.known[i][name] = digest
         self.replay.record("fn", name, (digest, blob))
 
     def ensure_function(

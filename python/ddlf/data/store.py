@@ -109,6 +109,11 @@ class DatasetStore:
         except KeyError:
             raise KeyError(f"no dataset {key!r} on this worker (held: {sorted(self._items)})") from None
 
+    def keys(self) -> list[str]:
+        """The keys held, sorted."""
+        with self._lock:
+            return sorted(self._items)
+
     def drop(self, key: str) -> bool:
         """Forget ``key``; the host's copy of it goes when its last holder lets go."""
         with self._lock:

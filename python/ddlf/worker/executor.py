@@ -368,6 +368,28 @@ class Executor:
         self.namespace["__name__"] = "__ddlf_worker__"
         return dropped
 
+    def forget_modules(self) -> list[str]:
+        """Forget every uploaded module (``Cluster.reset``): their files removed from the uploads directory and
+        their imported versions from this interpreter (a module a master ships again is written anew). Returns
+        their names."""
+        names = sorted({name for name, _ in self._module_digests})
+        if self._module_dir is not None and self._module_dir.is_dir():
+            for entry in list(self._module_dir.iterdir()):
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            dir_ = str(self._module_dir.resolve())
+            for mod_name, mod in list(sys.modules.items()):
+                file = getattr(mod, "__file__", None)
+                if isinstance(file, str) and os.path.realpath(file).startswith(dir_ + os.sep):
+                    del sys.modules[mod_name]
+        for name in names:
+            _forget_module(name)
+        self._module_digests.clear()
+        importlib.invalidate_caches()
+        return names
+
     def _set_context(self, name: str, digest: str, value: Any) -> None:
         self.context.id = int(value["worker_id"])
         self.context.n_workers = int(value["n_workers"])

@@ -17,10 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from ...worker import services
 from ...worker.drain import refuse_new_work, round_started
 from ..messages import GradientRound, MasterRound, RingRound
 from . import evaluation
 from .sessions import SESSIONS
+
+services.register("training", busy=SESSIONS.busy, reset=SESSIONS.reset)  # Cluster.reset (ddlf.worker.reset)
 
 
 def configure(

@@ -203,6 +203,22 @@ class Sessions:
             self.publish()
         worker.vars.pop(weights_var(run_id), None)
 
+    def busy(self) -> list[str]:
+        """The runs held here, described for a refused reset: id, app, idle seconds."""
+        now = time.monotonic()
+        return [
+            f"{rid} ({type(s.app).__name__}, idle {now - s.last_used:.0f} s)" for rid, s in sorted(self.by_id.items())
+        ]
+
+    def reset(self, worker: Any) -> dict[str, Any]:
+        """Tear every run down and drop the warm models (``Cluster.reset``)."""
+        runs = sorted(self.by_id)
+        for run_id in runs:
+            self.teardown(worker, run_id)
+        kept = len(warm._KEPT)
+        warm._KEPT.clear()
+        return {"runs": runs, "warm_models": kept}
+
     def publish(self) -> None:
         """Report the runs held here to the daemon."""
         self.report_runs([f"{rid} {type(s.app).__name__}" for rid, s in sorted(self.by_id.items())])

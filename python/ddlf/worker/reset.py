@@ -1,0 +1,62 @@
+"""A worker back to the state it started in, without a restart (``Cluster.reset``, ``ddlf reset``).
+
+:func:`reset` runs on the worker's interpreter thread, between requests: it refuses while a training run is held
+(another master's, or one left behind) unless forced, then tears down every run and drops the warm models (the
+registered services, :mod:`.services`), drops every cached dataset (the host's shared copy goes when no other
+worker maps it), forgets every uploaded module, clears Keras' session, reseeds the random generators from fresh
+entropy, drops the variables, functions and ``exec`` namespace, and collects the garbage. ``clean()`` drops only
+the variables, functions and namespace; a reset is for a daemon that serves many scripts for days.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import sys
+from typing import Any
+
+from ..errors import ResetRefused
+from . import services
+
+log = logging.getLogger("ddlf.worker")
+
+
+def held() -> list[str]:
+    """What this worker holds that a reset would end (its training runs), described."""
+    return services.busy()
+
+
+def reset(worker: Any, force: bool = False) -> dict[str, Any]:
+    """Reset this worker (see the module docs); returns what was dropped. ``worker``: the call's context."""
+    held = services.busy()
+    if held and not force:
+        raise ResetRefused(
+            f"this worker serves training runs: {', '.join(held)}; reset(force=True) tears them down (their "
+            "masters then lose this worker)"
+        )
+    dropped: dict[str, Any] = services.reset_all(worker)
+    from ..data import node_store
+    from ..data.store import STORE
+
+    datasets = STORE.keys()
+    for key in datasets:
+        STORE.drop(key)
+    node_store.sweep()  # the host's copies no other worker maps
+    dropped["datasets"] = datasets
+    executor = worker._executor
+    dropped["modules"] = executor.forget_modules()
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        keras.utils.clear_session()
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+    dropped.update(executor._clean("", "", None))
+    dropped["collected"] = gc.collect()
+    log.info("worker reset: %s", {k: v for k, v in dropped.items() if v})
+    return dropped

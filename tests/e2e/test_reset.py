@@ -1,0 +1,154 @@
+"""``Cluster.reset()`` and ``ddlf reset``: every worker back to the state it started in, without a restart
+(``ddlf.worker.reset``), one kind of state per test; refused while a training run is held; a worker lost during
+it reported as any call reports it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ddlf
+from ddlf.training.membership import Members
+
+from .apps import SmallMnist
+
+
+def _warm_models() -> int:
+    from ddlf.training.replica import warm
+
+    return len(warm._KEPT)
+
+
+def _runs() -> list[dict[str, Any]]:
+    from ddlf.training import replica
+
+    return replica.runs()
+
+
+def _datasets() -> list[str]:
+    from ddlf.data.store import STORE
+
+    return STORE.keys()
+
+
+def _node_store_entries() -> list[str]:
+    from ddlf.data import node_store
+
+    base = node_store.root()
+    return sorted(f for f in os.listdir(base) if not f.endswith(".lock")) if base and os.path.isdir(base) else []
+
+
+def test_variables_functions_and_the_exec_namespace_are_dropped(cluster: ddlf.Cluster) -> None:
+    cluster.set("lr", 0.1)
+    cluster.add_function(_datasets)
+    cluster.exec("answer = 42")
+    dropped = cluster.reset()
+    assert [d["variables"] for d in dropped] == [1, 1]
+    assert cluster.variables() == [[], []]
+    assert cluster.functions() == [[], []]
+    assert cluster.run(lambda worker: "answer" in worker.globals) == [False, False]
+    cluster.set("lr", 0.2)  # the cluster works on after it: what was pushed before is pushed again when used
+    assert cluster.get("lr") == [0.2, 0.2]
+    assert cluster.run(_datasets) == [[], []]
+
+
+def test_datasets_warm_models_and_the_hosts_copies_are_dropped(cluster: ddlf.Cluster) -> None:
+    app = SmallMnist(cluster)
+    app.train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
+    assert cluster.run(_datasets) == [["mnist-small-test"]] * 2
+    assert cluster.run(_warm_models) == [1, 1]
+    assert cluster.run(_node_store_entries)[0]  # the host's one copy of the dataset
+    dropped = cluster.reset()
+    assert [d["datasets"] for d in dropped] == [["mnist-small-test"]] * 2
+    assert [d["training"]["warm_models"] for d in dropped] == [1, 1]
+    assert cluster.run(_datasets) == [[], []]
+    assert cluster.run(_warm_models) == [0, 0]
+    assert cluster.run(_node_store_entries) == [[], []]
+    history = SmallMnist(cluster).train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
+    assert not any(s["cached"] for s in history.params["setup"])  # loaded anew
+
+
+def test_keras_session_and_random_generators_start_afresh(cluster: ddlf.Cluster) -> None:
+    def dense_name() -> str:
+        import keras
+
+        return keras.layers.Dense(1).name
+
+    def seeded_draw() -> float:
+        np.random.seed(0)
+        return float(np.random.random())
+
+    cluster.run(dense_name)
+    assert cluster.run(dense_name)[0] != "dense"  # Keras numbers its layers per session: dense_1, ...
+    seeded = cluster.run(seeded_draw)[0]
+    cluster.reset()
+    assert cluster.run(dense_name) == ["dense", "dense"]
+    assert cluster.run(lambda: float(np.random.random()))[0] != seeded  # reseeded, not left at seed 0's stream
+
+
+def test_uploaded_modules_are_forgotten_and_shipped_again(cluster: ddlf.Cluster, tmp_path: Any) -> None:
+    module = tmp_path / "reset_helper_mod.py"
+    module.write_text("VALUE = 7\n")
+    cluster.upload_module(str(module))
+    assert cluster.run(lambda: __import__("reset_helper_mod").VALUE) == [7, 7]
+    dropped = cluster.reset()
+    assert all("reset_helper_mod" in d["modules"] for d in dropped)
+
+    def importable() -> bool:
+        try:
+            __import__("reset_helper_mod")
+        except ImportError:
+            return False
+        return True
+
+    assert cluster.run(importable) == [False, False]
+    module.write_text("VALUE = 8\n")
+    cluster.upload_module(str(module))
+    assert cluster.run(lambda: __import__("reset_helper_mod").VALUE) == [8, 8]
+
+
+def test_a_run_held_by_another_master_refuses_the_reset_unless_forced(cluster: ddlf.Cluster) -> None:
+    app = SmallMnist(cluster)
+    app.model = app.create_model()
+    left = Members(app, "run-left-behind", 0, ddlf.History())
+    assert left.live(first=True) == [0, 1]  # set up on both workers, never torn down (its master died)
+    cluster.set("kept", 1)
+    with pytest.raises(ddlf.ResetRefused, match=r"run-left-behind \(SmallMnist, idle \d+ s\).*force=True"):
+        cluster.reset()
+    assert cluster.get("kept") == [1, 1]  # nothing was reset
+    dropped = cluster.reset(force=True)
+    assert [d["training"]["runs"] for d in dropped] == [["run-left-behind"]] * 2
+    assert cluster.run(_runs) == [[], []]
+    assert cluster.status()[0]["runs"] == []
+
+
+def test_a_worker_lost_during_the_reset_is_reported_as_lost() -> None:
+    with ddlf.Cluster.local(2, threads=1) as c:
+        c.set("kept", 1)
+        victim = c._local.pids()[1]
+        os.kill(victim, 9)
+        os.waitpid(victim, 0)
+        with pytest.raises(ddlf.WorkerUnavailable):
+            c.reset()
+        assert c.lost_workers == [1]
+        assert c.run_on(0, lambda worker: sorted(worker.vars)) == []  # the survivor was reset
+
+
+def test_ddlf_reset_on_the_command_line(cluster: ddlf.Cluster) -> None:
+    cluster.set("kept", 1)
+    env = {**os.environ, "DDLF_TOKEN": cluster._local.token}
+    done = subprocess.run(
+        [sys.executable, "-m", "ddlf.cli", "reset", *cluster.addresses],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(": reset (") == 2 and "1 variables" in done.stdout
+    assert cluster.variables() == [[], []]
