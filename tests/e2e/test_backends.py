@@ -53,6 +53,9 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+FRESH_DAEMONS = "its daemons must start without a Keras backend loaded (each test picks one)"
+
+
 def _train_in_fresh_process(tmp_path, backend: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     env["KERAS_HOME"] = str(tmp_path)  # no keras.json of the user's

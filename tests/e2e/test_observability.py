@@ -19,7 +19,7 @@ from scripts.chromium import find_chromium, screenshot
 
 import ddlf
 
-from ..conftest import MNIST_DIR, Daemon
+from ..conftest import MNIST_DIR, Daemon, wait_until
 from .apps import SmallMnist
 
 PHASE_COLOURS = {"compute": (0x00, 0x9E, 0x73), "send": (0x00, 0x72, 0xB2)}
@@ -192,22 +192,28 @@ def test_worker_logs_carry_the_request_id_and_function(cluster: ddlf.Cluster) ->
     assert cluster.run_on(1, lambda: 7) == 7
 
 
-def test_logs_are_read_while_user_code_runs(cluster: ddlf.Cluster) -> None:
-    def slow() -> str:
+def test_logs_are_read_while_user_code_runs(cluster: ddlf.Cluster, tmp_path) -> None:
+    gate = str(tmp_path / "gate")
+
+    def slow(gate: str) -> str:
         logging.getLogger("user.code").warning("slow function started")
-        time.sleep(1.5)
-        return "done"
+        deadline = time.monotonic() + 30
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "done" if os.path.exists(gate) else "gave up"
 
     result: dict[str, str] = {}
-    runner = threading.Thread(target=lambda: result.setdefault("value", cluster.run_on(0, slow)))
+    runner = threading.Thread(target=lambda: result.setdefault("value", cluster.run_on(0, slow, gate)))
     runner.start()
-    time.sleep(0.5)
-    t0 = time.perf_counter()
-    lines = cluster.logs(0, 20)
-    took = time.perf_counter() - t0
-    runner.join(10)
+    try:
+        assert wait_until(lambda: cluster.status()[0]["running"] is not None, 20)
+        # The function ends only once the gate opens, after the logs came back: they were answered by the
+        # network thread while it ran, not queued behind it (which would have hit the deadline).
+        lines = cluster.logs(0, 20, timeout=10)
+    finally:
+        open(gate, "w").close()
+        runner.join(40)
     assert result == {"value": "done"}
-    assert took < 0.5  # answered by the network thread, not queued behind the running function
     assert any("slow function started" in line for line in lines)
 
 

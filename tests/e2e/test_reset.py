@@ -141,7 +141,7 @@ def test_a_worker_lost_during_the_reset_is_reported_as_lost() -> None:
 
 def test_ddlf_reset_on_the_command_line(cluster: ddlf.Cluster) -> None:
     cluster.set("kept", 1)
-    env = {**os.environ, "DDLF_TOKEN": cluster._local.token}
+    env = {**os.environ, "DDLF_TOKEN": cluster.token or ""}
     done = subprocess.run(
         [sys.executable, "-m", "ddlf.cli", "reset", *cluster.addresses],
         capture_output=True,

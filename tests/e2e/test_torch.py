@@ -16,6 +16,8 @@ from ..conftest import MNIST_DIR
 from ..unit.training.test_sharded import OneRank  # a ring of one, for the shard optimizers without daemons
 from .apps import SmallMnist
 
+FRESH_DAEMONS = "PyTorch's compiler must load before TensorFlow in its daemons (ddlf.frameworks.loading)"
+
 torch = pytest.importorskip("torch")
 
 

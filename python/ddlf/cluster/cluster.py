@@ -97,6 +97,7 @@ class Cluster(Collectives):
             lane_spin_us = check_lane_spin_us(lane_spin_us)
         prepare_process()
         self._local = _local
+        self._token = token
         ca_pem = read_pem(tls_ca, "tls_ca")
         client = _ddlf.Client(
             list(addresses),
@@ -317,8 +318,9 @@ class Cluster(Collectives):
 
     @property
     def token(self) -> str | None:
-        """The token of a :meth:`local` cluster (pass it to a second script to connect to the same daemons)."""
-        return self._local.token if self._local is not None else None
+        """The token this cluster connected with: a :meth:`local` cluster's random one (pass it to a second script
+        to connect to the same daemons), or the one given (or read from ``DDLF_TOKEN``); None: none."""
+        return self._local.token if self._local is not None else self._token
 
     def worker_info(self) -> list[dict[str, Any]]:
         """What each worker reported at connect time (version, protocol_version, pid, hostname, name, instance),
