@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -70,28 +71,44 @@ _count_daemon_starts()
 
 
 class DaemonPool:
-    """Two worker daemons this test process keeps for every module that uses the ``cluster`` fixture: each module
-    gets a view of them (``ddlf.Cluster`` connected to their addresses), reset before it starts
-    (``Cluster.reset``: runs, datasets, warm models, modules, variables, Keras' session), instead of daemons of its
-    own. A pool whose daemon died (a test killed it) is replaced whole before the next module."""
+    """Worker daemons this test process keeps for the tests: the ``cluster`` fixture and :func:`pooled` hand out
+    views of them (a ``ddlf.Cluster`` connected to the first ``n``), reset first (``Cluster.reset``: runs,
+    datasets, warm models, modules, variables, Keras' session), instead of starting daemons of their own. A member
+    that died (a test killed it) is replaced before the next view; the pool grows to the most members asked for."""
 
     def __init__(self) -> None:
-        self.workers: ddlf.cluster.local.LocalWorkers | None = None
+        import secrets
 
-    def get(self) -> ddlf.cluster.local.LocalWorkers:
+        self.token = secrets.token_urlsafe(24)
+        self.members: list[ddlf.cluster.local.LocalWorkers] = []
+
+    def get(self, n: int = 2) -> list[str]:
+        """The addresses of ``n`` live members (started or replaced as needed)."""
         from ddlf.cluster.local import LocalWorkers
 
-        if self.workers is not None and any(p.poll() is not None for p in self.workers.processes):
-            self.workers.terminate()
-            self.workers = None
-        if self.workers is None:
-            self.workers = LocalWorkers(2, threads=1)
-        return self.workers
+        for i, member in enumerate(self.members[:n]):
+            if member.processes[0].poll() is not None:
+                member.terminate()
+                self.members[i] = LocalWorkers(1, threads=1, token=self.token)
+        while len(self.members) < n:
+            self.members.append(LocalWorkers(1, threads=1, token=self.token))
+        return [m.addresses[0] for m in self.members[:n]]
+
+    def view(self, n: int = 2) -> ddlf.Cluster:
+        """A cluster of ``n`` members, reset; a member that cannot be reset is replaced (and the view made anew)."""
+        c = ddlf.Cluster(self.get(n), token=self.token)
+        try:
+            c.reset(force=True)
+        except ddlf.DdlfError:
+            c.close()
+            self.discard()
+            c = ddlf.Cluster(self.get(n), token=self.token)
+        return c
 
     def discard(self) -> None:
-        if self.workers is not None:
-            self.workers.terminate()
-            self.workers = None
+        for member in self.members:
+            member.terminate()
+        self.members = []
 
 
 POOL = DaemonPool()
@@ -107,19 +124,22 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[ddlf.Cluster]:
         with ddlf.Cluster.local(n_workers=2, threads=1) as c:
             yield c
         return
-    workers = POOL.get()
-    c = ddlf.Cluster(workers.addresses, token=workers.token)
-    try:
-        c.reset(force=True)
-    except ddlf.DdlfError:
-        c.close()
-        POOL.discard()
-        workers = POOL.get()
-        c = ddlf.Cluster(workers.addresses, token=workers.token)
+    c = POOL.view(2)
     try:
         yield c
     finally:
         c.close()  # a view: the daemons stay for the next module (reset then)
+
+
+@contextmanager
+def pooled(n: int) -> Iterator[ddlf.Cluster]:
+    """``n`` workers from this test process's :data:`POOL`, reset, as ``with ddlf.Cluster.local(n, threads=1)``
+    gives (for a test that neither kills, stops, signals nor configures them): a view, closed after."""
+    c = POOL.view(n)
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,13 +18,13 @@ import ddlf
 from ddlf.errors import NonFiniteUpdate, RemoteError
 
 from ..certs import make_certs
-from ..conftest import MNIST_DIR, Daemon, wait_until
+from ..conftest import MNIST_DIR, Daemon, pooled, wait_until
 from .apps import FaultApp, _kill_at_round
 
 
 @pytest.fixture(scope="module")
 def four():
-    with ddlf.Cluster.local(4, threads=1) as c:
+    with pooled(4) as c:
         yield c
 
 
@@ -216,7 +216,7 @@ def _train(c: ddlf.Cluster, exchange: str, compression: str | None = None, hiera
 
 @pytest.mark.slow
 def test_sync_allreduce_equals_the_master_exchange_within_rounding_and_is_deterministic() -> None:
-    with ddlf.Cluster.local(3, threads=1) as c:
+    with pooled(3) as c:
         master, hm = _train(c, "master")
         ring1, h1 = _train(c, "allreduce")
         ring2, _ = _train(c, "allreduce")
@@ -232,7 +232,7 @@ def test_sync_allreduce_equals_the_master_exchange_within_rounding_and_is_determ
 
 @pytest.mark.slow
 def test_sync_allreduce_with_half_precision_costs_what_the_master_exchange_does() -> None:
-    with ddlf.Cluster.local(3, threads=1) as c:
+    with pooled(3) as c:
         full, _ = _train(c, "master")
         exact = full.model.get_weights()
 
@@ -255,7 +255,7 @@ def test_sync_allreduce_with_half_precision_costs_what_the_master_exchange_does(
 def test_a_worker_with_nonfinite_weights_is_left_out_of_the_ring_average() -> None:
     from .apps import Nan
 
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         app = Nan(c)
         with pytest.warns(RuntimeWarning, match="weights are not finite"):
             h = app.train(

@@ -12,6 +12,8 @@ import pytest
 
 import ddlf
 
+from ..conftest import pooled
+
 Image = pytest.importorskip("PIL.Image")
 
 
@@ -59,7 +61,7 @@ def test_workers_train_from_an_image_folder_decoded_in_rust(tmp_path) -> None:
     write_folder(tmp_path / "train")
     App = make_app(str(tmp_path / "train"), f"images-{os.getpid()}")
     x_val, y_val = ddlf.datasets.image_folder(tmp_path / "train", size=(24, 24))
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         app = App(c)
         h = app.train(epochs=4, batch_size=16, verbose=0, validation_data=(x_val, y_val))
         held = [d for w in c.datasets() for d in w if d["key"] == App.dataset_key]
@@ -79,7 +81,7 @@ def test_an_undecodable_file_fails_the_run_by_row_and_the_workers_keep_serving(t
     write_folder(tmp_path / "train", per_class=20)
     (tmp_path / "train" / "dark" / "zz-broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     App = make_app(str(tmp_path / "train"), f"images-bad-{os.getpid()}")
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         with pytest.raises(ddlf.DdlfError, match=r"image at row 40 .*could not be decoded"):
             App(c).train(epochs=1, batch_size=8, verbose=0)
         assert c.run(lambda: "still serving") == ["still serving"] * 2

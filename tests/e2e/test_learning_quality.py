@@ -14,7 +14,7 @@ import pytest
 
 import ddlf
 
-from ..conftest import MNIST_DIR
+from ..conftest import MNIST_DIR, pooled
 
 ROWS, EPOCHS, BATCH = 6000, 3, 64
 
@@ -63,7 +63,7 @@ def test_async_on_four_workers_learns_as_one_process(mnist_rows) -> None:
     the same batch (measured: within 1 at 12,000 rows; chunks of 10 batches were 15-27 points below there, and
     here 44.6% against one process's 89.0%)."""
     single = _one_process(0, mnist_rows)
-    with ddlf.Cluster.local(4, threads=1) as cluster:
+    with pooled(4) as cluster:
         app = Mlp(cluster)
         h = app.train(EPOCHS, BATCH, strategy=ddlf.Asynchronous(), run=ddlf.RunConfig(seed=0), verbose=0)
         _, acc = app.evaluate(*mnist_rows)
@@ -79,7 +79,7 @@ def test_sync_defaults_on_four_workers_learn_as_one_process(mnist_rows) -> None:
     one process at the same batch after the same epochs (measured: 89.8% against 89.0%). Model averaging once per
     epoch, the default before, ended 4.1 points below (84.9%) on the same seed."""
     single = _one_process(0, mnist_rows)
-    with ddlf.Cluster.local(4, threads=1) as cluster:
+    with pooled(4) as cluster:
         app = Mlp(cluster)
         h = app.train(EPOCHS, BATCH, run=ddlf.RunConfig(seed=0), verbose=0)
         _, acc = app.evaluate(*mnist_rows)

@@ -10,6 +10,7 @@ import pytest
 import ddlf
 from ddlf.training.callbacks import LambdaCallback
 
+from ..conftest import pooled
 from .apps import FaultApp, Linear, Replicas
 
 KW = {"epochs": 2, "batch_size": 32, "run": ddlf.RunConfig(seed=5), "verbose": 0}
@@ -27,7 +28,7 @@ def test_ring_and_master_exchange_agree_and_the_step_changes_the_result() -> Non
     # round of epoch 2, the 1e-7 difference switched it on for one path only, and Adam turned that into steps of
     # the learning rate's size (3.8e-4 apart after the round; indices, step counts and dropout seeds identical).
     kw = {"epochs": 4, "batch_size": 32, "run": ddlf.RunConfig(seed=5), "verbose": 0}
-    with ddlf.Cluster.local(3, threads=1) as c:
+    with pooled(3) as c:
         plain = Linear(c)
         plain.train(**kw, strategy=ddlf.ModelAveraging(every=2))
         master = Linear(c)
@@ -49,7 +50,7 @@ def test_ring_and_master_exchange_agree_and_the_step_changes_the_result() -> Non
 
 @pytest.mark.slow
 def test_learning_rate_one_without_momentum_is_model_averaging() -> None:
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         plain, outer = FaultApp(c), FaultApp(c)
         plain.train(**KW, strategy=ddlf.ModelAveraging(every=10))
         outer.train(**KW, strategy=ddlf.ModelAveraging(every=10, outer=ddlf.Nesterov(learning_rate=1.0, momentum=0.0)))

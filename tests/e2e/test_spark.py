@@ -13,6 +13,8 @@ import pytest
 
 import ddlf
 
+from ..conftest import pooled
+
 pyspark = pytest.importorskip("pyspark")
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("Spark needs a Java runtime", allow_module_level=True)
@@ -83,7 +85,7 @@ def test_an_exported_dataframe_trains_by_shard(spark, tmp_path) -> None:
     assert sorted(fy.tolist()) == sorted(y.tolist())
     assert fx.shape == (2000, 8) and fx.dtype == np.float32
     assert np.isclose(np.sort(fx.sum(axis=1)), np.sort(x.sum(axis=1)), atol=1e-4).all()
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         h = Exported(c).train(epochs=3, batch_size=32, verbose=0)
         held = [d for w in c.datasets() for d in w if d["key"].startswith(Exported.dataset_key)]
         assert sorted(d["shard"][0] for d in held) == [0, 1]

@@ -11,6 +11,7 @@ import pytest
 
 import ddlf
 
+from ..conftest import pooled
 from .apps import SmallMnist
 
 
@@ -65,7 +66,7 @@ STRATEGIES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", list(STRATEGIES.values()), ids=list(STRATEGIES))
 def test_a_warm_run_learns_exactly_what_a_cold_run_learns(kw: dict[str, Any]) -> None:
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         cold = DropoutMnist(c)
         h_cold = _train(cold, **kw)
         kept = c.call(_kept)
@@ -80,7 +81,7 @@ def test_a_warm_run_learns_exactly_what_a_cold_run_learns(kw: dict[str, Any]) ->
 
 
 def test_another_architecture_is_built_fresh_and_both_are_kept() -> None:
-    with ddlf.Cluster.local(1, threads=1) as c:
+    with pooled(1) as c:
         _train(SmallMnist(c))
         first = c.call(_kept)[0]
         h = _train(WiderMnist(c))
