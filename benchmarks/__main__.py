@@ -38,6 +38,7 @@ BENCHMARKS = {
     "outofcore": "benchmarks.outofcore",
     "demo": "benchmarks.demo",
     "spark": "benchmarks.spark_dataframe",
+    "soak": "benchmarks.soak",
 }
 
 
