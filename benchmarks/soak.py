@@ -78,6 +78,67 @@ print(json.dumps({"accuracy": history.history["accuracy"][-1]}))
 """
 
 
+BASELINE = r"""
+import gc, json, os, sys
+import numpy as np
+
+framework, n = sys.argv[1], int(sys.argv[2])
+if framework == "torch":
+    import torch
+
+
+def rss():
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) * 1024
+
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(1024, 8)).astype(np.float32)
+y = (x[:, :4].sum(axis=1) > 0).astype(np.int64)
+out = []
+for _ in range(n):
+    if framework == "torch":
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        for _epoch in range(2):
+            for i in range(0, 1024, 32):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(xt[i : i + 32]), yt[i : i + 32]).backward()
+                opt.step()
+        del net, opt
+    else:
+        import keras
+
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+        m.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        m.fit(x, y, epochs=2, batch_size=32, verbose=0)
+        del m
+        keras.utils.clear_session()
+    gc.collect()
+    out.append(rss())
+print(json.dumps(out))
+"""
+"""One process that builds and fits a new model ``n`` times (Keras: ``fit`` then ``clear_session``; torch: a plain
+loop), its resident memory after each: what the framework itself keeps per model, the soak's baseline."""
+
+
+def _baseline(framework: str, n: int) -> list[int]:
+    backend = "tensorflow" if framework == "torch" else framework
+    env = {**os.environ, "KERAS_BACKEND": backend}
+    done = subprocess.run(
+        [sys.executable, "-c", BASELINE, framework, str(n)], env=env, capture_output=True, text=True, timeout=1800
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-2000:])
+        return []
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _proc(pid: int) -> dict[str, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
@@ -142,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             if done.returncode != 0:
                 failures.append(f"run {i} ({framework}, {strategy}): {done.stderr.strip().splitlines()[-1:]}")
             procs = [_proc(pid) for pid in pool.pids()]
-            samples[framework].append({"run": i, "procs": procs, "shm": _shm_files(store)})
+            samples[framework].append({"run": i, "procs": procs, "shm": _shm_files(store), "reset": reset})
             print(
                 f"soak: run {i + 1}/{args.runs} {framework} {strategy} reset={reset} rc={done.returncode} "
                 f"rss={[p['rss_bytes'] >> 20 for p in procs]} MiB",
@@ -169,6 +230,33 @@ def main(argv: list[str] | None = None) -> None:
                 shown = f"{a / 2**20:.0f} → {b / 2**20:.0f} MiB" if key == "rss_bytes" else f"{a} → {b}"
                 cells.append(f"{shown} ({g:+.1f}%)")
             rows.append([framework, w, len(series), *cells])
+    per_run = []
+    for framework in FRAMEWORKS:
+        series = samples[framework]
+        if len(series) <= SETTLE // len(FRAMEWORKS) + 1:
+            continue
+        settle = SETTLE // len(FRAMEWORKS)
+        runs = len(series) - 1 - settle
+        grew = sum(series[-1]["procs"][w]["rss_bytes"] - series[settle]["procs"][w]["rss_bytes"] for w in range(2)) / 2
+        by_reset = {}
+        for reset in (False, True):
+            steps = [
+                series[j]["procs"][0]["rss_bytes"] - series[j - 1]["procs"][0]["rss_bytes"]
+                for j in range(settle + 1, len(series))
+                if series[j - 1]["reset"] == reset  # the run after a reset builds and traces a new model
+            ]
+            by_reset[reset] = sum(steps) / len(steps) / 2**20 if steps else float("nan")
+        base = _baseline(framework, 30)
+        fit_per_model = (base[-1] - base[9]) / 20 / 2**20 if len(base) == 30 else float("nan")
+        per_run.append(
+            [
+                framework,
+                f"{grew / runs / 2**20:.2f}",
+                f"{by_reset[False]:.2f}",
+                f"{by_reset[True]:.2f}",
+                f"{fit_per_model:.2f}",
+            ]
+        )
     shm = [s["shm"] for f in FRAMEWORKS for s in samples[f]]
     body = "\n".join(
         [
@@ -188,6 +276,22 @@ def main(argv: list[str] | None = None) -> None:
                     "threads",
                 ],
                 rows,
+            ),
+            "",
+            "Resident memory per run, in MiB (worker 0 from the settled state on; a run after one without a reset "
+            "lends the kept warm model, one after a reset builds and traces a new one), beside the framework's own: one "
+            "process building and fitting a new model 30 times (Keras: `fit` then `clear_session()`; torch: a "
+            "plain loop), MiB per model from the 10th on:",
+            "",
+            report.table(
+                [
+                    "daemons",
+                    "MiB per run, all",
+                    "runs without reset",
+                    "runs after a reset",
+                    "one process, per new model",
+                ],
+                per_run,
             ),
             "",
             f"Shared-memory dataset files on the host after each run: at most {max(shm, default=0)} (a dataset is "
