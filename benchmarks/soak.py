@@ -278,10 +278,10 @@ def main(argv: list[str] | None = None) -> None:
                 rows,
             ),
             "",
-            "Resident memory per run, in MiB (worker 0 from the settled state on; a run after one without a reset "
-            "lends the kept warm model, one after a reset builds and traces a new one), beside the framework's own: one "
-            "process building and fitting a new model 30 times (Keras: `fit` then `clear_session()`; torch: a "
-            "plain loop), MiB per model from the 10th on:",
+            "Resident memory per run, in MiB (worker 0 from the settled state on; a run after one without a "
+            "reset lends the kept warm model, one after a reset builds and traces a new one), beside the "
+            "framework's own: one process building and fitting a new model 30 times (Keras: `fit` then "
+            "`clear_session()`; torch: a plain loop), MiB per model from the 10th on:",
             "",
             report.table(
                 [
