@@ -95,3 +95,19 @@ def test_a_frozen_torch_parameter_stays_as_the_master_froze_it(cluster: ddlf.Clu
     np.testing.assert_array_equal(start, first.weight.detach().numpy())
     assert np.max(np.abs(others - app.model.module[2].weight.detach().numpy())) > 0
     assert all("requires_grad" in s["model_changes"] for s in history.params["setup"])
+
+
+def _threads() -> int:
+    import threading
+
+    return threading.active_count()
+
+
+def test_runs_one_after_another_leave_no_threads_behind(cluster: ddlf.Cluster) -> None:
+    """Each gradient-averaging run of a ``TorchModel`` starts a thread for its gradient buckets: it ends with the
+    run (the soak found one left per run)."""
+    _train(TorchBinary(cluster), "gradient averaging")
+    before = cluster.run(_threads)
+    for _ in range(3):
+        _train(TorchBinary(cluster), "gradient averaging")
+    assert cluster.run(_threads) == before

@@ -215,9 +215,7 @@ class Sessions:
         runs = sorted(self.by_id)
         for run_id in runs:
             self.teardown(worker, run_id)
-        kept = len(warm._KEPT)
-        warm._KEPT.clear()
-        return {"runs": runs, "warm_models": kept}
+        return {"runs": runs, "warm_models": warm.drop_all()}
 
     def publish(self) -> None:
         """Report the runs held here to the daemon."""

@@ -55,6 +55,14 @@ class Stepper:
         """The round ends: the model's variables hold the result. Returns the running logs."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Let go of what the stepper started (PyTorch's gradient buckets: their thread and hooks), when its run is
+        torn down and it is not kept warm. Idempotent."""
+        held = getattr(self, "_buckets", None)
+        if held is not None and held[1] is not None:
+            held[1].close()
+        self._buckets = None
+
     def zeros(self) -> list[np.ndarray]:
         """Zero gradients (a replica without a batch this step contributes them, with weight 0)."""
         raise NotImplementedError

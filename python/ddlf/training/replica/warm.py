@@ -169,16 +169,40 @@ def lend(model: Any, data: str = "") -> tuple[Any, Any, str | None]:
     return kept, stepper, key
 
 
-def keep(key: str | None, model: Any, stepper: Any) -> None:
-    """Keep a finished run's model and stepper for the next run with the same ``key``."""
+def keep(key: str | None, model: Any, stepper: Any) -> bool:
+    """Keep a finished run's model and stepper for the next run with the same ``key``; whether it was kept (a
+    stepper not kept, or pushed out, is closed: :meth:`.steppers.Stepper.close`)."""
     if key is None or stepper is None:
-        return  # nothing traced: nothing to save by keeping it
+        _close(stepper)
+        return False  # nothing traced: nothing to save by keeping it
     try:
         stepper.end()  # a run torn down mid-round leaves its stepper open: close it (lend overwrites the state)
     except Exception as exc:
         log.debug("model not kept warm: its stepper did not close (%s)", exc)
-        return
-    _KEPT.pop(key, None)
+        _close(stepper)
+        return False
+    old = _KEPT.pop(key, None)
+    if old is not None and old[1] is not stepper:
+        _close(old[1])
     _KEPT[key] = (model, stepper)
     while len(_KEPT) > KEEP:
-        _KEPT.popitem(last=False)
+        _close(_KEPT.popitem(last=False)[1][1])
+    return True
+
+
+def drop_all() -> int:
+    """Forget every kept model (``Cluster.reset``), their steppers closed; how many there were."""
+    n = len(_KEPT)
+    while _KEPT:
+        _close(_KEPT.popitem()[1][1])
+    return n
+
+
+def _close(stepper: Any) -> None:
+    close = getattr(stepper, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception as exc:  # a stepper that cannot close must not fail the teardown
+        log.debug("stepper did not close (%s)", exc)
