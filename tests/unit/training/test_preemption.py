@@ -21,8 +21,8 @@ def test_settle_returns_once_the_signal_arrives_and_not_before() -> None:
         assert time.monotonic() - t0 >= 0.2
         threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1)).start()
         t0 = time.monotonic()
-        assert p.settle(5.0) is True
-        assert time.monotonic() - t0 < 2.0  # at once when it arrives, not at the end of the grace
+        assert p.settle(60.0) is True
+        assert time.monotonic() - t0 < 30.0  # when it arrives, not at the end of the 60 s grace
         assert p.requested == "SIGUSR1"
 
 
@@ -30,11 +30,11 @@ def test_settle_does_not_wait_where_no_signal_is_caught() -> None:
     p = Preemption(())
     with p:
         t0 = time.monotonic()
-        assert p.settle(5.0) is False
-        assert time.monotonic() - t0 < 0.5
+        assert p.settle(60.0) is False
+        assert time.monotonic() - t0 < 30.0  # not the 60 s grace
     t0 = time.monotonic()
-    assert Preemption(("SIGUSR1",)).settle(5.0) is False  # outside its block: nothing installed
-    assert time.monotonic() - t0 < 0.5
+    assert Preemption(("SIGUSR1",)).settle(60.0) is False  # outside its block: nothing installed
+    assert time.monotonic() - t0 < 30.0
 
 
 def test_a_worker_lost_or_stopping_is_going_away_and_its_own_error_is_not() -> None:
