@@ -150,7 +150,8 @@ def preprocessing_digest(model: Any) -> str:
     return h.hexdigest()
 
 
-def _plain_rate(optimizer: Any) -> float | None:
+def plain_learning_rate(optimizer: Any) -> float | None:
+    """A Keras optimizer's learning rate now (None: a schedule, none, or not finite)."""
     rate = getattr(optimizer, "_learning_rate", None)
     if rate is None or not hasattr(rate, "assign"):  # a schedule (its config says it) or none
         return None
@@ -169,7 +170,7 @@ def compile_key(model: Any) -> str | None:
         optimizer = keras.optimizers.serialize(model.optimizer)
         optimizer = json.loads(json.dumps(optimizer, default=repr))
         optimizer.get("config", {}).pop("name", None)  # numbered per process (adam_3): not a setting
-        if _plain_rate(model.optimizer) is not None:
+        if plain_learning_rate(model.optimizer) is not None:
             optimizer.get("config", {}).pop("learning_rate", None)
         config["optimizer"] = optimizer
         return json.dumps(config, sort_keys=True, default=repr)
@@ -178,27 +179,24 @@ def compile_key(model: Any) -> str | None:
         return None
 
 
+def _tree(value: Any, leaf: Any) -> Any:
+    """``value`` with ``leaf`` applied to everything but its dicts, lists and tuples (kept, rebuilt)."""
+    if isinstance(value, dict):
+        return {k: _tree(v, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tree(v, leaf) for v in value)
+    return leaf(value)
+
+
 def _portable(value: Any) -> Any:
     """``value`` with every Keras optimizer, loss and metric as a :class:`Rebuilt` (functions and strings stay)."""
     keras = _keras()
     kinds = (keras.optimizers.Optimizer, keras.losses.Loss, keras.metrics.Metric)
-    if isinstance(value, kinds):
-        return Rebuilt(type(value), value.get_config())
-    if isinstance(value, dict):
-        return {k: _portable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_portable(v) for v in value)
-    return value
+    return _tree(value, lambda v: Rebuilt(type(v), v.get_config()) if isinstance(v, kinds) else v)
 
 
 def _built(value: Any) -> Any:
-    if isinstance(value, Rebuilt):
-        return value.build()
-    if isinstance(value, dict):
-        return {k: _built(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_built(v) for v in value)
-    return value
+    return _tree(value, lambda v: v.build() if isinstance(v, Rebuilt) else v)
 
 
 def _compile_args(model: Any) -> Any:
@@ -263,7 +261,7 @@ def _describe_keras(model: Any) -> ModelSpec:
         variable_trainable=[bool(v.trainable) for v in model.weights],
         compile_key=compile_key(model),
         compile_args=_compile_args(model),
-        learning_rate=_plain_rate(getattr(model, "optimizer", None)),
+        learning_rate=plain_learning_rate(getattr(model, "optimizer", None)),
         preprocessing=preprocessing_state(model),
     )
 
@@ -318,7 +316,7 @@ def _apply_keras(model: Any, spec: ModelSpec) -> list[str]:
         changed.append("run_eagerly")
     if spec.learning_rate is not None:
         rate = getattr(getattr(model, "optimizer", None), "_learning_rate", None)
-        if rate is not None and hasattr(rate, "assign") and _plain_rate(model.optimizer) != spec.learning_rate:
+        if rate is not None and hasattr(rate, "assign") and plain_learning_rate(model.optimizer) != spec.learning_rate:
             rate.assign(spec.learning_rate)
             changed.append("learning_rate")
     return changed

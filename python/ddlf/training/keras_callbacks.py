@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..frameworks.model_spec import plain_learning_rate
 from .callbacks import Callback
 
 
@@ -40,14 +41,7 @@ def is_progbar_logger(callback: Any) -> bool:
 def learning_rate(model: Any) -> float | None:
     """The learning rate the master's Keras optimizer holds now (None: not a Keras optimizer with a plain rate,
     e.g. a schedule, which every worker computes alike from its own step count)."""
-    optimizer = getattr(model, "optimizer", None)
-    rate = getattr(optimizer, "learning_rate", None)
-    if rate is None or not hasattr(rate, "assign"):
-        return None
-    import keras
-
-    value = float(keras.ops.convert_to_numpy(rate))
-    return value if math.isfinite(value) else None
+    return plain_learning_rate(getattr(model, "optimizer", None))
 
 
 class KerasCallback(Callback):
