@@ -8,6 +8,7 @@ round; ``stop_training`` set in a batch ends training at the round's end."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -409,3 +410,23 @@ def test_every_case_here_holds_with_keras_on_jax_too() -> None:
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+class HalfText(Binary):
+    """Strings on worker 1 only: one worker sets the run up, the other refuses it."""
+
+    dataset_key = "model-truth-half-text"
+
+    def load_dataset(self) -> Any:
+        x, y = separable()
+        return (x.astype(str) if os.environ.get("DDLF_HALF_TEXT") == "1" else x), y
+
+
+def test_a_run_refused_by_one_worker_is_forgotten_by_the_others(cluster: ddlf.Cluster) -> None:
+    cluster.run_on(1, lambda: os.environ.__setitem__("DDLF_HALF_TEXT", "1"))
+    try:
+        with pytest.raises(ddlf.DdlfError, match="holds strings"):
+            _train(HalfText(cluster), "model averaging")
+    finally:
+        cluster.run_on(1, lambda: os.environ.pop("DDLF_HALF_TEXT", None))
+    assert cluster.run(_runs) == [[], []]  # worker 0 had set it up: torn down with the refusal

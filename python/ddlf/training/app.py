@@ -387,7 +387,13 @@ class IApp:
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None
         members = Members(self, cfg.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit)
-        live = members.live(first=True)
+        try:
+            live = members.live(first=True)
+        except Exception:
+            # a worker refused the set-up (its data, its model): the others that set the run up forget it too
+            with contextlib.suppress(Exception):
+                self._abandon(cfg, members)
+            raise
         if not live:
             live = members.wait_for_any(cfg.run.rejoin_timeout)
         infos = [members.info[self.cluster.addresses[i]] for i in live]
