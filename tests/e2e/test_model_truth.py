@@ -422,11 +422,28 @@ class HalfText(Binary):
         return (x.astype(str) if os.environ.get("DDLF_HALF_TEXT") == "1" else x), y
 
 
+def _half_text(on: bool) -> None:
+    """Worker 1 loads strings, and keeps them to itself: with the host's node store on, it would map the numbers
+    worker 0 wrote there (ddlf.data.node_store) instead of loading its own."""
+    if on:
+        os.environ["DDLF_HALF_TEXT"] = "1"
+        os.environ["DDLF_HALF_TEXT_STORE"] = os.environ.get("DDLF_NODE_STORE", "")
+        os.environ["DDLF_NODE_STORE"] = "off"
+    else:
+        del os.environ["DDLF_HALF_TEXT"]
+        store = os.environ.pop("DDLF_HALF_TEXT_STORE")
+        if store:
+            os.environ["DDLF_NODE_STORE"] = store
+        else:
+            del os.environ["DDLF_NODE_STORE"]
+
+
 def test_a_run_refused_by_one_worker_is_forgotten_by_the_others(cluster: ddlf.Cluster) -> None:
-    cluster.run_on(1, lambda: os.environ.__setitem__("DDLF_HALF_TEXT", "1"))
+    cluster.run_on(1, _half_text, True)
     try:
         with pytest.raises(ddlf.DdlfError, match="holds strings"):
             _train(HalfText(cluster), "model averaging")
     finally:
-        cluster.run_on(1, lambda: os.environ.pop("DDLF_HALF_TEXT", None))
+        cluster.run_on(1, _half_text, False)
+        cluster.drop_dataset(HalfText.dataset_key)
     assert cluster.run(_runs) == [[], []]  # worker 0 had set it up: torn down with the refusal
