@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -53,28 +55,60 @@ MNIST_DIR = os.path.join(REPO, "examples", "data", "mnist")
 
 DAEMONS_STARTED = [0]
 """Worker daemons this test process started (``Cluster.local``, :class:`Daemon`, the pool): printed at the end."""
+DAEMONS_BY_MODULE: collections.Counter[str] = collections.Counter()
+"""The same, by the test module that started them (``pool`` for the pool's members): the summary's top lines."""
+TF_DAEMONS = [0]
+"""Of those, the daemons that had imported TensorFlow when they were stopped (read from ``/proc/<pid>/maps``; a
+daemon a test killed is not looked at)."""
+_CURRENT_MODULE = ["(no test)"]
+
+
+def _imported_tensorflow(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtensorflow" in f.read()
+    except OSError:
+        return False
 
 
 def _count_daemon_starts() -> None:
     from ddlf.cluster import local
 
     start = local.start_worker
+    terminate_all = local._terminate_all
 
     def counted(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
         DAEMONS_STARTED[0] += 1
+        DAEMONS_BY_MODULE[_CURRENT_MODULE[0]] += 1
         return start(*args, **kwargs)  # type: ignore[arg-type]
 
+    def looked_at(processes: list[subprocess.Popen[bytes]], directory: str) -> None:
+        TF_DAEMONS[0] += sum(p.poll() is None and _imported_tensorflow(p.pid) for p in processes)
+        terminate_all(processes, directory)
+
     local.start_worker = counted  # type: ignore[assignment]
+    local._terminate_all = looked_at  # type: ignore[assignment]
 
 
 _count_daemon_starts()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> Iterator[None]:
+    _CURRENT_MODULE[0] = item.nodeid.split("::")[0]
+    yield
+    _CURRENT_MODULE[0] = "(no test)"
 
 
 class DaemonPool:
     """Worker daemons this test process keeps for the tests: the ``cluster`` fixture and :func:`pooled` hand out
     views of them (a ``ddlf.Cluster`` connected to the first ``n``), reset first (``Cluster.reset``: runs,
     datasets, warm models, modules, variables, Keras' session), instead of starting daemons of their own. A member
-    that died (a test killed it) is replaced before the next view; the pool grows to the most members asked for."""
+    that died (a fault test killed it) is replaced before the next view; the pool grows to the most members asked
+    for. Members preload Keras (``--preload keras``), which loads PyTorch's compiler first
+    (``ddlf.frameworks.loading``): Keras and ``TorchModel`` tests share them."""
+
+    ARGS = ("--preload", "keras")
 
     def __init__(self) -> None:
         import secrets
@@ -86,24 +120,33 @@ class DaemonPool:
         """The addresses of ``n`` live members (started or replaced as needed)."""
         from ddlf.cluster.local import LocalWorkers
 
-        for i, member in enumerate(self.members[:n]):
-            if member.processes[0].poll() is not None:
-                member.terminate()
-                self.members[i] = LocalWorkers(1, threads=1, token=self.token)
-        while len(self.members) < n:
-            self.members.append(LocalWorkers(1, threads=1, token=self.token))
+        asked_by, _CURRENT_MODULE[0] = _CURRENT_MODULE[0], "pool"
+        try:
+            for i, member in enumerate(self.members[:n]):
+                if member.processes[0].poll() is not None:
+                    member.terminate()
+                    self.members[i] = LocalWorkers(1, threads=1, token=self.token, extra_args=list(self.ARGS))
+            while len(self.members) < n:
+                self.members.append(LocalWorkers(1, threads=1, token=self.token, extra_args=list(self.ARGS)))
+        finally:
+            _CURRENT_MODULE[0] = asked_by
         return [m.addresses[0] for m in self.members[:n]]
 
-    def view(self, n: int = 2) -> ddlf.Cluster:
-        """A cluster of ``n`` members, reset; a member that cannot be reset is replaced (and the view made anew)."""
-        c = ddlf.Cluster(self.get(n), token=self.token)
+    def view(self, n: int = 2, **cluster_options: Any) -> ddlf.Cluster:
+        """A cluster of ``n`` members, reset; a member that cannot be reset is replaced (and the view made anew).
+        ``cluster_options``: ``ddlf.Cluster``'s (a fault test's heartbeat, for one)."""
+        c = ddlf.Cluster(self.get(n), token=self.token, **cluster_options)
         try:
             c.reset(force=True)
         except ddlf.DdlfError:
             c.close()
             self.discard()
-            c = ddlf.Cluster(self.get(n), token=self.token)
+            c = ddlf.Cluster(self.get(n), token=self.token, **cluster_options)
         return c
+
+    def pid(self, i: int) -> int:
+        """The process id of member ``i`` (a fault test's victim: the pool replaces it for the next view)."""
+        return self.members[i].processes[0].pid
 
     def discard(self) -> None:
         for member in self.members:
@@ -132,14 +175,22 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[ddlf.Cluster]:
 
 
 @contextmanager
-def pooled(n: int) -> Iterator[ddlf.Cluster]:
+def pooled(n: int, **cluster_options: Any) -> Iterator[ddlf.Cluster]:
     """``n`` workers from this test process's :data:`POOL`, reset, as ``with ddlf.Cluster.local(n, threads=1)``
-    gives (for a test that neither kills, stops, signals nor configures them): a view, closed after."""
-    c = POOL.view(n)
+    gives: a view, closed after. A fault test may kill or stop a member (:meth:`DaemonPool.pid`; a stopped one
+    must be continued before the test ends): only that one is replaced, for the next view."""
+    c = POOL.view(n, **cluster_options)
     try:
         yield c
     finally:
         c.close()
+
+
+def pool_addresses(n: int) -> list[str]:
+    """The addresses of ``n`` pool members, reset, for a test that connects its own ``ddlf.Cluster`` to some of them
+    (or a master in another process: the token is ``POOL.token``)."""
+    POOL.view(n).close()
+    return POOL.get(n)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -150,20 +201,29 @@ def _pool_lifetime() -> Iterator[None]:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:  # an xdist worker: its count goes to the controller
+    if workeroutput is not None:  # an xdist worker: its counts go to the controller
         workeroutput["ddlf_daemons_started"] = DAEMONS_STARTED[0]
+        workeroutput["ddlf_daemons_by_module"] = dict(DAEMONS_BY_MODULE)
+        workeroutput["ddlf_tf_daemons"] = TF_DAEMONS[0]
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: object, error: object) -> None:
     out = getattr(node, "workeroutput", {}) or {}
     DAEMONS_STARTED[0] += int(out.get("ddlf_daemons_started", 0))
+    DAEMONS_BY_MODULE.update(out.get("ddlf_daemons_by_module", {}))
+    TF_DAEMONS[0] += int(out.get("ddlf_tf_daemons", 0))
 
 
 def pytest_terminal_summary(terminalreporter: object) -> None:
     write = getattr(terminalreporter, "write_line", None)
     if write is not None and DAEMONS_STARTED[0]:
-        write(f"ddlf: the tests started {DAEMONS_STARTED[0]} worker daemons (not counting scripts' own)")
+        write(
+            f"ddlf: the tests started {DAEMONS_STARTED[0]} worker daemons (not counting scripts' own); "
+            f"{TF_DAEMONS[0]} had imported TensorFlow when stopped"
+        )
+        top = ", ".join(f"{m.removeprefix('tests/')} {k}" for m, k in DAEMONS_BY_MODULE.most_common(12))
+        write(f"ddlf: daemons started by: {top}")
 
 
 @pytest.fixture(autouse=True)
@@ -218,6 +278,7 @@ class Daemon:
         import tempfile
 
         DAEMONS_STARTED[0] += 1
+        DAEMONS_BY_MODULE[_CURRENT_MODULE[0]] += 1
 
         self.dir = tempfile.mkdtemp(prefix="ddlf-test-")
         self.ready = os.path.join(self.dir, "addr")
@@ -251,6 +312,7 @@ class Daemon:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            TF_DAEMONS[0] += _imported_tensorflow(self.proc.pid)
             self.proc.terminate()
             try:
                 self.proc.wait(10)

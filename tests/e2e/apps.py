@@ -14,7 +14,7 @@ import ddlf
 from ddlf import ops
 from ddlf.training.callbacks import LambdaCallback
 
-from ..conftest import MNIST_DIR
+from ..conftest import MNIST_DIR, pooled
 
 
 class SmallMnist(ddlf.IApp):
@@ -176,7 +176,7 @@ class Replicas(LambdaCallback):
 def train_replicated(app_class: type[ddlf.IApp], n: int, strategy: object, epochs: int = 2, seed: int = 4):
     """A fresh ``app_class`` trained from its ``create_model()`` weights on ``n`` local workers (batch 16 each),
     every replica's weights held after each round: ``(app, start, got, history, replicas)``."""
-    with ddlf.Cluster.local(n, threads=1) as c:
+    with pooled(n) as c:
         app = app_class(c)
         app.model = app.create_model()
         start = app.model.get_weights()

@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -68,9 +67,7 @@ def test_status_lists_live_workers_and_says_which_is_down(daemon: Daemon, tmp_pa
     dead = f"127.0.0.1:{_free_port()}"
     (tmp_path / "token").write_text(daemon.token)
     (tmp_path / "cluster.toml").write_text(f'workers = ["{daemon.address}", "{dead}"]\ntoken_file = "token"\n')
-    t0 = time.monotonic()
     out = _ddlf("status", "--config", str(tmp_path / "cluster.toml"), "--timeout", "2")
-    assert time.monotonic() - t0 < 30
     assert out.returncode == 1, out.stderr  # one worker is down
     lines = out.stdout.strip().splitlines()
     assert lines, out.stderr

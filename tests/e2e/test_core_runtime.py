@@ -405,32 +405,29 @@ def test_unreachable_address_raises_worker_unavailable_quickly() -> None:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    start = time.monotonic()
-    with pytest.raises(ddlf.WorkerUnavailable, match=f"127.0.0.1:{port}"):
-        ddlf.Cluster([f"127.0.0.1:{port}"], "t", connect_timeout=2)
-    assert time.monotonic() - start < 3
+    with pytest.raises(ddlf.WorkerUnavailable, match=f"127.0.0.1:{port}") as info:
+        ddlf.Cluster([f"127.0.0.1:{port}"], "t", connect_timeout=60)
+    assert "refused" in str(info.value).lower(), info.value  # refused at once, not the connect timeout
 
 
 def test_kill_9_mid_call_raises_worker_unavailable_without_hanging(daemon: Daemon) -> None:
     c = ddlf.Cluster([daemon.address], daemon.token)
 
     async def main():
-        call = asyncio.ensure_future(c.run_async(lambda: time.sleep(30)))
+        call = asyncio.ensure_future(c.run_async(lambda: time.sleep(600)))
         await asyncio.sleep(0.5)
         daemon.proc.send_signal(signal.SIGKILL)
-        t0 = time.monotonic()
         with pytest.raises(ddlf.WorkerUnavailable) as info:
-            await call
-        return time.monotonic() - t0, info.value
+            await asyncio.wait_for(call, 60)  # only how long a hang may last: the sleep would take 600 s
+        return info.value
 
-    elapsed, err = asyncio.run(main())
-    assert elapsed < 5
+    err = asyncio.run(main())
+    assert not isinstance(err, ddlf.DeadlineExceeded), err
     assert err.address == daemon.address
-    # Later calls fail fast too.
-    t0 = time.monotonic()
-    with pytest.raises(ddlf.WorkerUnavailable):
-        c.run(lambda: 1, timeout=5)
-    assert time.monotonic() - t0 < 6
+    # Later calls fail too, as unavailable: not by waiting out their deadline.
+    with pytest.raises(ddlf.WorkerUnavailable) as later:
+        c.run(lambda: 1, timeout=60)
+    assert not isinstance(later.value, ddlf.DeadlineExceeded), later.value
 
 
 def test_shutdown_request_stops_the_daemon(daemon: Daemon) -> None:

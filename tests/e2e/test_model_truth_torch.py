@@ -18,9 +18,6 @@ from .apps import flat, separable
 BATCH = 32
 
 
-FRESH_DAEMONS = "PyTorch's compiler must load before TensorFlow in its daemons (ddlf.frameworks.loading)"
-
-
 def _train(app: ddlf.IApp, strategy: str, epochs: int = 1, **kw: Any) -> ddlf.History:
     strategies = {
         "model averaging": ddlf.ModelAveraging(every=4),

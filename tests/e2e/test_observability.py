@@ -40,6 +40,7 @@ def trained(cluster: ddlf.Cluster, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("observability")
     app = SmallMnist(cluster)
     (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+    t0 = time.monotonic()
     history = app.train(
         epochs=2,
         batch_size=32,
@@ -49,6 +50,7 @@ def trained(cluster: ddlf.Cluster, tmp_path_factory: pytest.TempPathFactory):
         strategy=ddlf.ModelAveraging(every=10),
         run=ddlf.RunConfig(report=out / "run.html"),
     )
+    history.test_wall_seconds = time.monotonic() - t0
     return out, history
 
 
@@ -65,10 +67,13 @@ def test_report_is_self_contained_and_holds_the_run(trained) -> None:
     assert len(rounds) == len(history.stats) == 2 * 5 * 2  # 1,500 rows per worker, 320 per round: 5 rounds
     assert text.count("class='seg compute'") == len(history.stats)
     assert all(s.start > 0 and s.send_seconds > 0 for s in history.stats)
-    # Communication is the call's time less the worker's compute: measured (not all zero), and on loopback, for a
-    # small model's replies, far below a second.
+    # Communication is the call's time less the worker's compute: measured (not all zero), never negative, and
+    # each round's phases a part of the run's own time (no bound on the clock: the machine may be loaded).
     assert any(s.comm_seconds > 0 for s in history.stats)
-    assert all(0 <= s.comm_seconds < 2.0 for s in history.stats), [s.comm_seconds for s in history.stats]
+    assert all(s.comm_seconds >= 0 for s in history.stats), [s.comm_seconds for s in history.stats]
+    assert all(
+        s.send_seconds + s.compute_seconds + s.comm_seconds < history.test_wall_seconds for s in history.stats
+    ), [(s.send_seconds, s.compute_seconds, s.comm_seconds) for s in history.stats]
     # The numbers, embedded and beside it.
     embedded = re.search(r'<script type="application/json" id="ddlf-stats">(.*?)</script>', text, re.S)
     assert embedded is not None

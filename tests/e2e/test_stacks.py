@@ -120,9 +120,7 @@ def test_stacks_say_on_whom_a_waiting_collective_waits(cluster: ddlf.Cluster, hi
     first = threading.Thread(target=lambda: result.setdefault("0", cluster.run_on(0, _reduce_ones, ring.spec(0))))
     first.start()
     time.sleep(1.5)
-    t0 = time.perf_counter()
-    waiting = cluster.stacks([0])[0]
-    assert time.perf_counter() - t0 < 2.0
+    waiting = cluster.stacks([0])[0]  # answered while the worker's training thread waits in the ring
     (call,) = waiting["collectives"]
     assert call.startswith("all-reduce of 1000 float32 on ring"), call
     who = "member 1" if hierarchical else "rank 1"

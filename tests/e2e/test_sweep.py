@@ -6,7 +6,6 @@ import json
 import re
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -123,14 +122,12 @@ def test_a_lost_worker_requeues_only_its_trial(val_set, monkeypatch: pytest.Monk
     try:
         with ddlf.Cluster([d.address for d in daemons], token=daemons[0].token, heartbeat_timeout=3.0) as c:
             killer = KillOnFirstEpoch(daemons[2])
-            t0 = time.monotonic()
             with pytest.warns(RuntimeWarning, match="lost"):
                 result = ddlf.sweep(
                     c, make_app, CONFIGS[2:], epochs=3, grace_epochs=3, validation_data=val_set,
                     batch_size=64, run=ddlf.RunConfig(rejoin_timeout=1.0), callbacks=[killer],
                 )  # fmt: skip
             assert killer.done.is_set()
-            assert time.monotonic() - t0 < 180
             assert [t.status for t in result.trials] == ["completed"] * 4, [(t.status, t.error) for t in result.trials]
             assert all(t.workers != [2] for t in result.trials)  # what ran on the dead worker ran again elsewhere
             assert any(t.attempts == 2 for t in result.trials)

@@ -12,11 +12,9 @@ import ddlf
 from ddlf.frameworks import loading
 from ddlf.frameworks.torch_model import TorchModel
 
-from ..conftest import MNIST_DIR
+from ..conftest import MNIST_DIR, pooled
 from ..unit.training.test_sharded import OneRank  # a ring of one, for the shard optimizers without daemons
 from .apps import SmallMnist
-
-FRESH_DAEMONS = "PyTorch's compiler must load before TensorFlow in its daemons (ddlf.frameworks.loading)"
 
 torch = pytest.importorskip("torch")
 
@@ -281,7 +279,7 @@ def test_torch_model_gradient_averaging_equals_one_process(bucket_cap_mb: float 
     in order while backward runs; None: one buffer after backward. All the same descent as one process."""
     from .apps import global_batches
 
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         app = TorchLinear(c)
         app.model = app.create_model()
         start = app.model.get_weights()
@@ -538,7 +536,7 @@ def test_named_inputs_and_two_outputs_train_on_a_cluster(cluster: ddlf.Cluster) 
 def test_tuples_with_a_loss_per_output_average_gradients_as_one_process() -> None:
     from .apps import global_batches
 
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         app = TwoHeadsApp(c)
         app.by_position = True
         app.model = app.create_model()
@@ -708,7 +706,7 @@ def test_a_sharded_torch_checkpoint_resumes_on_another_number_of_workers(tmp_pat
     from .apps import global_batches
 
     strategy = ddlf.GradientAveraging(shard_optimizer=True)
-    with ddlf.Cluster.local(3, threads=1) as c:
+    with pooled(3) as c:
         app = TorchAdamLinear(c)
         app.model = app.create_model()
         start = app.model.get_weights()

@@ -29,24 +29,21 @@ def test_a_request_that_runs_code_waits_for_the_preload_and_listing_does_not() -
     ex, done = _preloading()
     assert _handle(ex, "LIST_VARS", "", None)[0] == 0  # answered at once
     threading.Timer(0.3, done.set).start()
-    t0 = time.monotonic()
     assert _handle(ex, "EXEC", "", "x = 1")[0] == 0
-    assert time.monotonic() - t0 >= 0.25
+    assert done.is_set()  # it ran once the preload was done, not before
     assert ex.namespace["x"] == 1
-    t0 = time.monotonic()
-    assert _handle(ex, "SET_VAR", "v", 2)[0] == 0  # the preload is done: no wait
-    assert time.monotonic() - t0 < 3.0  # a hang, not a timing
+    assert _handle(ex, "SET_VAR", "v", 2)[0] == 0  # the preload is done: nothing to wait for
 
 
 def test_a_preload_that_hangs_is_waited_for_once_then_requests_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(executor, "PRELOAD_WAIT", 3.0)
-    ex, _never_set = _preloading()
+    ex, never_set = _preloading()
     t0 = time.monotonic()
     assert _handle(ex, "EXEC", "", "y = 2")[0] == 0  # served after the bound, not refused
-    assert 2.9 < time.monotonic() - t0 < 60.0
-    t0 = time.monotonic()
+    assert time.monotonic() - t0 >= 2.9  # it did wait (a lower bound holds however loaded the machine is)
+    assert not never_set.is_set() and ex._preloaded is None  # gave up on it: no second wait
+    monkeypatch.setattr(executor, "PRELOAD_WAIT", 3600.0)  # a second wait would hang the test, not pass it
     assert _handle(ex, "EXEC", "", "z = 3")[0] == 0
-    assert time.monotonic() - t0 < 2.9  # no second wait of 3 s
     assert (ex.namespace["y"], ex.namespace["z"]) == (2, 3)
 
 
