@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import signal
@@ -109,6 +110,9 @@ class DaemonPool:
     (``ddlf.frameworks.loading``): Keras and ``TorchModel`` tests share them."""
 
     ARGS = ("--preload", "keras")
+    SPARE = 2
+    """Members from this index on are spares: fault tests take their victims there (``spare=True``), away from
+    members 0 and 1, which a module's ``cluster`` view holds for all of its tests."""
 
     def __init__(self) -> None:
         import secrets
@@ -123,7 +127,9 @@ class DaemonPool:
         asked_by, _CURRENT_MODULE[0] = _CURRENT_MODULE[0], "pool"
         try:
             for i, member in enumerate(self.members[:n]):
-                if member.processes[0].poll() is not None:
+                # Exited, or exiting: a leader that is a zombie while its other threads still unmap TensorFlow's
+                # memory has closed its port already.
+                if member.processes[0].poll() is not None or not pid_alive(member.processes[0].pid):
                     member.terminate()
                     self.members[i] = LocalWorkers(1, threads=1, token=self.token, extra_args=list(self.ARGS))
             while len(self.members) < n:
@@ -132,21 +138,23 @@ class DaemonPool:
             _CURRENT_MODULE[0] = asked_by
         return [m.addresses[0] for m in self.members[:n]]
 
-    def view(self, n: int = 2, **cluster_options: Any) -> ddlf.Cluster:
-        """A cluster of ``n`` members, reset; a member that cannot be reset is replaced (and the view made anew).
-        ``cluster_options``: ``ddlf.Cluster``'s (a fault test's heartbeat, for one)."""
-        c = ddlf.Cluster(self.get(n), token=self.token, **cluster_options)
+    def view(self, n: int = 2, *, spare: bool = False, **cluster_options: Any) -> ddlf.Cluster:
+        """A cluster of ``n`` members (the spares with ``spare=True``), reset; a member that cannot be reset is
+        replaced (and the view made anew). ``cluster_options``: ``ddlf.Cluster``'s (a heartbeat, for one)."""
+        first = self.SPARE if spare else 0
+        c = ddlf.Cluster(self.get(first + n)[first:], token=self.token, **cluster_options)
         try:
             c.reset(force=True)
         except ddlf.DdlfError:
             c.close()
             self.discard()
-            c = ddlf.Cluster(self.get(n), token=self.token, **cluster_options)
+            c = ddlf.Cluster(self.get(first + n)[first:], token=self.token, **cluster_options)
         return c
 
-    def pid(self, i: int) -> int:
-        """The process id of member ``i`` (a fault test's victim: the pool replaces it for the next view)."""
-        return self.members[i].processes[0].pid
+    def pid(self, i: int, *, spare: bool = False) -> int:
+        """The process id of the view's worker ``i`` (a fault test's victim, ``spare=True``: the pool replaces it
+        for the next view)."""
+        return self.members[i + (self.SPARE if spare else 0)].processes[0].pid
 
     def discard(self) -> None:
         for member in self.members:
@@ -175,22 +183,24 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[ddlf.Cluster]:
 
 
 @contextmanager
-def pooled(n: int, **cluster_options: Any) -> Iterator[ddlf.Cluster]:
+def pooled(n: int, *, spare: bool = False, **cluster_options: Any) -> Iterator[ddlf.Cluster]:
     """``n`` workers from this test process's :data:`POOL`, reset, as ``with ddlf.Cluster.local(n, threads=1)``
     gives: a view, closed after. A fault test may kill or stop a member (:meth:`DaemonPool.pid`; a stopped one
-    must be continued before the test ends): only that one is replaced, for the next view."""
-    c = POOL.view(n, **cluster_options)
+    must be continued before the test ends) of a view of spares (``spare=True``): only that one is replaced, for
+    the next view."""
+    c = POOL.view(n, spare=spare, **cluster_options)
     try:
         yield c
     finally:
         c.close()
 
 
-def pool_addresses(n: int) -> list[str]:
-    """The addresses of ``n`` pool members, reset, for a test that connects its own ``ddlf.Cluster`` to some of them
-    (or a master in another process: the token is ``POOL.token``)."""
-    POOL.view(n).close()
-    return POOL.get(n)
+def pool_addresses(n: int, *, spare: bool = False) -> list[str]:
+    """The addresses of ``n`` pool members (spares with ``spare=True``), reset, for a test that connects its own
+    ``ddlf.Cluster`` to some of them (or a master in another process: the token is ``POOL.token``)."""
+    POOL.view(n, spare=spare).close()
+    first = POOL.SPARE if spare else 0
+    return POOL.get(first + n)[first:]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -274,7 +284,9 @@ def ctrl_c_interrupts(code: str) -> str:
 class Daemon:
     """A `ddlf-worker` process started by a test, with its own token."""
 
-    def __init__(self, *args: str, token: str | None = "test-token", env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, token: str | None = "test-token", env: dict[str, str] | None = None, log_file: bool = False
+    ) -> None:
         import tempfile
 
         DAEMONS_STARTED[0] += 1
@@ -300,13 +312,14 @@ class Daemon:
                 *args,
             ],
             env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            # A daemon that lives for many tests logs to a file: a pipe nobody reads would fill and stop it.
+            stdout=subprocess.DEVNULL if log_file else subprocess.PIPE,
+            stderr=open(os.path.join(self.dir, "log"), "wb") if log_file else subprocess.PIPE,  # noqa: SIM115
         )
         if not wait_until(lambda: os.path.exists(self.ready) or self.proc.poll() is not None, 30):
             raise RuntimeError("daemon did not start")
         if self.proc.poll() is not None:
-            raise RuntimeError(f"daemon exited: {self.proc.stderr.read().decode()}")
+            raise RuntimeError(f"daemon exited with code {self.proc.returncode}")
         with open(self.ready) as f:
             self.address = f.read().strip()
 
@@ -322,8 +335,43 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+_SHARED_DAEMON: list[Daemon] = []
+
+
+def _shared_daemon() -> Daemon:
+    """This test process's one :class:`Daemon` with default arguments, reset; started anew when a test killed,
+    stopped or shut it down (or it cannot be reset)."""
+    if _SHARED_DAEMON:
+        d = _SHARED_DAEMON[0]
+        if pid_alive(d.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                d.proc.send_signal(signal.SIGCONT)  # a test that stopped it and failed before continuing it
+            try:
+                with ddlf.Cluster([d.address], d.token, connect_timeout=10, timeout=60) as c:
+                    c.reset(force=True)
+                return d
+            except ddlf.DdlfError:
+                pass
+        d.stop()
+        _SHARED_DAEMON.clear()
+    asked_by, _CURRENT_MODULE[0] = _CURRENT_MODULE[0], "shared daemon"
+    try:
+        _SHARED_DAEMON.append(Daemon(log_file=True))
+    finally:
+        _CURRENT_MODULE[0] = asked_by
+    return _SHARED_DAEMON[0]
+
+
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon()
-    yield d
-    d.stop()
+    """A ``ddlf-worker`` with the token ``test-token`` and default arguments: one per test process, shared by the
+    tests that ask for it, reset before each (``Cluster.reset``); a test may kill, stop or shut it down (the next
+    test gets a new one). A test that needs other arguments starts its own :class:`Daemon`."""
+    yield _shared_daemon()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_daemon_lifetime() -> Iterator[None]:
+    yield
+    for d in _SHARED_DAEMON:
+        d.stop()

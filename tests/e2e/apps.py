@@ -67,17 +67,22 @@ class FaultApp(SmallMnist):
 
 
 def _kill_at_round(pid: int, at: int, sig: int = signal.SIGKILL) -> tuple[LambdaCallback, dict[str, float]]:
-    """A callback that sends ``sig`` to ``pid`` 50 ms after round ``at`` ends: in the middle of the next round."""
+    """A callback that sends ``sig`` to ``pid`` 50 ms after round ``at`` ends: in the middle of the next round
+    when rounds take longer than that, and in any case before the round after it starts (a later round's end
+    waits for the signal: a warm model's rounds may take less than 50 ms, and the run must not end first)."""
     when: dict[str, float] = {}
+    timer: list[threading.Timer] = []
 
     def fire() -> None:
         when["t"] = time.time()
         os.kill(pid, sig)
 
     def on_round_end(r: int, logs: dict) -> None:
-        if r == at and "armed" not in when:
-            when["armed"] = 1
-            threading.Timer(0.05, fire).start()
+        if r == at and not timer:
+            timer.append(threading.Timer(0.05, fire))
+            timer[0].start()
+        elif r > at and timer:
+            timer[0].join()
 
     return LambdaCallback(on_round_end=on_round_end), when
 

@@ -17,13 +17,13 @@ import ddlf
 from ddlf.errors import NonFiniteUpdate, RemoteError
 
 from ..certs import make_certs
-from ..conftest import MNIST_DIR, Daemon, pooled, wait_until
+from ..conftest import MNIST_DIR, POOL, Daemon, pooled, wait_until
 from .apps import FaultApp, _kill_at_round
 
 
 @pytest.fixture(scope="module")
 def four():
-    with pooled(4) as c:
+    with pooled(4, spare=True) as c:
         yield c
 
 
@@ -213,7 +213,7 @@ def _train(c: ddlf.Cluster, exchange: str, compression: str | None = None, hiera
 
 @pytest.mark.slow
 def test_sync_allreduce_equals_the_master_exchange_within_rounding_and_is_deterministic() -> None:
-    with pooled(3) as c:
+    with pooled(3, spare=True) as c:
         master, hm = _train(c, "master")
         ring1, h1 = _train(c, "allreduce")
         ring2, _ = _train(c, "allreduce")
@@ -229,7 +229,7 @@ def test_sync_allreduce_equals_the_master_exchange_within_rounding_and_is_determ
 
 @pytest.mark.slow
 def test_sync_allreduce_with_half_precision_costs_what_the_master_exchange_does() -> None:
-    with pooled(3) as c:
+    with pooled(3, spare=True) as c:
         full, _ = _train(c, "master")
         exact = full.model.get_weights()
 
@@ -252,7 +252,7 @@ def test_sync_allreduce_with_half_precision_costs_what_the_master_exchange_does(
 def test_a_worker_with_nonfinite_weights_is_left_out_of_the_ring_average() -> None:
     from .apps import Nan
 
-    with pooled(2) as c:
+    with pooled(2, spare=True) as c:
         app = Nan(c)
         with pytest.warns(RuntimeWarning, match="weights are not finite"):
             h = app.train(
@@ -291,8 +291,8 @@ def test_exchange_is_checked_before_training_starts(four: ddlf.Cluster) -> None:
 @pytest.mark.slow
 def test_a_worker_killed_mid_round_fails_the_ring_and_training_finishes_without_it() -> None:
     _, (xt, yt) = ddlf.datasets.mnist(MNIST_DIR)
-    with ddlf.Cluster.local(3, threads=1) as c:
-        victim = c._local.pids()[2]
+    with pooled(3, spare=True) as c:
+        victim = POOL.pid(2, spare=True)
         # Early in the first epoch's 7 rounds: the kill lands a few (fast) rounds after the timer is armed, and
         # armed after round 3 it once landed in the second epoch on a loaded machine, leaving no epoch after it.
         cb, when = _kill_at_round(victim, 1)
@@ -317,11 +317,10 @@ def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training
     """A ``SIGSTOP``\\ ped member keeps its sockets open (its kernel even answers TCP keepalives): its neighbours
     find it by probing its daemon, within the cluster's heartbeat timeout, not after the ring's 300 s stall
     timeout; the master redoes the round without it, and it rejoins once woken."""
-    local = ddlf.cluster.local.LocalWorkers(3, threads=1)
+    c = POOL.view(3, spare=True, heartbeat_interval=0.5, heartbeat_timeout=2.0)
+    victim = POOL.pid(1, spare=True)
     try:
-        c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=2.0)
         assert c.timeout is None  # so the ring waits up to 300 s for a slow member: only probing ends it sooner
-        victim = local.pids()[1]
         cb, when = _kill_at_round(victim, 2, signal.SIGSTOP)
         with pytest.warns(RuntimeWarning, match="worker 1 .* lost"):
             _, h = _train(c, "allreduce", callbacks=[cb])
@@ -344,11 +343,10 @@ def test_a_stopped_worker_fails_the_ring_within_the_heartbeat_bound_and_training
         c.scatter("t", [np.full(3, i, np.float32) for i in range(3)])
         c.allreduce("t", "sum")
         assert all(np.array_equal(v, np.full(3, 3.0, np.float32)) for v in c.get("t"))
-        c.close()
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(local.pids()[1], signal.SIGCONT)
-        local.terminate()
+            os.kill(victim, signal.SIGCONT)  # the pool's member serves the next test
+        c.close()
 
 
 def _reduce_t(worker, spec) -> None:
@@ -358,16 +356,16 @@ def _reduce_t(worker, spec) -> None:
 
 
 def test_allreduce_with_a_stopped_worker_fails_fast_and_names_it() -> None:
-    local = ddlf.cluster.local.LocalWorkers(3, threads=1)
+    c = POOL.view(3, spare=True, heartbeat_interval=0.5, heartbeat_timeout=2.0)
+    victim = POOL.pid(2, spare=True)
     try:
-        c = ddlf.Cluster(local.addresses, local.token, heartbeat_interval=0.5, heartbeat_timeout=2.0)
         c.scatter("t", [np.ones(1000, np.float32)] * 3)
         c.allreduce("t")  # the ring forms and works
         # A member stopped while the others are in the ring (the ring's own path, as a worker's function
         # reduces with ddlf.collective; cluster.allreduce checks every member before any joins it).
         plan = c.ring()
         c.add_function(_reduce_t)  # on every worker before one stops
-        os.kill(local.pids()[2], signal.SIGSTOP)
+        os.kill(victim, signal.SIGSTOP)
         with pytest.warns(RuntimeWarning, match="worker 2 .* lost"), pytest.raises(ddlf.DdlfError) as info:
             c.run_each(_reduce_t, [(plan.spec(w),) for w in plan.workers])
         c.retire_ring(plan)
@@ -377,19 +375,18 @@ def test_allreduce_with_a_stopped_worker_fails_fast_and_names_it() -> None:
         assert any(isinstance(e, ddlf.WorkerUnavailable) and e.worker_id == 2 for e in subs), subs
         assert any("did not answer a liveness probe" in str(e) for e in subs), subs
         # The survivors kept their values unchanged and still serve.
-        os.kill(local.pids()[2], signal.SIGCONT)
+        os.kill(victim, signal.SIGCONT)
         assert wait_until(lambda: c.recover() == [2] or not c.lost_workers, 10)
         assert all(np.array_equal(v, np.ones(1000, np.float32)) for v in c.get("t", workers=[0, 1]))
         # cluster.allreduce with a member stopped before the call: it fails as fast, naming it.
-        os.kill(local.pids()[2], signal.SIGSTOP)
+        os.kill(victim, signal.SIGSTOP)
         with pytest.warns(RuntimeWarning, match="worker 2 .* lost"), pytest.raises(ddlf.DdlfError) as info:
             c.allreduce("t", "sum")
         subs = list(getattr(info.value, "exceptions", [info.value]))
         assert any(isinstance(e, ddlf.WorkerUnavailable) and e.worker_id == 2 for e in subs), subs
-        os.kill(local.pids()[2], signal.SIGCONT)
+        os.kill(victim, signal.SIGCONT)
         assert all(np.array_equal(v, np.ones(1000, np.float32)) for v in c.get("t", workers=[0, 1]))
-        c.close()
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(local.pids()[2], signal.SIGCONT)
-        local.terminate()
+            os.kill(victim, signal.SIGCONT)  # the pool's member serves the next test
+        c.close()

@@ -10,7 +10,7 @@ import ddlf
 from ddlf.errors import NonFiniteUpdate
 from ddlf.training.callbacks import LambdaCallback
 
-from ..conftest import Daemon, pooled
+from ..conftest import POOL, pool_addresses, pooled
 from .apps import ROWS, Linear, Nan, Replicas, _kill_at_round, global_batches, one_process, train_replicated
 
 
@@ -62,7 +62,7 @@ class OwnStep(Linear):
 def test_a_custom_train_step_averages_its_own_gradients_as_one_process() -> None:
     """Two workers averaging gradients run the model's own ``train_step`` (its optimizer's apply caught, the
     gradients averaged, then applied): the weights are one process's on the global batches with that same step."""
-    with pooled(2) as c:
+    with pooled(2, spare=True) as c:
         app = OwnStep(c)
         app.model = app.create_model()
         start = app.model.get_weights()
@@ -75,7 +75,7 @@ def test_a_custom_train_step_averages_its_own_gradients_as_one_process() -> None
 
 
 def test_scaled_learning_rate_equals_one_process_at_n_times_the_rate() -> None:
-    with pooled(2) as c:
+    with pooled(2, spare=True) as c:
         app = Linear(c)
         app.model = app.create_model()
         start = app.model.get_weights()
@@ -119,7 +119,7 @@ def _learning_rate(run_id: str) -> float:
 
 @pytest.mark.slow
 def test_adam_replicas_stay_identical_and_learn() -> None:
-    with pooled(2) as c:
+    with pooled(2, spare=True) as c:
         app = AdamApp(c)
         held = Replicas(c)
         h = app.train(
@@ -192,7 +192,7 @@ def test_a_model_averaging_checkpoint_is_not_resumed_by_gradient_averaging(clust
 @pytest.mark.parametrize(("wire", "tol"), [("float16", 2e-3), ("bfloat16", 2e-2)])
 @pytest.mark.slow
 def test_half_precision_gradients_stay_near_one_process_and_replicas_identical(wire: str, tol: float) -> None:
-    with pooled(3) as c:
+    with pooled(3, spare=True) as c:
         app = Linear(c)
         app.model = app.create_model()
         start = app.model.get_weights()
@@ -226,7 +226,7 @@ class Huge(Linear):
 
 
 def test_float16_overflow_on_the_wire_skips_the_step_everywhere_and_is_reported() -> None:
-    with pooled(2) as c:
+    with pooled(2, spare=True) as c:
         app = Huge(c)
         app.model = app.create_model()
         start = app.model.get_weights()
@@ -272,7 +272,7 @@ def test_float16_overflow_on_the_wire_skips_the_step_everywhere_and_is_reported(
 
 
 def test_nan_gradients_are_left_out_of_the_step_and_reported() -> None:
-    with pooled(2) as c:
+    with pooled(2, spare=True) as c:
         app = Nan(c)
         with pytest.warns(RuntimeWarning, match="non-finite gradients"):
             h = app.train(
@@ -301,14 +301,13 @@ class AdamApp(Linear):
 def test_a_worker_added_mid_training_adopts_the_optimizer_state() -> None:
     """Adam's moments and step count differ on a new worker: unless it adopts the others' state, the same averaged
     gradients move its weights differently, and the replicas' bits part."""
-    extra = Daemon("--threads", "1", token=None)
-    daemons = [Daemon("--threads", "1", token=None) for _ in range(2)]
+    first, second, extra = pool_addresses(3, spare=True)
+    c = ddlf.Cluster([first, second], token=POOL.token)
     try:
-        c = ddlf.Cluster([d.address for d in daemons], token=None)
 
         def on_round_end(r: int, logs: dict) -> None:
             if r == 1:
-                c.add_worker(extra.address)
+                c.add_worker(extra)
 
         app = AdamApp(c)
         held = Replicas(c)
@@ -322,16 +321,14 @@ def test_a_worker_added_mid_training_adopts_the_optimizer_state() -> None:
         )
         assert any(s.worker == 2 and s.samples > 0 for s in h.stats)
         assert len(held.held) == 3 and held.identical()
-        c.close()
     finally:
-        for d in [extra, *daemons]:
-            d.stop()
+        c.close()
 
 
 @pytest.mark.slow
 def test_a_worker_killed_mid_training_is_left_out() -> None:
-    with ddlf.Cluster.local(3, threads=1) as c:
-        victim = c._local.pids()[2]
+    with pooled(3, spare=True) as c:
+        victim = POOL.pid(2, spare=True)
         cb, when = _kill_at_round(victim, 2)
         app = AdamApp(c)
         held = Replicas(c)

@@ -13,6 +13,8 @@ import pytest
 import ddlf
 from ddlf.data import node_store
 
+from ..conftest import POOL, pid_alive, pooled, wait_until
+
 pytestmark = pytest.mark.skipif(node_store.root() is None, reason="needs /dev/shm")
 
 
@@ -60,7 +62,7 @@ def test_workers_of_a_host_load_once_and_map_one_copy(tmp_path) -> None:
     log = str(tmp_path / "loads")
     loader = make_loader(log, 5000)
     key = f"node-store-{os.getpid()}"
-    with ddlf.Cluster.local(3, threads=1) as c:
+    with pooled(3) as c:
         out = c.load_dataset(key, loader)
         assert loads(log) == 1  # one worker loaded, the other two mapped its copy
         assert [i["cached"] for i in out] == [False] * 3
@@ -78,17 +80,19 @@ def test_the_copy_outlives_a_killed_loader_and_serves_the_next_daemons(tmp_path)
     log = str(tmp_path / "loads")
     loader = make_loader(log, 3000)
     key = f"node-store-kill-{os.getpid()}"
-    with ddlf.Cluster.local(1, threads=1) as first:
+    with pooled(1, spare=True) as first:
         assert first.load_dataset(key, loader)[0]["node_shared"]
-        os.kill(first._local.pids()[0], signal.SIGKILL)  # no clean exit: nothing lets go of the copy
-        first._local.wait(10)
+        victim = POOL.pid(0, spare=True)
+        os.kill(victim, signal.SIGKILL)  # no clean exit: nothing lets go of the copy
+        assert wait_until(lambda: not pid_alive(victim), 30)
     assert len(entries(key)) == 1
-    with ddlf.Cluster.local(2, threads=1) as c:  # another script's daemons: they map it, nobody loads
+    with pooled(2) as c:  # other daemons (another script's): they map it, nobody loads
         out = c.load_dataset(key, loader)
         assert all(i["node_shared"] and not i["cached"] for i in out)
         assert loads(log) == 1
         assert len(set(c.run(checksum, key))) == 1
-    assert not entries(key)  # their clean exit removed it
+        assert c.drop_dataset(key) == [True, True]
+    assert not entries(key)  # the last holder let go: removed (a clean exit does too: the next test)
 
 
 def test_the_last_clean_exit_removes_the_hosts_copy(tmp_path) -> None:
@@ -131,7 +135,7 @@ def test_training_reads_a_parquet_export_through_the_hosts_copy(tmp_path, on_dis
             model.compile(optimizer=keras.optimizers.Adam(0.05), loss="binary_crossentropy", metrics=["accuracy"])
             return model
 
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2) as c:
         h = Exported(c).train(epochs=3, batch_size=32, verbose=0)
         want = (float(np.sum(x, dtype=np.float64)), int(np.sum(x[:, 0] > 0)), False)
         assert c.run(checksum_of, Exported.dataset_key) == [want, want]  # the export, row for row

@@ -15,7 +15,7 @@ import pytest
 import ddlf
 from ddlf.training import checkpoint
 
-from ..conftest import pid_alive, wait_until
+from ..conftest import POOL, pid_alive, pooled, wait_until
 from .apps import FaultApp
 
 
@@ -123,10 +123,10 @@ def test_a_sigterm_to_every_process_of_a_ring_run_loses_only_the_round_in_flight
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     kw = dict(batch_size=32, strategy=ddlf.GradientAveraging(check_in_every=5), verbose=0)
     ckpt = tmp_path / "ckpt"
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2, spare=True) as c:  # both are stopped by the test: the pool replaces them
         straight = FaultApp(c)
         straight.train(epochs=1, run=ddlf.RunConfig(seed=3), **kw)
-        pids = c._local.pids()
+        pids = [POOL.pid(0, spare=True), POOL.pid(1, spare=True)]
         # Worker 1 sleeps 0.1 s a batch (5 a round) in this run: the signal lands inside round 6, with worker 1
         # in its sleep and worker 0 waiting for it in the all-reduce.
         monkeypatch.setenv("DDLF_SLOW_WORKER", "1:0.1")
@@ -150,7 +150,7 @@ def test_a_sigterm_to_every_process_of_a_ring_run_loses_only_the_round_in_flight
         assert len(states) == 2 and all(s["optimizer"] is not None for s in states.values())
         # The run torn down, the workers ended their drain and exited (well within Slurm's KillWait of 30 s).
         assert wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=15), "the workers did not exit"
-    with ddlf.Cluster.local(2, threads=1) as c:  # the requeued job: new workers
+    with pooled(2, spare=True) as c:  # the requeued job: new workers (the pool's replacements)
         resumed = FaultApp(c)
         h = resumed.train(epochs=1, run=ddlf.RunConfig(seed=3, checkpoint_dir=ckpt, resume=True), **kw)
     events = [e["event"] for e in h.events if e["event"] != "exchange"]
@@ -175,8 +175,8 @@ class StopOneWorker(ddlf.callbacks.Callback):
 def test_a_worker_stopped_alone_is_left_out_and_training_goes_on(tmp_path: Path) -> None:
     """A worker told to stop while the master is not (no preemption) refuses new rounds while it drains: the
     failure policy takes that as a lost worker (``lost_worker="continue"``), and the run ends on the others."""
-    with ddlf.Cluster.local(2, threads=1) as c:
-        pid = c._local.pids()[1]
+    with pooled(2, spare=True) as c:
+        pid = POOL.pid(1, spare=True)
         app = FaultApp(c)
         h = app.train(
             epochs=2,

@@ -9,7 +9,7 @@ import pytest
 
 import ddlf
 
-from ..conftest import pooled
+from ..conftest import POOL, pooled
 from .apps import ROWS, Linear, Replicas, global_batches, one_process, train_replicated
 
 
@@ -36,7 +36,7 @@ class ClippedAdamW(AdamLinear):
 
 
 def test_adamw_with_a_schedule_and_global_norm_clipping_shards_exactly() -> None:
-    with pooled(2) as c:
+    with pooled(2, spare=True) as c:
         app = ClippedAdamW(c)
         app.model = app.create_model()
         start = app.model.get_weights()
@@ -92,7 +92,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_workers_with_its_whol
     on 2, which cut the whole state into their own shards: the result is one process's over both epochs' global
     batches with Adam's moments carried across (restarting them from zeros would show)."""
     strategy = ddlf.GradientAveraging(shard_optimizer=True)
-    with pooled(3) as c:
+    with pooled(3, spare=True) as c:
         app = AdamLinear(c)
         app.model = app.create_model()
         start = app.model.get_weights()
@@ -117,8 +117,8 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_workers_with_its_whol
 def test_a_worker_killed_mid_round_is_left_out_and_its_shard_restarts_with_a_warning() -> None:
     from .apps import _kill_at_round
 
-    with ddlf.Cluster.local(3, threads=1) as c:
-        victim = c._local.pids()[2]
+    with pooled(3, spare=True) as c:
+        victim = POOL.pid(2, spare=True)
         cb, _when = _kill_at_round(victim, 2)
         app = AdamLinear(c)
         held = Replicas(c)
