@@ -319,7 +319,12 @@ class Daemon:
         if not wait_until(lambda: os.path.exists(self.ready) or self.proc.poll() is not None, 30):
             raise RuntimeError("daemon did not start")
         if self.proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with code {self.proc.returncode}")
+            if log_file:
+                with open(os.path.join(self.dir, "log"), "rb") as f:
+                    said = f.read()
+            else:
+                said = self.proc.stderr.read() if self.proc.stderr else b""
+            raise RuntimeError(f"daemon exited with code {self.proc.returncode}: {said.decode(errors='replace')}")
         with open(self.ready) as f:
             self.address = f.read().strip()
 

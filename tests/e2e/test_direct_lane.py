@@ -17,7 +17,7 @@ import pytest
 
 import ddlf
 
-from ..conftest import Daemon, ctrl_c_interrupts, wait_until
+from ..conftest import POOL, Daemon, ctrl_c_interrupts, wait_until
 
 
 def _ident(x):
@@ -209,9 +209,9 @@ def test_bad_lane_settings_are_refused_clearly() -> None:
 def test_large_lane_requests_to_several_workers_go_out_at_once() -> None:
     """3 MB to each of two workers (over the 1 MiB that puts each lane's request on its own thread): each gets its
     own value; a stopped worker fails the call by the heartbeat while the other answers; Ctrl-C ends the wait."""
-    daemons = [Daemon(), Daemon()]
+    c = POOL.view(2, spare=True, heartbeat_interval=0.5, heartbeat_timeout=1.5)
+    addresses, stopped = c.addresses, POOL.pid(1, spare=True)
     try:
-        c = ddlf.Cluster([d.address for d in daemons], "test-token", heartbeat_interval=0.5, heartbeat_timeout=1.5)
         assert all(info["direct_lane"] for info in c.worker_info())
         values = [np.random.default_rng(k).random(400_000) for k in range(2)]  # 3.2 MB each
         c.scatter("w", values)
@@ -220,22 +220,22 @@ def test_large_lane_requests_to_several_workers_go_out_at_once() -> None:
         for got in c.run(_ident, values[0]):
             np.testing.assert_array_equal(got, values[0])
 
-        daemons[1].proc.send_signal(signal.SIGSTOP)
+        os.kill(stopped, signal.SIGSTOP)
         try:
             with pytest.warns(RuntimeWarning, match="lost"), pytest.raises(ddlf.WorkerUnavailable, match="heartbeat"):
                 c.run(_ident, values[1])
             np.testing.assert_array_equal(c.run_on(0, _ident, values[1]), values[1])  # the other one still serves
         finally:
-            daemons[1].proc.send_signal(signal.SIGCONT)
+            os.kill(stopped, signal.SIGCONT)
         assert wait_until(lambda: c.recover() == [1] or not c.lost_workers, 10)
         c.close()
 
         code = textwrap.dedent(
             f"""
             import os, signal, numpy as np, ddlf
-            c = ddlf.Cluster({[d.address for d in daemons]!r}, "test-token", heartbeat_interval=30)
+            c = ddlf.Cluster({addresses!r}, {POOL.token!r}, heartbeat_interval=30)
             c.run(lambda: 1)
-            os.kill({daemons[1].proc.pid}, signal.SIGSTOP)
+            os.kill({stopped}, signal.SIGSTOP)
             print("calling", flush=True)
             try:
                 c.run(lambda x: len(x), np.ones(400_000))
@@ -247,9 +247,9 @@ def test_large_lane_requests_to_several_workers_go_out_at_once() -> None:
             # the call blocked on a stopped worker ends on Ctrl-C, not by itself
             assert "interrupted" in ctrl_c_interrupts(code)
         finally:
-            daemons[1].proc.send_signal(signal.SIGCONT)
-        with ddlf.Cluster([d.address for d in daemons], "test-token") as again:
+            os.kill(stopped, signal.SIGCONT)
+        with ddlf.Cluster(addresses, POOL.token) as again:
             assert again.run(lambda: 2) == [2, 2]
     finally:
-        for d in daemons:
-            d.stop()
+        os.kill(stopped, signal.SIGCONT)  # the pool's member serves the next test
+        c.close()

@@ -10,7 +10,7 @@ import pytest
 import ddlf
 from ddlf.training.callbacks import LambdaCallback
 
-from ..conftest import pooled
+from ..conftest import POOL, pool_addresses, pooled
 from .apps import FaultApp, Linear, Replicas
 
 KW = {"epochs": 2, "batch_size": 32, "run": ddlf.RunConfig(seed=5), "verbose": 0}
@@ -59,16 +59,15 @@ def test_learning_rate_one_without_momentum_is_model_averaging() -> None:
 
 @pytest.mark.slow
 def test_a_worker_that_joins_the_ring_adopts_the_momentum() -> None:
-    from ddlf.cluster.local import LocalWorkers
-
-    with ddlf.Cluster.local(2, threads=1) as c, LocalWorkers(1, threads=1, token=c.token) as extra:
+    *pair, extra = pool_addresses(3)
+    with ddlf.Cluster(pair, token=POOL.token) as c:
         app = FaultApp(c)
         added: dict[str, bool] = {}
 
         def on_round_end(r: int, logs: dict) -> None:
             if r == 4 and not added:
                 added["yes"] = True
-                c.add_worker(extra.addresses[0])
+                c.add_worker(extra)
 
         held = Replicas(c)  # after add_worker: fetches from the three workers at the end of every round
         cbs = [LambdaCallback(on_round_end=on_round_end), held]

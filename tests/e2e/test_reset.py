@@ -15,6 +15,7 @@ import pytest
 import ddlf
 from ddlf.training.membership import Members
 
+from ..conftest import POOL, pooled
 from .apps import SmallMnist
 
 
@@ -129,9 +130,9 @@ def test_a_run_held_by_another_master_refuses_the_reset_unless_forced(cluster: d
 
 
 def test_a_worker_lost_during_the_reset_is_reported_as_lost() -> None:
-    with ddlf.Cluster.local(2, threads=1) as c:
+    with pooled(2, spare=True) as c:
         c.set("kept", 1)
-        victim = c._local.pids()[1]
+        victim = POOL.pid(1, spare=True)
         os.kill(victim, 9)
         os.waitpid(victim, 0)
         with pytest.raises(ddlf.WorkerUnavailable):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
@@ -13,7 +14,7 @@ import pytest
 import ddlf
 from ddlf.training.options import SLOW_WORKER_ENV
 
-from ..conftest import MNIST_DIR, Daemon
+from ..conftest import MNIST_DIR, POOL, pooled
 from .apps import SmallMnist
 
 
@@ -59,8 +60,8 @@ class KillOnFirstEpoch(ddlf.callbacks.Callback):
     """Kills a daemon when the first epoch of any trial ends: the trials start together, so a slower one is
     mid-trial then, however loaded the machine. Shared by every trial (no copies)."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon, self.done = daemon, threading.Event()
+    def __init__(self, pid: int) -> None:
+        self.pid, self.done = pid, threading.Event()
 
     def __deepcopy__(self, memo: dict) -> KillOnFirstEpoch:
         return self
@@ -68,7 +69,7 @@ class KillOnFirstEpoch(ddlf.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if not self.done.is_set():
             self.done.set()
-            self.daemon.proc.send_signal(signal.SIGKILL)
+            os.kill(self.pid, signal.SIGKILL)
 
 
 # Strong configs first: ASHA keeps whatever is best so far at a rung, so trials that arrive in improving order all
@@ -118,22 +119,18 @@ def test_a_lost_worker_requeues_only_its_trial(val_set, monkeypatch: pytest.Monk
     # Worker 2 trains slowly (50 ms a batch: the master's experiment hook), so it is mid-trial (its first of three
     # epochs, the others' trials ahead of it) when the first epoch of any trial ends and it is killed.
     monkeypatch.setenv(SLOW_WORKER_ENV, "2:0.05")
-    daemons = [Daemon(), Daemon(), Daemon()]
-    try:
-        with ddlf.Cluster([d.address for d in daemons], token=daemons[0].token, heartbeat_timeout=3.0) as c:
-            killer = KillOnFirstEpoch(daemons[2])
-            with pytest.warns(RuntimeWarning, match="lost"):
-                result = ddlf.sweep(
-                    c, make_app, CONFIGS[2:], epochs=3, grace_epochs=3, validation_data=val_set,
-                    batch_size=64, run=ddlf.RunConfig(rejoin_timeout=1.0), callbacks=[killer],
-                )  # fmt: skip
-            assert killer.done.is_set()
-            assert [t.status for t in result.trials] == ["completed"] * 4, [(t.status, t.error) for t in result.trials]
-            assert all(t.workers != [2] for t in result.trials)  # what ran on the dead worker ran again elsewhere
-            assert any(t.attempts == 2 for t in result.trials)
-    finally:
-        for d in daemons:
-            d.stop()
+    # The pool's spares: the killed one is replaced for the next test.
+    with pooled(3, spare=True, heartbeat_timeout=3.0) as c:
+        killer = KillOnFirstEpoch(POOL.pid(2, spare=True))
+        with pytest.warns(RuntimeWarning, match="lost"):
+            result = ddlf.sweep(
+                c, make_app, CONFIGS[2:], epochs=3, grace_epochs=3, validation_data=val_set,
+                batch_size=64, run=ddlf.RunConfig(rejoin_timeout=1.0), callbacks=[killer],
+            )  # fmt: skip
+        assert killer.done.is_set()
+        assert [t.status for t in result.trials] == ["completed"] * 4, [(t.status, t.error) for t in result.trials]
+        assert all(t.workers != [2] for t in result.trials)  # what ran on the dead worker ran again elsewhere
+        assert any(t.attempts == 2 for t in result.trials)
 
 
 def test_fits_validation_split_and_validation_freq_reach_the_trials(cluster: ddlf.Cluster) -> None:
