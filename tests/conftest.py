@@ -62,6 +62,18 @@ TF_DAEMONS = [0]
 """Of those, the daemons that had imported TensorFlow when they were stopped (read from ``/proc/<pid>/maps``; a
 daemon a test killed is not looked at)."""
 _CURRENT_MODULE = ["(no test)"]
+OWN_DAEMONS: collections.Counter[str] = collections.Counter()
+"""Daemons started by each test itself (its body or its function-scoped fixtures; not the pool's, not the shared
+``daemon``): a test that does must say why (``@pytest.mark.fresh_daemons("why")``, or its module's
+``FRESH_DAEMONS``), or it fails (:func:`_fresh_daemons_say_why`)."""
+_CURRENT_TEST = [""]
+
+
+def _count_start() -> None:
+    DAEMONS_STARTED[0] += 1
+    DAEMONS_BY_MODULE[_CURRENT_MODULE[0]] += 1
+    if _CURRENT_MODULE[0] not in ("pool", "shared daemon") and _CURRENT_TEST[0]:
+        OWN_DAEMONS[_CURRENT_TEST[0]] += 1
 
 
 def _imported_tensorflow(pid: int) -> bool:
@@ -79,8 +91,7 @@ def _count_daemon_starts() -> None:
     terminate_all = local._terminate_all
 
     def counted(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
-        DAEMONS_STARTED[0] += 1
-        DAEMONS_BY_MODULE[_CURRENT_MODULE[0]] += 1
+        _count_start()
         return start(*args, **kwargs)  # type: ignore[arg-type]
 
     def looked_at(processes: list[subprocess.Popen[bytes]], directory: str) -> None:
@@ -99,6 +110,25 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> Iterator[Non
     _CURRENT_MODULE[0] = item.nodeid.split("::")[0]
     yield
     _CURRENT_MODULE[0] = "(no test)"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_daemons_say_why(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that starts daemons of its own (not the pool's: it signals, kills or configures them, or runs a
+    script that starts its own) says why, so that the suite's daemon count stays where it is on purpose."""
+    _CURRENT_TEST[0] = request.node.nodeid
+    try:
+        yield
+    finally:
+        _CURRENT_TEST[0] = ""
+    started = OWN_DAEMONS.get(request.node.nodeid, 0)
+    says_why = request.node.get_closest_marker("fresh_daemons") or getattr(request.module, "FRESH_DAEMONS", None)
+    if started and not says_why:
+        pytest.fail(
+            f"this test started {started} worker daemon(s) of its own: take them from the pool (`pooled`, "
+            "`cluster`, `daemon`; a fault test's victims with spare=True), or say why it cannot "
+            '(@pytest.mark.fresh_daemons("why"))'
+        )
 
 
 class DaemonPool:
@@ -289,8 +319,7 @@ class Daemon:
     ) -> None:
         import tempfile
 
-        DAEMONS_STARTED[0] += 1
-        DAEMONS_BY_MODULE[_CURRENT_MODULE[0]] += 1
+        _count_start()
 
         self.dir = tempfile.mkdtemp(prefix="ddlf-test-")
         self.ready = os.path.join(self.dir, "addr")

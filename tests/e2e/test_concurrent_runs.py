@@ -14,13 +14,14 @@ import sys
 import textwrap
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 import ddlf
 from ddlf.training import replica as remote
 
-from ..conftest import MNIST_DIR, REPO, Daemon
+from ..conftest import MNIST_DIR, POOL, REPO, Daemon, pool_addresses
 from .apps import SmallMnist
 
 MASTER = textwrap.dedent(
@@ -63,11 +64,10 @@ class OtherMnist(SmallMnist):
 
 
 @pytest.fixture
-def daemons():
-    ds = [Daemon(), Daemon()]
-    yield ds
-    for d in ds:
-        d.stop()
+def daemons() -> list[SimpleNamespace]:
+    """Two of the pool's spares, reset, as daemons: ``address`` and ``token`` (the masters connect from their own
+    processes)."""
+    return [SimpleNamespace(address=a, token=POOL.token) for a in pool_addresses(2, spare=True)]
 
 
 def _leftovers(cluster: ddlf.Cluster) -> tuple[list[list[str]], list[list[dict]]]:
@@ -77,7 +77,7 @@ def _leftovers(cluster: ddlf.Cluster) -> tuple[list[list[str]], list[list[dict]]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_two_masters_at_once_each_learn_as_alone(daemons: list[Daemon], mode: str) -> None:
+def test_two_masters_at_once_each_learn_as_alone(daemons: list[SimpleNamespace], mode: str) -> None:
     addresses = [d.address for d in daemons]
     # Async runs are not bit-reproducible and their spread is wide after 3 epochs (78.5% in one CI run, 73.1% in a
     # full local run where isolated reruns passed): async trains 5 epochs so the same band sits clear of the tail.
