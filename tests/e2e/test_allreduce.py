@@ -21,9 +21,11 @@ from ..conftest import MNIST_DIR, POOL, Daemon, pooled, wait_until
 from .apps import FaultApp, _kill_at_round
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def four():
-    with pooled(4, spare=True) as c:
+    """Four pool members, reset for each test: a module-long view would hold the spares that this module's fault
+    tests stop and kill."""
+    with pooled(4) as c:
         yield c
 
 
@@ -172,6 +174,7 @@ def test_a_peer_link_with_a_wrong_token_is_refused_and_the_worker_keeps_serving(
 
 
 @pytest.mark.slow
+@pytest.mark.fresh_daemons("daemons serving TLS with this test's certificates")
 def test_tls_clusters_allreduce_and_train_over_tls_peer_links(tmp_path) -> None:
     """On TLS daemons (which admit only TLS peer links: see ``rust/ddlf-collective/tests/collective.rs``) the ring runs
     inside TLS, checked against the master's authority, and learns what the master exchange learns."""

@@ -122,6 +122,7 @@ def test_two_masters_at_once_each_learn_as_alone(daemons: list[SimpleNamespace],
         assert names == [[], []] and runs == [[], []]  # nothing of either run is left on the workers
 
 
+@pytest.mark.fresh_daemons("a daemon started with --max-runs")
 def test_a_run_past_max_runs_is_refused_naming_the_runs_there() -> None:
     d = Daemon("--max-runs", "1")
     try:
@@ -141,6 +142,7 @@ def test_a_run_past_max_runs_is_refused_naming_the_runs_there() -> None:
         d.stop()
 
 
+@pytest.mark.fresh_daemons("a daemon started with --max-runs and --run-idle-timeout")
 def test_an_abandoned_run_is_evicted_after_its_idle_timeout() -> None:
     d = Daemon("--max-runs", "1", "--run-idle-timeout", "0.5")
     try:

@@ -265,6 +265,7 @@ def test_malformed_requests_are_refused_and_the_worker_keeps_serving(cluster: dd
     assert cluster.status()[0]["requests_rejected"] >= 1
 
 
+@pytest.mark.fresh_daemons("a daemon started with --max-message-size")
 def test_oversized_request_is_refused_and_the_worker_keeps_serving() -> None:
     d = Daemon("--max-message-size", "100000")
     try:
@@ -386,6 +387,7 @@ def test_non_loopback_without_token_refuses_to_start() -> None:
     assert "--insecure" in out.stderr
 
 
+@pytest.mark.fresh_daemons("a daemon started with --token-file")
 def test_token_file_is_used(tmp_path) -> None:
     tf = tmp_path / "token"
     tf.write_text("from-a-file\n")
@@ -436,6 +438,7 @@ def test_shutdown_request_stops_the_daemon(daemon: Daemon) -> None:
     assert daemon.proc.wait(10) == 0
 
 
+@pytest.mark.fresh_daemons("signals end the daemon; its log is read")
 def test_sigterm_and_sigint_stop_the_daemon_cleanly() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         d = Daemon()
@@ -472,6 +475,7 @@ def _leave_traces_for_the_exit(worker, path: str) -> None:
     atexit.register(lambda: Path(path + ".atexit").write_text("ran"))
 
 
+@pytest.mark.fresh_daemons("the daemon is shut down; its log is read")
 def test_a_worker_asked_to_shut_down_runs_its_exit_handlers_and_releases_what_it_held(tmp_path) -> None:
     """The daemon leaves without the interpreter's slow finalization, but what finalization would do for the
     user happens: its threads finish, the objects the masters left there are released (a buffered file held in
@@ -511,6 +515,7 @@ def test_ctrl_c_interrupts_a_waiting_master(daemon: Daemon) -> None:
 # -- local clusters: no orphans -------------------------------------------------------------------------
 
 
+@pytest.mark.fresh_daemons("Cluster.local itself is under test")
 def test_local_cluster_leaves_no_processes_after_close() -> None:
     c = ddlf.Cluster.local(2, threads=1)
     pids = c._local.pids()
@@ -588,6 +593,7 @@ def test_received_arrays_are_writable_in_place(cluster: ddlf.Cluster) -> None:
     shm.close()
 
 
+@pytest.mark.fresh_daemons("a daemon started with a thread cap in its environment")
 def test_worker_threads_option_caps_math_libraries_from_the_start() -> None:
     env = {k: "" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     d = Daemon("--threads", "1", env=env)
@@ -599,6 +605,7 @@ def test_worker_threads_option_caps_math_libraries_from_the_start() -> None:
         d.stop()
 
 
+@pytest.mark.fresh_daemons("Cluster.local itself is under test")
 def test_local_workers_started_from_a_thread_outlive_that_thread() -> None:
     # Linux's parent-death signal fires when the starting *thread* exits; local workers must not rely on it.
     import threading
@@ -616,6 +623,7 @@ def test_local_workers_started_from_a_thread_outlive_that_thread() -> None:
         c.close()
 
 
+@pytest.mark.fresh_daemons("a daemon with its own TMPDIR, stopped to check what it left")
 def test_a_worker_leaves_no_temporary_files_behind(tmp_path) -> None:
     from ..conftest import Daemon
 

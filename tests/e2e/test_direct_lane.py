@@ -152,6 +152,7 @@ def test_a_large_lane_request_to_a_stopped_worker_fails_within_the_heartbeat_bou
     c.close()
 
 
+@pytest.mark.fresh_daemons("a daemon started with --keepalive")
 def test_grpc_stays_healthy_while_only_the_lane_is_used() -> None:
     # The daemon pings each master every 0.3 s and drops it after 0.5 s without an answer. With every call on the
     # lane, the master's gRPC connection carries nothing for seconds; it must still answer those pings.
@@ -185,6 +186,7 @@ def test_values_in_shared_memory_ride_the_lane_as_a_reference(daemon: Daemon) ->
     ddlf._ddlf.release_shared_memory()
 
 
+@pytest.mark.fresh_daemons("Cluster.local's refusals are under test")
 def test_bad_lane_settings_are_refused_clearly() -> None:
     for bad in (-1, 2_000_000, 1.5, True):
         with pytest.raises(ValueError, match="lane_spin_us must be a whole number of microseconds"):

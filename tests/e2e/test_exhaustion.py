@@ -76,6 +76,7 @@ def test_checkpoint_on_a_full_disk_fails_clearly_and_keeps_the_previous(
     assert checkpoint.load(room)["epochs_done"] == 3
 
 
+@pytest.mark.fresh_daemons("a daemon started with --max-connections")
 def test_connection_flood_is_refused_and_the_daemon_serves() -> None:
     d = Daemon("--max-connections", "64", "--handshake-timeout", "1")
     try:
@@ -117,6 +118,7 @@ def _echo(i: int, payload: bytes) -> tuple[int, int]:
     return i, len(payload)
 
 
+@pytest.mark.fresh_daemons("its memory is measured: a daemon without the earlier tests' imports")
 def test_request_flood_from_an_authenticated_master_queues() -> None:
     d = Daemon()
     try:

@@ -104,6 +104,7 @@ def _inc(x: int) -> int:
     return x + 1
 
 
+@pytest.mark.fresh_daemons("a daemon killed and restarted on its own address, without a token")
 def test_a_restarted_daemon_is_reprovisioned_by_replay(tmp_path: Path) -> None:
     d = Daemon("--threads", "1", token=None)
     address = d.address
@@ -131,6 +132,7 @@ def test_a_restarted_daemon_is_reprovisioned_by_replay(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.fresh_daemons("a daemon killed and restarted on its own address, without a token")
 def test_a_killed_worker_restarted_mid_training_rejoins(mnist_test_split) -> None:
     daemons = [Daemon("--threads", "1", token=None) for _ in range(2)]
     try:
@@ -282,6 +284,7 @@ def test_bad_fault_handling_inputs_are_clear_errors(cluster: ddlf.Cluster, tmp_p
     assert cluster.run(lambda: "still serving") == ["still serving", "still serving"]
 
 
+@pytest.mark.fresh_daemons("a daemon killed and restarted on its own address, without a token")
 def test_check_finds_a_daemon_restarted_while_the_master_was_idle() -> None:
     d = Daemon("--threads", "1", token=None)
     try:

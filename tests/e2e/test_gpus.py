@@ -17,18 +17,21 @@ def _visible() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+@pytest.mark.fresh_daemons("daemons started with --gpu")
 def test_one_worker_per_listed_gpu_each_seeing_only_its_own() -> None:
     with ddlf.Cluster.local(gpus=[0, 3], preload=None) as cluster:
         assert len(cluster) == 2
         assert cluster.run(_visible) == ["0", "3"]
 
 
+@pytest.mark.fresh_daemons("daemons started with --gpu")
 def test_auto_takes_the_gpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5,7")
     with ddlf.Cluster.local(gpus="auto", preload=None) as cluster:
         assert cluster.run(_visible) == ["2", "5", "7"]
 
 
+@pytest.mark.fresh_daemons("Cluster.local's refusals are under test")
 def test_bad_gpu_choices_are_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ValueError, match="found no GPU"):
@@ -44,6 +47,7 @@ def test_bad_gpu_choices_are_refused_before_anything_starts(monkeypatch: pytest.
     assert parse_gpus("0, 2") == ["0", "2"] and parse_gpus("") == [] and parse_gpus("1,-1,2") == ["1"]
 
 
+@pytest.mark.fresh_daemons("a daemon started with --gpu")
 def test_worker_gpu_flag_and_status_show_the_device() -> None:
     from ddlf.cli.status_table import status_rows, table
 
@@ -64,6 +68,7 @@ def test_a_bad_gpu_flag_is_refused_before_the_daemon_starts() -> None:
     assert out.returncode == 2 and "--gpu takes GPU indices" in out.stderr
 
 
+@pytest.mark.fresh_daemons("a daemon started with a preload that fails")
 def test_a_preload_that_fails_is_logged_and_the_daemon_serves() -> None:
     with ddlf.Cluster.local(1, preload="no_such_module_for_ddlf") as cluster:
         assert cluster.run(lambda: "serving") == ["serving"]

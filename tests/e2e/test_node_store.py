@@ -80,14 +80,16 @@ def test_the_copy_outlives_a_killed_loader_and_serves_the_next_daemons(tmp_path)
     log = str(tmp_path / "loads")
     loader = make_loader(log, 3000)
     key = f"node-store-kill-{os.getpid()}"
-    with pooled(1, spare=True) as first:
-        assert first.load_dataset(key, loader)[0]["node_shared"]
-        victim = POOL.pid(0, spare=True)
-        os.kill(victim, signal.SIGKILL)  # no clean exit: nothing lets go of the copy
-        assert wait_until(lambda: not pid_alive(victim), 30)
-    assert len(entries(key)) == 1
-    with pooled(2) as c:  # other daemons (another script's): they map it, nobody loads
-        out = c.load_dataset(key, loader)
+    # Other daemons (another script's), reset before the loader starts: nothing between the kill and their load
+    # may sweep the host's store (a reset or a clean exit would remove a copy nobody holds).
+    with pooled(2) as c:
+        with pooled(1, spare=True) as first:
+            assert first.load_dataset(key, loader)[0]["node_shared"]
+            victim = POOL.pid(0, spare=True)
+            os.kill(victim, signal.SIGKILL)  # no clean exit: nothing lets go of the copy
+            assert wait_until(lambda: not pid_alive(victim), 30)
+        assert len(entries(key)) == 1
+        out = c.load_dataset(key, loader)  # they map it, nobody loads
         assert all(i["node_shared"] and not i["cached"] for i in out)
         assert loads(log) == 1
         assert len(set(c.run(checksum, key))) == 1
@@ -95,6 +97,7 @@ def test_the_copy_outlives_a_killed_loader_and_serves_the_next_daemons(tmp_path)
     assert not entries(key)  # the last holder let go: removed (a clean exit does too: the next test)
 
 
+@pytest.mark.fresh_daemons("the daemons' clean exit is under test")
 def test_the_last_clean_exit_removes_the_hosts_copy(tmp_path) -> None:
     key = f"node-store-exit-{os.getpid()}"
     with ddlf.Cluster.local(2, threads=1) as c:

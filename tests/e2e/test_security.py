@@ -32,8 +32,9 @@ def _never_ran(marker: str) -> bool:
     return not os.path.exists(marker)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tls_daemon(certs: dict[str, Path]):
+    """A daemon serving TLS, shared by the module's tests (none of them stops it)."""
     d = Daemon("--tls-cert", str(certs["server"]), "--tls-key", str(certs["key"]))
     yield d
     d.stop()
@@ -56,6 +57,7 @@ def test_plaintext_master_is_refused_by_a_tls_daemon(tls_daemon: Daemon, certs: 
         assert c.status()[0]["connections_refused"] >= 1
 
 
+@pytest.mark.fresh_daemons("daemons serving TLS with this test's certificates")
 def test_untrusted_and_expired_certificates_are_refused(certs: dict[str, Path], tmp_path: Path) -> None:
     # A master that trusts another CA refuses the daemon's certificate.
     good = Daemon("--tls-cert", str(certs["server"]), "--tls-key", str(certs["key"]))
@@ -105,6 +107,7 @@ def _garbage(address: str, payload: bytes) -> bool:
             return False
 
 
+@pytest.mark.fresh_daemons("the daemon's log is read")
 def test_garbage_on_the_port_is_refused_logged_and_the_daemon_keeps_serving() -> None:
     d = Daemon("--handshake-timeout", "0.5")
     try:
@@ -128,6 +131,7 @@ def test_garbage_on_the_port_is_refused_logged_and_the_daemon_keeps_serving() ->
         assert reason in log, reason
 
 
+@pytest.mark.fresh_daemons("a daemon started with --max-connections")
 def test_connections_over_the_limit_are_refused() -> None:
     d = Daemon("--max-connections", "4")  # two masters, each with its gRPC connection and its direct lane
     try:
@@ -142,6 +146,7 @@ def test_connections_over_the_limit_are_refused() -> None:
         d.stop()
 
 
+@pytest.mark.fresh_daemons("a daemon started with --max-message-size")
 def test_oversized_request_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     d = Daemon("--max-message-size", "100000")
     marker = str(tmp_path / "big")
@@ -156,6 +161,7 @@ def test_oversized_request_is_refused_and_nothing_runs(tmp_path: Path) -> None:
         d.stop()
 
 
+@pytest.mark.fresh_daemons("daemons that refuse to start are under test")
 def test_a_daemon_with_an_unusable_certificate_refuses_to_start(tmp_path: Path, certs: dict[str, Path]) -> None:
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate")

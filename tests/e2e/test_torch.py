@@ -136,6 +136,7 @@ def test_torch_model_trains_async(cluster: ddlf.Cluster, mnist_test_split) -> No
 
 @pytest.mark.slow
 @pytest.mark.skipif(not loading.clash_possible(), reason="needs TF, torch, triton")
+@pytest.mark.fresh_daemons("daemons with and without a Keras preload: the order frameworks load in")
 def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch: pytest.MonkeyPatch) -> None:
     # Self-contained on purpose: a reference to this module would import tests/conftest.py on the worker, which
     # loads PyTorch's compiler first itself.
@@ -239,6 +240,7 @@ _loaded = lambda: tuple(m in __import__("sys").modules for m in ("torch", "torch
 
 
 @pytest.mark.slow
+@pytest.mark.fresh_daemons("daemons without a preload: what each run loads")
 def test_workers_load_torchs_compiler_only_for_a_torch_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from ddlf.frameworks.loading import clash_possible
 

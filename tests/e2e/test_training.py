@@ -194,7 +194,15 @@ class ShardedMnist(SmallMnist):
         raise AssertionError("a sharded app never loads the whole dataset")
 
 
+def _drop_shards(cluster: ddlf.Cluster) -> None:
+    """Shards another test of the module left (rotated, say), whatever order the tests ran in."""
+    for w in cluster.datasets():
+        for key in [d["key"] for d in w if "sharded" in d["key"]]:
+            cluster.drop_dataset(key)
+
+
 def test_sharded_dataset_each_worker_holds_only_its_shard(cluster: ddlf.Cluster, mnist_test_split) -> None:
+    _drop_shards(cluster)
     app = ShardedMnist(cluster)
     h = app.train(epochs=3, batch_size=32, verbose=0, strategy=ddlf.ModelAveraging(every=20))
     held = cluster.datasets()
@@ -208,8 +216,7 @@ def test_sharded_dataset_each_worker_holds_only_its_shard(cluster: ddlf.Cluster,
 
 
 def test_sharded_dataset_rotation_and_seeded_mode(cluster: ddlf.Cluster) -> None:
-    for key in [d["key"] for d in cluster.datasets()[0] if "sharded" in d["key"]]:
-        cluster.drop_dataset(key)
+    _drop_shards(cluster)
     runs = []
     for send in ("indices", "seed"):
         app = ShardedMnist(cluster)
