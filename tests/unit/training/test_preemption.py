@@ -8,33 +8,33 @@ import signal
 import threading
 import time
 
+import pytest
+
 from ddlf import process
 from ddlf.errors import RemoteError, WorkerUnavailable
 from ddlf.training.preemption import Preemption
 from ddlf.training.run import _going_away
 
 
+# The grace here is an hour: a settle that waited it out instead of returning would fail by pytest-timeout's limit,
+# not by a clock read in the test.
+@pytest.mark.timeout(120)
 def test_settle_returns_once_the_signal_arrives_and_not_before() -> None:
     with Preemption(("SIGUSR1",)) as p:
         t0 = time.monotonic()
         assert p.settle(0.2) is False  # nothing came: it waited the whole grace
-        assert time.monotonic() - t0 >= 0.2
+        assert time.monotonic() - t0 >= 0.2  # a lower bound: it holds however loaded the machine is
         threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-        t0 = time.monotonic()
-        assert p.settle(60.0) is True
-        assert time.monotonic() - t0 < 30.0  # when it arrives, not at the end of the 60 s grace
+        assert p.settle(3600.0) is True  # when it arrives, not at the end of the hour
         assert p.requested == "SIGUSR1"
 
 
+@pytest.mark.timeout(120)
 def test_settle_does_not_wait_where_no_signal_is_caught() -> None:
     p = Preemption(())
     with p:
-        t0 = time.monotonic()
-        assert p.settle(60.0) is False
-        assert time.monotonic() - t0 < 30.0  # not the 60 s grace
-    t0 = time.monotonic()
-    assert Preemption(("SIGUSR1",)).settle(60.0) is False  # outside its block: nothing installed
-    assert time.monotonic() - t0 < 30.0
+        assert p.settle(3600.0) is False  # nothing caught: no wait at all
+    assert Preemption(("SIGUSR1",)).settle(3600.0) is False  # outside its block: nothing installed
 
 
 def test_a_worker_lost_or_stopping_is_going_away_and_its_own_error_is_not() -> None:
