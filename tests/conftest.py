@@ -181,6 +181,11 @@ class DaemonPool:
             c = ddlf.Cluster(self.get(first + n)[first:], token=self.token, **cluster_options)
         return c
 
+    def wait_gone(self, i: int, *, spare: bool = False, timeout: float = 60.0) -> None:
+        """Wait until the view's worker ``i``, killed by a test, has exited whole: its leader turns zombie while
+        its other threads still unmap TensorFlow, and its file locks (the node store's) are held until they end."""
+        self.members[i + (self.SPARE if spare else 0)].processes[0].wait(timeout)
+
     def pid(self, i: int, *, spare: bool = False) -> int:
         """The process id of the view's worker ``i`` (a fault test's victim, ``spare=True``: the pool replaces it
         for the next view)."""

@@ -13,7 +13,7 @@ import pytest
 import ddlf
 from ddlf.data import node_store
 
-from ..conftest import POOL, pid_alive, pooled, wait_until
+from ..conftest import POOL, pooled
 
 pytestmark = pytest.mark.skipif(node_store.root() is None, reason="needs /dev/shm")
 
@@ -87,7 +87,7 @@ def test_the_copy_outlives_a_killed_loader_and_serves_the_next_daemons(tmp_path)
             assert first.load_dataset(key, loader)[0]["node_shared"]
             victim = POOL.pid(0, spare=True)
             os.kill(victim, signal.SIGKILL)  # no clean exit: nothing lets go of the copy
-            assert wait_until(lambda: not pid_alive(victim), 30)
+            POOL.wait_gone(0, spare=True)
         assert len(entries(key)) == 1
         out = c.load_dataset(key, loader)  # they map it, nobody loads
         assert all(i["node_shared"] and not i["cached"] for i in out)

@@ -58,20 +58,27 @@ def test_variables_functions_and_the_exec_namespace_are_dropped(cluster: ddlf.Cl
     assert cluster.run(_datasets) == [[], []]
 
 
+class OwnMnist(SmallMnist):
+    """Its own dataset key: no other worker of this host (a spare of the pool, another test process's) holds the
+    host's copy that the reset must remove."""
+
+    dataset_key = "reset-test-mnist"
+
+
 def test_datasets_warm_models_and_the_hosts_copies_are_dropped(cluster: ddlf.Cluster) -> None:
-    app = SmallMnist(cluster)
+    app = OwnMnist(cluster)
     app.train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
-    assert cluster.run(_datasets) == [["mnist-small-test"]] * 2
+    assert cluster.run(_datasets) == [[OwnMnist.dataset_key]] * 2
     assert cluster.run(_warm_models) == [1, 1]
-    assert any(e.startswith("mnist-small-test") for e in cluster.run(_node_store_entries)[0])  # the host's copy
+    assert any(e.startswith(OwnMnist.dataset_key) for e in cluster.run(_node_store_entries)[0])  # the host's copy
     dropped = cluster.reset()
-    assert [d["datasets"] for d in dropped] == [["mnist-small-test"]] * 2
+    assert [d["datasets"] for d in dropped] == [[OwnMnist.dataset_key]] * 2
     assert [d["training"]["warm_models"] for d in dropped] == [1, 1]
     assert cluster.run(_datasets) == [[], []]
     assert cluster.run(_warm_models) == [0, 0]
     # (other workers of this host may hold other datasets' copies)
-    assert not any(e.startswith("mnist-small-test") for held in cluster.run(_node_store_entries) for e in held)
-    history = SmallMnist(cluster).train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
+    assert not any(e.startswith(OwnMnist.dataset_key) for held in cluster.run(_node_store_entries) for e in held)
+    history = OwnMnist(cluster).train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
     assert not any(s["cached"] for s in history.params["setup"])  # loaded anew
 
 
