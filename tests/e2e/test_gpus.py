@@ -71,11 +71,10 @@ def test_a_bad_gpu_flag_is_refused_before_the_daemon_starts() -> None:
 @pytest.mark.fresh_daemons("a daemon started with a preload that fails")
 def test_a_preload_that_fails_is_logged_and_the_daemon_serves() -> None:
     with ddlf.Cluster.local(1, preload="no_such_module_for_ddlf") as cluster:
+        # A request that runs code waits for the preload (ddlf.worker.executor), which logs its failure first.
         assert cluster.run(lambda: "serving") == ["serving"]
-        deadline = __import__("time").monotonic() + 30
-        while not any("preloading no_such_module_for_ddlf failed" in line for line in cluster.logs(0, 0)):
-            assert __import__("time").monotonic() < deadline, cluster.logs(0, 0)
-            __import__("time").sleep(0.1)
+        logs = cluster.logs(0, 0)
+        assert any("preloading no_such_module_for_ddlf failed" in line for line in logs), logs
 
 
 def test_ddlf_worker_help_documents_gpu() -> None:

@@ -197,7 +197,8 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(
     [first] = before
     assert first["status"] == "preempted" and first["requeued"] == (how != "scontrol requeue"), first
     if how == "time limit":  # the warning, well before the limit ended the job
-        assert first["preempted"].startswith("SIGUSR1: training stopped after") and first["seconds"] < 60, first
+        # Stopped by the warning (SIGUSR1), not ended by the limit: the master saved, and the job was requeued.
+        assert first["preempted"].startswith("SIGUSR1: training stopped after"), first
     # The preemption's own checkpoint, every time: the workers signalled with SIGTERM drain (ddlf.worker.drain)
     # and answer for the last merged round (before, they exited and the run fell back to its last epoch).
     assert "no new checkpoint" not in first["preempted"], first
