@@ -306,6 +306,7 @@ class IApp:
                 return evaluate_on_workers(self.cluster, run_id, live, weights, list(parts), batch_size)
             return predict_on_workers(self.cluster, run_id, live, weights, parts, batch_size)
         finally:
+            members.close()
             with contextlib.suppress(Exception):
                 self.cluster.call(remote.teardown, (run_id,), workers=members.candidates(), return_exceptions=True)
 
@@ -512,6 +513,7 @@ class IApp:
                     write_report(history, cfg.run.report)
             raise
         finally:
+            members.close()
             with contextlib.suppress(Exception):  # a lost worker must not hide the real error
                 self.cluster.call(remote.teardown, (cfg.run_id,), workers=members.candidates(), return_exceptions=True)
         if cfg.run.report:

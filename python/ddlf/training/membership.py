@@ -7,6 +7,7 @@ built). Set-up is tracked by address and daemon instance, so a restarted daemon 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -18,6 +19,9 @@ from ..frameworks.seeding import uses_torch
 from ..serialization import dumps_inline
 from . import replica as remote
 from .policy import stopping
+
+PROBE_TIMEOUT = 1.0  # seconds a reconnection attempt to a lost worker waits for it
+PROBE_GRACE = 0.05  # seconds a round waits for that attempt before going on without the worker
 
 
 class Members:
@@ -57,6 +61,7 @@ class Members:
         self.epoch = 0
         self.round = 0
         self._last_recover = 0.0
+        self._probe: threading.Thread | None = None  # the reconnection attempt in flight, if any
         self._lock = threading.Lock()
         self._seen_events = len(self.cluster.events)
 
@@ -77,9 +82,7 @@ class Members:
         ``rejoin_interval`` seconds) and every live worker not yet set up for this run is set up first."""
         with self._lock:
             c = self.cluster
-            if c.lost_workers and time.monotonic() - self._last_recover >= self.rejoin_interval:
-                self._last_recover = time.monotonic()
-                c.recover(timeout=1.0)
+            self._probe_lost()
             self._sync_events()
             need = [i for i in self.candidates() if self.ready.get(c.addresses[i]) != c.instance(i)]
             need = [i for i in need if self.stopping.get(c.addresses[i]) != c.instance(i)]
@@ -109,6 +112,33 @@ class Members:
             self._sync_events()
             ready = [i for i in self.candidates() if self.ready.get(c.addresses[i]) == c.instance(i)]
             return [i for i in ready if self.stopping.get(c.addresses[i]) != c.instance(i)]
+
+    def _probe_lost(self) -> None:
+        """Try to reconnect the lost workers, at most every ``rejoin_interval`` seconds, off the round's path: a
+        worker that answers at once (a daemon restarted, a link back) is set up for this round, while one that
+        is stopped or unreachable costs at most ``PROBE_GRACE`` seconds per attempt, not the attempt's whole
+        timeout in every round."""
+        c = self.cluster
+        if self._probe is not None and self._probe.is_alive():
+            return  # still waiting for an unresponsive worker: the round goes on without it
+        if not c.lost_workers or time.monotonic() - self._last_recover < self.rejoin_interval:
+            return
+        self._last_recover = time.monotonic()
+        probe = self._probe = threading.Thread(target=self._recover, name="ddlf-rejoin-probe", daemon=True)
+        probe.start()
+        probe.join(PROBE_GRACE)
+
+    def _recover(self) -> None:
+        with contextlib.suppress(Exception):  # what failed stays lost; the next probe tries again
+            self.cluster.recover(timeout=PROBE_TIMEOUT)
+
+    def close(self) -> None:
+        """The run is over: wait for a reconnection attempt in flight (at most its timeout), so that what it
+        finds is recorded before the run's History is returned and nothing of the run outlives it."""
+        probe = self._probe
+        if probe is not None:
+            probe.join()
+            self._sync_events()
 
     def holding_state(self) -> list[int]:
         """The workers whose session of this run holds its state: the live ones and those stopping (which still
