@@ -82,6 +82,57 @@ def test_datasets_warm_models_and_the_hosts_copies_are_dropped(cluster: ddlf.Clu
     assert not any(s["cached"] for s in history.params["setup"])  # loaded anew
 
 
+def _custom_gradients() -> int:
+    from ddlf.frameworks.tensorflow_graphs import custom_gradients
+
+    return len(custom_gradients())
+
+
+class WiderMnist(OwnMnist):
+    """A model no earlier run traced: its training step is traced anew on each worker."""
+
+    def create_model(self):
+        import keras
+
+        model = keras.Sequential(
+            [keras.Input(shape=(784,)), keras.layers.Dense(48, activation="relu"), keras.layers.Dense(10, "softmax")]
+        )
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+
+def _trace_a_custom_gradient() -> None:
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def clipped(x):
+        return tf.identity(x), lambda dy: tf.clip_by_value(dy, -1.0, 1.0)
+
+    tf.function(lambda x: clipped(x)).get_concrete_function(tf.TensorSpec([2], tf.float32))
+
+
+@pytest.mark.skipif(os.environ["KERAS_BACKEND"] != "tensorflow", reason="TensorFlow's gradient registry")
+def test_what_tensorflow_keeps_of_each_traced_step_goes_with_the_runs(cluster: ddlf.Cluster) -> None:
+    """Each trace of a Keras-on-TensorFlow training step registers a custom gradient, process-wide, whose closure
+    holds the whole traced graph (about 2.5 MiB for a small MLP), and TensorFlow never removes it: a worker that
+    served a new model per run grew by that much per run (RELIABILITY.md, the soak). The worker forgets the runs'
+    registrations when its last run is torn down, and every one on reset."""
+    cluster.reset()
+    assert cluster.run(_custom_gradients) == [0, 0]
+    for app in (WiderMnist, OwnMnist):  # two models: each worker traces a training step for each
+        app(cluster).train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
+        assert cluster.run(_custom_gradients) == [0, 0]
+    assert cluster.run(_warm_models) == [2, 2]  # both kept: their traced steps train without the registrations
+    history = WiderMnist(cluster).train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
+    assert history.history["loss"][0] < 2.0 and history.history["accuracy"][0] > 0.5
+    # A registration of the user's own (a function traced outside any run) stays until the reset.
+    cluster.run(_trace_a_custom_gradient)
+    assert cluster.run(_custom_gradients) == [1, 1]
+    dropped = cluster.reset()
+    assert [d["custom_gradients"] for d in dropped] == [1, 1]
+    assert cluster.run(_custom_gradients) == [0, 0]
+
+
 def test_keras_session_and_random_generators_start_afresh(cluster: ddlf.Cluster) -> None:
     def dense_name() -> str:
         import keras

@@ -4,7 +4,8 @@
 (another master's, or one left behind) unless forced, then tears down every run and drops the warm models (the
 registered services, :mod:`.services`), drops every cached dataset (the host's shared copy goes when no other
 worker maps it), forgets every uploaded module, clears Keras' session, reseeds the random generators from fresh
-entropy, drops the variables, functions and ``exec`` namespace, and collects the garbage. ``clean()`` drops only
+entropy, drops the variables, functions and ``exec`` namespace and what TensorFlow keeps of traced graphs
+(:mod:`ddlf.frameworks.tensorflow_graphs`), and collects the garbage. ``clean()`` drops only
 the variables, functions and namespace; a reset is for a daemon that serves many scripts for days.
 """
 
@@ -17,6 +18,7 @@ import sys
 from typing import Any
 
 from ..errors import ResetRefused
+from ..frameworks.tensorflow_graphs import forget_custom_gradients
 from . import services
 
 log = logging.getLogger("ddlf.worker")
@@ -49,6 +51,7 @@ def reset(worker: Any, force: bool = False) -> dict[str, Any]:
     keras = sys.modules.get("keras")
     if keras is not None:
         keras.utils.clear_session()
+    dropped["custom_gradients"] = forget_custom_gradients()  # what clear_session leaves of the traced graphs
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:

@@ -23,6 +23,7 @@ from ...frameworks import model_spec
 from ...frameworks.console import quiet_start
 from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
 from ...frameworks.seeding import set_random_seed
+from ...frameworks.tensorflow_graphs import custom_gradients, forget_custom_gradients
 from ...process import release_heap
 from ..messages import FitData, weights_var
 from . import warm
@@ -54,6 +55,9 @@ class Sessions:
         self.report_runs: Callable[[list[str]], None] = _no_report
         """Where the list of runs goes whenever it changes (the daemon's status, answered without this
         interpreter)."""
+        self._gradients_before: set[str] | None = None
+        """TensorFlow's custom gradients registered before the first of the runs now held: those the runs add
+        are forgotten when the last is torn down (:mod:`ddlf.frameworks.tensorflow_graphs`)."""
 
     def configure(
         self,
@@ -113,6 +117,8 @@ class Sessions:
             fit = cloudpickle.loads(fit_blob) if fit_blob is not None else FitData()
             spec = cloudpickle.loads(spec_blob) if spec_blob is not None else None
         t0 = time.perf_counter()
+        if not self.by_id and self._gradients_before is None:
+            self._gradients_before = custom_gradients()
         worker_seed = seed + 1000 * (worker.id + 1)
         set_random_seed(worker_seed, torch=torch)
         n_shards = worker.n_workers if app.sharded else 0
@@ -202,6 +208,12 @@ class Sessions:
             log.info("training run %s torn down", run_id)
             self.publish()
         worker.vars.pop(weights_var(run_id), None)
+        if not self.by_id and self._gradients_before is not None:
+            # no run is tracing: the graphs the runs traced need their gradients' registrations no more
+            forgotten = forget_custom_gradients(keep=self._gradients_before)
+            self._gradients_before = None
+            if forgotten:
+                log.debug("forgot %d traced custom gradients of finished runs", forgotten)
 
     def busy(self) -> list[str]:
         """The runs held here, described for a refused reset: id, app, idle seconds."""
