@@ -134,3 +134,44 @@ def test_the_two_programs_stay_apart(importer: str, imported: str, why: str) -> 
         if t == imported or t.startswith(f"{imported}.")
     )
     assert bad == [], why
+
+
+# -- one concept per file, and framework choices in one place -----------------------------------------------------
+
+LONGEST = 600
+"""Lines a source file of the package may have (tests and benchmarks aside): a longer one holds several concepts."""
+
+
+def test_no_source_file_of_the_package_is_over_the_limit() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path, _ in MODULES.values()
+        if (n := len(path.read_text().splitlines())) > LONGEST
+    }
+    assert long == {}, f"split by what each part does (at most {LONGEST} lines)"
+
+
+FRAMEWORK_CHECKS = 8
+"""``hasattr`` and ``isinstance(..., TorchModel)`` checks the package may make outside ``ddlf/frameworks/``:
+training asks a model's adapter (``ddlf.frameworks.adapter``), never its type or what it happens to have."""
+
+
+def _framework_checks(tree: ast.AST) -> int:
+    n = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "hasattr":
+                n += 1
+            elif node.func.id == "isinstance" and "TorchModel" in ast.unparse(node.args[1]):
+                n += 1
+    return n
+
+
+def test_framework_behaviour_is_chosen_by_the_adapter_not_by_duck_typing() -> None:
+    outside = {
+        str(path.relative_to(ROOT)): n
+        for module, (path, _) in MODULES.items()
+        if not module.startswith("ddlf.frameworks")
+        and (n := _framework_checks(ast.parse(path.read_text())))
+    }
+    assert sum(outside.values()) <= FRAMEWORK_CHECKS, outside

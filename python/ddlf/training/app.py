@@ -36,6 +36,7 @@ from ..data.images import EncodedImages
 from ..data.structure import concatenate_rows
 from ..errors import DatasetError, ModelChangeWarning, WorkerUnavailable
 from ..frameworks import model_spec
+from ..frameworks.adapter import adapter_for
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
 from ..frameworks.seeding import set_random_seed
@@ -473,15 +474,15 @@ class IApp:
             if isinstance(cb, KerasCallback):
                 cb.set_params({"epochs": cfg.epochs, "steps": steps, "verbose": cfg.verbose}, rows)
             cb.history = history
-        if hasattr(self.model, "_initial_epoch"):
-            self.model._initial_epoch = None  # as fit starts: a callback may set it (below)
+        adapter = adapter_for(self.model)
+        adapter.forget_restored_epoch()  # as fit starts: a callback may set it (below)
         for cb in cbs:
             cb.on_train_begin()
         # keras.callbacks.BackupAndRestore restored the master's model from its backup and says where to resume,
         # as fit reads it; the workers start from the master's (restored) weights.
-        restored = getattr(self.model, "_initial_epoch", None)
+        restored = adapter.restored_epoch()
         if restored:
-            initial_epoch = max(initial_epoch, int(restored))
+            initial_epoch = max(initial_epoch, restored)
             members.note("resumed", epochs_done=initial_epoch, checkpoint="keras.callbacks.BackupAndRestore")
         # As the next fit goes on from its model's optimizer, the workers start from the master's (the last run's,
         # or one loaded or restored with the model), unless ddlf's own checkpoint gave each worker its own.

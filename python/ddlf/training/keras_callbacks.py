@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..frameworks.adapter import adapter_for
 from ..frameworks.model_spec import plain_learning_rate
 from .callbacks import Callback
 
@@ -55,8 +56,7 @@ class KerasCallback(Callback):
 
     def set_app(self, app: Any) -> None:
         super().set_app(app)
-        if hasattr(app.model, "stop_training"):
-            app.model.stop_training = False  # as fit starts
+        adapter_for(app.model).clear_stop_training()  # as fit starts
         self.callback.set_model(app.model)
 
     def set_params(self, params: dict[str, Any], rows: int = 0) -> None:

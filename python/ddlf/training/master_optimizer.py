@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import OptimizerStateWarning
+from ..frameworks.adapter import adapter_for
+from ..frameworks.shard_optimizers import KerasShard, trainable_variables
 from . import replica as remote
 from .options import GradientAveraging
-from .replica.shard_optimizers import KerasShard, trainable_variables
 from .replica.sharded import join
 from .replica.state import LEARNING_RATE, set_optimizer_state
 
@@ -38,12 +39,7 @@ if TYPE_CHECKING:
 
 def keras_optimizer(model: Any) -> Any | None:
     """``model``'s Keras optimizer (None: no compiled optimizer, or a ``TorchModel``)."""
-    if model is None or hasattr(model, "get_optimizer_state"):
-        return None
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not hasattr(optimizer, "variables") or not hasattr(optimizer, "build"):
-        return None
-    return optimizer
+    return None if model is None else adapter_for(model).keras_optimizer()
 
 
 def sharded(cfg: TrainConfig) -> bool:

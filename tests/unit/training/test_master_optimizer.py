@@ -9,8 +9,8 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
+from ddlf.frameworks.shard_optimizers import KerasShard  # noqa: E402
 from ddlf.training import master_optimizer  # noqa: E402
-from ddlf.training.replica.shard_optimizers import KerasShard  # noqa: E402
 
 
 def _model(optimizer: str | keras.optimizers.Optimizer = "adam") -> keras.Model:

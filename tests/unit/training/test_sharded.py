@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ddlf.frameworks.shard_optimizers import KerasShard
 from ddlf.training import checkpoint
-from ddlf.training.replica.shard_optimizers import KerasShard
 from ddlf.training.replica.sharded import Held, ShardedOptimizer, check_shardable, join, redistribute
 
 
@@ -175,7 +175,7 @@ _ON_JAX = """
 import json
 import numpy as np, keras
 from ddlf.training.replica.graph_buckets import aligned  # starts on 64 bytes: where JAX keeps an array's memory
-from ddlf.training.replica.shard_optimizers import KerasShard
+from ddlf.frameworks.shard_optimizers import KerasShard
 from ddlf.training.replica.steppers import stepper_for
 
 # The canary: does this JAX keep an assigned aligned array's memory? (If not, the copies guard nothing here.)

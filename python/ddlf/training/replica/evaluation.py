@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...data.structure import concatenate_rows
+from ...frameworks.adapter import adapter_for
 from .dataset import Feed
 from .state import MetricSum, keras_metrics
 from .state import metric_results as state_results
@@ -93,7 +94,8 @@ def predict(
     model, indices = session.model, _rows(session, part)
     fit = dataclasses.replace(session.fit, class_weight=None, sample_weight=None)
     outputs: list[Any] = []
+    adapter = adapter_for(model)
     with _Weights(model, weights):
         for x, _y, _sw, _n in Feed(session.parts, indices, batch_size, 2, session.app.preprocess, fit):
-            outputs.append(model.predict_on_batch(x) if hasattr(model, "predict_on_batch") else model.predict(x))
+            outputs.append(adapter.predict_on_batch(x))
     return concatenate_rows(outputs)

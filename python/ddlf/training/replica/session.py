@@ -15,6 +15,7 @@ import numpy as np
 
 from ... import ops
 from ...data.structure import Parts
+from ...frameworks.adapter import adapter_for
 from ...process import freeze_heap
 from ...worker.drain import call_settled
 from ..messages import FitData, GradientRound, MasterRound, RingRound, Rows
@@ -183,10 +184,10 @@ class Session:
             self.restored_shard = Held.from_dict(state["optimizer_shard"])
         values = state.get("optimizer")
         model = self.model
-        if values is None or hasattr(model, "get_optimizer_state"):
-            return
-        if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
+        adapter = adapter_for(model)
+        if values is None or adapter.keras_optimizer() is None:
+            return  # no Keras optimizer to take it (a TorchModel's state is not adopted this way)
+        adapter.build_optimizer()
         variables = model.optimizer.variables
         if len(variables) != len(values) or any(tuple(v.shape) != np.shape(a) for v, a in zip(variables, values)):
             raise ValueError(
@@ -199,8 +200,7 @@ class Session:
         """Put back what :meth:`state` returned (after setup on a fresh or restarted worker)."""
         model = self.model
         if state.get("optimizer") is not None:
-            if not hasattr(model, "set_optimizer_state") and not model.optimizer.built:
-                model.optimizer.build(model.trainable_variables)
+            adapter_for(model).build_optimizer()
             set_optimizer_state(model, state["optimizer"])
         set_rng_state(model, state.get("rng", []))
         if state.get("optimizer_shard") is not None:

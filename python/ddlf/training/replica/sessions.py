@@ -20,6 +20,7 @@ from typing import Any
 
 from ...errors import TooManyRuns
 from ...frameworks import model_spec
+from ...frameworks.adapter import adapter_for
 from ...frameworks.console import quiet_start
 from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
 from ...frameworks.seeding import set_random_seed
@@ -128,7 +129,7 @@ class Sessions:
         rows = training_rows(parts.rows, fit)
         with model_spec.building_as(spec):  # under the master's global dtype policy
             model = app.create_model()
-        if hasattr(model, "set_rng_state"):
+        if adapter_for(model).seeds_torch:
             set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
         sample, first_y = first_batch(parts, app.preprocess)
         check_model_data(sample, first_y, type(app).preprocess.__qualname__ != "IApp.preprocess")

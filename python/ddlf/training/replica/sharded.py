@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from .shard_optimizers import (
+from ...frameworks.adapter import adapter_for
+from ...frameworks.shard_optimizers import (
     KERAS_ELEMENTWISE,
     TORCH_ELEMENTWISE,
     KerasShard,
@@ -49,16 +50,14 @@ def check_shardable(model: Any) -> None:
     (``clipnorm``; ``global_clipnorm`` is kept: the ranks sum their shards' squared norms), averaging (``use_ema``)
     or accumulation, and with weight decay (if any) for every weight alike; :data:`TORCH_ELEMENTWISE`: one parameter
     group)."""
-    from ...frameworks.torch_model import TorchModel
-    from .steppers import overrides_train_step
-
+    adapter = adapter_for(model)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         raise ValueError(f"{_WHAT} needs a compiled model (create_model must compile it)")
-    if isinstance(model, TorchModel):
+    if adapter.kind == "torch":
         _check_torch(optimizer, model)
     else:
-        if overrides_train_step(model):
+        if adapter.overrides_train_step():
             raise ValueError(f"{_WHAT} cannot run {type(model).__name__}'s own train_step: use shard_optimizer=False")
         _check_keras(optimizer)
     weights = trainable_variables(model)
@@ -68,7 +67,7 @@ def check_shardable(model: Any) -> None:
             f"{_WHAT}: trainable weights must be float32 (the shard is one float32 buffer); "
             f"{_name(odd[0])} is {_dtype_name(odd[0])}"
         )
-    if not isinstance(model, TorchModel) and getattr(optimizer, "weight_decay", None):
+    if adapter.kind != "torch" and getattr(optimizer, "weight_decay", None):
         decayed = {bool(optimizer._use_weight_decay(w)) for w in weights}
         if len(decayed) > 1:
             raise ValueError(

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ...frameworks import model_spec
+from ...frameworks.adapter import adapter_for
 
 KEEP = 2
 """Warm models kept per worker process."""
@@ -50,9 +51,7 @@ def fingerprint(model: Any) -> str | None:
         return None
     try:
         optimizer = json.loads(json.dumps(keras.optimizers.serialize(model.optimizer), default=repr))
-        if model_spec.compile_key(model) is not None and hasattr(
-            getattr(model.optimizer, "_learning_rate", None), "assign"
-        ):
+        if model_spec.compile_key(model) is not None and adapter_for(model).plain_learning_rate():
             # A plain rate is a variable of the traced step: lend copies it (a rate set on the master reaches a warm
             # model without tracing again)
             optimizer.get("config", {}).pop("learning_rate", None)
@@ -156,11 +155,9 @@ def lend(model: Any, data: str = "") -> tuple[Any, Any, str | None]:
         for old, new in groups:
             for o, n in zip(old, new):
                 o.assign(n.value)
-        rate = getattr(kept.optimizer, "_learning_rate", None)
-        if rate is not None and hasattr(rate, "assign"):
-            rate.assign(fresh.learning_rate)  # the run's rate (copied above too when the kept optimizer was built)
-        if hasattr(stepper, "base_lr"):
-            stepper.base_lr = None  # the rate a scaled run multiplies: read again from this run's
+        if adapter_for(kept).plain_learning_rate():
+            kept.optimizer._learning_rate.assign(fresh.learning_rate)  # the run's (copied above too when built)
+        stepper.base_lr = None  # the rate a scaled run multiplies: read again from this run's
         kept.reset_metrics()
     except Exception as exc:  # anything unexpected: the new model, cold, is always correct
         log.debug("kept model not lent (%s): building fresh", exc)

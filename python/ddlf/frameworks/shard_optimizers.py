@@ -1,10 +1,10 @@
-"""A model's own optimizer on one flat shard of its trainable weights, for :mod:`.sharded` (ZeRO stage 1): one class
-per framework, each built from the model's compiled optimizer (its class, config and learning-rate schedule) and
-stepping a 1-D float32 shard with the gradient's mean for it.
+"""A model's own optimizer on one flat shard of its trainable weights, for :mod:`ddlf.training.replica.sharded` (ZeRO
+stage 1): one class per framework, each built from the model's compiled optimizer (its class, config and learning-
+rate schedule) and stepping a 1-D float32 shard with the gradient's mean for it.
 
 The state of such an optimizer is :attr:`slots` (arrays as long as the shard: Adam's two moments, momentum) and
-:attr:`scalars` (the same on every rank: the step count, NAdam's running product). :mod:`.sharded` moves, joins and
-checkpoints them as numpy arrays and never looks inside.
+:attr:`scalars` (the same on every rank: the step count, NAdam's running product).
+:mod:`~ddlf.training.replica.sharded` moves, joins and checkpoints them as numpy arrays and never looks inside.
 
 - :class:`KerasShard`: a Keras optimizer of :data:`KERAS_ELEMENTWISE` on one ``keras.Variable``; its state is built
   (zeros, step 0) with the shard.
@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .adapter import adapter_for
+
 KERAS_ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl")
 """The Keras optimizers whose step treats every element on its own, so that a step on a flat shard is exactly
 the step on each weight (Lamb and Adafactor look at whole weights: their state cannot be cut this way)."""
@@ -32,18 +34,13 @@ per-element step sizes that start at the learning rate are left out)."""
 def trainable_variables(model: Any) -> list[Any]:
     """The weights an optimizer trains, in the order the stepper hands their gradients: a Keras model's
     ``trainable_weights``, or a :class:`ddlf.models.TorchModel`'s parameters that require a gradient."""
-    from ...frameworks.torch_model import TorchModel
-
-    if isinstance(model, TorchModel):
-        return [p for p in model.module.parameters() if p.requires_grad]
-    return list(model.trainable_weights)
+    return adapter_for(model).trainable_variables()
 
 
 def shard_optimizer_for(model: Any) -> KerasShard | TorchShard:
-    """The shard optimizer for ``model``'s framework (``model`` passed :func:`.sharded.check_shardable`)."""
-    from ...frameworks.torch_model import TorchModel
-
-    return TorchShard(model) if isinstance(model, TorchModel) else KerasShard(model)
+    """The shard optimizer for ``model``'s framework (``model`` passed
+    :func:`ddlf.training.replica.sharded.check_shardable`)."""
+    return TorchShard(model) if adapter_for(model).kind == "torch" else KerasShard(model)
 
 
 class KerasShard:

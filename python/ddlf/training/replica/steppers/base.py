@@ -1,0 +1,91 @@
+"""What every stepper does (:class:`Stepper`), and the gradient buckets the torch steppers share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class Stepper:
+    """A model's training step, split around the gradient exchange."""
+
+    def begin(self) -> None:
+        """A round starts (the model's variables hold its start weights)."""
+
+    def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
+        """This batch's gradients of the mean loss (weighted by the rows' sample weights ``sw``, as ``fit``
+        weighs them), one array per trainable weight (zeros for unused weights); the model's running loss and
+        metrics count the batch."""
+        raise NotImplementedError
+
+    def apply(self, gradients: list[np.ndarray]) -> None:
+        """One optimizer step with ``gradients`` (what :meth:`gradients` returned, averaged)."""
+        raise NotImplementedError
+
+    def step(self, x: Any, y: Any, sw: Any = None) -> None:
+        """One whole training step on a batch (model averaging: nothing in between). A stepper may gather several
+        and run them together, in order, at the latest by :meth:`end`."""
+        self.apply(self.gradients(x, y, sw))
+
+    def end(self) -> dict[str, float]:
+        """The round ends: the model's variables hold the result. Returns the running logs."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Let go of what the stepper started (PyTorch's gradient buckets: their thread and hooks), when its run is
+        torn down and it is not kept warm. Idempotent."""
+        held = getattr(self, "_buckets", None)
+        if held is not None and held[1] is not None:
+            held[1].close()
+        self._buckets = None
+
+    def zeros(self) -> list[np.ndarray]:
+        """Zero gradients (a replica without a batch this step contributes them, with weight 0)."""
+        raise NotImplementedError
+
+    def build_optimizer(self) -> None:
+        """Create the optimizer's state (slots) if it has none yet, leaving the weights as they are."""
+        raise NotImplementedError
+
+    def set_learning_rate_factor(self, factor: float) -> None:
+        """Scale the optimizer's learning rate to ``factor`` times the one the model was compiled with."""
+        raise NotImplementedError
+
+    def buckets(self, cap_bytes: int, wire: str | None = None) -> Any:
+        """An exchange that reduces this model's gradients while its backward pass runs (then :meth:`backward`
+        hands it a batch): :class:`~.buckets.Buckets` on PyTorch, :class:`~.graph_buckets.GraphBuckets` on
+        TensorFlow; ``None`` where the gradients come from one compiled, stateless call (Keras on JAX) or the
+        model is not supported (``wire``: the ring's half-precision wire type, if any)."""
+        return None
+
+    def backward(self, x: Any, y: Any, sw: Any = None) -> None:
+        """Forward and backward on a batch, leaving the gradients where :meth:`buckets`' hooks read them."""
+        raise NotImplementedError
+
+    base_lr: Any = None
+    """The learning rate (torch: each parameter group's) that :meth:`set_learning_rate_factor` scales; None until
+    it is first read."""
+
+    sharded = False
+    """Set by a sharded optimizer (:mod:`.sharded`): the model's own optimizer is never built (its state lives
+    in shards), and the new weights come through :meth:`set_trainable`."""
+
+    def set_trainable(self, values: list[np.ndarray]) -> None:
+        """Write ``values`` into the trainable weights (in order)."""
+        raise NotImplementedError
+
+
+def torch_buckets(stepper: Any, params: list[Any], cap_bytes: int) -> Any:
+    """The torch steppers' :meth:`Stepper.buckets`: one per stepper and cap, ``None`` unless every parameter is
+    float32."""
+    from ..buckets import Buckets
+
+    held = getattr(stepper, "_buckets", None)
+    if held is not None and held[0] == cap_bytes:
+        return held[1]
+    if held is not None and held[1] is not None:
+        held[1].close()
+    made = Buckets(params, cap_bytes) if Buckets.supports(params) else None
+    stepper._buckets = (cap_bytes, made)
+    return made
