@@ -28,7 +28,7 @@ from .. import _ddlf, serialization
 from ..errors import MemoryBudgetExceeded
 from ..process import freeze_heap
 from ..shipping import files_digest, in_package, module_files, source_path
-from . import drain
+from . import drain, services
 from .drain import Draining
 from .memory_budget import MemoryBudget
 from .stacks import StackDumps
@@ -189,15 +189,13 @@ class Executor:
         the modules to preload in the background. ``daemon`` (a ``ServingDaemon``) takes the training runs this
         worker serves, which its status requests report."""
         self.address = address
-        from ..training import replica
-
         self._stacks = StackDumps(daemon)
 
         def report_runs(runs: list[str]) -> None:
             self.runs = list(runs)
             daemon.set_runs(runs)
 
-        replica.configure(report_runs=report_runs)
+        services.configure(report_runs=report_runs)  # training's runs, when a master sets one up here
         if self.preload:
             self._preloaded = threading.Event()
             args = (self.preload, self._preloaded)

@@ -233,9 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     keras_backend_default()
     guard_torch_compiler()  # user code loading torch's compiler after TensorFlow: an error, not an abort
     prepare_process()
-    from ..training import replica
+    from . import services
 
-    replica.configure(max_runs=args.max_runs, idle_seconds=args.run_idle_timeout)
+    services.configure(max_runs=args.max_runs, idle_seconds=args.run_idle_timeout)
     token = _read_token(args.token_file)
     if args.threads and not in_effect(args.threads):
         # numpy's BLAS is already loaded (this module imports ddlf): caps only work from the start, so start over

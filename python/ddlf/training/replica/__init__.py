@@ -12,7 +12,6 @@ warm between runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,18 +22,9 @@ from ..messages import GradientRound, MasterRound, RingRound
 from . import evaluation
 from .sessions import SESSIONS
 
-services.register("training", busy=SESSIONS.busy, reset=SESSIONS.reset)  # Cluster.reset (ddlf.worker.reset)
-
-
-def configure(
-    *,
-    max_runs: int | None = None,
-    idle_seconds: float | None = None,
-    report_runs: Callable[[list[str]], None] | None = None,
-) -> None:
-    """Set by the daemon that hosts the replicas: its limits on runs (``--max-runs``, ``--run-idle-timeout``) and
-    where the list of runs goes whenever it changes (its status)."""
-    SESSIONS.configure(max_runs=max_runs, idle_seconds=idle_seconds, report_runs=report_runs)
+# The daemon's settings (--max-runs, --run-idle-timeout, where runs are reported), Cluster.reset and a stop's
+# wait for runs reach the sessions through the daemon's registry: the daemon never imports training.
+services.register("training", busy=SESSIONS.busy, reset=SESSIONS.reset, configure=SESSIONS.configure)
 
 
 def setup(
