@@ -1,5 +1,6 @@
-"""``averaging="gradients"`` on Keras's TensorFlow and PyTorch backends (the rest of the suite trains on JAX): each
-in its own master process, since a process has one Keras backend; the workers follow the master's."""
+"""``GradientAveraging`` equals one process on Keras's TensorFlow and PyTorch backends, whatever backend the rest of
+the suite trains on (TensorFlow unless ``KERAS_BACKEND`` says otherwise: tests/conftest.py): each case in its own
+master process, since a process has one Keras backend; the workers follow the master's."""
 
 from __future__ import annotations
 

@@ -160,14 +160,11 @@ training asks a model's adapter (``ddlf.frameworks.adapter``), never its type or
 
 
 def _framework_checks(tree: ast.AST) -> int:
-    n = 0
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            if node.func.id == "hasattr":
-                n += 1
-            elif node.func.id == "isinstance" and "TorchModel" in ast.unparse(node.args[1]):
-                n += 1
-    return n
+    return sum(
+        node.func.id == "hasattr" or (node.func.id == "isinstance" and "TorchModel" in ast.unparse(node.args[1]))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    )
 
 
 def test_framework_behaviour_is_chosen_by_the_adapter_not_by_duck_typing() -> None:

@@ -7,7 +7,7 @@ crash the master or quietly corrupt every replica. :func:`check_reply` turns a r
 :class:`~ddlf.training.run.WorkerResult` only when it is well formed, and raises :class:`~ddlf.errors.BadWorkerReply`
 (or :class:`~ddlf.errors.NonFiniteUpdate`) naming the worker and what is wrong otherwise; the loops then leave that
 reply out of the round (a warning and a ``reply_refused`` event in ``History.events``), or stop the run when
-``train(nonfinite="raise")`` and the values were not finite.
+the run's ``RunConfig(nonfinite="raise")`` and the values were not finite.
 """
 
 from __future__ import annotations

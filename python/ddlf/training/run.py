@@ -99,7 +99,7 @@ class TrainingRun:
 
     def refuse(self, exc: BadWorkerReply) -> None:
         """A worker's reply was refused (:mod:`.replies`): leave it out, warn and record it, or stop the run when
-        it held non-finite values and the run says ``nonfinite="raise"``."""
+        it held non-finite values and the run says ``RunConfig(nonfinite="raise")``."""
         if isinstance(exc, NonFiniteUpdate) and self.cfg.run.nonfinite == "raise":
             raise exc
         warnings.warn(f"{exc}; its reply is left out of this round", ReplyRefusedWarning, stacklevel=2)
@@ -108,7 +108,7 @@ class TrainingRun:
     def nonfinite_gradients(self, worker: int, batches: int) -> None:
         """With gradient averaging, worker ``worker`` left ``batches`` batches out of their steps because
         their gradients were not finite (averaged in, they would have reached every replica): warn and record it,
-        or stop the run when it says ``nonfinite="raise"``."""
+        or stop the run when it says ``RunConfig(nonfinite="raise")``."""
         what = f"worker {worker} computed non-finite gradients (NaN or infinity) on {batches} batch(es)"
         if self.cfg.run.nonfinite == "raise":
             raise NonFiniteUpdate(f"{what}: its model diverged, or its data holds NaN", worker_id=worker)
