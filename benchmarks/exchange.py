@@ -110,7 +110,7 @@ def ring_calls(spec: Any, sizes: list[int], calls: int, pause: float) -> list[fl
     gradients and the weight element gradient averaging adds), ``pause`` seconds apart; seconds per call."""
     import numpy as np
 
-    from ddlf.worker.collective import BucketRing
+    from ddlf.worker.reduction import BucketRing
 
     parts = [np.full(n, 0.5, np.float32) for n in sizes]
     outs = [np.empty(n, np.float32) for n in sizes]

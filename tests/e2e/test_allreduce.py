@@ -150,7 +150,7 @@ def test_half_precision_on_the_wire_is_refused_for_what_it_cannot_carry(four: dd
 
 
 def _reduce(arrays, spec, op, wire):
-    from ddlf.worker.collective import reduce_arrays
+    from ddlf.worker.reduction import reduce_arrays
 
     reduce_arrays(arrays, spec, op, wire)
     return arrays

@@ -112,7 +112,7 @@ def test_scaled_learning_rate_equals_one_process_at_n_times_the_rate() -> None:
 
 
 def _learning_rate(run_id: str) -> float:
-    from ddlf.training.replica.sessions import SESSIONS
+    from ddlf.training.replica.registry import SESSIONS
 
     return float(np.asarray(SESSIONS.get(run_id).model.optimizer.learning_rate))
 

@@ -23,7 +23,7 @@ def mnist_test_split() -> tuple[np.ndarray, np.ndarray]:
 
 def _worker_learning_rates(cluster: ddlf.Cluster) -> list[float]:
     def rates() -> list[float]:
-        from ddlf.training.replica.sessions import SESSIONS
+        from ddlf.training.replica.registry import SESSIONS
 
         return [float(np.asarray(s.model.optimizer.learning_rate)) for s in SESSIONS.by_id.values()]
 

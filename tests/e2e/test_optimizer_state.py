@@ -73,7 +73,7 @@ def test_model_averaging_leaves_the_mean_of_the_workers_optimizers(cluster: ddlf
 
 def _worker_rate() -> list[float]:
     """The learning rate each run on this worker trains with now."""
-    from ddlf.training.replica.sessions import SESSIONS
+    from ddlf.training.replica.registry import SESSIONS
 
     return [float(SESSIONS.get(r["run_id"]).model.optimizer.learning_rate.numpy()) for r in SESSIONS.runs()]
 

@@ -102,7 +102,7 @@ def test_ddlf_stacks_command(daemon: Daemon) -> None:
 def _reduce_ones(spec: object) -> float:
     import numpy as np
 
-    from ddlf.worker.collective import reduce_arrays
+    from ddlf.worker.reduction import reduce_arrays
 
     data = np.ones(1000, np.float32)
     reduce_arrays([data], spec, "sum")

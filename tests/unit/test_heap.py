@@ -11,8 +11,8 @@ import weakref
 import numpy as np
 
 from ddlf.process import freeze_heap, frozen_heap, release_heap
+from ddlf.training.replica.registry import Sessions
 from ddlf.training.replica.session import Session
-from ddlf.training.replica.sessions import Sessions
 
 
 class Node:

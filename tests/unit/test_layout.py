@@ -99,7 +99,7 @@ def _cycles() -> list[list[str]]:
 
 def test_the_graph_sees_the_package() -> None:
     # The checks below mean something only if the graph is the package's: its main modules and their edges.
-    assert {"ddlf.cluster.cluster", "ddlf.worker.executor", "ddlf.training.replica.sessions"} <= set(GRAPH)
+    assert {"ddlf.cluster.cluster", "ddlf.worker.executor", "ddlf.training.replica.registry"} <= set(GRAPH)
     assert "ddlf.data.store" in GRAPH["ddlf.cluster.cluster"]
     assert (
         "ddlf.training.replica.steppers.keras_tensorflow" in GRAPH["ddlf.training.replica.steppers"]
@@ -174,3 +174,15 @@ def test_framework_behaviour_is_chosen_by_the_adapter_not_by_duck_typing() -> No
         if not module.startswith("ddlf.frameworks") and (n := _framework_checks(ast.parse(path.read_text())))
     }
     assert sum(outside.values()) <= FRAMEWORK_CHECKS, outside
+
+
+def test_the_readmes_layout_table_names_every_module() -> None:
+    readme = (ROOT.parent / "README.md").read_text()
+    start = readme.index("| path | what lives there |")
+    table = readme[start : readme.index("\n\n", start)]
+    unnamed = sorted(
+        str(path.relative_to(ROOT))
+        for path, package in MODULES.values()
+        if not package and path.name != "__main__.py" and f"{path.name}`" not in table
+    )
+    assert unnamed == [], "the README's layout table is where a newcomer looks for a module"

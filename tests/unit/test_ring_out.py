@@ -87,7 +87,7 @@ def test_sources_may_share_memory_when_only_read() -> None:
 def test_scalar_arrays_go_through_the_workers_reduction_as_flat_views() -> None:
     """A scalar weight's gradient is a 0-d array, which the buffer protocol describes without a shape: the
     worker's out-of-place reduction passes flat views, and the 0-d result is written where it lies."""
-    from ddlf.worker.collective import BucketRing
+    from ddlf.worker.reduction import BucketRing
 
     ring = BucketRing(RingSpec(group=uuid.uuid4().hex, rank=0, addresses=("127.0.0.1:1",)), "mean")
     assert not ring.shares  # a flat ring of one: no shared memory

@@ -8,10 +8,10 @@ import pytest
 
 import ddlf
 from ddlf.data.structure import Parts, class_weights, concatenate_rows, rows_of
-from ddlf.training.evaluation import contiguous_parts
 from ddlf.training.messages import FitData
 from ddlf.training.options import TrainConfig
 from ddlf.training.plan import epoch_order
+from ddlf.training.remote_evaluation import contiguous_parts
 from ddlf.training.replica.dataset import parts_of, training_rows
 
 

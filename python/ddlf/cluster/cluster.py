@@ -22,7 +22,7 @@ from ..settings import check_lane_spin_us, read_pem
 from ..shipping import files_digest, module_files
 from .aio import add_async_twins
 from .calls import FunctionRef
-from .collectives import Collectives
+from .collective_verbs import Collectives
 from .dispatch import Dispatch
 from .launchers import Launchers
 from .local import LocalWorkers

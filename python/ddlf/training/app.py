@@ -47,7 +47,6 @@ from . import replica as remote
 from .asynchronous import train_async as _train_async
 from .callbacks import ProgressBar
 from .defaults import default_strategy
-from .evaluation import contiguous_parts, evaluate_on_workers, predict_on_workers
 from .exchange import resolve as resolve_exchange
 from .history import History
 from .keras_callbacks import KerasCallback, is_keras_callback, is_progbar_logger
@@ -55,6 +54,7 @@ from .membership import Members
 from .messages import FitData
 from .options import DataConfig, GradientAveraging, ModelAveraging, RunConfig, Strategy, TrainConfig
 from .preemption import Preemption
+from .remote_evaluation import contiguous_parts, evaluate_on_workers, predict_on_workers
 from .replica.sharded import check_shardable
 from .replica.steppers import check_steppable
 from .run import TrainingRun
@@ -353,7 +353,7 @@ class IApp:
     def _build_from_workers(self, infos: list[dict[str, Any]], seed: int = 0) -> None:
         """A master's model that ``fit`` would build on its first batch (a subclassed model, a ``Sequential``
         without ``keras.Input``) is built from the inputs of the dataset's first rows, as the workers built theirs
-        (:meth:`~.replica.sessions.Sessions.setup`)."""
+        (:meth:`~.replica.registry.Sessions.setup`)."""
         if not model_spec.needs_build(self.model):
             return
         sample = next((i["first_inputs"] for i in infos if i.get("first_inputs") is not None), None)

@@ -6,7 +6,7 @@ returns its own, the master averages them. Every byte of every round crosses the
 for ``n`` workers and ``W`` bytes of weights, so rounds slow down as workers are added.
 
 :class:`~ddlf.Ring` (:class:`RingExchange`): the workers average among themselves over a ring
-(:mod:`ddlf.worker.collective`); each sends and receives ``2 (n-1)/n W`` per round whatever ``n``, and the master
+(:mod:`ddlf.worker.reduction`); each sends and receives ``2 (n-1)/n W`` per round whatever ``n``, and the master
 only plans rows and gathers metrics. It sends weights only to a worker that has none for the run yet (the first
 round, or a worker that joined or came back), taken from a member that holds the current ones, and fetches them
 when it needs them (epoch end, validation, checkpoints).

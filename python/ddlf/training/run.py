@@ -31,7 +31,6 @@ from ..errors import (
 from ..frameworks import model_spec
 from . import checkpoint, master_optimizer
 from . import replica as remote
-from .evaluation import contiguous_parts, evaluate_on_workers
 from .history import History, RoundStats
 from .keras_callbacks import KerasCallback, learning_rate
 from .membership import Members
@@ -39,6 +38,7 @@ from .messages import WorkerResult
 from .options import TrainConfig
 from .policy import FailurePolicy, stopping
 from .preemption import Preemption
+from .remote_evaluation import contiguous_parts, evaluate_on_workers
 from .replica.sharded import join as join_shards
 
 

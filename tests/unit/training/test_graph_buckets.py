@@ -76,7 +76,7 @@ class _Shared:
 
 
 class _FakeRing:
-    """What :class:`GraphBuckets` calls (``ddlf.worker.collective.BucketRing`` on a worker): ``into`` the
+    """What :class:`GraphBuckets` calls (``ddlf.worker.reduction.BucketRing`` on a worker): ``into`` the
     out-of-place reduction, ``shared`` the result left in shared memory where given."""
 
     def __init__(self, into, shared=None) -> None:

@@ -19,7 +19,7 @@ GROUP = "0123456789abcdef0123456789abcdef"
 
 
 class FakeRing:
-    """Stands in for :func:`ddlf.worker.collective.reduce_scratch` with ``n`` ranks (``spec.rank``): each call
+    """Stands in for :func:`ddlf.worker.reduction.reduce_scratch` with ``n`` ranks (``spec.rank``): each call
     blocks until every rank has made it, then every buffer holds the sum, in rank order."""
 
     def __init__(self, n: int) -> None:

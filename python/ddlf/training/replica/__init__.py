@@ -20,7 +20,7 @@ from ...worker import services
 from ...worker.drain import refuse_new_work, round_started
 from ..messages import GradientRound, MasterRound, RingRound
 from . import evaluation
-from .sessions import SESSIONS
+from .registry import SESSIONS
 
 # The daemon's settings (--max-runs, --run-idle-timeout, where runs are reported), Cluster.reset and a stop's
 # wait for runs reach the sessions through the daemon's registry: the daemon never imports training.

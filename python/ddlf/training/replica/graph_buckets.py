@@ -70,7 +70,7 @@ which it copies a ``numpy_function``'s result instead of taking its memory."""
 
 
 class Ring(Protocol):
-    """The reductions the buckets make (:class:`ddlf.worker.collective.BucketRing` on a worker)."""
+    """The reductions the buckets make (:class:`ddlf.worker.reduction.BucketRing` on a worker)."""
 
     shares: bool
     """Whether :meth:`shared` works (one host holds every rank)."""

@@ -11,8 +11,8 @@ import numpy as np
 
 from ... import ops
 from ...ring_spec import RingSpec
-from ...worker import collective, drain
-from ...worker.collective import BucketRing, reduce_scratch
+from ...worker import drain, reduction
+from ...worker.reduction import BucketRing, reduce_scratch
 from ..messages import GradientRound, MasterRound, RingRound, finite, weights_var
 from ..outer import OuterMomentum, OuterSpec
 from .rounds import train_chunk
@@ -404,7 +404,7 @@ def _train_sharded(session: Session, spec: GradientRound, start: list[np.ndarray
     stepper = session.steps()
     index = {id(w): i for i, w in enumerate(model.weights)}
     trainable = [np.asarray(start[index[id(v)]]) for v in sharded.variables]
-    ring = collective.ring(spec.ring)
+    ring = reduction.ring(spec.ring)
     take_round_rates(model, stepper, spec)
     reduce_s = 0.0
     nonfinite = overflowed = 0
@@ -442,7 +442,7 @@ def _train_sharded(session: Session, spec: GradientRound, start: list[np.ndarray
                 elif taken == "step":
                     stepper.set_trainable(sharded.weight_views)
         except BaseException:
-            collective.forget(spec.ring.group)  # the ring is spent (or out of step): the master retires it
+            reduction.forget(spec.ring.group)  # the ring is spent (or out of step): the master retires it
             raise
     finally:
         logs = stepper.end()

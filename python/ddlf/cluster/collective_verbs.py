@@ -1,6 +1,6 @@
 """Collectives among a cluster's workers, as :class:`~ddlf.Cluster` offers them: ``allreduce`` of a worker variable
 and the rings that users' own worker functions reduce on (planned by :mod:`.rings`, run by
-:mod:`ddlf.worker.collective`)."""
+:mod:`ddlf.worker.reduction`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..ring_spec import check_op, check_wire
-from ..worker import collective as worker_collective
+from ..worker import reduction as worker_collective
 from .calls import FunctionRef
 from .rings import RingPlan, Rings, shares_hosts
 
