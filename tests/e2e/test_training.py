@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -156,6 +157,29 @@ def test_bad_training_arguments(cluster: ddlf.Cluster) -> None:
         app.train(strategy=ddlf.Asynchronous(staleness="wild"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="one per worker"):
         app.train(data=ddlf.DataConfig(worker_shares=[1, 1, 1]))
+
+
+class Overriding(SmallMnist):
+    """Overrides ``train_sync`` as the docs allow: it sees the frozen options and trains with a changed copy."""
+
+    seen: list[ddlf.TrainConfig] = []
+
+    def train_sync(self, cfg, validation_data=None, callbacks=(), initial_epoch=0):
+        self.seen.append(cfg)
+        return super().train_sync(dataclasses.replace(cfg, epochs=1), validation_data, callbacks, initial_epoch)
+
+
+def test_a_train_sync_override_gets_the_frozen_options_and_the_run_keeps_its_own_state(cluster: ddlf.Cluster) -> None:
+    app = Overriding(cluster)
+    history = app.train(epochs=3, batch_size=64, verbose=0)  # ddlf's default strategy: a reason is recorded
+    (cfg,) = app.seen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.epochs = 5  # type: ignore[misc]
+    assert cfg.epochs == 3 and len(history.history["loss"]) == 1  # the override's copy is what trained
+    assert history.params["strategy_reason"]  # the run's own state reached the run through the override
+    assert len(history.params["run_id"]) == 12
+    again = app.train(epochs=1, batch_size=64, verbose=0)
+    assert again.params["run_id"] != history.params["run_id"]  # each run its own id
 
 
 def test_failing_load_dataset_is_a_remote_error(cluster: ddlf.Cluster) -> None:

@@ -77,17 +77,15 @@ def test_a_preemption_checkpoint_never_pairs_old_weights_with_a_later_round() ->
 
     from ddlf.errors import WorkerUnavailable
     from ddlf.training.exchange import RingExchange
+    from ddlf.training.run import RunState
 
     class Gone:
         def run_on(self, *args: object, **kw: object) -> object:
             raise WorkerUnavailable("worker 0 lost", worker_id=0)
 
-    class Cfg:
-        run_id = "r"
-
     class Run:
         cluster = Gone()
-        cfg = Cfg()
+        state = RunState(run_id="r")
         resumed = None
         optimizer_adopted = False
 

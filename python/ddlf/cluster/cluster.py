@@ -20,7 +20,7 @@ from ..errors import DdlfError, ResetRefused, raise_for
 from ..process import prepare_process
 from ..settings import check_lane_spin_us, read_pem
 from ..shipping import files_digest, module_files
-from .aio import add_async_twins
+from .aio import AsyncVerbs
 from .calls import FunctionRef
 from .collective_verbs import Collectives
 from .dispatch import Dispatch
@@ -34,7 +34,7 @@ log = logging.getLogger("ddlf")
 OPS = _ddlf.OPS
 
 
-class Cluster(Launchers, Collectives):
+class Cluster(Launchers, Collectives, AsyncVerbs):
     """Connections to worker daemons, in a fixed worker order (worker ``i`` is ``addresses[i]``).
 
     Args:
@@ -536,7 +536,5 @@ class Cluster(Launchers, Collectives):
         difference is transfer and queueing (the training report's "communication")."""
         return dict(self._dispatch.calls.last_timings)
 
-
-add_async_twins(Cluster)
 
 __all__ = ["Cluster"]

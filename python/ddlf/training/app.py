@@ -57,7 +57,7 @@ from .preemption import Preemption
 from .remote_evaluation import contiguous_parts, evaluate_on_workers, predict_on_workers
 from .replica.sharded import check_shardable
 from .replica.steppers import check_steppable
-from .run import TrainingRun
+from .run import RunState, TrainingRun
 from .synchronous import train_sync as _train_sync
 
 _SEEDING = threading.Lock()
@@ -180,18 +180,19 @@ class IApp:
             verbose=verbose,
             fit=FitData(validation_split, shuffle, class_weight, sample_weight),
             validation_freq=validation_freq if isinstance(validation_freq, int) else tuple(validation_freq),
-            strategy_reason=reason,
-            resumed=resumed,
         )
         if validation_data is not None and cfg.fit.validation_split:
-            cfg.fit = dataclasses.replace(cfg.fit, validation_split=0.0)  # fit's rule: validation_data wins
-        self._check(cfg)
+            fit = dataclasses.replace(cfg.fit, validation_split=0.0)  # fit's rule: validation_data wins
+            cfg = dataclasses.replace(cfg, fit=fit)
+        cfg = self._check(cfg)
+        self._next_run = RunState(strategy_reason=reason, resumed=resumed)  # what _run starts from
         if cfg.mode == "sync":
             return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
         return self.train_async(cfg, validation_data, callbacks, initial_epoch)
 
-    def _check(self, cfg: TrainConfig) -> None:
-        """What the options cannot check alone, against this app and its cluster (before any worker sets up)."""
+    def _check(self, cfg: TrainConfig) -> TrainConfig:
+        """What the options cannot check alone, against this app and its cluster (before any worker sets up);
+        the options with model averaging's exchange resolved for the cluster."""
         n = len(self.cluster)
         shares, workers = cfg.data.worker_shares, cfg.run.workers
         if workers is not None:
@@ -208,7 +209,8 @@ class IApp:
             check_report_path(cfg.run.report)
         if isinstance(cfg.strategy, ModelAveraging):
             targets = list(workers) if workers is not None else list(range(n))
-            cfg.exchange = resolve_exchange(cfg.strategy.exchange, self.cluster, targets)
+            cfg = dataclasses.replace(cfg, exchange=resolve_exchange(cfg.strategy.exchange, self.cluster, targets))
+        return cfg
 
     def train_sync(
         self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Any] = (), initial_epoch: int = 0
@@ -362,9 +364,9 @@ class IApp:
                 set_random_seed(seed)
                 model_spec.build_from(self.model, sample)
 
-    def _abandon(self, cfg: TrainConfig, members: Members) -> None:
+    def _abandon(self, members: Members) -> None:
         """Tear the run down on its workers before it trains (refused): nothing of it stays there."""
-        self.cluster.call(remote.teardown, (cfg.run_id,), workers=members.candidates(), return_exceptions=True)
+        self.cluster.call(remote.teardown, (members.run_id,), workers=members.candidates(), return_exceptions=True)
 
     def _run(
         self,
@@ -375,26 +377,26 @@ class IApp:
         initial_epoch: int,
         mode: str,
     ) -> History:
-        t_start = cfg.t0 = time.perf_counter()
+        state = self.__dict__.pop("_next_run", None) or RunState()  # train()'s, or an override's own call
+        t_start = state.t0 = time.perf_counter()
         self._seed_and_build(cfg.run.seed)
         if isinstance(cfg.strategy, GradientAveraging):
             check_steppable(self.model, self._worker_count(cfg.run))
-        resumed = cfg.resumed
+        resumed, state.resumed = state.resumed, None  # the run holds it from here
         if resumed is None and cfg.run.resume and cfg.run.checkpoint_dir:
             resumed = checkpoint.load(cfg.run.checkpoint_dir)
-        cfg.resumed = None  # the run holds it from here
         if resumed is not None:
             sharded = isinstance(cfg.strategy, GradientAveraging) and cfg.strategy.shard_optimizer
             checkpoint.check_resumable(resumed, isinstance(cfg.strategy, GradientAveraging), sharded)
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None
-        members = Members(self, cfg.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit)
+        members = Members(self, state.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit)
         try:
             live = members.live(first=True)
         except Exception:
             # a worker refused the set-up (its data, its model): the others that set the run up forget it too
             with contextlib.suppress(Exception):
-                self._abandon(cfg, members)
+                self._abandon(members)
             raise
         if not live:
             live = members.wait_for_any(cfg.run.rejoin_timeout)
@@ -405,11 +407,11 @@ class IApp:
         else:
             sizes = set(shard_rows)
             if len(sizes) != 1:
-                self._abandon(cfg, members)
+                self._abandon(members)
                 raise ValueError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
             rows = members.rows = sizes.pop()
         if rows == 0:  # fit refuses empty data too
-            self._abandon(cfg, members)
+            self._abandon(members)
             raise DatasetError(
                 f"{type(self).__name__}.load_dataset returned no rows to train on"
                 + (" (after validation_split)" if cfg.fit.validation_split else "")
@@ -433,12 +435,12 @@ class IApp:
             "exchange": "allreduce" if cfg.ring is not None else "master",
             "averaging": cfg.averaging,
             "strategy": type(cfg.strategy).__name__,
-            "strategy_reason": cfg.strategy_reason,
+            "strategy_reason": state.strategy_reason,
             "scale_learning_rate": cfg.scale_learning_rate,
             "bucket_cap_mb": cfg.gradients.bucket_cap_mb if cfg.gradients is not None else None,
             "shard_optimizer": bool(cfg.gradients is not None and cfg.gradients.shard_optimizer),
             "outer_optimizer": "nesterov" if cfg.outer() is not None else None,
-            "run_id": cfg.run_id,  # what the workers' status and logs call this run
+            "run_id": state.run_id,  # what the workers' status and logs call this run
         }
         if resumed is not None:
             initial_epoch = max(initial_epoch, int(resumed["epochs_done"]))
@@ -451,7 +453,9 @@ class IApp:
                 states.update({w: {"optimizer_shard": whole} for w in live if w not in states})
             targets = [w for w in live if w in states]
             if targets:
-                self.cluster.run_each(remote.restore_state, [(cfg.run_id, states[w]) for w in targets], workers=targets)
+                self.cluster.run_each(
+                    remote.restore_state, [(state.run_id, states[w]) for w in targets], workers=targets
+                )
             where = str(checkpoint.path_in(cfg.run.checkpoint_dir or ""))
             members.note("resumed", epochs_done=initial_epoch, checkpoint=where)
         cbs = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
@@ -486,10 +490,11 @@ class IApp:
             members.note("resumed", epochs_done=initial_epoch, checkpoint="keras.callbacks.BackupAndRestore")
         # As the next fit goes on from its model's optimizer, the workers start from the master's (the last run's,
         # or one loaded or restored with the model), unless ddlf's own checkpoint gave each worker its own.
-        adopted = resumed is None and master_optimizer.push(self, cfg, live)
+        adopted = resumed is None and master_optimizer.push(self, cfg, state.run_id, live)
         run = TrainingRun(
             app=self,
             cfg=cfg,
+            state=state,
             history=history,
             callbacks=cbs,
             members=members,
@@ -516,7 +521,9 @@ class IApp:
         finally:
             members.close()
             with contextlib.suppress(Exception):  # a lost worker must not hide the real error
-                self.cluster.call(remote.teardown, (cfg.run_id,), workers=members.candidates(), return_exceptions=True)
+                self.cluster.call(
+                    remote.teardown, (state.run_id,), workers=members.candidates(), return_exceptions=True
+                )
         if cfg.run.report:
             write_report(history, cfg.run.report)
         for cb in cbs:

@@ -137,12 +137,12 @@ def train_async(run: TrainingRun) -> History:
                     version = state["version"]
                 t0 = time.perf_counter()
                 spec = MasterRound(
-                    run_id=cfg.run_id,
+                    run_id=run.state.run_id,
                     rows=Rows(indices=chunk, shard=shard),
                     batch_size=cfg.batch_size,
                     prefetch=cfg.data.prefetch,
                     compression=cfg.compression,
-                    slow_seconds_per_batch=cfg.slow_worker[1] if cfg.slow_worker and cfg.slow_worker[0] == w else 0.0,
+                    slow_seconds_per_batch=run.state.slow_seconds(w),
                     weights=start_weights,
                     return_delta=True,
                     topk_ratio=cfg.topk_ratio,
@@ -201,7 +201,7 @@ def train_async(run: TrainingRun) -> History:
                             bytes_received=nbytes(res.weights),
                             staleness=staleness,
                             dropped=dropped,
-                            start=t0 - cfg.t0,
+                            start=t0 - run.state.t0,
                             comm_seconds=max(0.0, call_s - res.compute_seconds),
                         )
                     )

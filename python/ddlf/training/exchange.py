@@ -90,7 +90,7 @@ class RingExchange:
     def weights(self) -> list[np.ndarray]:
         """The current weights: fetched from a worker that holds them (the master's own newest copy when none
         does any more)."""
-        cluster, run_id = self.run.cluster, self.run.cfg.run_id
+        cluster, run_id = self.run.cluster, self.run.state.run_id
         for w in list(self.synced) if self.round is not None else []:
             try:
                 got = cluster.run_on(w, remote.reduced_weights, run_id, self.round)
@@ -144,7 +144,7 @@ class RingExchange:
             if fresh:
                 if start is None:
                     start = self.weights()
-                sent = cluster.set(weights_var(cfg.run_id), start, workers=fresh, return_exceptions=True)
+                sent = cluster.set(weights_var(run.state.run_id), start, workers=fresh, return_exceptions=True)
                 send_s = cluster.last_call_timings()
                 for w, ok in zip(fresh, sent):
                     if isinstance(ok, BaseException):
@@ -167,14 +167,12 @@ class RingExchange:
             new_groups = run.optimizer_groups()
             for w, rows in pending:
                 common: dict[str, Any] = {
-                    "run_id": cfg.run_id,
+                    "run_id": run.state.run_id,
                     "rows": rows,
                     "batch_size": cfg.batch_size,
                     "prefetch": cfg.data.prefetch,
                     "compression": cfg.compression,
-                    "slow_seconds_per_batch": (
-                        cfg.slow_worker[1] if cfg.slow_worker and cfg.slow_worker[0] == w else 0.0
-                    ),
+                    "slow_seconds_per_batch": (run.state.slow_seconds(w)),
                     "round_no": round_no,
                     "ring": ring.spec(w),
                     "fresh": w in fresh,
@@ -266,9 +264,9 @@ class RingExchange:
                 return [], t_sent, send_s, {}
             run.members.note("allreduce_redo", lost=lost, survivors=survivors)
         hint = ""
-        if cfg.averaging == "gradients" and cfg.strategy_reason is not None:
+        if cfg.averaging == "gradients" and run.state.strategy_reason is not None:
             hint = (
-                f" (ddlf's default strategy, {cfg.strategy_reason}, reduces worker to worker: where the workers "
+                f" (ddlf's default strategy, {run.state.strategy_reason}, reduces worker to worker: where the workers "
                 "cannot reach each other's ring ports, pass strategy=ddlf.ModelAveraging() to average through "
                 "the master)"
             )

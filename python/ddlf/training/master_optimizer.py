@@ -71,7 +71,10 @@ def _pull(run: TrainingRun) -> bool:
     shards = sharded(cfg)
     same_everywhere = isinstance(cfg.strategy, GradientAveraging) and not shards
     replies = run.cluster.call(
-        remote.optimizer_state, (cfg.run_id,), workers=live[:1] if same_everywhere else live, return_exceptions=True
+        remote.optimizer_state,
+        (run.state.run_id,),
+        workers=live[:1] if same_everywhere else live,
+        return_exceptions=True,
     )
     states = [r for r in replies if isinstance(r, dict)]
     if shards:
@@ -80,8 +83,8 @@ def _pull(run: TrainingRun) -> bool:
     return set_mean(model, [s["optimizer"] for s in states if s.get("optimizer") is not None])
 
 
-def push(app: Any, cfg: TrainConfig, live: list[int]) -> bool:
-    """Every live worker starts run ``cfg.run_id`` from the master's optimizer state, when it has one (its
+def push(app: Any, cfg: TrainConfig, run_id: str, live: list[int]) -> bool:
+    """Every live worker starts run ``run_id`` from the master's optimizer state, when it has one (its
     optimizer built); whether they do."""
     model = app.model
     optimizer = keras_optimizer(model)
@@ -94,7 +97,7 @@ def push(app: Any, cfg: TrainConfig, live: list[int]) -> bool:
         state: dict[str, Any] = {"optimizer_shard": whole}
     else:
         state = {"optimizer": [np.asarray(v.numpy()) for v in optimizer.variables]}
-    app.cluster.call(remote.adopt_optimizer_state, (cfg.run_id, state), workers=live)
+    app.cluster.call(remote.adopt_optimizer_state, (run_id, state), workers=live)
     return True
 
 

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
-import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -407,25 +405,11 @@ def validates(freq: int | Collection[int], epoch: int) -> bool:
     return epoch + 1 in freq
 
 
-SLOW_WORKER_ENV = "DDLF_SLOW_WORKER"
-"""``WORKER:SECONDS``: that worker sleeps this long per batch, in every run this master starts (for experiments
-with stragglers: the slow-worker benchmark and tests)."""
-
-
-def _slow_worker() -> tuple[int, float] | None:
-    text = os.environ.get(SLOW_WORKER_ENV)
-    if not text:
-        return None
-    try:
-        worker, seconds = text.split(":")
-        return int(worker), float(seconds)
-    except ValueError:
-        raise ValueError(f"{SLOW_WORKER_ENV}={text!r}: expected WORKER:SECONDS, e.g. 1:0.02") from None
-
-
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    """Everything one ``app.train`` call asked for: what ``train_sync``/``train_async`` overrides receive.
+    """Everything one ``app.train`` call asked for: what ``train_sync``/``train_async`` overrides receive, frozen
+    (``dataclasses.replace`` makes a changed copy). The run's own state (its id, clock, resume data) is not here:
+    :class:`ddlf.training.run.RunState`.
 
     The loops read the resolved values through the properties below (``round_batches``, ``compression``, ...);
     ``exchange`` is the one model averaging uses once resolved for the cluster (``None`` for the others)."""
@@ -441,15 +425,7 @@ class TrainConfig:
     validation_freq: int | tuple[int, ...] = 1
     """As in ``fit``: validate every this many epochs, or after the epochs listed (counted from 1)."""
     exchange: ThroughMaster | Ring | None = None
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    t0: float = field(default_factory=time.perf_counter)
-    """Training start: round start times are relative to it."""
-    slow_worker: tuple[int, float] | None = field(default_factory=_slow_worker)
-    """``(worker, seconds per batch)`` from :data:`SLOW_WORKER_ENV`, for experiments."""
-    strategy_reason: str | None = None
-    """Why ``strategy`` is the one :func:`ddlf.training.defaults.default_strategy` chose (``None``: the user's)."""
-    resumed: dict[str, Any] | None = field(default=None, repr=False, compare=False)
-    """The checkpoint this run resumes, when ``train`` read it already (to choose the default strategy)."""
+    """How model averaging exchanges, resolved for the cluster (``train`` sets it); gradient averaging's ring."""
 
     def __post_init__(self) -> None:
         _positive_int(self.batch_size, "batch_size")
@@ -465,10 +441,11 @@ class TrainConfig:
         if not isinstance(self.run, RunConfig):
             raise TypeError(f"run must be a ddlf.RunConfig, not {self.run!r}")
         if isinstance(self.strategy, GradientAveraging):
-            self.exchange = self.strategy.ring
+            object.__setattr__(self, "exchange", self.strategy.ring)
         freq = self.validation_freq
         if isinstance(freq, (list, tuple, set, frozenset, range)):
-            freq = self.validation_freq = tuple(sorted(freq))
+            freq = tuple(sorted(freq))
+            object.__setattr__(self, "validation_freq", freq)
             if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in freq):
                 raise ValueError(f"validation_freq as a list holds epochs counted from 1, not {freq!r}")
         else:

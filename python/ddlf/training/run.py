@@ -8,10 +8,12 @@ worker's training chunk returns, typed.
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,12 +51,52 @@ def weighted_logs(results: list[WorkerResult]) -> dict[str, float]:
     return {k: sum(r.logs.get(k, 0.0) * r.samples for r in results) / total for k in sorted(keys)}
 
 
+SLOW_WORKER_ENV = "DDLF_SLOW_WORKER"
+"""``WORKER:SECONDS``: that worker sleeps this long per batch, in every run this master starts (for experiments
+with stragglers: the slow-worker benchmark and tests)."""
+
+
+def _slow_worker() -> tuple[int, float] | None:
+    text = os.environ.get(SLOW_WORKER_ENV)
+    if not text:
+        return None
+    try:
+        worker, seconds = text.split(":")
+        return int(worker), float(seconds)
+    except ValueError:
+        raise ValueError(f"{SLOW_WORKER_ENV}={text!r}: expected WORKER:SECONDS, e.g. 1:0.02") from None
+
+
+@dataclass
+class RunState:
+    """What one ``app.train`` call is beyond what it asked for (:class:`~.options.TrainConfig`, which an override
+    of ``train_sync``/``train_async`` receives): its id, its clock, the straggler hook of experiments, why ddlf
+    chose its strategy, and the checkpoint it resumes. Kept by the run, never by the user's options."""
+
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """What the workers' status and logs call this run."""
+    t0: float = field(default_factory=time.perf_counter)
+    """Training start: round start times are relative to it."""
+    slow_worker: tuple[int, float] | None = field(default_factory=_slow_worker)
+    """``(worker, seconds per batch)`` from :data:`SLOW_WORKER_ENV`, for experiments."""
+    strategy_reason: str | None = None
+    """Why the strategy is the one :func:`ddlf.training.defaults.default_strategy` chose (None: the user's)."""
+    resumed: dict[str, Any] | None = field(default=None, repr=False)
+    """The checkpoint this run resumes, when ``train`` read it already (to choose the default strategy)."""
+
+    def slow_seconds(self, worker: int) -> float:
+        """Seconds ``worker`` sleeps after each batch (the experiments' straggler; 0: none)."""
+        slow = self.slow_worker
+        return slow[1] if slow is not None and slow[0] == worker else 0.0
+
+
 @dataclass
 class TrainingRun:
     """One ``app.train`` call, as both loops see it."""
 
     app: Any
     cfg: TrainConfig
+    state: RunState
     history: History
     callbacks: list[Any]
     members: Members
@@ -210,7 +252,7 @@ class TrainingRun:
 
     def lost(self, epoch: int, round_no: int, worker: int, wall: float, t0: float) -> None:
         """Record a worker lost during a round."""
-        stats = RoundStats(epoch, round_no, worker, 0, 0.0, wall, 0.0, 0, 0, lost=True, start=t0 - self.cfg.t0)
+        stats = RoundStats(epoch, round_no, worker, 0, 0.0, wall, 0.0, 0, 0, lost=True, start=t0 - self.state.t0)
         self.history.stats.append(stats)
 
     def end_epoch(self, weights: list[np.ndarray], results: list[WorkerResult], epoch: int, t_epoch: float) -> bool:
@@ -249,7 +291,7 @@ class TrainingRun:
             held_out = max(int(self.members.info[self.cluster.addresses[w]]["validation_rows"]) for w in live)
             parts = list(contiguous_parts(self.rows, self.rows + held_out, len(live), self.cfg.batch_size))
         try:
-            logs = evaluate_on_workers(self.cluster, self.cfg.run_id, live, weights, parts, self.cfg.batch_size)
+            logs = evaluate_on_workers(self.cluster, self.state.run_id, live, weights, parts, self.cfg.batch_size)
         except (WorkerUnavailable, RemoteError) as exc:
             if not _going_away(exc):
                 raise
@@ -323,7 +365,7 @@ class TrainingRun:
         if self.preempted():
             live = sorted(set(live) | set(self.members.holding_state()))
         states = self.cluster.call(
-            remote.session_state, (cfg.run_id,), workers=live, return_exceptions=True, timeout=timeout
+            remote.session_state, (self.state.run_id,), workers=live, return_exceptions=True, timeout=timeout
         )
         worker_states = {w: s for w, s in zip(live, states) if not isinstance(s, BaseException)}
         shards = [s["optimizer_shard"] for s in worker_states.values() if s.get("optimizer_shard") is not None]

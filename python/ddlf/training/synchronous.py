@@ -138,7 +138,7 @@ def train_sync(run: TrainingRun) -> History:
                         data_wait_seconds=r.data_wait_seconds,
                         bytes_sent=sent,
                         bytes_received=nbytes(r.weights) + nbytes(r.optimizer_state),
-                        start=t0 - cfg.t0,
+                        start=t0 - run.state.t0,
                         send_seconds=send_s.get(r.worker, (0.0, t_sent - t0))[1],
                         comm_seconds=max(0.0, comm - r.compute_seconds),
                         optimizer_state_bytes=r.optimizer_state_bytes,
@@ -179,7 +179,7 @@ def _round(
     workers that answered, when sending ended, and the send and train calls' per-worker timings."""
     cfg, cluster = run.cfg, run.cluster
     targets = [w for w, _ in assignments]
-    sent_ok = cluster.set(weights_var(cfg.run_id), weights, workers=targets, return_exceptions=True)
+    sent_ok = cluster.set(weights_var(run.state.run_id), weights, workers=targets, return_exceptions=True)
     send_s = cluster.last_call_timings()
     t_sent = time.perf_counter()
     args, running = [], []
@@ -191,12 +191,12 @@ def _round(
             run.lost(epoch, round_no, w, 0.0, t0)
             continue
         spec = MasterRound(
-            run_id=cfg.run_id,
+            run_id=run.state.run_id,
             rows=rows,
             batch_size=cfg.batch_size,
             prefetch=cfg.data.prefetch,
             compression=cfg.compression,
-            slow_seconds_per_batch=cfg.slow_worker[1] if cfg.slow_worker and cfg.slow_worker[0] == w else 0.0,
+            slow_seconds_per_batch=run.state.slow_seconds(w),
             return_delta=cfg.compression is not None,
             return_optimizer_state=cfg.average_optimizer_state,
             optimizer_state=opt_state,

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 import ddlf
-from ddlf.training.options import SLOW_WORKER_ENV, TrainConfig
+from ddlf.training.options import TrainConfig
+from ddlf.training.run import SLOW_WORKER_ENV, RunState
 
 
 def test_defaults_are_the_papers_model_averaging_through_the_master() -> None:
@@ -18,7 +19,7 @@ def test_defaults_are_the_papers_model_averaging_through_the_master() -> None:
     assert cfg.compression is None and cfg.outer() is None and not cfg.average_optimizer_state
     assert cfg.data == ddlf.DataConfig() and cfg.run == ddlf.RunConfig()
     assert cfg.learning_rate_factor(4, 0.5) == 1.0
-    assert len(cfg.run_id) == 12 and cfg.run_id != TrainConfig(epochs=2, batch_size=32).run_id
+    assert len(RunState().run_id) == 12 and RunState().run_id != RunState().run_id  # each run its own id
 
 
 def test_each_strategy_resolves_to_what_the_loops_read() -> None:
@@ -41,7 +42,7 @@ def test_the_exchange_of_model_averaging_gives_its_compression() -> None:
     through = TrainConfig(1, 8, strategy=ddlf.ModelAveraging(exchange=ddlf.ThroughMaster(compression="float16")))
     assert through.compression == "float16" and through.ring is None
     # resolved by app.train for the cluster (AutoExchange picks one); until then the asked one is read
-    through.exchange = ddlf.Ring(compression="float16")
+    through = dataclasses.replace(through, exchange=ddlf.Ring(compression="float16"))
     assert through.ring == ddlf.Ring(compression="float16")
 
 
@@ -113,13 +114,25 @@ def test_options_are_frozen_values() -> None:
     assert len({ddlf.Ring(), ddlf.Ring(), ddlf.Ring(hierarchical=False)}) == 2
 
 
-def test_the_slow_worker_hook_is_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert TrainConfig(1, 8).slow_worker is None
+def test_the_slow_worker_hook_is_an_environment_variable_of_the_run_not_an_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert RunState().slow_worker is None
     monkeypatch.setenv(SLOW_WORKER_ENV, "1:0.02")
-    assert TrainConfig(1, 8).slow_worker == (1, 0.02)
+    assert RunState().slow_worker == (1, 0.02)
+    assert (RunState().slow_seconds(1), RunState().slow_seconds(0)) == (0.02, 0.0)
     monkeypatch.setenv(SLOW_WORKER_ENV, "fast")
     with pytest.raises(ValueError, match="WORKER:SECONDS"):
-        TrainConfig(1, 8)
+        RunState()
+
+
+def test_what_an_override_receives_is_frozen_and_holds_no_run_state() -> None:
+    cfg = TrainConfig(2, 16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.epochs = 3  # type: ignore[misc]
+    assert dataclasses.replace(cfg, epochs=3).epochs == 3  # a changed copy
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not fields & {"run_id", "t0", "slow_worker", "strategy_reason", "resumed"}, fields
 
 
 def test_train_takes_fits_arguments_and_the_four_options() -> None:
