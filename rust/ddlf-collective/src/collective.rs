@@ -228,3 +228,132 @@ fn describe<T: Elem>(call: &Call<'_, '_, T>) -> String {
 fn total<T, P: AsRef<[T]>>(parts: &[P]) -> usize {
     parts.iter().map(|p| p.as_ref().len()).sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::{CollectiveError, F16Wire, Op, Request, Ring, RingSpec};
+
+    /// A flat ring of `addresses.len()` ranks, this one rank 0.
+    fn ring(group: u128, addresses: Vec<String>) -> Ring {
+        let spec = RingSpec {
+            group,
+            rank: 0,
+            addresses,
+            streams: 1,
+            timeout: Duration::from_secs(1),
+            liveness: Duration::from_secs(1),
+            tls: None,
+            local: None,
+        };
+        Ring::new(spec, None).unwrap()
+    }
+
+    fn invalid<R>(r: Result<R, CollectiveError>) -> bool {
+        matches!(r, Err(CollectiveError::Invalid(_)))
+    }
+
+    #[test]
+    fn a_ring_of_one_runs_every_request_without_a_link() {
+        // Its sum and its mean are its data: no call opens a link (the address is never dialled).
+        let mut ring = ring(1, vec!["127.0.0.1:9".into()]);
+        let mut data = [1f32, 2.0, 3.0];
+        ring.run(Request::allreduce(&mut data, Op::Mean).codec::<F16Wire>())
+            .unwrap();
+        assert_eq!(data, [1.0, 2.0, 3.0]);
+        let (mut a, mut b) = ([4f64, 5.0], [6f64]);
+        ring.run(Request::allreduce_parts(&mut [&mut a, &mut b], Op::Sum).atomic(true))
+            .unwrap();
+        assert_eq!((a, b), ([4.0, 5.0], [6.0]));
+        // Out of place, the outputs cut elsewhere than the sources: the sources copied.
+        let (mut x, mut y) = ([0f32; 1], [0f32; 2]);
+        let sources: [&[f32]; 3] = [&[1.0, 2.0], &[], &[3.0]];
+        ring.run(Request::allreduce_into(
+            &sources,
+            &mut [&mut x, &mut y],
+            Op::Sum,
+        ))
+        .unwrap();
+        assert_eq!((x, y), ([1.0], [2.0, 3.0]));
+        let mut data = [7f32; 5];
+        let shard = ring
+            .run(Request::reduce_scatter(&mut data, Op::Mean))
+            .unwrap();
+        assert_eq!((shard, ring.shard(5)), (0..5, 0..5));
+        ring.run(Request::allgather(&mut data)).unwrap();
+        assert_eq!(data, [7.0; 5]);
+    }
+
+    #[test]
+    fn requests_a_ring_cannot_run_are_refused_before_the_call_and_leave_it_usable() {
+        let mut ring = ring(2, vec!["127.0.0.1:9".into()]);
+        let mut data = [1f32; 4];
+        let mut out = [0f32; 4];
+        // Only an all-reduce in place promises to leave its data as it was.
+        assert!(invalid(
+            ring.run(Request::reduce_scatter(&mut data, Op::Sum).atomic(true))
+        ));
+        assert!(invalid(
+            ring.run(Request::allgather(&mut data).atomic(true))
+        ));
+        assert!(invalid(ring.run(
+            Request::allreduce_into(&[&[1.0; 4]], &mut [&mut out], Op::Sum).atomic(true)
+        )));
+        // Outputs that do not hold as many elements as the sources.
+        let mut short = [0f32; 3];
+        assert!(invalid(ring.run(Request::allreduce_into(
+            &[&[1.0; 4]],
+            &mut [&mut short],
+            Op::Sum
+        ))));
+        // A result left in shared memory: only on a host holding every rank (a flat ring has no host stage).
+        assert!(!ring.shares_results());
+        assert!(invalid(ring.run(Request::allreduce_shared(
+            &[&[1f32; 4]],
+            Op::Sum,
+            1
+        ))));
+        // None of them spent the ring.
+        ring.run(Request::allreduce(&mut data, Op::Sum).atomic(true))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_failed_call_spends_the_ring_for_every_kind_of_request() {
+        // A neighbour whose daemon is gone: its port refuses the link.
+        let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = gone.local_addr().unwrap().to_string();
+        drop(gone);
+        let mut ring = ring(3, vec![address.clone(), address]);
+        let mut data = [1f32; 4];
+        let failed = ring.run(Request::reduce_scatter(&mut data, Op::Sum));
+        assert!(
+            matches!(failed, Err(CollectiveError::Open { rank: 1, .. })),
+            "{failed:?}"
+        );
+        let spent = |r: Result<(), CollectiveError>| matches!(r, Err(CollectiveError::Spent(_)));
+        assert!(spent(ring.run(Request::allreduce(&mut data, Op::Sum))));
+        assert!(spent(
+            ring.run(Request::allreduce(&mut data, Op::Sum).atomic(true))
+        ));
+        assert!(spent(ring.run(Request::allgather(&mut data))));
+        let mut out = [0f32; 4];
+        assert!(spent(ring.run(Request::allreduce_into(
+            &[&[1.0; 4]],
+            &mut [&mut out],
+            Op::Sum
+        ))));
+        assert!(spent(
+            ring.run(Request::reduce_scatter(&mut data, Op::Sum))
+                .map(|_| ())
+        ));
+        // A request refused before the call is still refused as such.
+        let mut short = [0f32; 3];
+        assert!(invalid(ring.run(Request::allreduce_into(
+            &[&[1.0; 4]],
+            &mut [&mut short],
+            Op::Sum
+        ))));
+    }
+}

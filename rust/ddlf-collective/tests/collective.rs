@@ -645,6 +645,43 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
 }
 
 #[test]
+fn a_requests_codec_sends_half_precision_on_flat_and_hierarchical_rings() {
+    use ddlf_collective::F16Wire;
+    let ds = daemons(4, "wire");
+    let len = 1_001usize;
+    // A flat ring (two streams), and two hosts whose leaders' ring carries the codec (the host's stage sums in
+    // float32 whatever the codec).
+    let flat: Vec<RingSpec> = (0..3).map(|r| spec(&ds[..3], 111, r, 2)).collect();
+    for specs in [flat, hierarchical(&ds, &[vec![0, 1], vec![2, 3]], 112)] {
+        let n = specs.len();
+        let outs = each_rank(specs, "wire", |r, ring| {
+            // Thirds: no float16 holds them exactly.
+            let mut plain: Vec<f32> = (0..len).map(|i| 1.0 + (r + i) as f32 / 3.0).collect();
+            let mut half = plain.clone();
+            ring.run(Request::allreduce(&mut plain, Op::Sum))?;
+            ring.run(Request::allreduce(&mut half, Op::Sum).codec::<F16Wire>())?;
+            Ok((plain, half))
+        });
+        let (_, first) = outs[0].as_ref().unwrap();
+        for out in &outs {
+            let (plain, half) = out.as_ref().unwrap();
+            // Every rank ends with the same bits, within float16's precision of the plain sums and not them.
+            assert!(half
+                .iter()
+                .zip(first)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            for (p, h) in plain.iter().zip(half) {
+                assert!(
+                    (p - h).abs() <= p.abs() * n as f32 / 1024.0,
+                    "{h} against {p}"
+                );
+            }
+            assert_ne!(plain, half, "the codec did not reach the wire");
+        }
+    }
+}
+
+#[test]
 fn a_reduce_scatter_then_an_all_gather_is_an_all_reduce_and_the_shards_tile_the_data() {
     use ddlf_collective::Bf16Wire;
     let ds = daemons(5, "zero");
