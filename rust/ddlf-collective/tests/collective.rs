@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use ddlf_collective::{CollectiveError, LocalSpec, Op, PeerTls, Ring, RingSpec};
+use ddlf_collective::{CollectiveError, LocalSpec, Op, PeerTls, Request, Ring, RingSpec};
 use ddlf_core::auth::Token;
 use ddlf_worker::{Daemon, DaemonConfig};
 
@@ -74,7 +74,7 @@ fn reduce_all_with(
                         data = (0..len)
                             .map(|i| (rank * 10 + i % 7 + round) as f32)
                             .collect();
-                        ring.allreduce(&mut data, Op::Sum)
+                        ring.run(Request::allreduce(&mut data, Op::Sum))
                             .map_err(|e| e.to_string())?;
                     }
                     Ok(data)
@@ -143,7 +143,7 @@ fn a_rank_that_never_comes_fails_its_neighbours_within_the_timeout() {
                 sp.timeout = Duration::from_secs(1);
                 s.spawn(move || {
                     let mut ring = Ring::new(sp, Token::new("t"))?;
-                    ring.allreduce(&mut [1f32; 16], Op::Sum)
+                    ring.run(Request::allreduce(&mut [1f32; 16], Op::Sum))
                 })
             })
             .collect();
@@ -155,8 +155,12 @@ fn a_rank_that_never_comes_fails_its_neighbours_within_the_timeout() {
     let mut sp = spec(&ds, 9, 0, 1);
     sp.timeout = Duration::from_millis(200);
     let mut ring = Ring::new(sp, Token::new("t")).unwrap();
-    assert!(ring.allreduce(&mut [1f32; 4], Op::Sum).is_err());
-    let again = ring.allreduce(&mut [1f32; 4], Op::Sum).unwrap_err();
+    assert!(ring
+        .run(Request::allreduce(&mut [1f32; 4], Op::Sum))
+        .is_err());
+    let again = ring
+        .run(Request::allreduce(&mut [1f32; 4], Op::Sum))
+        .unwrap_err();
     assert!(matches!(again, CollectiveError::Spent(_)), "{again}");
 }
 
@@ -183,7 +187,7 @@ fn a_stopped_rank_fails_its_neighbours_within_the_liveness_bound_not_the_timeout
                 };
                 s.spawn(move || {
                     let mut ring = Ring::new(sp, Token::new("t"))?;
-                    ring.allreduce(&mut [1f32; 16], Op::Sum)
+                    ring.run(Request::allreduce(&mut [1f32; 16], Op::Sum))
                 })
             })
             .collect();
@@ -221,7 +225,7 @@ fn a_rank_that_joins_late_but_answers_its_probes_is_waited_for() {
                     }
                     let mut ring = Ring::new(sp, Token::new("t"))?;
                     let mut data = vec![rank as f32; 8];
-                    ring.allreduce(&mut data, Op::Sum)?;
+                    ring.run(Request::allreduce(&mut data, Op::Sum))?;
                     Ok(data)
                 })
             })
@@ -454,7 +458,7 @@ fn hierarchical_ranks_sum_and_average_through_shared_memory_and_the_leaders_ring
                         ] {
                             let mut data: Vec<f32> =
                                 (0..len).map(|i| (r * 3 + i % 11) as f32).collect();
-                            ring.allreduce(&mut data, op)?;
+                            ring.run(Request::allreduce(&mut data, op))?;
                             got.push(data);
                         }
                         Ok(got)
@@ -521,7 +525,7 @@ fn a_stopped_member_fails_its_host_within_the_liveness_bound() {
             .map(|spec| {
                 s.spawn(move || {
                     let mut ring = Ring::new(spec, Token::new("f"))?;
-                    ring.allreduce(&mut [1f32; 64], Op::Sum)
+                    ring.run(Request::allreduce(&mut [1f32; 64], Op::Sum))
                 })
             })
             .collect();
@@ -551,9 +555,9 @@ fn hierarchical_members_that_disagree_on_the_shape_fail_together_at_once() {
                 s.spawn(move || {
                     let mut ring = Ring::new(spec, Token::new("d"))?;
                     // A first call of one shape, then member 2 reduces a longer array than the others.
-                    ring.allreduce(&mut [1f32; 4], Op::Sum)?;
+                    ring.run(Request::allreduce(&mut [1f32; 4], Op::Sum))?;
                     let mut data = vec![1f32; if r == 2 { 5 } else { 4 }];
-                    ring.allreduce(&mut data, Op::Sum)
+                    ring.run(Request::allreduce(&mut data, Op::Sum))
                 })
             })
             .collect();
@@ -568,7 +572,6 @@ fn hierarchical_members_that_disagree_on_the_shape_fail_together_at_once() {
 
 #[test]
 fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
-    use ddlf_collective::Plain;
     let ds = daemons(4, "parts");
     let len = 10_007usize;
     // A flat ring of three, a hierarchical ring of two hosts of two (shared memory, then the leaders), and one
@@ -582,8 +585,7 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
         let n = specs.len();
         let outs = each_rank(specs, "parts", |r, ring| {
             let mut two = [0f32; 2];
-            let short =
-                ring.allreduce_parts_into_over::<f32, Plain>(&[&[1.0]], &mut [&mut two], Op::Sum);
+            let short = ring.run(Request::allreduce_into(&[&[1.0]], &mut [&mut two], Op::Sum));
             assert!(
                 matches!(short, Err(CollectiveError::Invalid(_))),
                 "{short:?}"
@@ -612,14 +614,14 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
                     let parts: Vec<&[f32]> = pieces.iter().map(|p| p.as_slice()).collect();
                     let mut dst: Vec<&mut [f32]> =
                         out.iter_mut().map(|p| p.as_mut_slice()).collect();
-                    ring.allreduce_parts_into_over::<f32, Plain>(&parts, &mut dst, op)?;
+                    ring.run(Request::allreduce_into(&parts, &mut dst, op))?;
                     assert_eq!(pieces.concat(), data, "the parts are only read");
                     got.push(out.concat());
                     continue;
                 }
                 let mut parts: Vec<&mut [f32]> =
                     pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
-                ring.allreduce_parts_over::<f32, Plain>(&mut parts, op)?;
+                ring.run(Request::allreduce_parts(&mut parts, op))?;
                 got.push(pieces.concat());
             }
             Ok(got)
@@ -643,8 +645,45 @@ fn a_list_of_parts_reduces_as_their_concatenation_however_each_rank_cuts_it() {
 }
 
 #[test]
+fn a_requests_codec_sends_half_precision_on_flat_and_hierarchical_rings() {
+    use ddlf_collective::F16Wire;
+    let ds = daemons(4, "wire");
+    let len = 1_001usize;
+    // A flat ring (two streams), and two hosts whose leaders' ring carries the codec (the host's stage sums in
+    // float32 whatever the codec).
+    let flat: Vec<RingSpec> = (0..3).map(|r| spec(&ds[..3], 111, r, 2)).collect();
+    for specs in [flat, hierarchical(&ds, &[vec![0, 1], vec![2, 3]], 112)] {
+        let n = specs.len();
+        let outs = each_rank(specs, "wire", |r, ring| {
+            // Thirds: no float16 holds them exactly.
+            let mut plain: Vec<f32> = (0..len).map(|i| 1.0 + (r + i) as f32 / 3.0).collect();
+            let mut half = plain.clone();
+            ring.run(Request::allreduce(&mut plain, Op::Sum))?;
+            ring.run(Request::allreduce(&mut half, Op::Sum).codec::<F16Wire>())?;
+            Ok((plain, half))
+        });
+        let (_, first) = outs[0].as_ref().unwrap();
+        for out in &outs {
+            let (plain, half) = out.as_ref().unwrap();
+            // Every rank ends with the same bits, within float16's precision of the plain sums and not them.
+            assert!(half
+                .iter()
+                .zip(first)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            for (p, h) in plain.iter().zip(half) {
+                assert!(
+                    (p - h).abs() <= p.abs() * n as f32 / 1024.0,
+                    "{h} against {p}"
+                );
+            }
+            assert_ne!(plain, half, "the codec did not reach the wire");
+        }
+    }
+}
+
+#[test]
 fn a_reduce_scatter_then_an_all_gather_is_an_all_reduce_and_the_shards_tile_the_data() {
-    use ddlf_collective::{Bf16Wire, Plain};
+    use ddlf_collective::Bf16Wire;
     let ds = daemons(5, "zero");
     // Fewer elements than ranks, a prime length, and an even one.
     for len in [3usize, 10_007, 4096] {
@@ -669,8 +708,7 @@ fn a_reduce_scatter_then_an_all_gather_is_an_all_reduce_and_the_shards_tile_the_
                             let value = |i: usize| (r * 5 + i % 13) as f32;
                             // The mean's shard, then the shards gathered (each rank first spoils the rest).
                             let mut data: Vec<f32> = (0..len).map(value).collect();
-                            let mine =
-                                ring.reduce_scatter_over::<f32, Plain>(&mut data, Op::Mean)?;
+                            let mine = ring.run(Request::reduce_scatter(&mut data, Op::Mean))?;
                             assert_eq!(mine, ring.shard(len));
                             let shard = data[mine.clone()].to_vec();
                             for (i, x) in data.iter_mut().enumerate() {
@@ -678,11 +716,11 @@ fn a_reduce_scatter_then_an_all_gather_is_an_all_reduce_and_the_shards_tile_the_
                                     *x = f32::NAN;
                                 }
                             }
-                            ring.allgather_over::<f32, Plain>(&mut data)?;
+                            ring.run(Request::allgather(&mut data))?;
                             // And an all-gather over bfloat16 (each shard rounded once, by its owner).
                             let mut half: Vec<f32> =
                                 (0..len).map(|i| 1.0 + (i as f32) / 3.0).collect();
-                            ring.allgather_over::<f32, Bf16Wire>(&mut half)?;
+                            ring.run(Request::allgather(&mut half).codec::<Bf16Wire>())?;
                             Ok((mine, shard, data, half))
                         })
                     })
@@ -728,7 +766,6 @@ fn a_reduce_scatter_then_an_all_gather_is_an_all_reduce_and_the_shards_tile_the_
 
 #[test]
 fn ranks_that_make_different_halves_fail_instead_of_mixing_them() {
-    use ddlf_collective::Plain;
     let ds = daemons(4, "mix");
     let flat: Vec<RingSpec> = (0..2).map(|r| spec(&ds[..2], 101, r, 1)).collect();
     for specs in [flat, hierarchical(&ds, &[vec![0, 1, 2]], 102)] {
@@ -742,9 +779,9 @@ fn ranks_that_make_different_halves_fail_instead_of_mixing_them() {
                         let mut data = vec![1f32; 64];
                         match r {
                             0 => ring
-                                .reduce_scatter_over::<f32, Plain>(&mut data, Op::Sum)
+                                .run(Request::reduce_scatter(&mut data, Op::Sum))
                                 .map(|_| ()),
-                            _ => ring.allgather_over::<f32, Plain>(&mut data),
+                            _ => ring.run(Request::allgather(&mut data)),
                         }
                     })
                 })
@@ -765,7 +802,6 @@ fn ranks_that_make_different_halves_fail_instead_of_mixing_them() {
 
 #[test]
 fn a_result_left_in_shared_memory_is_the_reduction_and_each_tag_keeps_its_own() {
-    use ddlf_collective::Plain;
     let ds = daemons(3, "shared");
     let len = 5_003usize;
     let specs = hierarchical(&ds, &[vec![0, 1, 2]], 51);
@@ -776,11 +812,11 @@ fn a_result_left_in_shared_memory_is_the_reduction_and_each_tag_keeps_its_own() 
         let b: Vec<f32> = (0..len).map(|i| (r + i % 5) as f32 * 0.5).collect();
         let (a1, a2) = a.split_at(1234);
         // Two calls of one length with different tags: the first result must survive the second.
-        let first = ring.allreduce_parts_shared_over::<f32, Plain>(&[a1, &[], a2], Op::Mean, 1)?;
-        let second = ring.allreduce_parts_shared_over::<f32, Plain>(&[&b], Op::Sum, 2)?;
+        let first = ring.run(Request::allreduce_shared(&[a1, &[], a2], Op::Mean, 1))?;
+        let second = ring.run(Request::allreduce_shared(&[&b], Op::Sum, 2))?;
         // An in-place call of the same length in between uses tag 0: neither result is touched.
         let mut c = vec![1f32; len];
-        ring.allreduce_parts_over::<f32, Plain>(&mut [&mut c], Op::Sum)?;
+        ring.run(Request::allreduce_parts(&mut [&mut c], Op::Sum))?;
         assert!(c.iter().all(|&v| v == n as f32));
         let floats = |res: &ddlf_collective::node::SharedResult| -> Vec<f32> {
             assert_eq!((res.start % 64, res.len), (0, len * 4));
@@ -806,20 +842,19 @@ fn a_result_left_in_shared_memory_is_the_reduction_and_each_tag_keeps_its_own() 
     let two_hosts = hierarchical(&ds, &[vec![0], vec![1]], 52);
     let mut ring = Ring::new(two_hosts[0].clone(), Token::new("shared")).unwrap();
     assert!(!ring.shares_results());
-    let refused = ring.allreduce_parts_shared_over::<f32, Plain>(&[&[1.0]], Op::Sum, 1);
+    let refused = ring.run(Request::allreduce_shared(&[&[1.0]], Op::Sum, 1));
     assert!(matches!(refused, Err(CollectiveError::Invalid(_))));
     let one_host = hierarchical(&ds, &[vec![2]], 53);
     let mut ring = Ring::new(one_host[0].clone(), Token::new("shared")).unwrap();
     // Tag 0 is every other call's (its region would be overwritten by them), and tags travel in 24 bits.
     for tag in [0, ddlf_collective::node::MAX_TAG] {
-        let refused = ring.allreduce_parts_shared_over::<f32, Plain>(&[&[1.0]], Op::Sum, tag);
+        let refused = ring.run(Request::allreduce_shared(&[&[1.0]], Op::Sum, tag));
         assert!(matches!(refused, Err(CollectiveError::Invalid(_))));
     }
 }
 
 #[test]
 fn calls_of_many_lengths_reuse_the_hosts_files_instead_of_making_one_per_call() {
-    use ddlf_collective::Plain;
     // A model's buckets: more distinct lengths than a node keeps files for, cycling step after step.
     let lens = [5_003usize, 4_001, 5_002, 6_007, 17, 6_004, 4_003];
     let ds = daemons(4, "reuse");
@@ -837,11 +872,7 @@ fn calls_of_many_lengths_reuse_the_hosts_files_instead_of_making_one_per_call() 
                         .map(|i| (r * 5 + i % 9 + b + step) as f32)
                         .collect();
                     let mut out = vec![f32::NAN; len];
-                    ring.allreduce_parts_into_over::<f32, Plain>(
-                        &[&src],
-                        &mut [&mut out],
-                        Op::Sum,
-                    )?;
+                    ring.run(Request::allreduce_into(&[&src], &mut [&mut out], Op::Sum))?;
                     for (i, v) in out.iter().enumerate() {
                         let want: usize = (0..n).map(|q| q * 5 + i % 9 + b + step).sum();
                         assert_eq!(*v, want as f32, "step {step}, length {len}, element {i}");
@@ -854,8 +885,7 @@ fn calls_of_many_lengths_reuse_the_hosts_files_instead_of_making_one_per_call() 
                 // (Each call its own values: the second, shorter one must not read the first's.)
                 for (len, value) in [(6_007usize, 1f32), (4_001, 2.0)] {
                     let src = vec![value; len];
-                    let res =
-                        ring.allreduce_parts_shared_over::<f32, Plain>(&[&src], Op::Sum, 7)?;
+                    let res = ring.run(Request::allreduce_shared(&[&src], Op::Sum, 7))?;
                     assert_eq!(res.len, len * 4);
                     let got: &[f32] =
                         bytemuck::cast_slice(&res.map[res.start..res.start + res.len]);
@@ -876,7 +906,6 @@ fn calls_of_many_lengths_reuse_the_hosts_files_instead_of_making_one_per_call() 
 
 #[test]
 fn an_atomic_reduction_on_a_flat_ring_leaves_the_data_as_it_was_when_it_fails() {
-    use ddlf_collective::Plain;
     let ds = daemons(3, "atomic");
     let len = 300_001usize;
     let outs = std::thread::scope(|s| {
@@ -888,7 +917,7 @@ fn an_atomic_reduction_on_a_flat_ring_leaves_the_data_as_it_was_when_it_fails() 
                     let mut ring = Ring::new(sp, Token::new("atomic"))?;
                     // One reduction that succeeds, through the kept buffer.
                     let mut data: Vec<f32> = (0..len).map(|i| (rank + i % 13) as f32).collect();
-                    ring.allreduce_atomic_over::<f32, Plain>(&mut data, Op::Sum)?;
+                    ring.run(Request::allreduce(&mut data, Op::Sum).atomic(true))?;
                     for (i, v) in data.iter().enumerate() {
                         assert_eq!(*v, (3 * (i % 13) + 3) as f32, "element {i}");
                     }
@@ -898,7 +927,7 @@ fn an_atomic_reduction_on_a_flat_ring_leaves_the_data_as_it_was_when_it_fails() 
                     let before: Vec<f32> = (0..mine).map(|i| (rank * 7 + i % 5) as f32).collect();
                     let mut data = before.clone();
                     let err = ring
-                        .allreduce_atomic_over::<f32, Plain>(&mut data, Op::Sum)
+                        .run(Request::allreduce(&mut data, Op::Sum).atomic(true))
                         .unwrap_err();
                     assert_eq!(
                         data, before,

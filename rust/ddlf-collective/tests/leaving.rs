@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use ddlf_collective::peer::{self, leave, leaving};
-use ddlf_collective::{Op, Ring, RingSpec};
+use ddlf_collective::{Op, Request, Ring, RingSpec};
 use ddlf_core::auth::Token;
 use ddlf_worker::{Daemon, DaemonConfig};
 
@@ -52,7 +52,7 @@ fn a_leaving_daemon_refuses_probes_and_a_ring_waiting_on_it_fails_at_its_next_pr
     let waiting = std::thread::spawn(move || {
         let t0 = Instant::now();
         let out = Ring::new(spec, Token::new("t"))
-            .and_then(|mut ring| ring.allreduce(&mut [1f32; 4], Op::Sum));
+            .and_then(|mut ring| ring.run(Request::allreduce(&mut [1f32; 4], Op::Sum)));
         (out, t0.elapsed())
     });
     std::thread::sleep(Duration::from_secs(3));

@@ -8,7 +8,9 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ddlf_collective::{Bf16Wire, Codec, CollectiveError, Elem, F16Wire, Op, Plain, RingSpec};
+use ddlf_collective::{
+    Bf16Wire, Codec, CollectiveError, Elem, F16Wire, Op, Plain, Request, RingSpec,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -274,11 +276,11 @@ impl Ring {
             match dtype {
                 DType::F64 => {
                     let parts: Vec<&[f64]> = views.iter().map(|v| v.slice::<f64>()).collect();
-                    ring.allreduce_parts_shared_over::<f64, Plain>(&parts, op, tag)
+                    ring.run(Request::allreduce_shared(&parts, op, tag))
                 }
                 _ => {
                     let parts: Vec<&[f32]> = views.iter().map(|v| v.slice::<f32>()).collect();
-                    ring.allreduce_parts_shared_over::<f32, Plain>(&parts, op, tag)
+                    ring.run(Request::allreduce_shared(&parts, op, tag))
                 }
             }
         });
@@ -315,10 +317,12 @@ impl Ring {
         let result = py.detach(|| {
             let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             match (view.dtype, wire) {
-                (DType::F64, _) => ring.reduce_scatter_over::<f64, Plain>(view.slice_mut(), op),
-                (_, Wire::F16) => ring.reduce_scatter_over::<f32, F16Wire>(view.slice_mut(), op),
-                (_, Wire::Bf16) => ring.reduce_scatter_over::<f32, Bf16Wire>(view.slice_mut(), op),
-                (_, Wire::Plain) => ring.reduce_scatter_over::<f32, Plain>(view.slice_mut(), op),
+                (DType::F64, _) => ring.run(Request::reduce_scatter(view.slice_mut::<f64>(), op)),
+                (_, Wire::F16) => ring
+                    .run(Request::reduce_scatter(view.slice_mut::<f32>(), op).codec::<F16Wire>()),
+                (_, Wire::Bf16) => ring
+                    .run(Request::reduce_scatter(view.slice_mut::<f32>(), op).codec::<Bf16Wire>()),
+                (_, Wire::Plain) => ring.run(Request::reduce_scatter(view.slice_mut::<f32>(), op)),
             }
         });
         let r = result.map_err(|e| collective_error(py, &e))?;
@@ -339,10 +343,14 @@ impl Ring {
         let result = py.detach(|| {
             let mut ring = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             match (view.dtype, wire) {
-                (DType::F64, _) => ring.allgather_over::<f64, Plain>(view.slice_mut()),
-                (_, Wire::F16) => ring.allgather_over::<f32, F16Wire>(view.slice_mut()),
-                (_, Wire::Bf16) => ring.allgather_over::<f32, Bf16Wire>(view.slice_mut()),
-                (_, Wire::Plain) => ring.allgather_over::<f32, Plain>(view.slice_mut()),
+                (DType::F64, _) => ring.run(Request::allgather(view.slice_mut::<f64>())),
+                (_, Wire::F16) => {
+                    ring.run(Request::allgather(view.slice_mut::<f32>()).codec::<F16Wire>())
+                }
+                (_, Wire::Bf16) => {
+                    ring.run(Request::allgather(view.slice_mut::<f32>()).codec::<Bf16Wire>())
+                }
+                (_, Wire::Plain) => ring.run(Request::allgather(view.slice_mut::<f32>())),
             }
         });
         result.map_err(|e| collective_error(py, &e))
@@ -478,27 +486,27 @@ fn reduce_into<T: Elem + crate::arrays::Elem, C: Codec<T>>(
 ) -> Result<(), CollectiveError> {
     let parts: Vec<&[T]> = views.iter().map(|v| v.slice::<T>()).collect();
     let mut into: Vec<&mut [T]> = outs.iter().map(|v| v.slice_mut::<T>()).collect();
-    ring.allreduce_parts_into_over::<T, C>(&parts, &mut into, op)
+    ring.run(Request::allreduce_into(&parts, &mut into, op).codec::<C>())
 }
 
 /// Reduce the arrays in place. A hierarchical rank (or a ring of one) writes them only after the last step that can
 /// fail, and takes a list as it takes one array: each goes into shared memory and the result back into it, with no
 /// buffer in between. A flat ring's pass reads several arrays where they lie and writes the results into the buffer
 /// it keeps, copied back on success; one array it reduces where it lies, unless `atomic` asks for it to be
-/// unchanged after a failure (then through that buffer too, since a pass in place writes as it goes).
+/// unchanged after a failure (then through that buffer too, since a pass in place writes as it goes; see
+/// [`Request::atomic`]).
 fn reduce<T: Elem + crate::arrays::Elem, C: Codec<T>>(
     ring: &mut ddlf_collective::Ring,
     views: &[View],
     op: Op,
     atomic: bool,
 ) -> Result<(), CollectiveError> {
-    if let [one] = views {
-        if atomic {
-            return ring.allreduce_atomic_over::<T, C>(one.slice_mut::<T>(), op);
-        }
-    }
     let mut parts: Vec<&mut [T]> = views.iter().map(|v| v.slice_mut::<T>()).collect();
-    ring.allreduce_parts_over::<T, C>(&mut parts, op)
+    ring.run(
+        Request::allreduce_parts(&mut parts, op)
+            .codec::<C>()
+            .atomic(atomic),
+    )
 }
 
 fn collective_error(py: Python<'_>, err: &CollectiveError) -> PyErr {
