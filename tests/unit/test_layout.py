@@ -154,6 +154,13 @@ def test_no_source_file_of_the_package_is_over_the_limit() -> None:
     assert long == {}, f"split by what each part does (at most {LONGEST} lines)"
 
 
+def test_no_rust_source_file_is_over_the_limit() -> None:
+    sources = sorted((ROOT.parent / "rust").glob("*/src/**/*.rs"))
+    assert len(sources) > 40  # the crates' sources are where this looks
+    long = {str(p.relative_to(ROOT.parent)): n for p in sources if (n := len(p.read_text().splitlines())) > LONGEST}
+    assert long == {}, f"split by what each part does (at most {LONGEST} lines)"
+
+
 FRAMEWORK_CHECKS = 8
 """``hasattr`` and ``isinstance(..., TorchModel)`` checks the package may make outside ``ddlf/frameworks/``:
 training asks a model's adapter (``ddlf.frameworks.adapter``), never its type or what it happens to have."""
