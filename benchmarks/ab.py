@@ -43,6 +43,10 @@ with ddlf.Cluster.local(1, threads=1) as tcp_c, ddlf.Cluster.local(1, threads=1,
     for _ in range(calls):
         t0 = time.perf_counter(); tcp_c.run_on(0, "echo", None); t.append(time.perf_counter() - t0)
     out["noop_us"] = med(t) * 1e6
+    t = []
+    for _ in range(calls // 4):
+        t0 = time.perf_counter(); tcp_c.ping(); t.append(time.perf_counter() - t0)
+    out["ping_us"] = med(t) * 1e6
     rng = np.random.default_rng(0)
     for label, mb, n in (("100MB", 100.0, 10), ("4MB", 4.0, 20)):
         w = [rng.standard_normal(int(mb * 1e6 / 4 / n), dtype=np.float32) for _ in range(n)]
@@ -56,6 +60,12 @@ with ddlf.Cluster.local(1, threads=1) as tcp_c, ddlf.Cluster.local(1, threads=1,
     w = [rng.standard_normal(50_000, dtype=np.float32) for _ in range(20)]
     with ddlf.Cluster.local(2, threads=1) as two:
         two.add_function(echo, "echo")
+        for _ in range(300):
+            two.run("echo", None)
+        t = []
+        for _ in range(calls):
+            t0 = time.perf_counter(); two.run("echo", None); t.append(time.perf_counter() - t0)
+        out["noop_all_us"] = med(t) * 1e6
         two.run("echo", w)
         t = []
         for _ in range(repeats):
@@ -93,6 +103,8 @@ print(json.dumps(out))
 
 METRICS = [
     ("noop_us", "no-op call, 1 worker, p50 (µs)"),
+    ("noop_all_us", "no-op call, all 2 workers, p50 (µs)"),
+    ("ping_us", "cluster.ping(), 1 worker (Rust only, gRPC), p50 (µs)"),
     ("100MB_tcp_ms", "100 MB round trip over TCP (ms)"),
     ("100MB_shm_ms", "100 MB round trip through shared memory (ms)"),
     ("4MB_tcp_ms", "4 MB round trip over TCP (ms)"),
@@ -156,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
             "",
             f"{args.rounds} rounds; each round runs one measuring process per build (alternating which goes first), "
             "each with its own local daemon of the same build: a no-op `run_on` "
-            f"({args.calls} calls, median), and a list of float32 arrays echoed by the worker "
+            f"({args.calls} calls, median), the same to 2 workers (`run`), `ping()` ({args.calls // 4} calls), "
+            "and a list of float32 arrays echoed by the worker "
             f"({args.repeats} times, median) over TCP and through the shared-memory pool, and to 2 workers at once "
             "over TCP, and a synchronous training round on the ring (2 workers, 10 batches of an MLP, the second "
             "epoch's seconds per round). The table gives the "
