@@ -34,7 +34,14 @@ from .. import serialization
 from ..cluster.cluster import Cluster
 from ..data.images import EncodedImages
 from ..data.structure import concatenate_rows
-from ..errors import DatasetError, ModelChangeWarning, WorkerUnavailable
+from ..errors import (
+    ConfigError,
+    ConfigTypeError,
+    DatasetError,
+    ModelChangeWarning,
+    OutOfRangeError,
+    WorkerUnavailable,
+)
 from ..frameworks import model_spec
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
@@ -165,7 +172,7 @@ class IApp:
         resumed: dict[str, Any] | None = None
         if strategy is None:  # ddlf's default, chosen for this model and cluster (ddlf.training.defaults)
             if not isinstance(run, RunConfig):
-                raise TypeError(f"run must be a ddlf.RunConfig, not {run!r}")
+                raise ConfigTypeError(f"run must be a ddlf.RunConfig, not {run!r}")
             self._seed_and_build(run.seed)  # as _run does
             if run.resume and run.checkpoint_dir:
                 resumed = checkpoint.load(run.checkpoint_dir)
@@ -196,13 +203,15 @@ class IApp:
         if workers is not None:
             bad = [w for w in workers if w >= n]
             if bad:
-                raise IndexError(f"RunConfig.workers {bad} out of range: the cluster has {n} workers")
+                raise OutOfRangeError(f"RunConfig.workers {bad} out of range: the cluster has {n} workers")
             if self.sharded:
-                raise ValueError("RunConfig.workers needs a whole-dataset app: a sharded app trains on every shard")
+                raise ConfigError("RunConfig.workers needs a whole-dataset app: a sharded app trains on every shard")
         if shares is not None and len(shares) != n:
-            raise ValueError(f"DataConfig.worker_shares has {len(shares)} entries for {n} workers: give one per worker")
+            raise ConfigError(
+                f"DataConfig.worker_shares has {len(shares)} entries for {n} workers: give one per worker"
+            )
         if cfg.data.rotate_shards_every is not None and not self.sharded:
-            raise ValueError("DataConfig.rotate_shards_every needs a sharded app (sharded = True)")
+            raise ConfigError("DataConfig.rotate_shards_every needs a sharded app (sharded = True)")
         if cfg.run.report is not None:
             check_report_path(cfg.run.report)
         if isinstance(cfg.strategy, ModelAveraging):
@@ -243,7 +252,7 @@ class IApp:
         if x is None:
             if y is not None or sample_weight is not None or kwargs:
                 given = ", ".join(["y"] * (y is not None) + ["sample_weight"] * (sample_weight is not None) + [*kwargs])
-                raise ValueError(
+                raise ConfigError(
                     f"evaluate() without x evaluates every row of the workers' dataset: it takes no {given}"
                 )
             logs = self._on_workers("evaluate", batch_size)
@@ -253,7 +262,7 @@ class IApp:
             return values[0] if len(values) == 1 else values
         if isinstance(x, EncodedImages):
             if sample_weight is not None:
-                raise ValueError("evaluate() on EncodedImages takes no sample_weight")
+                raise ConfigError("evaluate() on EncodedImages takes no sample_weight")
             batches = datasets.batches([x, y], batch_size=batch_size, preprocess=self.preprocess)
             steps = -(-len(x) // batch_size)
             cap = kwargs.pop("steps", None)  # Keras's: at most this many batches
@@ -271,7 +280,7 @@ class IApp:
         workers with the master's weights and returned in row order (a sharded app: shard after shard)."""
         if (x is None or isinstance(x, EncodedImages)) and kwargs:
             where = "every row of the workers' dataset" if x is None else "EncodedImages batch by batch"
-            raise ValueError(f"predict() of {where} takes no {', '.join(kwargs)}")
+            raise ConfigError(f"predict() of {where} takes no {', '.join(kwargs)}")
         if x is None:
             return self._on_workers("predict", batch_size)
         if isinstance(x, EncodedImages):
@@ -320,7 +329,7 @@ class IApp:
         """Evaluate the master's model on ``(x, y)`` or ``(x, y, sample_weight)`` (after :meth:`preprocess`):
         Keras's ``val_*`` logs."""
         if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
-            raise ValueError("validation_data must be (x, y) or (x, y, sample_weight), as in fit")
+            raise ConfigError("validation_data must be (x, y) or (x, y, sample_weight), as in fit")
         sw = data[2] if len(data) == 3 else None
         out = self.evaluate(data[0], data[1], batch_size=512, sample_weight=sw, return_dict=True)
         return {f"val_{k}": float(v) for k, v in out.items()}
@@ -343,7 +352,7 @@ class IApp:
             if self.model is None:
                 model = self.create_model()
                 if not (hasattr(model, "get_weights") and hasattr(model, "set_weights")):
-                    raise TypeError(
+                    raise ConfigTypeError(
                         f"{type(self).__name__}.create_model() must return a compiled Keras model or a "
                         f"ddlf.models.TorchModel, not {type(model).__name__}"
                     )
@@ -405,7 +414,7 @@ class IApp:
             sizes = set(shard_rows)
             if len(sizes) != 1:
                 self._abandon(cfg, members)
-                raise ValueError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
+                raise DatasetError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
             rows = members.rows = sizes.pop()
         if rows == 0:  # fit refuses empty data too
             self._abandon(cfg, members)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import TooManyRuns
+from ...errors import NotFoundError, TooManyRuns
 from ...frameworks import model_spec
 from ...frameworks.console import quiet_start
 from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
@@ -78,7 +78,7 @@ class Sessions:
         """The session of ``run_id``, marked used now."""
         session = self.by_id.get(run_id)
         if session is None:
-            raise LookupError(
+            raise NotFoundError(
                 f"training run {run_id} is not set up on this worker (it was torn down, or evicted after "
                 f"{self.limits.idle_seconds:.0f} s idle)"
             )

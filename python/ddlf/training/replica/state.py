@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import ModelMismatchError
+
 
 def rng_variables(model: Any) -> list[Any]:
     """A Keras model's variables that are neither weights nor optimizer state: random-generator states (dropout)."""
@@ -124,7 +126,9 @@ def metric_results(model: Any, state: list[np.ndarray]) -> dict[str, float]:
     """The results of ``model``'s metrics for ``state`` (what :func:`metric_state` gave, or several added up)."""
     variables = [v for m in model.metrics for v in m.variables]
     if len(variables) != len(state):
-        raise ValueError(f"metric state of {len(state)} arrays for a model with {len(variables)} metric variables")
+        raise ModelMismatchError(
+            f"metric state of {len(state)} arrays for a model with {len(variables)} metric variables"
+        )
     for v, s in zip(variables, state):
         v.assign(np.asarray(s, dtype=np.dtype(v.dtype)))
     return {k: float(v) for k, v in model.get_metrics_result().items()}
