@@ -22,38 +22,40 @@ round and are averaged at its end (:func:`local_mask` says which).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 
+from ...errors import ConfigError, InvalidStateError
 from ...frameworks.torch_model import TorchModel
 from .tracing import AnyBatchSize
 
 
-class Stepper:
+class Stepper(ABC):
     """A model's training step, split around the gradient exchange."""
 
-    def begin(self) -> None:
+    def begin(self) -> None:  # noqa: B027 - a hook, nothing to do unless a stepper says so
         """A round starts (the model's variables hold its start weights)."""
 
+    @abstractmethod
     def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
         """This batch's gradients of the mean loss (weighted by the rows' sample weights ``sw``, as ``fit``
         weighs them), one array per trainable weight (zeros for unused weights); the model's running loss and
         metrics count the batch."""
-        raise NotImplementedError
 
+    @abstractmethod
     def apply(self, gradients: list[np.ndarray]) -> None:
         """One optimizer step with ``gradients`` (what :meth:`gradients` returned, averaged)."""
-        raise NotImplementedError
 
     def step(self, x: Any, y: Any, sw: Any = None) -> None:
         """One whole training step on a batch (model averaging: nothing in between). A stepper may gather several
         and run them together, in order, at the latest by :meth:`end`."""
         self.apply(self.gradients(x, y, sw))
 
+    @abstractmethod
     def end(self) -> dict[str, float]:
         """The round ends: the model's variables hold the result. Returns the running logs."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Let go of what the stepper started (PyTorch's gradient buckets: their thread and hooks), when its run is
@@ -63,17 +65,17 @@ class Stepper:
             held[1].close()
         self._buckets = None
 
+    @abstractmethod
     def zeros(self) -> list[np.ndarray]:
         """Zero gradients (a replica without a batch this step contributes them, with weight 0)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build_optimizer(self) -> None:
         """Create the optimizer's state (slots) if it has none yet, leaving the weights as they are."""
-        raise NotImplementedError
 
+    @abstractmethod
     def set_learning_rate_factor(self, factor: float) -> None:
         """Scale the optimizer's learning rate to ``factor`` times the one the model was compiled with."""
-        raise NotImplementedError
 
     def buckets(self, cap_bytes: int, wire: str | None = None) -> Any:
         """An exchange that reduces this model's gradients while its backward pass runs (then :meth:`backward`
@@ -83,16 +85,17 @@ class Stepper:
         return None
 
     def backward(self, x: Any, y: Any, sw: Any = None) -> None:
-        """Forward and backward on a batch, leaving the gradients where :meth:`buckets`' hooks read them."""
-        raise NotImplementedError
+        """Forward and backward on a batch, leaving the gradients where :meth:`buckets`' hooks read them (only for a
+        stepper whose :meth:`buckets` gives some)."""
+        raise InvalidStateError(f"{type(self).__name__} reduces no gradient buckets: backward() needs buckets()")
 
     sharded = False
     """Set by a sharded optimizer (:mod:`.sharded`): the model's own optimizer is never built (its state lives
     in shards), and the new weights come through :meth:`set_trainable`."""
 
+    @abstractmethod
     def set_trainable(self, values: list[np.ndarray]) -> None:
         """Write ``values`` into the trainable weights (in order)."""
-        raise NotImplementedError
 
 
 def torch_buckets(stepper: Any, params: list[Any], cap_bytes: int) -> Any:
@@ -124,7 +127,7 @@ def stepper_for(model: Any) -> Stepper:
         return _JaxStepper(model)
     if backend == "torch":
         return _TorchKerasStepper(model)
-    raise NotImplementedError(f"GradientAveraging does not support the Keras backend {backend!r}")
+    raise ConfigError(f"GradientAveraging does not support the Keras backend {backend!r}")
 
 
 def steps_whole_rounds(model: Any) -> bool:
@@ -154,7 +157,7 @@ def check_scalable(model: Any) -> None:
     import keras
 
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
-        raise ValueError(
+        raise ConfigError(
             f"scale_learning_rate does not work with a learning-rate schedule ({type(rate).__name__}): "
             "scale the schedule itself (its initial rate times the number of workers)"
         )
@@ -177,7 +180,7 @@ def check_steppable(model: Any, workers: int) -> None:
         import keras
 
         if keras.backend.backend() == "jax":
-            raise ValueError(
+            raise ConfigError(
                 f"GradientAveraging on {workers} workers cannot run {type(model).__name__}'s own train_step on JAX "
                 "(its gradients stay inside one compiled, stateless step): train it with ModelAveraging(every=1) "
                 "or Asynchronous(), on one worker (RunConfig(workers=[0])), or with Keras on TensorFlow or torch"
@@ -261,11 +264,11 @@ class _Grouped:
 class _KerasStepper(Stepper):
     def __init__(self, model: Any) -> None:
         if getattr(model, "optimizer", None) is None:
-            raise ValueError("ddlf trains a compiled model: create_model must compile it (model.compile(...))")
+            raise ConfigError("ddlf trains a compiled model: create_model must compile it (model.compile(...))")
         self.model = model
         self.trainable = list(model.trainable_weights)
         if not self.trainable:
-            raise ValueError(
+            raise ConfigError(
                 "the model has no trainable weights: every layer is frozen (trainable=False), so there is nothing "
                 "to train"
             )
@@ -333,7 +336,7 @@ class _CatchApply:
     def __enter__(self) -> _CatchApply:
         def catch(grads: Any, trainable_variables: Any = None) -> None:
             if self.pairs:
-                raise ValueError(
+                raise ConfigError(
                     "GradientAveraging: this train_step applies gradients more than once per batch (several "
                     "optimizers, a GAN's two steps); train it with ModelAveraging or Asynchronous"
                 )
@@ -345,7 +348,7 @@ class _CatchApply:
     def __exit__(self, *exc: object) -> None:
         del self.optimizer.apply
         if exc[0] is None and not self.pairs:
-            raise ValueError("GradientAveraging: this train_step applied no gradients (it calls no optimizer)")
+            raise ConfigError("GradientAveraging: this train_step applied no gradients (it calls no optimizer)")
 
 
 class _TensorFlowStepper(_KerasStepper):
@@ -443,7 +446,7 @@ class _TensorFlowStepper(_KerasStepper):
         """The batch :meth:`backward` was given."""
         batch, self._batch = self._batch, None
         if batch is None:
-            raise RuntimeError("take_batch() without a batch: backward() first")
+            raise InvalidStateError("take_batch() without a batch: backward() first")
         return batch
 
     def _ready(self, x: Any, y: Any, sw: Any = None) -> None:
@@ -609,7 +612,7 @@ class _TorchKerasStepper(_KerasStepper):
 
 def _no_sample_weights(sw: Any) -> None:
     if sw is not None:
-        raise ValueError(
+        raise ConfigError(
             "a ddlf.models.TorchModel takes no sample weights (class_weight, sample_weight): weigh the rows in its "
             "loss function instead"
         )
