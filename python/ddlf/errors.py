@@ -355,7 +355,9 @@ class ModelChangeWarning(DdlfWarning, RuntimeWarning):
 
 
 class ConfigWarning(DdlfWarning, UserWarning):
-    """An option that works but is probably not what was meant."""
+    """An option that works but is probably not what was meant: ``train()``'s ``validation_freq`` names no epoch
+    of the run (no ``val_*`` logs), or ``DataConfig.rotate_shards_every`` is not reached before the run ends (the
+    shards never rotate)."""
 
 
 class WorkerErrors:

@@ -37,6 +37,7 @@ from ..data.structure import concatenate_rows
 from ..errors import (
     ConfigError,
     ConfigTypeError,
+    ConfigWarning,
     DatasetError,
     ModelChangeWarning,
     OutOfRangeError,
@@ -192,6 +193,7 @@ class IApp:
         if validation_data is not None and cfg.fit.validation_split:
             cfg.fit = dataclasses.replace(cfg.fit, validation_split=0.0)  # fit's rule: validation_data wins
         self._check(cfg)
+        self._warn_suspicious(cfg, validation_data is not None or bool(cfg.fit.validation_split), initial_epoch)
         if cfg.mode == "sync":
             return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
         return self.train_async(cfg, validation_data, callbacks, initial_epoch)
@@ -217,6 +219,26 @@ class IApp:
         if isinstance(cfg.strategy, ModelAveraging):
             targets = list(workers) if workers is not None else list(range(n))
             cfg.exchange = resolve_exchange(cfg.strategy.exchange, self.cluster, targets)
+
+    def _warn_suspicious(self, cfg: TrainConfig, validating: bool, initial_epoch: int) -> None:
+        """Options that work but are probably not what was meant: a :class:`~ddlf.errors.ConfigWarning` each (from
+        the caller of :meth:`train`)."""
+        epochs = range(initial_epoch, cfg.epochs)
+        if validating and epochs and not any(cfg.validates(e) for e in epochs):
+            warnings.warn(
+                f"validation_freq={cfg.validation_freq!r} validates after none of this run's epochs "
+                f"({initial_epoch + 1} to {cfg.epochs}): the run has no val_* logs",
+                ConfigWarning,
+                stacklevel=3,
+            )
+        k = cfg.data.rotate_shards_every
+        if k is not None and self.sharded and len(self.cluster) > 1 and cfg.epochs <= k:
+            warnings.warn(
+                f"DataConfig.rotate_shards_every={k} with epochs={cfg.epochs}: the shards never rotate in this run "
+                "(each worker trains on its own shard only)",
+                ConfigWarning,
+                stacklevel=3,
+            )
 
     def train_sync(
         self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Any] = (), initial_epoch: int = 0
