@@ -33,6 +33,7 @@ The Rust extension builds these classes by type: :data:`_CLASSES` maps each ``dd
 
 from __future__ import annotations
 
+import functools
 import linecache
 import re
 import sys
@@ -306,6 +307,11 @@ class Preempted(DdlfError):
         self.signal = signal
         self.checkpoint = checkpoint
         self.requeued = requeued
+
+    def __reduce__(self) -> Any:
+        # BaseException's calls the class with the message alone: these keywords are required.
+        rebuild = functools.partial(type(self), signal=self.signal, checkpoint=self.checkpoint, requeued=self.requeued)
+        return rebuild, self.args, vars(self)
 
 
 class TooManyRuns(DdlfError, RuntimeError):
