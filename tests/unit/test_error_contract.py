@@ -9,6 +9,7 @@ import builtins
 import importlib
 import pickle
 import pkgutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -333,6 +334,21 @@ def test_a_stepper_without_buckets_refuses_backward() -> None:
         NoBuckets().backward(None, None)
     with pytest.raises(TypeError, match="abstract"):
         Stepper()  # type: ignore[abstract]
+
+
+def test_the_worker_daemon_refuses_a_bad_token_file_as_its_other_options(tmp_path) -> None:
+    """Its message on stderr and exit status 2, as for ``--gpu`` or ``--tls-cert`` alone (no traceback)."""
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    for path, said in [(empty, f"the token file {empty} is empty"), (tmp_path / "none", "cannot read --token-file")]:
+        done = subprocess.run(
+            [sys.executable, "-m", "ddlf.worker", "--listen", "127.0.0.1:0", "--token-file", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr
+        assert f"ddlf-worker: {said}" in done.stderr and "Traceback" not in done.stderr
 
 
 # -- ConfigWarning --------------------------------------------------------------------------------------------
