@@ -12,6 +12,8 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
+from .errors import ConfigError
+
 
 def parse_gpus(text: str) -> list[str]:
     """The GPU ids of a ``CUDA_VISIBLE_DEVICES``-style list (``"0,2"``); empty or ``"-1"``: none."""
@@ -38,7 +40,7 @@ def check_gpu_ids(text: str) -> str:
     ids = [part.strip() for part in text.split(",")]
     bad = [i for i in ids if not (i.isdigit() or i.startswith(("GPU-", "MIG-")))]
     if not ids or bad:
-        raise ValueError(f"--gpu takes GPU indices (0 or 0,1), GPU-/MIG- UUIDs or 'none', got {text!r}")
+        raise ConfigError(f"--gpu takes GPU indices (0 or 0,1), GPU-/MIG- UUIDs or 'none', got {text!r}")
     return ",".join(ids)
 
 
@@ -46,19 +48,19 @@ def choose_gpus(gpus: str | Sequence[int | str]) -> list[str]:
     """``Cluster.local``'s ``gpus``: ``"auto"`` (every visible GPU) or explicit ids; refuses an empty choice."""
     if isinstance(gpus, str):
         if gpus != "auto":
-            raise ValueError(f'gpus must be "auto" or a list of GPU ids, got {gpus!r}')
+            raise ConfigError(f'gpus must be "auto" or a list of GPU ids, got {gpus!r}')
         found = visible_gpus()
         if not found:
-            raise ValueError(
+            raise ConfigError(
                 'gpus="auto" found no GPU (CUDA_VISIBLE_DEVICES is empty or nvidia-smi lists none): '
                 "leave gpus out to train on CPU"
             )
         return found
     ids = [str(g).strip() for g in gpus]
     if not ids or any(not i or "," in i for i in ids):
-        raise ValueError(f"gpus must name at least one GPU id, got {list(gpus)!r}")
+        raise ConfigError(f"gpus must name at least one GPU id, got {list(gpus)!r}")
     if len(set(ids)) != len(ids):
-        raise ValueError(f"gpus names a GPU twice: {ids}: one worker per GPU")
+        raise ConfigError(f"gpus names a GPU twice: {ids}: one worker per GPU")
     return ids
 
 

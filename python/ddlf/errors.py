@@ -1,6 +1,28 @@
 r"""Exceptions raised by ddlf.
 
-Everything ddlf raises derives from :class:`DdlfError`. Errors about one worker carry its ``worker_id`` (its
+Everything ddlf raises derives from :class:`DdlfError` (a few deliberate exceptions, listed below), and every
+warning it issues from :class:`DdlfWarning`: ``except ddlf.DdlfError`` catches whatever ddlf raised. Where Python
+code expects a built-in exception, ddlf's class derives from both, so ``except ValueError`` keeps working:
+
+* :class:`ConfigError` (``ValueError``): an option, argument or cluster file's value ddlf cannot use;
+  :class:`ConfigTypeError` (a ``ConfigError`` and a ``TypeError``) one of the wrong type. :class:`DatasetError`
+  and :class:`ModelMismatchError` are ``ValueError``\ s too.
+* :class:`NotFoundError` (``KeyError``, so ``LookupError``): a variable, function, dataset or training run that
+  is not there; :class:`OutOfRangeError` (``IndexError``): a worker or item index past the end.
+* :class:`InvalidStateError` (``RuntimeError``): a call the object's state does not allow;
+  :class:`CollectiveError`, :class:`FrameworkClash`, :class:`ResetRefused` and :class:`TooManyRuns` are
+  ``RuntimeError``\ s too.
+* the connection errors are ``ConnectionError``\ s (:class:`DeadlineExceeded` a ``TimeoutError``),
+  :class:`AuthenticationError` a ``PermissionError``, :class:`MemoryBudgetExceeded` a ``MemoryError`` and
+  :class:`CheckpointError` an ``OSError``.
+
+Not :class:`DdlfError`\ s, by design: ``NotImplementedError`` from :class:`~ddlf.IApp`'s methods an app
+overrides, ``ImportError`` when ``ddlf.callbacks.TensorBoard`` finds no event writer installed, and the worker
+daemon's own exits (``SystemExit``). What user code raises on a worker comes back as a :class:`RemoteError`,
+whatever its type. The compiled extension (``ddlf._ddlf``) checks the arrays handed to its kernels itself, with
+plain ``ValueError`` and ``TypeError``.
+
+Errors about one worker carry its ``worker_id`` (its
 index in the cluster, when known) and ``address``. A call that fails on several workers raises one error for all
 of them, marked :class:`WorkerErrors`, with ``.exceptions`` holding each worker's: an :class:`ExceptionGroup` that
 is also their most specific common ddlf class (``except RemoteError`` still catches two workers' errors, and
@@ -11,6 +33,7 @@ The Rust extension builds these classes by type: :data:`_CLASSES` maps each ``dd
 
 from __future__ import annotations
 
+import functools
 import linecache
 import re
 import sys
@@ -169,8 +192,10 @@ class RemoteError(DdlfError):
         return text
 
 
-class NotFoundError(DdlfError, LookupError):
-    """A function, variable or dataset name that the worker does not hold."""
+class NotFoundError(DdlfError, KeyError):
+    """A function, variable, dataset or training run that is not there (on a worker, or among the workers), or a
+    name a lookup does not know. A ``KeyError`` (and so a ``LookupError``) whose message reads as written, not
+    quoted as ``KeyError``'s own is."""
 
     def __init__(
         self,
@@ -182,6 +207,14 @@ class NotFoundError(DdlfError, LookupError):
     ) -> None:
         super().__init__(message, address=address, worker_id=worker_id)
         self.name = name
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)  # not KeyError's repr() of the message
+
+
+class OutOfRangeError(DdlfError, IndexError):
+    """An index past the end: a worker the cluster does not have (``workers=[7]`` on two workers), an image
+    past the last of :class:`~ddlf.datasets.EncodedImages`."""
 
 
 class SerializationError(DdlfError):
@@ -208,10 +241,11 @@ class NonFiniteUpdate(BadWorkerReply):
     default, leaves the reply out like any refused reply; ``nonfinite="raise"`` stops the run with this error."""
 
 
-class CollectiveError(DdlfError):
+class CollectiveError(DdlfError, RuntimeError):
     """A collective among workers (an all-reduce) failed on this worker: a neighbour died, was cut off, refused
     the link, or passed arrays of other sizes. ``peer_rank`` and ``peer_address`` name the neighbour at fault
-    (``None`` when the fault is this worker's own). The arrays being reduced are left as they were."""
+    (``None`` when the fault is this worker's own). The arrays being reduced are left as they were. On the
+    master, training raises it when a round's all-reduce failed on every attempt (the ring gave up)."""
 
     def __init__(
         self,
@@ -238,11 +272,25 @@ class ResetRefused(DdlfError, RuntimeError):
 
 class ModelMismatchError(DdlfError, ValueError):
     """The model ``create_model()`` built on a worker cannot be made to agree with the master's model (another
-    architecture, another optimizer class): ``create_model`` must build the same model everywhere."""
+    architecture, another optimizer class): ``create_model`` must build the same model everywhere. Also weights,
+    optimizer or metric state that do not fit the model they are given to (another count or shape of arrays)."""
 
 
 class ConfigError(DdlfError, ValueError):
-    """A cluster file that cannot be used; the message names the file and line."""
+    """A value ddlf cannot use: an option out of its range or choices (``ddlf.RunConfig(nonfinite="ignore")``), an
+    argument that does not fit the call (``cluster.scatter`` with one value too many), a setting of a cluster file
+    (the message names the file and line). Nothing was started with it."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """An option or argument of the wrong type (``ddlf.RunConfig(seed="0")``, a ``strategy`` that is not one of
+    ddlf's). A ``TypeError``, and a :class:`ConfigError` (so also a ``ValueError``): ``except ddlf.ConfigError``
+    catches every refused option."""
+
+
+class InvalidStateError(DdlfError, RuntimeError):
+    """A call that the state of what it is made on does not allow (a step taken out of its order, a plan that
+    does not match the ring it is given)."""
 
 
 class LaunchError(DdlfError):
@@ -260,6 +308,11 @@ class Preempted(DdlfError):
         self.checkpoint = checkpoint
         self.requeued = requeued
 
+    def __reduce__(self) -> Any:
+        # BaseException's calls the class with the message alone: these keywords are required.
+        rebuild = functools.partial(type(self), signal=self.signal, checkpoint=self.checkpoint, requeued=self.requeued)
+        return rebuild, self.args, vars(self)
+
 
 class TooManyRuns(DdlfError, RuntimeError):
     """The daemon holds ``max_runs`` training runs already; none of them is idle long enough to evict."""
@@ -268,7 +321,8 @@ class TooManyRuns(DdlfError, RuntimeError):
 class FrameworkClash(DdlfError, RuntimeError):
     """Loading a framework now would abort the process: PyTorch's compiler (``torch._dynamo``, which every
     ``torch.optim`` optimizer loads) after TensorFlow, where ``triton`` is installed (two copies of LLVM). The
-    message says what to do; nothing was loaded (see :mod:`ddlf.frameworks.loading`)."""
+    message says what to do; nothing was loaded (see :mod:`ddlf.frameworks.loading`). Also a worker that runs
+    Keras on another backend than the master's, loaded already (a process cannot switch)."""
 
 
 # -- warnings -------------------------------------------------------------------------------------------------
@@ -307,7 +361,9 @@ class ModelChangeWarning(DdlfWarning, RuntimeWarning):
 
 
 class ConfigWarning(DdlfWarning, UserWarning):
-    """An option that works but is probably not what was meant."""
+    """An option that works but is probably not what was meant: ``train()``'s ``validation_freq`` names no epoch
+    of the run (no ``val_*`` logs), or ``DataConfig.rotate_shards_every`` is not reached before the run ends (the
+    shards never rotate)."""
 
 
 class WorkerErrors:
@@ -416,6 +472,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "ConfigError",
+    "ConfigTypeError",
     "ConfigWarning",
     "DatasetError",
     "DdlfError",
@@ -423,6 +480,7 @@ __all__ = [
     "DeadlineExceeded",
     "FrameworkClash",
     "InsecureConfiguration",
+    "InvalidStateError",
     "LaunchError",
     "MemoryBudgetExceeded",
     "ModelChangeWarning",
@@ -430,6 +488,7 @@ __all__ = [
     "NonFiniteGradientsWarning",
     "NonFiniteUpdate",
     "NotFoundError",
+    "OutOfRangeError",
     "Preempted",
     "ProtocolError",
     "RemoteError",

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import _ddlf
+from .errors import ConfigError
 
 BatchPipeline = _ddlf.BatchPipeline
 
@@ -58,10 +59,10 @@ def weighted_average(lists: Sequence[Sequence[np.ndarray]], weights: Sequence[fl
     if counters:  # integers are not averaged: the first list's, here (see add_counter_changes)
         for lst in lists:
             if len(lst) != len(like):
-                raise ValueError(f"weighted_average: lists of {len(like)} and {len(lst)} arrays")
+                raise ConfigError(f"weighted_average: lists of {len(like)} and {len(lst)} arrays")
             for i in counters:
                 if np.shape(lst[i]) != np.shape(like[i]):
-                    raise ValueError(
+                    raise ConfigError(
                         f"weighted_average: array {i} has shape {np.shape(lst[i])} and {np.shape(like[i])}"
                     )
         floats = [i for i in range(len(like)) if i not in counters]
@@ -86,7 +87,7 @@ def axpy_(weights: Sequence[np.ndarray], delta: Sequence[np.ndarray], alpha: flo
     """In place: ``weights[i] += alpha * delta[i]`` (a half-precision weight computed in float32, then rounded;
     an integer counter takes its whole change, unscaled)."""
     if len(weights) != len(delta):
-        raise ValueError(f"axpy_: {len(weights)} weights but {len(delta)} deltas: one per weight")
+        raise ConfigError(f"axpy_: {len(weights)} weights but {len(delta)} deltas: one per weight")
     for i, w in enumerate(weights):
         if is_counter(w):
             w[...] = w + np.asarray(delta[i]).astype(w.dtype)
@@ -104,7 +105,7 @@ def delta(new: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> list[np.ndarr
     """``new[i] - old[i]`` for every array (for half-precision ones, in float32: a change of a float16 weight is
     often below float16's resolution at that weight's size; integer counters in their own dtype)."""
     if len(new) != len(old):
-        raise ValueError(f"delta: {len(new)} new arrays but {len(old)} old ones: one per array")
+        raise ConfigError(f"delta: {len(new)} new arrays but {len(old)} old ones: one per array")
     counters = [i for i, a in enumerate(new) if is_counter(a)]
     if counters:
         floats = [i for i in range(len(new)) if i not in counters]
@@ -173,7 +174,7 @@ def partition_for(n: int, seed: int, epoch: int, shares: Sequence[float], worker
 def gather(array: np.ndarray, indices: np.ndarray | Sequence[int]) -> np.ndarray:
     """``array[indices]`` along the first axis, gathered in Rust into a new contiguous array."""
     if np.ndim(array) == 0:
-        raise ValueError("gather needs an array with at least one axis (rows to gather), got a 0-d array")
+        raise ConfigError("gather needs an array with at least one axis (rows to gather), got a 0-d array")
     return _ddlf.gather(array, indices)
 
 

@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator
 from types import FrameType
 
+from .errors import ConfigError
+
 _VARIABLES = (
     "OMP_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
@@ -30,7 +32,7 @@ def thread_env(threads: int) -> dict[str, str]:
     """Environment variables that cap BLAS/OpenMP, TensorFlow, torch, XLA (JAX) and ddlf's image-decoding pools
     at ``threads``."""
     if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
+        raise ConfigError(f"threads must be at least 1, got {threads}")
     env = {name: str(threads) for name in _VARIABLES}
     env["DDLF_THREADS"] = str(threads)  # ddlf's own pools: image decoding on the prefetch threads
     ours = ("--xla_cpu_multi_thread_eigen=", "intra_op_parallelism_threads=")

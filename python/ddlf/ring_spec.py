@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _ddlf
+from .errors import ConfigError
 
 OPS = ("mean", "sum")
 
@@ -51,16 +52,20 @@ class RingSpec:
 
 
 def check_op(op: str) -> str:
-    """``op`` if it is a reduction ring members do (``"sum"``, ``"mean"``); else ``ValueError``."""
-    _ddlf.check_reduction(op)
+    """``op`` if it is a reduction ring members do (``"sum"``, ``"mean"``); else :class:`~ddlf.errors.ConfigError`."""
+    try:
+        _ddlf.check_reduction(op)
+    except ValueError as exc:  # the extension's own
+        raise ConfigError(str(exc)) from None
     return op
 
 
 def check_wire(wire: str | None, name: str = "compression") -> str | None:
-    """``wire`` if float32 elements can travel so (None, ``"float16"``, ``"bfloat16"``); else ``ValueError``,
+    """``wire`` if float32 elements can travel so (None, ``"float16"``, ``"bfloat16"``); else
+    :class:`~ddlf.errors.ConfigError`,
     naming the argument as the caller called it (``name``)."""
     try:
         _ddlf.check_reduction("sum", wire)
     except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
+        raise ConfigError(f"{name}: {exc}") from None
     return wire

@@ -27,7 +27,7 @@ from typing import Any
 
 import cloudpickle
 
-from .errors import SerializationError
+from .errors import ConfigTypeError, SerializationError
 from .shipping import is_local, local_module_patterns, names_module
 
 PROTOCOL = 5
@@ -176,7 +176,7 @@ class PickledFunctions:
 
     def get(self, fn: Callable[..., Any], name: str | None) -> tuple[str, str, bytes, frozenset[str]]:
         if not callable(fn):
-            raise TypeError(f"expected a function, got {type(fn).__name__}")
+            raise ConfigTypeError(f"expected a function, got {type(fn).__name__}")
         cached = None
         with contextlib.suppress(TypeError):  # not weak-referenceable: no cache
             cached = self._cache.get(fn)

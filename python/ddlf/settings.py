@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
+
 MAX_LANE_SPIN_US = 1_000_000
 """The longest busy-poll a lane may do before it sleeps: one second."""
 
@@ -18,7 +20,7 @@ MAX_LANE_SPIN_US = 1_000_000
 def check_lane_spin_us(value: Any) -> int:
     """Check a ``lane_spin_us`` setting: whole microseconds from 0 (sleep at once) to 1 s."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LANE_SPIN_US:
-        raise ValueError(
+        raise ConfigError(
             f"lane_spin_us must be a whole number of microseconds from 0 to {MAX_LANE_SPIN_US}, got {value!r}"
         )
     return value
@@ -32,7 +34,7 @@ def module_list(text: str) -> list[str]:
 def check_seconds(value: Any, what: str) -> float:
     """Check a duration setting: a positive, finite number of seconds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+        raise ConfigError(f"{what} must be a positive number of seconds, got {value!r}")
     return float(value)
 
 
@@ -43,4 +45,4 @@ def read_pem(value: str | os.PathLike[str] | bytes | None, what: str) -> bytes |
     try:
         return Path(value).read_bytes()
     except OSError as exc:
-        raise ValueError(f"cannot read {what} {os.fspath(value)!r}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read {what} {os.fspath(value)!r}: {exc.strerror}") from exc

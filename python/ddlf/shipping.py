@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import FunctionType, ModuleType
 
+from .errors import ConfigError
+
 SHIP_LIMIT = 16 * 1024 * 1024
 """The most source bytes one local module (or top-level package) may have to be shipped automatically; a larger
 one must be installed on the workers or shipped once with ``Cluster.upload_module``."""
@@ -39,11 +41,11 @@ def module_files(module: ModuleType | str | os.PathLike[str]) -> tuple[str, dict
     if isinstance(module, ModuleType):
         file = getattr(module, "__file__", None)
         if file is None:
-            raise ValueError(f"module {module.__name__!r} has no source file to upload")
+            raise ConfigError(f"module {module.__name__!r} has no source file to upload")
         path = source_path(file)
         top = module.__name__.split(".")[0]
         if top != module.__name__:
-            raise ValueError(f"upload the top-level package {top!r} rather than {module.__name__!r}")
+            raise ConfigError(f"upload the top-level package {top!r} rather than {module.__name__!r}")
     else:
         path = Path(module)
     path = path.resolve()
@@ -54,7 +56,7 @@ def _sources(path: Path, what: object) -> list[tuple[str, Path]]:
     """``(relative path, file)`` of every source of the module file or package directory at ``path``."""
     if path.is_dir():
         if not (path / "__init__.py").exists():
-            raise ValueError(f"{path} is not a package (no __init__.py)")
+            raise ConfigError(f"{path} is not a package (no __init__.py)")
         return [
             (p.relative_to(path.parent).as_posix(), p)
             for p in sorted(path.rglob("*.py"))
@@ -62,7 +64,7 @@ def _sources(path: Path, what: object) -> list[tuple[str, Path]]:
         ]
     if path.suffix == ".py" and path.is_file():
         return [(path.name, path)]
-    raise ValueError(f"cannot upload {what!r}: expected a module, a .py file or a package directory")
+    raise ConfigError(f"cannot upload {what!r}: expected a module, a .py file or a package directory")
 
 
 def _stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
@@ -213,8 +215,8 @@ class Shipment:
 
     @classmethod
     def files(cls, name: str) -> tuple[str, dict[str, bytes]]:
-        """``(digest, files)`` of local top-level module ``name``; ``ValueError`` (naming it and the fix) when it
-        cannot be shipped."""
+        """``(digest, files)`` of local top-level module ``name``; :class:`~ddlf.errors.ConfigError` (naming it and
+        the fix) when it cannot be shipped."""
         module = sys.modules[name]
         cached = cls._cache.get(name)
         try:
@@ -222,13 +224,13 @@ class Shipment:
         except (OSError, ValueError) as exc:
             if cached is not None:  # its sources left this host since they were read: ship what was read
                 return cached[1], cached[2]
-            raise ValueError(f"local module {name!r} cannot be shipped: {exc}") from None
+            raise ConfigError(f"local module {name!r} cannot be shipped: {exc}") from None
         if cached is not None and cached[0] == stamp:
             return cached[1], cached[2]
         _, files = module_files(module)
         size = sum(len(c) for c in files.values())
         if size > SHIP_LIMIT:
-            raise ValueError(
+            raise ConfigError(
                 f"local module {name!r} ({_size(size)} in {len(files)} files) is referenced by code sent "
                 f"to the workers but is over the {_size(SHIP_LIMIT)} limit for shipping it "
                 f"automatically: install it on every worker (pip install), or ship it once with "

@@ -61,6 +61,27 @@ def test_unknown_variable_is_a_clear_error_naming_it(cluster: ddlf.Cluster) -> N
         cluster.delete("nope")
 
 
+def test_except_ddlf_error_catches_what_the_cluster_refuses(cluster: ddlf.Cluster) -> None:
+    """Each is a ``ddlf.DdlfError`` and still the built-in a Python user would catch (ddlf.errors' contract)."""
+    with pytest.raises(ddlf.DdlfError) as info:
+        cluster.get("nope")  # a variable a worker does not hold
+    assert isinstance(info.value, ddlf.NotFoundError) and isinstance(info.value, KeyError)
+    assert "no variable named 'nope'" in str(info.value) and not str(info.value).startswith(("'", '"'))
+    with pytest.raises(ddlf.DdlfError) as info:
+        cluster.set("x", 1, workers=[7])  # a worker the cluster does not have
+    assert isinstance(info.value, ddlf.OutOfRangeError) and isinstance(info.value, IndexError)
+    with pytest.raises(ddlf.DdlfError) as info:
+        cluster.scatter("x", [1, 2, 3])  # one value too many
+    assert isinstance(info.value, ddlf.ConfigError) and isinstance(info.value, ValueError)
+    with pytest.raises(ddlf.DdlfError) as info:
+        cluster.add_function(42)  # type: ignore[arg-type]  # not a function
+    assert isinstance(info.value, ddlf.ConfigTypeError) and isinstance(info.value, TypeError)
+    with pytest.raises(ddlf.DdlfError) as info:
+        cluster.allreduce("nope")  # ddlf's own lookup on the workers: their NotFoundError comes back
+    assert isinstance(info.value, ddlf.RemoteError) and info.value.raised("NotFoundError")
+    assert cluster.run(lambda: "alive") == ["alive", "alive"]
+
+
 # -- functions ------------------------------------------------------------------------------------------
 
 

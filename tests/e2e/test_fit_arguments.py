@@ -6,6 +6,7 @@ workers' data. Exactness is checked the strict way: one worker, gradient averagi
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
@@ -260,6 +261,19 @@ def test_validation_freq_and_validation_data_as_in_fit(cluster: ddlf.Cluster) ->
     assert history.params["samples"] == ROWS
     want = app.model.evaluate(x[:10], y[:10], verbose=0, return_dict=True)
     assert history.history["val_loss"][-1] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_validation_freq_past_the_last_epoch_warns(cluster: ddlf.Cluster) -> None:
+    """``validation_freq`` that names no epoch of the run trains without validating, as fit does, and says so
+    (a ``ConfigWarning``, before any worker is asked); a run that reaches its epoch does not warn."""
+    app = Plain(cluster)
+    with pytest.warns(ddlf.ConfigWarning, match=r"validation_freq=2 validates after none of this run's epochs"):
+        history = app.train(epochs=1, batch_size=32, validation_split=0.5, validation_freq=2, verbose=0)
+    assert "val_loss" not in history.history and len(history.history["loss"]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ddlf.ConfigWarning)
+        history = app.train(epochs=2, batch_size=32, validation_split=0.5, validation_freq=2, verbose=0)
+    assert len(history.history["val_loss"]) == 1
 
 
 class Frames(ddlf.IApp):

@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import _ddlf
 from ..data import store
-from ..errors import DdlfError, ResetRefused, raise_for
+from ..errors import ConfigError, ConfigTypeError, DdlfError, OutOfRangeError, ResetRefused, raise_for
 from ..process import prepare_process
 from ..settings import check_lane_spin_us, read_pem
 from ..shipping import files_digest, module_files
@@ -260,7 +260,7 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         ``.n_workers``, ``.vars``). Functions from ``__main__``, closures and lambdas travel by value.
         """
         if not callable(fn):
-            raise TypeError(f"expected a function, got {type(fn).__name__}")
+            raise ConfigTypeError(f"expected a function, got {type(fn).__name__}")
         return self._dispatch.ensure_function(fn, timeout, name)[0]
 
     def remove_function(self, name: str, *, timeout: float | None = None) -> None:
@@ -303,10 +303,10 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         the whole call raising (as ``asyncio.gather`` does)."""
         targets = self._targets(workers)
         if len(args) != len(targets):
-            raise ValueError(f"args has {len(args)} entries for {len(targets)} workers: give one per worker")
+            raise ConfigError(f"args has {len(args)} entries for {len(targets)} workers: give one per worker")
         kw = list(kwargs) if kwargs is not None else [{} for _ in args]
         if len(kw) != len(targets):
-            raise ValueError(f"kwargs has {len(kw)} entries for {len(targets)} workers: give one per worker")
+            raise ConfigError(f"kwargs has {len(kw)} entries for {len(targets)} workers: give one per worker")
         name, digest = self._dispatch.ensure_function(fn, timeout, targets=targets)
         values = [(tuple(a), dict(k)) for a, k in zip(args, kw)]
         return self._call(
@@ -434,7 +434,7 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         warning and error, and what user code logged with Python's ``logging``. Answered without the worker's
         Python thread, so it works while a function runs. A ``RemoteError``'s ``request_id`` finds its lines."""
         if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+            raise ConfigError(f"n must be >= 0, got {n}")
         n = min(n, 2**32 - 1)  # the daemon keeps 10,000 lines at most anyway
         lines, _dropped = raise_for(self._client.logs(self._targets([worker]), n, timeout))[0]
         return lines
@@ -490,7 +490,7 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         running (and keeps its state) unless ``shutdown=True``. Returns its address."""
         if isinstance(worker, str):
             if worker not in self.addresses:
-                raise ValueError(f"no worker at {worker!r}: the cluster's workers are {self.addresses}")
+                raise ConfigError(f"no worker at {worker!r}: the cluster's workers are {self.addresses}")
             worker = self.addresses.index(worker)
         return self._recovery.remove(self._targets([int(worker)])[0], shutdown=shutdown)
 
@@ -504,15 +504,15 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         targets = [int(w) for w in workers]
         for w in targets:
             if not 0 <= w < len(self):
-                raise IndexError(f"worker {w} out of range: the cluster has {len(self)} workers")
+                raise OutOfRangeError(f"worker {w} out of range: the cluster has {len(self)} workers")
         if len(set(targets)) != len(targets):
             twice = sorted({w for w in targets if targets.count(w) > 1})
-            raise ValueError(f"workers names worker {', '.join(map(str, twice))} more than once: name each once")
+            raise ConfigError(f"workers names worker {', '.join(map(str, twice))} more than once: name each once")
         return targets
 
     def _check_per_worker(self, values: Sequence[Any], what: str) -> None:
         if len(values) != len(self):
-            raise ValueError(f"{what} has {len(values)} entries for {len(self)} workers: give one per worker")
+            raise ConfigError(f"{what} has {len(values)} entries for {len(self)} workers: give one per worker")
 
     def _call(
         self,

@@ -185,7 +185,7 @@ def kubernetes_addresses(
         except OSError:
             namespace = "default"
     if replicas is not None and replicas < 1:
-        raise ValueError(f"replicas must be at least 1, got {replicas}")
+        raise ConfigError(f"replicas must be at least 1, got {replicas}")
     sts = statefulset or service
 
     def host(i: int) -> str:

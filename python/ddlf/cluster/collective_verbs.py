@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from ..ring_spec import check_op, check_wire
 from ..worker import reduction as worker_collective
 from .calls import FunctionRef
@@ -80,7 +81,7 @@ class Collectives:
         )
         for w, d in zip(members, described):
             if d != described[0]:
-                raise ValueError(
+                raise ConfigError(
                     f"allreduce: variable {name!r} differs between workers: worker {members[0]} holds "
                     f"{_describe(described[0])}, worker {w} {_describe(d)}; every worker must hold the same "
                     "dtypes and shapes (nothing was reduced)"

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import WorkerStartError
+from ..errors import ConfigError, WorkerStartError
 from ..frameworks.keras_backend import keras_backend_in_use
 from ..process import PARENT_ENV, thread_env
 from ..settings import check_lane_spin_us, module_list
@@ -69,9 +69,9 @@ class LocalWorkers:
         token: str | None = None,
     ) -> None:
         if n_workers < 1:
-            raise ValueError(f"n_workers must be at least 1, got {n_workers}")
+            raise ConfigError(f"n_workers must be at least 1, got {n_workers}")
         if listen is not None and len(listen) != n_workers:
-            raise ValueError(f"listen has {len(listen)} addresses for {n_workers} workers")
+            raise ConfigError(f"listen has {len(listen)} addresses for {n_workers} workers")
         self.token = token or secrets.token_urlsafe(24)
         self._dir = tempfile.mkdtemp(prefix="ddlf-local-")
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -185,14 +185,14 @@ def start_local(
 
         ids = choose_gpus(gpus)
         if n_workers is not None and n_workers != len(ids):
-            raise ValueError(f"n_workers={n_workers} but gpus gives {len(ids)} GPUs {ids}: one worker per GPU")
+            raise ConfigError(f"n_workers={n_workers} but gpus gives {len(ids)} GPUs {ids}: one worker per GPU")
         n_workers = len(ids)
         per_worker = [["--gpu", gpu] for gpu in ids]
     if n_workers is None:
         n_workers = 2
     if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
         # (checked here, not only by LocalWorkers: the thread split below divides by it)
-        raise ValueError(f"n_workers must be a whole number of at least 1, got {n_workers!r}")
+        raise ConfigError(f"n_workers must be a whole number of at least 1, got {n_workers!r}")
     if threads is None:
         from ..process import cpu_count
 

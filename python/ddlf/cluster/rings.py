@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ConfigError
 from ..ring_spec import LocalRing, RingSpec
 
 
@@ -63,7 +64,7 @@ class RingPlan:
 
     def __post_init__(self) -> None:
         if not self.workers or len(self.workers) != len(self.addresses):
-            raise ValueError("a ring needs at least one worker and one address per worker")
+            raise ConfigError("a ring needs at least one worker and one address per worker")
         self.spec(self.workers[0])  # the spec's own checks (streams, timeout, liveness, TLS), made once, in Rust
 
 

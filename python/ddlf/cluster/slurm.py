@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import LaunchError
+from ..errors import ConfigError, LaunchError
 from ..rendezvous import Enlisted, Rendezvous
 
 #: The environment variables a worker started by :class:`SlurmWorkers` reads (see ``ddlf.worker.main``).
@@ -128,7 +128,7 @@ def srun_command(
 ) -> list[str]:
     """The ``srun`` command line that starts the workers (one per task, or one per GPU with ``per="gpu"``)."""
     if per not in ("task", "gpu"):
-        raise ValueError(f"per must be 'task' or 'gpu', not {per!r}")
+        raise ConfigError(f"per must be 'task' or 'gpu', not {per!r}")
     cmd = ["srun", "--kill-on-bad-exit=0", "--wait=0", f"--job-name=ddlf-workers-{alloc.job_id}"]
     if per == "gpu":
         if not alloc.gpus_per_node:

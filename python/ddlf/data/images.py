@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DatasetError
+from ..errors import DatasetError, OutOfRangeError
 from .sources import _fs, _join, _walk, is_url
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -96,7 +96,7 @@ class EncodedImages:
         if isinstance(item, (int, np.integer)):
             i = int(item) + (len(self) if item < 0 else 0)
             if not 0 <= i < len(self):
-                raise IndexError(f"image {item} out of range for {len(self)} images")
+                raise OutOfRangeError(f"image {item} out of range for {len(self)} images")
             return self.decode([i])[0]
         return self.decode(np.arange(len(self))[item])
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigTypeError, DatasetError, NotFoundError
 from .images import EncodedImages
 
 
@@ -86,10 +87,10 @@ class DatasetStore:
             try:
                 arrays = _arrays(value)
                 if not arrays:
-                    raise TypeError(f"load_dataset for {key!r} returned {type(value).__name__}, not numpy arrays")
+                    raise ConfigTypeError(f"load_dataset for {key!r} returned {type(value).__name__}, not numpy arrays")
                 rows = {len(a) for a in arrays}
                 if len(rows) != 1:
-                    raise ValueError(f"dataset {key!r}: arrays have different numbers of rows {sorted(rows)}")
+                    raise DatasetError(f"dataset {key!r}: arrays have different numbers of rows {sorted(rows)}")
             except BaseException:
                 if hold is not None:
                     hold.release(remove=True)
@@ -107,7 +108,7 @@ class DatasetStore:
         try:
             return self._items[key]
         except KeyError:
-            raise KeyError(f"no dataset {key!r} on this worker (held: {sorted(self._items)})") from None
+            raise NotFoundError(f"no dataset {key!r} on this worker (held: {sorted(self._items)})") from None
 
     def keys(self) -> list[str]:
         """The keys held, sorted."""

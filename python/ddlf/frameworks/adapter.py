@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+
+from ..errors import ConfigError
 
 Kind = Literal["keras-tensorflow", "keras-jax", "keras-torch", "torch"]
 """Which framework a model trains with: Keras and its backend, or a ``TorchModel``."""
@@ -22,7 +25,7 @@ LEARNING_RATE = "learning_rate"
 """The name of a Keras optimizer's learning-rate variable (a plain rate; a schedule has none)."""
 
 
-class ModelAdapter:
+class ModelAdapter(ABC):
     """One model seen through its framework (see the module's docs). Subclasses: :class:`KerasAdapter`,
     :class:`TorchModelAdapter`."""
 
@@ -33,40 +36,40 @@ class ModelAdapter:
 
     # -- the weights and the optimizer ---------------------------------------------------------------------------
 
+    @abstractmethod
     def trainable_variables(self) -> list[Any]:
         """The weights the optimizer trains, in the order a stepper hands their gradients."""
-        raise NotImplementedError
 
+    @abstractmethod
     def untrained_mask(self) -> list[bool]:
         """For each array of ``get_weights()``: True where it is a float weight the optimizer does not train
         (BatchNorm's moving mean and variance), which each replica updates from its own batches."""
-        raise NotImplementedError
 
     def keras_optimizer(self) -> Any | None:
         """The model's compiled Keras optimizer (None: none compiled, or not a Keras model)."""
         return None
 
+    @abstractmethod
     def optimizer_built(self) -> bool:
         """Whether the optimizer has its state yet (Keras builds it on the first step, torch on its first step)."""
-        raise NotImplementedError
 
-    def build_optimizer(self) -> None:
+    def build_optimizer(self) -> None:  # noqa: B027 - nothing to do unless a framework says so
         """Create the optimizer's state now where the framework can (Keras); elsewhere it comes with a step."""
 
+    @abstractmethod
     def optimizer_state(self) -> list[np.ndarray]:
         """The optimizer's state arrays, in a fixed order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def optimizer_state_bytes(self) -> int:
         """The bytes of :meth:`optimizer_state`, read off the optimizer's tensors without copying them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def set_optimizer_state(self, state: list[np.ndarray], *, keep_learning_rate: bool = False) -> None:
         """Put back what :meth:`optimizer_state` returned; an optimizer not built yet adopts it next round.
         ``keep_learning_rate``: a Keras optimizer keeps its own rate (the state came from another process)."""
-        raise NotImplementedError
 
-    def set_learning_rate(self, value: float) -> None:
+    def set_learning_rate(self, value: float) -> None:  # noqa: B027 - only a Keras optimizer has a plain rate
         """Train with learning rate ``value`` from now on (a plain Keras rate; a schedule is left as it is)."""
 
     def learning_rate_schedule(self) -> Any | None:
@@ -87,13 +90,13 @@ class ModelAdapter:
     """Whether the model holds torch generators of its own that may be made as it is built (a worker seeds torch
     again after building it)."""
 
+    @abstractmethod
     def rng_state(self) -> list[np.ndarray]:
         """The model's random generators' state (dropout)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def set_rng_state(self, state: list[np.ndarray]) -> None:
         """Put back what :meth:`rng_state` returned."""
-        raise NotImplementedError
 
     # -- metrics and outputs -------------------------------------------------------------------------------------
 
@@ -109,10 +112,10 @@ class ModelAdapter:
         """The epoch ``keras.callbacks.BackupAndRestore`` restored the model at (as ``fit`` reads it), if any."""
         return None
 
-    def forget_restored_epoch(self) -> None:
+    def forget_restored_epoch(self) -> None:  # noqa: B027 - only Keras restores an epoch
         """Clear what :meth:`restored_epoch` reads, as ``fit`` does when it starts."""
 
-    def clear_stop_training(self) -> None:
+    def clear_stop_training(self) -> None:  # noqa: B027 - only a Keras model has the flag
         """Clear the flag a Keras callback sets to stop training (``model.stop_training``), as ``fit`` does when
         it starts."""
 
@@ -276,7 +279,7 @@ def _choose(model: Any) -> ModelAdapter:
     backend = keras.backend.backend()
     chosen = {"tensorflow": KerasOnTensorFlow, "jax": KerasOnJax, "torch": KerasOnTorch}.get(backend)
     if chosen is None:
-        raise NotImplementedError(f"ddlf does not train on the Keras backend {backend!r}")
+        raise ConfigError(f"ddlf does not train on the Keras backend {backend!r}")
     return chosen(model)
 
 

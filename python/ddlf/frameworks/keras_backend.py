@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from ..errors import FrameworkClash
+
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 """Keras backends in ddlf's order of preference when the user has not chosen: the order ``python -m benchmarks
 backends`` measures for ddlf training on CPU (the figures are in BENCHMARKS.md, *Keras backends on CPU*)."""
@@ -76,7 +78,7 @@ def follow_keras_backend(master: str | None) -> None:
     if mine is None:
         os.environ["KERAS_BACKEND"] = master
     elif mine != master:
-        raise RuntimeError(
+        raise FrameworkClash(
             f"this worker runs Keras on {mine!r} (loaded already) but the master runs {master!r}: a process keeps "
             f"its first backend, so start this worker with KERAS_BACKEND={master} (or the master with "
             f"KERAS_BACKEND={mine})"

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError, ConfigTypeError, ModelMismatchError
+
 __all__ = ["TorchModel"]
 
 _METRICS = ("accuracy",)
@@ -57,7 +59,7 @@ def _rows(value: Any) -> int:
     """The batch's number of samples: the length of its first array."""
     leaves = _leaves(value)
     if not leaves:
-        raise ValueError("an empty dict, tuple or list holds no samples")
+        raise ConfigError("an empty dict, tuple or list holds no samples")
     return len(leaves[0])
 
 
@@ -70,7 +72,7 @@ def _entry(value: Any, key: str | int, what: str) -> Any:
     have = f"keys {sorted(value)}" if isinstance(value, dict) else f"{len(value)} entries"
     if not _structured(value):
         have = "one tensor"
-    raise ValueError(f"the loss is given for {what} {key!r}, but the {what}s are {have}")
+    raise ConfigError(f"the loss is given for {what} {key!r}, but the {what}s are {have}")
 
 
 def _detached(value: Any) -> Any:
@@ -92,7 +94,9 @@ def _per_output(spec: Any, what: str) -> list[tuple[str | int, Any]]:
         return list(spec.items())
     if isinstance(spec, Sequence) and not isinstance(spec, str):
         return list(enumerate(spec))
-    raise TypeError(f"{what} must be one for all outputs, a dict by output name or a list by position, got {spec!r}")
+    raise ConfigTypeError(
+        f"{what} must be one for all outputs, a dict by output name or a list by position, got {spec!r}"
+    )
 
 
 def _takes_keywords(module: Any, names: tuple[str, ...]) -> bool:
@@ -110,7 +114,7 @@ def _takes_keywords(module: Any, names: tuple[str, ...]) -> bool:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if len(required) > 1 or not (positional or any(p.kind is p.VAR_POSITIONAL for p in params)):
-        raise TypeError(
+        raise ConfigTypeError(
             f"the batch's inputs are a dict with keys {list(names)}, but {type(module).__name__}.forward{signature} "
             "takes neither those names as parameters nor one dict"
         )
@@ -167,9 +171,9 @@ class TorchModel:
         check_torch_compiler_can_load()  # an abort (TensorFlow loaded first) becomes an error
         unknown = [m for m in metrics if m not in _METRICS]
         if unknown:
-            raise ValueError(f"unknown metrics {unknown}: TorchModel computes {list(_METRICS)}")
+            raise ConfigError(f"unknown metrics {unknown}: TorchModel computes {list(_METRICS)}")
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+            raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self._torch = torch
         self.module = module
         self.loss_fn = loss_fn
@@ -189,14 +193,14 @@ class TorchModel:
         self._kwargs_calls: dict[tuple[str, ...], bool] = {}
         self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(module.parameters())
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError("optimizer must be a torch.optim.Optimizer or a function returning one")
+            raise ConfigTypeError("optimizer must be a torch.optim.Optimizer or a function returning one")
         self.reset_metrics()
 
     def _dtype(self, name: Any) -> Any:
         if name is None or name == "auto":
             return name
         if not isinstance(name, str) or not isinstance(getattr(self._torch, name, None), self._torch.dtype):
-            raise ValueError(f"target_dtype: {name!r} is not a torch dtype (e.g. 'long', 'float32')")
+            raise ConfigError(f"target_dtype: {name!r} is not a torch dtype (e.g. 'long', 'float32')")
         return getattr(self._torch, name)
 
     @staticmethod
@@ -204,15 +208,15 @@ class TorchModel:
         """``(output key, loss, weight)`` for each output a loss is given for; None for one loss over everything."""
         if callable(loss_fn) and not isinstance(loss_fn, (Mapping, Sequence)):
             if loss_weights is not None:
-                raise ValueError("loss_weights weigh one loss per output: give loss_fn as a dict or list of losses")
+                raise ConfigError("loss_weights weigh one loss per output: give loss_fn as a dict or list of losses")
             return None
         given = _per_output(loss_fn, "loss_fn")
         losses = [(k, fn) for k, fn in given if fn is not None]
         if not losses or any(not callable(fn) for _, fn in losses):
-            raise TypeError(f"loss_fn: a loss (a callable) or None per output, got {loss_fn!r}")
+            raise ConfigTypeError(f"loss_fn: a loss (a callable) or None per output, got {loss_fn!r}")
         weights = dict(_per_output(loss_weights, "loss_weights")) if loss_weights is not None else {}
         if unknown := [k for k in weights if k not in dict(given)]:
-            raise ValueError(f"loss_weights for {unknown}, which loss_fn does not name")
+            raise ConfigError(f"loss_weights for {unknown}, which loss_fn does not name")
         return [(k, fn, float(weights.get(k, 1.0))) for k, fn in losses]
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -228,12 +232,14 @@ class TorchModel:
         """Copy ``weights`` (as returned by :meth:`get_weights`) into the module."""
         tensors = self._tensors()
         if len(weights) != len(tensors):
-            raise ValueError(f"expected {len(tensors)} weight arrays, got {len(weights)}")
+            raise ModelMismatchError(f"expected {len(tensors)} weight arrays, got {len(weights)}")
         with self._torch.no_grad():
             for t, w in zip(tensors, weights):
                 w = np.asarray(w)
                 if tuple(w.shape) != tuple(t.shape):
-                    raise ValueError(f"weight of shape {w.shape} does not fit a tensor of shape {tuple(t.shape)}")
+                    raise ModelMismatchError(
+                        f"weight of shape {w.shape} does not fit a tensor of shape {tuple(t.shape)}"
+                    )
                 t.copy_(self._tensor(w))
 
     @property
@@ -260,7 +266,7 @@ class TorchModel:
     def _targets(self, y: Any) -> Any:
         if not _structured(y):
             if self._target_dtypes is not None:
-                raise ValueError("target_dtype is given per output, but the targets are one array")
+                raise ConfigError("target_dtype is given per output, but the targets are one array")
             dtype = self._array_target_dtype
             return self._tensor(y).to(dtype) if dtype is not None else self._tensor(y)
         if isinstance(y, dict):
@@ -419,7 +425,7 @@ class TorchModel:
         """Mean loss (and metrics) over ``x, y``, in evaluation mode without gradients. No ``sample_weight`` (as in
         training: weigh the rows in the loss function instead)."""
         if sample_weight is not None:
-            raise ValueError(
+            raise ConfigError(
                 "a ddlf.models.TorchModel takes no sample weights (evaluate's sample_weight, validation_data's "
                 "third item): weigh the rows in its loss function instead"
             )

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..cluster.cluster import Cluster
 from ..cluster.local import start_worker, wait_ready
-from ..errors import DatasetError, WorkerStartError
+from ..errors import ConfigError, DatasetError, WorkerStartError
 from ..process import PARENT_ENV
 from ..training.app import IApp
 
@@ -177,7 +177,7 @@ def hosted(
     features = [features] if isinstance(features, str) else list(features)
     n = int(num_workers or df.rdd.getNumPartitions())
     if n < 1:
-        raise ValueError(f"num_workers must be at least 1, not {n}")
+        raise ConfigError(f"num_workers must be at least 1, not {n}")
     df = _vectors_to_arrays(df.select(*features, *([label] if label else [])))
     if df.rdd.getNumPartitions() != n:
         df = df.repartition(n)

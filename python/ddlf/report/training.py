@@ -16,6 +16,7 @@ import platform
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..errors import ConfigError
 from ..training.history import History, RoundStats, worker_totals
 from .html import CSS, LOST, _e, _fmt_tick, _line_chart, _nice_ticks, _table
 
@@ -33,15 +34,15 @@ MAX_TIMELINE_ROUNDS = 4000  # segments drawn per run; beyond that the timeline s
 
 
 def check_report_path(path: str | os.PathLike[str]) -> None:
-    """Raise ``ValueError`` now (before training) when a report could not be written at ``path``."""
+    """Raise :class:`~ddlf.errors.ConfigError` now (before training) when a report could not be written at ``path``."""
     p = Path(path)
     if p.suffix.lower() not in (".html", ".htm"):
-        raise ValueError(f"report={os.fspath(path)!r}: give an .html file name (its numbers go beside it as .json)")
+        raise ConfigError(f"report={os.fspath(path)!r}: give an .html file name (its numbers go beside it as .json)")
     parent = p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if p.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ValueError(f"report={os.fspath(path)!r}: cannot write there ({parent} is not a writable directory)")
+        raise ConfigError(f"report={os.fspath(path)!r}: cannot write there ({parent} is not a writable directory)")
 
 
 def write_report(history: History, path: str | os.PathLike[str], *, title: str | None = None) -> Path:

@@ -34,7 +34,15 @@ from .. import serialization
 from ..cluster.cluster import Cluster
 from ..data.images import EncodedImages
 from ..data.structure import concatenate_rows
-from ..errors import DatasetError, ModelChangeWarning, WorkerUnavailable
+from ..errors import (
+    ConfigError,
+    ConfigTypeError,
+    ConfigWarning,
+    DatasetError,
+    ModelChangeWarning,
+    OutOfRangeError,
+    WorkerUnavailable,
+)
 from ..frameworks import model_spec
 from ..frameworks.adapter import adapter_for
 from ..frameworks.keras_backend import keras_backend_default
@@ -166,7 +174,7 @@ class IApp:
         resumed: dict[str, Any] | None = None
         if strategy is None:  # ddlf's default, chosen for this model and cluster (ddlf.training.defaults)
             if not isinstance(run, RunConfig):
-                raise TypeError(f"run must be a ddlf.RunConfig, not {run!r}")
+                raise ConfigTypeError(f"run must be a ddlf.RunConfig, not {run!r}")
             self._seed_and_build(run.seed)  # as _run does
             if run.resume and run.checkpoint_dir:
                 resumed = checkpoint.load(run.checkpoint_dir)
@@ -185,6 +193,7 @@ class IApp:
             fit = dataclasses.replace(cfg.fit, validation_split=0.0)  # fit's rule: validation_data wins
             cfg = dataclasses.replace(cfg, fit=fit)
         cfg = self._check(cfg)
+        self._warn_suspicious(cfg, validation_data is not None or bool(cfg.fit.validation_split), initial_epoch)
         self._next_run = RunState(strategy_reason=reason, resumed=resumed)  # what _run starts from
         if cfg.mode == "sync":
             return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
@@ -198,19 +207,41 @@ class IApp:
         if workers is not None:
             bad = [w for w in workers if w >= n]
             if bad:
-                raise IndexError(f"RunConfig.workers {bad} out of range: the cluster has {n} workers")
+                raise OutOfRangeError(f"RunConfig.workers {bad} out of range: the cluster has {n} workers")
             if self.sharded:
-                raise ValueError("RunConfig.workers needs a whole-dataset app: a sharded app trains on every shard")
+                raise ConfigError("RunConfig.workers needs a whole-dataset app: a sharded app trains on every shard")
         if shares is not None and len(shares) != n:
-            raise ValueError(f"DataConfig.worker_shares has {len(shares)} entries for {n} workers: give one per worker")
+            raise ConfigError(
+                f"DataConfig.worker_shares has {len(shares)} entries for {n} workers: give one per worker"
+            )
         if cfg.data.rotate_shards_every is not None and not self.sharded:
-            raise ValueError("DataConfig.rotate_shards_every needs a sharded app (sharded = True)")
+            raise ConfigError("DataConfig.rotate_shards_every needs a sharded app (sharded = True)")
         if cfg.run.report is not None:
             check_report_path(cfg.run.report)
         if isinstance(cfg.strategy, ModelAveraging):
             targets = list(workers) if workers is not None else list(range(n))
             cfg = dataclasses.replace(cfg, exchange=resolve_exchange(cfg.strategy.exchange, self.cluster, targets))
         return cfg
+
+    def _warn_suspicious(self, cfg: TrainConfig, validating: bool, initial_epoch: int) -> None:
+        """Options that work but are probably not what was meant: a :class:`~ddlf.errors.ConfigWarning` each (from
+        the caller of :meth:`train`)."""
+        epochs = range(initial_epoch, cfg.epochs)
+        if validating and epochs and not any(cfg.validates(e) for e in epochs):
+            warnings.warn(
+                f"validation_freq={cfg.validation_freq!r} validates after none of this run's epochs "
+                f"({initial_epoch + 1} to {cfg.epochs}): the run has no val_* logs",
+                ConfigWarning,
+                stacklevel=3,
+            )
+        k = cfg.data.rotate_shards_every
+        if k is not None and self.sharded and len(self.cluster) > 1 and cfg.epochs <= k:
+            warnings.warn(
+                f"DataConfig.rotate_shards_every={k} with epochs={cfg.epochs}: the shards never rotate in this run "
+                "(each worker trains on its own shard only)",
+                ConfigWarning,
+                stacklevel=3,
+            )
 
     def train_sync(
         self, cfg: TrainConfig, validation_data: Any = None, callbacks: Sequence[Any] = (), initial_epoch: int = 0
@@ -246,7 +277,7 @@ class IApp:
         if x is None:
             if y is not None or sample_weight is not None or kwargs:
                 given = ", ".join(["y"] * (y is not None) + ["sample_weight"] * (sample_weight is not None) + [*kwargs])
-                raise ValueError(
+                raise ConfigError(
                     f"evaluate() without x evaluates every row of the workers' dataset: it takes no {given}"
                 )
             logs = self._on_workers("evaluate", batch_size)
@@ -256,7 +287,7 @@ class IApp:
             return values[0] if len(values) == 1 else values
         if isinstance(x, EncodedImages):
             if sample_weight is not None:
-                raise ValueError("evaluate() on EncodedImages takes no sample_weight")
+                raise ConfigError("evaluate() on EncodedImages takes no sample_weight")
             batches = datasets.batches([x, y], batch_size=batch_size, preprocess=self.preprocess)
             steps = -(-len(x) // batch_size)
             cap = kwargs.pop("steps", None)  # Keras's: at most this many batches
@@ -274,7 +305,7 @@ class IApp:
         workers with the master's weights and returned in row order (a sharded app: shard after shard)."""
         if (x is None or isinstance(x, EncodedImages)) and kwargs:
             where = "every row of the workers' dataset" if x is None else "EncodedImages batch by batch"
-            raise ValueError(f"predict() of {where} takes no {', '.join(kwargs)}")
+            raise ConfigError(f"predict() of {where} takes no {', '.join(kwargs)}")
         if x is None:
             return self._on_workers("predict", batch_size)
         if isinstance(x, EncodedImages):
@@ -323,7 +354,7 @@ class IApp:
         """Evaluate the master's model on ``(x, y)`` or ``(x, y, sample_weight)`` (after :meth:`preprocess`):
         Keras's ``val_*`` logs."""
         if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
-            raise ValueError("validation_data must be (x, y) or (x, y, sample_weight), as in fit")
+            raise ConfigError("validation_data must be (x, y) or (x, y, sample_weight), as in fit")
         sw = data[2] if len(data) == 3 else None
         out = self.evaluate(data[0], data[1], batch_size=512, sample_weight=sw, return_dict=True)
         return {f"val_{k}": float(v) for k, v in out.items()}
@@ -346,7 +377,7 @@ class IApp:
             if self.model is None:
                 model = self.create_model()
                 if not (hasattr(model, "get_weights") and hasattr(model, "set_weights")):
-                    raise TypeError(
+                    raise ConfigTypeError(
                         f"{type(self).__name__}.create_model() must return a compiled Keras model or a "
                         f"ddlf.models.TorchModel, not {type(model).__name__}"
                     )
@@ -408,7 +439,7 @@ class IApp:
             sizes = set(shard_rows)
             if len(sizes) != 1:
                 self._abandon(members)
-                raise ValueError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
+                raise DatasetError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
             rows = members.rows = sizes.pop()
         if rows == 0:  # fit refuses empty data too
             self._abandon(members)

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from ..errors import ConfigError, ConfigTypeError
 from .history import worker_totals
 
 
@@ -151,7 +152,7 @@ class LambdaCallback(Callback):
     def __init__(self, **hooks: Any) -> None:
         for name, fn in hooks.items():
             if not name.startswith("on_"):
-                raise TypeError(f"unknown hook {name!r}")
+                raise ConfigTypeError(f"unknown hook {name!r}")
             setattr(self, name, fn)
 
 
@@ -162,7 +163,7 @@ def _comparator(monitor: str, mode: str, min_delta: float = 0.0) -> Any:
         return lambda new, best: new > best + min_delta
     if mode == "min":
         return lambda new, best: new < best - min_delta
-    raise ValueError(f"mode must be 'auto', 'min' or 'max', not {mode!r}")
+    raise ConfigError(f"mode must be 'auto', 'min' or 'max', not {mode!r}")
 
 
 class TensorBoard(Callback):
@@ -179,7 +180,7 @@ class TensorBoard(Callback):
 
     def __init__(self, log_dir: str | os.PathLike[str] = "logs", update_freq: str = "epoch") -> None:
         if update_freq not in ("epoch", "round"):
-            raise ValueError(f"update_freq must be 'epoch' or 'round', not {update_freq!r}")
+            raise ConfigError(f"update_freq must be 'epoch' or 'round', not {update_freq!r}")
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
         self._writer_class = _summary_writer_class()

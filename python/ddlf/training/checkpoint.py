@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from .history import History, RoundStats
 
 FILENAME = "ddlf-checkpoint.pkl"
@@ -114,10 +114,10 @@ def load(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         with open(path, "rb") as f:
             state = pickle.load(f)
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{path} is not a readable ddlf checkpoint: {exc}") from exc
+        raise ConfigError(f"{path} is not a readable ddlf checkpoint: {exc}") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{path} is not a ddlf checkpoint of format {FORMAT} (found {found!r})")
+        raise ConfigError(f"{path} is not a ddlf checkpoint of format {FORMAT} (found {found!r})")
     return state
 
 
@@ -132,14 +132,14 @@ def check_resumable(saved: dict[str, Any], gradient_averaging: bool, sharded: bo
     has_whole = any(s.get("optimizer") is not None for s in states)
     if gradient_averaging and has_shards != sharded and (has_shards or has_whole):
         held, run = ("sharded", "without") if has_shards else ("whole", "with")
-        raise ValueError(
+        raise ConfigError(
             f"this checkpoint holds {held} optimizer state; resuming it {run} "
             "GradientAveraging(shard_optimizer=True) would restart the optimizer from zeros. Resume with the "
             "setting that wrote it, or train into a new checkpoint_dir"
         )
     written = saved.get("strategy")
     if gradient_averaging and written not in (None, "GradientAveraging"):
-        raise ValueError(
+        raise ConfigError(
             f"this checkpoint was written by {written}; resuming it with GradientAveraging would start the "
             "workers from different optimizer states. Resume with the strategy that wrote it, or train into a "
             "new checkpoint_dir"

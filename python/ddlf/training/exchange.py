@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..cluster.rings import host_of
-from ..errors import BadWorkerReply, NonFiniteUpdate, RemoteError, WorkerUnavailable
+from ..errors import BadWorkerReply, CollectiveError, NonFiniteUpdate, NotFoundError, RemoteError, WorkerUnavailable
 from . import replica as remote
 from .messages import GradientRound, RingRound, Rows, WorkerResult, weights_var
 from .options import AutoExchange, Ring, ThroughMaster
@@ -103,11 +103,11 @@ class RingExchange:
         return self.fallback
 
     def current_weights(self) -> list[np.ndarray]:
-        """:meth:`weights`, or ``LookupError`` when no worker holding the last round's weights answers and the
-        master's own copy is older (a checkpoint must not pair them with a later position)."""
+        """:meth:`weights`, or :class:`~ddlf.errors.NotFoundError` when no worker holding the last round's weights
+        answers and the master's own copy is older (a checkpoint must not pair them with a later position)."""
         got = self.weights()
         if self.fallback_round != self.round:
-            raise LookupError(
+            raise NotFoundError(
                 f"no worker holding round {self.round}'s weights answers (the master has round "
                 f"{self.fallback_round if self.fallback_round is not None else 'none'}'s)"
             )
@@ -270,7 +270,7 @@ class RingExchange:
                 "cannot reach each other's ring ports, pass strategy=ddlf.ModelAveraging() to average through "
                 "the master)"
             )
-        raise RuntimeError(f"round {round_no}: the all-reduce failed {MAX_REDOS} times in a row{hint}")
+        raise CollectiveError(f"round {round_no}: the all-reduce failed {MAX_REDOS} times in a row{hint}")
 
     def _shard_plan(self, targets: list[int], attempt: int) -> str:
         """What the workers do with their optimizer shards this round (``ShardedOptimizer.begin``)."""

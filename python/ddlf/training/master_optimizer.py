@@ -131,7 +131,7 @@ def _mean(arrays: list[np.ndarray]) -> np.ndarray:
 
 def _layout(model: Any) -> tuple[list[list[Any]], list[Any]] | None:
     """Where the sharded state goes in the master's (built) Keras optimizer: for each slot kind of the shard
-    optimizer (:class:`.replica.shard_optimizers.KerasShard`, in its order), the model optimizer's variable of
+    optimizer (:class:`ddlf.frameworks.shard_optimizers.KerasShard`, in its order), the model optimizer's variable of
     that kind for each trainable weight (in the flat order), and its scalar variables (the step count, the rate,
     Nadam's running product), in the shard optimizer's order. None where a variable is not found by Keras'
     naming (``{weight path}_{kind}``, ``/`` as ``_``)."""

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import WorkerUnavailable
+from ..errors import DatasetError, WorkerUnavailable
 from ..frameworks import model_spec
 from ..frameworks.keras_backend import keras_backend_in_use
 from ..frameworks.seeding import uses_torch
@@ -168,7 +168,7 @@ class Members:
         if app.sharded or not self.rows:
             return
         if info["rows"] != self.rows:
-            raise ValueError(
+            raise DatasetError(
                 f"worker {i} ({self.cluster.addresses[i]}) loaded {info['rows']} rows; the others {self.rows}"
             )
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError, ConfigTypeError
 from ..ring_spec import RingSpec
 
 
@@ -46,30 +47,30 @@ class FitData:
     def __post_init__(self) -> None:
         split = self.validation_split
         if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0.0 <= split < 1.0:
-            raise ValueError(f"validation_split must be a number >= 0 and < 1, not {split!r}")
+            raise ConfigError(f"validation_split must be a number >= 0 and < 1, not {split!r}")
         if self.shuffle not in (True, False):
-            raise ValueError(f"shuffle must be True or False, not {self.shuffle!r}")
+            raise ConfigError(f"shuffle must be True or False, not {self.shuffle!r}")
         cw = self.class_weight
         if cw is not None:
             if not isinstance(cw, dict) or not cw:
-                raise TypeError(f"class_weight must be a dict {{class index: weight}}, not {cw!r}")
+                raise ConfigTypeError(f"class_weight must be a dict {{class index: weight}}, not {cw!r}")
             for k, v in cw.items():
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-                    raise ValueError(f"class_weight's keys must be class indices (integers >= 0), not {k!r}")
+                    raise ConfigError(f"class_weight's keys must be class indices (integers >= 0), not {k!r}")
                 if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v):
-                    raise ValueError(f"class_weight[{k}] must be a finite number, not {v!r}")
+                    raise ConfigError(f"class_weight[{k}] must be a finite number, not {v!r}")
             if self.sample_weight is not None:
-                raise ValueError("class_weight and sample_weight cannot be given together (as in fit): keep one")
+                raise ConfigError("class_weight and sample_weight cannot be given together (as in fit): keep one")
         sw = self.sample_weight
         if sw is not None and not callable(sw):
             a = np.asarray(sw)
             if a.dtype.kind not in "fiu" or a.ndim < 1:
-                raise TypeError(
+                raise ConfigTypeError(
                     "sample_weight must be an array of numbers with one entry per row, or a function "
                     f"(x, y) -> weights of each batch, not {type(sw).__name__}"
                 )
             if not np.isfinite(a.astype(np.float64)).all():
-                raise ValueError("sample_weight holds NaN or infinite values")
+                raise ConfigError("sample_weight holds NaN or infinite values")
 
     @property
     def plain(self) -> bool:

@@ -34,6 +34,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..errors import ConfigError, ConfigTypeError, OutOfRangeError
 from .messages import FitData
 from .outer import OuterSpec
 from .policy import FailurePolicy
@@ -47,7 +48,7 @@ def _positive_int(value: Any, what: str, *, none: bool = False) -> None:
     if value is None and none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be an integer >= 1{' or None' if none else ''}, not {value!r}")
+        raise ConfigError(f"{what} must be an integer >= 1{' or None' if none else ''}, not {value!r}")
 
 
 def _number(value: Any, what: str, *, low: float, high: float = math.inf, open_low: bool = False) -> None:
@@ -55,14 +56,14 @@ def _number(value: Any, what: str, *, low: float, high: float = math.inf, open_l
     ok = ok and (value > low if open_low else value >= low) and value < high
     if not ok:
         bound = f"> {low}" if open_low else f">= {low}"
-        raise ValueError(
+        raise ConfigError(
             f"{what} must be a finite number {bound}{'' if high == math.inf else f' and < {high}'}, not {value!r}"
         )
 
 
 def _half(value: Any, what: str) -> None:
     if value not in (None, "float16", "bfloat16"):
-        raise ValueError(f"{what} must be None, 'float16' or 'bfloat16', not {value!r}")
+        raise ConfigError(f"{what} must be None, 'float16' or 'bfloat16', not {value!r}")
 
 
 # -- compression and exchanges --------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ class Ring:
 
     def __post_init__(self) -> None:
         if self.hierarchical not in (None, True, False):
-            raise ValueError(f"Ring.hierarchical must be None, True or False, not {self.hierarchical!r}")
+            raise ConfigError(f"Ring.hierarchical must be None, True or False, not {self.hierarchical!r}")
         _half(self.compression, "Ring.compression")
 
 
@@ -172,11 +173,11 @@ class ModelAveraging:
     def __post_init__(self) -> None:
         _positive_int(self.every, "ModelAveraging.every (batches per round)", none=True)
         if not isinstance(self.optimizer_state, bool):
-            raise TypeError(f"ModelAveraging.optimizer_state must be True or False, not {self.optimizer_state!r}")
+            raise ConfigTypeError(f"ModelAveraging.optimizer_state must be True or False, not {self.optimizer_state!r}")
         if self.outer is not None and not isinstance(self.outer, Nesterov):
-            raise TypeError(f"ModelAveraging.outer must be None or a ddlf.Nesterov, not {self.outer!r}")
+            raise ConfigTypeError(f"ModelAveraging.outer must be None or a ddlf.Nesterov, not {self.outer!r}")
         if not isinstance(self.exchange, (ThroughMaster, Ring, AutoExchange)):
-            raise TypeError(
+            raise ConfigTypeError(
                 "ModelAveraging.exchange must be a ddlf.ThroughMaster, ddlf.Ring or ddlf.AutoExchange, "
                 f"not {self.exchange!r}"
             )
@@ -215,17 +216,19 @@ class GradientAveraging:
 
     def __post_init__(self) -> None:
         if not isinstance(self.scale_learning_rate, bool):
-            raise TypeError(f"scale_learning_rate must be True or False, not {self.scale_learning_rate!r}")
+            raise ConfigTypeError(f"scale_learning_rate must be True or False, not {self.scale_learning_rate!r}")
         _number(self.warmup_epochs, "GradientAveraging.warmup_epochs", low=0.0)
         if self.warmup_epochs and not self.scale_learning_rate:
-            raise ValueError("warmup_epochs warms up the scaled learning rate: set scale_learning_rate=True too")
+            raise ConfigError("warmup_epochs warms up the scaled learning rate: set scale_learning_rate=True too")
         if self.bucket_cap_mb is not None:
             _number(self.bucket_cap_mb, "GradientAveraging.bucket_cap_mb", low=0.0, open_low=True)
         _positive_int(self.check_in_every, "GradientAveraging.check_in_every", none=True)
         if not isinstance(self.shard_optimizer, bool):
-            raise TypeError(f"GradientAveraging.shard_optimizer must be True or False, not {self.shard_optimizer!r}")
+            raise ConfigTypeError(
+                f"GradientAveraging.shard_optimizer must be True or False, not {self.shard_optimizer!r}"
+            )
         if not isinstance(self.ring, Ring):
-            raise TypeError(f"GradientAveraging.ring must be a ddlf.Ring, not {self.ring!r}")
+            raise ConfigTypeError(f"GradientAveraging.ring must be a ddlf.Ring, not {self.ring!r}")
 
     def learning_rate_factor(self, workers: int, progress: float) -> float:
         """The learning rate's multiple ``progress`` epochs into training: ``workers`` with
@@ -273,10 +276,10 @@ class Asynchronous:
     def __post_init__(self) -> None:
         _positive_int(self.chunk, "Asynchronous.chunk (batches per chunk)", none=True)
         if self.staleness is not None and not isinstance(self.staleness, DynSGD):
-            raise TypeError(f"Asynchronous.staleness must be None or a ddlf.DynSGD, not {self.staleness!r}")
+            raise ConfigTypeError(f"Asynchronous.staleness must be None or a ddlf.DynSGD, not {self.staleness!r}")
         m = self.max_staleness
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-            raise ValueError(f"Asynchronous.max_staleness must be an integer >= 0 or None, not {m!r}")
+            raise ConfigError(f"Asynchronous.max_staleness must be an integer >= 0 or None, not {m!r}")
         if not isinstance(self.compression, TopK):
             _half(self.compression, "Asynchronous.compression")
 
@@ -313,7 +316,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.send not in ("indices", "seed"):
-            raise ValueError(f"DataConfig.send must be 'indices' or 'seed', not {self.send!r}")
+            raise ConfigError(f"DataConfig.send must be 'indices' or 'seed', not {self.send!r}")
         if self.worker_shares is not None:
             shares = tuple(self.worker_shares)
             for s in shares:
@@ -321,7 +324,7 @@ class DataConfig:
             object.__setattr__(self, "worker_shares", tuple(float(s) for s in shares))
         _positive_int(self.rotate_shards_every, "DataConfig.rotate_shards_every (epochs)", none=True)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"DataConfig.prefetch must be an integer >= 0, not {self.prefetch!r}")
+            raise ConfigError(f"DataConfig.prefetch must be an integer >= 0, not {self.prefetch!r}")
 
 
 @dataclass(frozen=True)
@@ -357,41 +360,43 @@ class RunConfig:
         from .preemption import signal_number
 
         if isinstance(self.preemption_signals, (str, int)):
-            raise TypeError(f"RunConfig.preemption_signals must be a tuple of signals, not {self.preemption_signals!r}")
+            raise ConfigTypeError(
+                f"RunConfig.preemption_signals must be a tuple of signals, not {self.preemption_signals!r}"
+            )
         for s in self.preemption_signals:
-            signal_number(s)  # ValueError naming it
+            signal_number(s)  # ConfigError naming it
         if any(signal_number(s) == 2 for s in self.preemption_signals):
-            raise ValueError("RunConfig.preemption_signals cannot take SIGINT: Ctrl-C stops training at once")
+            raise ConfigError("RunConfig.preemption_signals cannot take SIGINT: Ctrl-C stops training at once")
         object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
         if self.workers is not None:
             w = self.workers
             if isinstance(w, (str, bytes)) or not all(
                 (isinstance(i, int) and not isinstance(i, bool)) or type(i).__module__ == "numpy" for i in w
             ):
-                raise TypeError(f"RunConfig.workers must be a sequence of worker indices, not {w!r}")
+                raise ConfigTypeError(f"RunConfig.workers must be a sequence of worker indices, not {w!r}")
             subset = tuple(sorted({int(i) for i in w}))
             if not subset:
-                raise ValueError("RunConfig.workers is empty: name at least one worker")
+                raise ConfigError("RunConfig.workers is empty: name at least one worker")
             if subset[0] < 0:
-                raise IndexError(f"RunConfig.workers {[i for i in subset if i < 0]} out of range")
+                raise OutOfRangeError(f"RunConfig.workers {[i for i in subset if i < 0]} out of range")
             object.__setattr__(self, "workers", subset)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"RunConfig.seed must be an integer, not {self.seed!r}")
+            raise ConfigTypeError(f"RunConfig.seed must be an integer, not {self.seed!r}")
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         if self.report is not None:
             object.__setattr__(self, "report", os.fspath(self.report))
         if not isinstance(self.resume, bool):
-            raise TypeError(f"RunConfig.resume must be True or False, not {self.resume!r}")
+            raise ConfigTypeError(f"RunConfig.resume must be True or False, not {self.resume!r}")
         if self.resume and self.checkpoint_dir is None:
-            raise ValueError("RunConfig(resume=True) needs the checkpoint_dir to resume from")
+            raise ConfigError("RunConfig(resume=True) needs the checkpoint_dir to resume from")
         if not isinstance(self.failure_policy, FailurePolicy):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"RunConfig.failure_policy must be a ddlf.FailurePolicy, not {type(self.failure_policy).__name__}"
             )
         _number(self.rejoin_timeout, "RunConfig.rejoin_timeout", low=0.0)
         if self.nonfinite not in ("skip", "raise"):
-            raise ValueError(f"RunConfig.nonfinite must be 'skip' or 'raise', not {self.nonfinite!r}")
+            raise ConfigError(f"RunConfig.nonfinite must be 'skip' or 'raise', not {self.nonfinite!r}")
 
 
 # -- the whole request ----------------------------------------------------------------------------------------
@@ -430,16 +435,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive_int(self.batch_size, "batch_size")
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 0:
-            raise ValueError(f"epochs must be an integer >= 0, not {self.epochs!r}")
+            raise ConfigError(f"epochs must be an integer >= 0, not {self.epochs!r}")
         if not isinstance(self.strategy, (ModelAveraging, GradientAveraging, Asynchronous)):
-            raise TypeError(
+            raise ConfigTypeError(
                 "strategy must be a ddlf.ModelAveraging, ddlf.GradientAveraging or ddlf.Asynchronous, "
                 f"not {self.strategy!r}"
             )
         if not isinstance(self.data, DataConfig):
-            raise TypeError(f"data must be a ddlf.DataConfig, not {self.data!r}")
+            raise ConfigTypeError(f"data must be a ddlf.DataConfig, not {self.data!r}")
         if not isinstance(self.run, RunConfig):
-            raise TypeError(f"run must be a ddlf.RunConfig, not {self.run!r}")
+            raise ConfigTypeError(f"run must be a ddlf.RunConfig, not {self.run!r}")
         if isinstance(self.strategy, GradientAveraging):
             object.__setattr__(self, "exchange", self.strategy.ring)
         freq = self.validation_freq
@@ -447,11 +452,11 @@ class TrainConfig:
             freq = tuple(sorted(freq))
             object.__setattr__(self, "validation_freq", freq)
             if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in freq):
-                raise ValueError(f"validation_freq as a list holds epochs counted from 1, not {freq!r}")
+                raise ConfigError(f"validation_freq as a list holds epochs counted from 1, not {freq!r}")
         else:
             _positive_int(freq, "validation_freq")
         if not isinstance(self.fit, FitData):
-            raise TypeError(f"fit must be a FitData, not {self.fit!r}")
+            raise ConfigTypeError(f"fit must be a FitData, not {self.fit!r}")
 
     def validates(self, epoch: int) -> bool:
         """Whether validation runs after epoch ``epoch`` (counted from 0), as ``validation_freq`` says."""

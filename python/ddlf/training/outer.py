@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError, ModelMismatchError
+
 NAMES = ("nesterov",)
 
 
@@ -34,12 +36,12 @@ class OuterSpec:
 
     def check(self) -> None:
         if self.name not in NAMES:
-            raise ValueError(f"the outer optimizer must be one of {NAMES}, not {self.name!r}")
+            raise ConfigError(f"the outer optimizer must be one of {NAMES}, not {self.name!r}")
         lr, mu = self.learning_rate, self.momentum
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
-            raise ValueError(f"Nesterov.learning_rate must be a finite number > 0, not {lr!r}")
+            raise ConfigError(f"Nesterov.learning_rate must be a finite number > 0, not {lr!r}")
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:
-            raise ValueError(f"Nesterov.momentum must be a number in [0, 1), not {mu!r}")
+            raise ConfigError(f"Nesterov.momentum must be a number in [0, 1), not {mu!r}")
 
 
 @dataclass
@@ -60,7 +62,9 @@ class OuterMomentum:
     def step(self, start: list[np.ndarray], average: list[np.ndarray], trained: list[bool]) -> list[np.ndarray]:
         """The new weights from the round's ``start`` and ``average`` (same shapes); updates the momentum."""
         if len(start) != len(average) or len(trained) != len(start):
-            raise ValueError(f"outer step: {len(start)} start weights, {len(average)} averaged, {len(trained)} flags")
+            raise ModelMismatchError(
+                f"outer step: {len(start)} start weights, {len(average)} averaged, {len(trained)} flags"
+            )
         takes = _takes(average, trained)
         self.ensure(average, trained)
         assert self.momentum is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import RemoteError, WorkerUnavailable
+from ..errors import ConfigError, RemoteError, WorkerUnavailable
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class FailurePolicy:
     def __post_init__(self) -> None:
         for what in ("lost_worker", "remote_error"):
             if getattr(self, what) not in ("continue", "raise"):
-                raise ValueError(f"{what} must be 'continue' or 'raise', not {getattr(self, what)!r}")
+                raise ConfigError(f"{what} must be 'continue' or 'raise', not {getattr(self, what)!r}")
 
     def decide(self, exc: BaseException) -> Literal["continue", "raise"]:
         """What to do about a worker's failure ``exc``."""

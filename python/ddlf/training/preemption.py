@@ -47,6 +47,7 @@ import time
 from types import FrameType
 from typing import Any
 
+from ..errors import ConfigError
 from ..process import held, take_held
 
 log = logging.getLogger("ddlf.preemption")
@@ -68,7 +69,7 @@ def signal_number(name: str | int) -> int:
     try:
         return int(signal.Signals[text if text.startswith("SIG") else "SIG" + text])
     except KeyError:
-        raise ValueError(f"{name!r} is not a signal name (e.g. 'SIGUSR1', 'SIGTERM')") from None
+        raise ConfigError(f"{name!r} is not a signal name (e.g. 'SIGUSR1', 'SIGTERM')") from None
 
 
 class Preemption:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import (
     BadWorkerReply,
+    ConfigError,
     ModelChangeWarning,
     NonFiniteGradientsWarning,
     NonFiniteUpdate,
@@ -64,7 +65,7 @@ def _slow_worker() -> tuple[int, float] | None:
         worker, seconds = text.split(":")
         return int(worker), float(seconds)
     except ValueError:
-        raise ValueError(f"{SLOW_WORKER_ENV}={text!r}: expected WORKER:SECONDS, e.g. 1:0.02") from None
+        raise ConfigError(f"{SLOW_WORKER_ENV}={text!r}: expected WORKER:SECONDS, e.g. 1:0.02") from None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..errors import ConfigError
 from ..training.history import History
 
 
@@ -48,7 +49,7 @@ class SweepResult:
         """The trial with the best metric (failed trials never win)."""
         scored = [t for t in self.trials if t.metric is not None and not math.isnan(t.metric)]
         if not scored:
-            raise ValueError("no trial reported the metric")
+            raise ConfigError("no trial reported the metric")
         pick = max if self.mode == "max" else min
         return pick(scored, key=lambda t: t.metric)  # type: ignore[arg-type,return-value]
 

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from ..errors import WorkerUnavailable
+from ..errors import ConfigError, ConfigTypeError, NotFoundError, WorkerUnavailable
 from ..training.callbacks import Callback
 from ..training.options import DataConfig, RunConfig, Strategy, validates
 from .asha import _Asha
@@ -61,7 +61,7 @@ class _Report(Callback):
             self.trial.epochs = epoch + 1  # validation_freq skipped this epoch (never a rung: checked up front)
             return
         if self.metric not in logs:
-            raise KeyError(f"the sweep's metric {self.metric!r} is not in the epoch's logs {sorted(logs)}")
+            raise NotFoundError(f"the sweep's metric {self.metric!r} is not in the epoch's logs {sorted(logs)}")
         value = float(logs[self.metric])
         best = self.trial.metric
         if best is None or (value > best if self.mode == "max" else value < best):
@@ -115,18 +115,18 @@ def sweep(
             every rung when ``metric`` is a validation metric.
     """
     if not configs:
-        raise ValueError("configs is empty: give at least one")
+        raise ConfigError("configs is empty: give at least one")
     if mode not in ("max", "min"):
-        raise ValueError(f"mode must be 'max' or 'min', not {mode!r}")
+        raise ConfigError(f"mode must be 'max' or 'min', not {mode!r}")
     if epochs < 1 or grace_epochs < 1 or reduction_factor <= 1:
-        raise ValueError("epochs and grace_epochs must be at least 1 and reduction_factor above 1")
+        raise ConfigError("epochs and grace_epochs must be at least 1 and reduction_factor above 1")
     if not all(isinstance(c, dict) for c in configs):
-        raise TypeError("configs must be a list of dicts (one per trial)")
+        raise ConfigTypeError("configs must be a list of dicts (one per trial)")
     live = cluster.live_workers
     if workers_per_trial < 1 or workers_per_trial > len(live):
-        raise ValueError(f"workers_per_trial must be from 1 to {len(live)} (the live workers)")
+        raise ConfigError(f"workers_per_trial must be from 1 to {len(live)} (the live workers)")
     if metric.startswith("val_") and validation_data is None and not train_kwargs.get("validation_split"):
-        raise ValueError(f"metric {metric!r} is a validation metric: pass validation_data=(x, y) or validation_split")
+        raise ConfigError(f"metric {metric!r} is a validation metric: pass validation_data=(x, y) or validation_split")
     if report is not None:
         from ..report.training import check_report_path
 
@@ -148,7 +148,7 @@ def sweep(
         validated = functools.partial(validates, set(freq) if not isinstance(freq, int) else freq)
         skipped = [r for r in asha.rungs if not validated(r - 1)]
         if skipped:
-            raise ValueError(
+            raise ConfigError(
                 f"validation_freq={train_kwargs['validation_freq']!r} leaves the rungs at epochs {skipped} without "
                 f"{metric!r}, which ASHA judges trials by there (rungs: {asha.rungs}); validate at every rung"
             )
@@ -231,7 +231,7 @@ def _check_callbacks(callbacks: list[Any]) -> None:
     for cb in callbacks:
         name = type(cb).__name__
         if name in _PATH_CALLBACKS and type(cb).__module__.split(".")[0] in ("keras", "ddlf"):
-            raise ValueError(
+            raise ConfigError(
                 f"callbacks: a {name} writes to one path, and a sweep's trials run at once: they would write "
                 "over each other (and BackupAndRestore would resume one trial from another's state). Keep "
                 "each trial's results through SweepResult (result.trials[i].history) or its report="
@@ -239,7 +239,7 @@ def _check_callbacks(callbacks: list[Any]) -> None:
     try:
         _own_copies(callbacks)
     except Exception as exc:
-        raise TypeError(
+        raise ConfigTypeError(
             f"callbacks: each trial gets its own copy (copy.deepcopy), and these cannot be copied ({exc}); a "
             "callback meant to be shared by every trial defines __deepcopy__ returning itself"
         ) from exc

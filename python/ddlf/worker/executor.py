@@ -25,7 +25,7 @@ from typing import Any
 import cloudpickle
 
 from .. import _ddlf, serialization
-from ..errors import MemoryBudgetExceeded
+from ..errors import DdlfError, MemoryBudgetExceeded
 from ..process import freeze_heap
 from ..shipping import files_digest, in_package, module_files, source_path
 from . import drain, services
@@ -41,7 +41,7 @@ PRELOAD_WAIT = 120.0
 log = logging.getLogger("ddlf.worker")
 
 
-class _Failure(Exception):
+class _Failure(DdlfError):
     """An expected failure reported with a specific error kind (not a user exception)."""
 
     def __init__(self, kind: str, type_name: str, message: str) -> None:

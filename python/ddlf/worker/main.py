@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .. import _ddlf
-from ..errors import WorkerStartError
+from ..errors import ConfigError, WorkerStartError
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
 from ..process import die_with_parent, in_effect, prepare_process, thread_env
@@ -204,9 +204,9 @@ def _read_token(path: str | None) -> str | None:
             with open(path) as f:
                 token = f.read().strip()
         except OSError as exc:
-            raise SystemExit(f"ddlf-worker: cannot read --token-file: {exc}") from exc
+            raise ConfigError(f"cannot read --token-file: {exc}") from exc
         if not token:
-            raise SystemExit(f"ddlf-worker: the token file {path} is empty")
+            raise ConfigError(f"the token file {path} is empty")
         return token
     token = os.environ.get("DDLF_TOKEN", "").strip()
     return token or None
@@ -236,7 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from . import services
 
     services.configure(max_runs=args.max_runs, idle_seconds=args.run_idle_timeout)
-    token = _read_token(args.token_file)
+    try:
+        token = _read_token(args.token_file)
+    except ConfigError as exc:
+        print(f"ddlf-worker: {exc}", file=sys.stderr)
+        return 2
     if args.threads and not in_effect(args.threads):
         # numpy's BLAS is already loaded (this module imports ddlf): caps only work from the start, so start over
         # with them in the environment. Cluster.local sets them up front and never pays for this.
@@ -263,7 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before serving, on this thread: a TorchModel run on this daemon must still be able to load torch's
         # compiler once TensorFlow is in (frameworks.loading); in a background thread it would race the requests.
         load_torch_compiler_first()
-    report_to = _rendezvous_target(args.rendezvous)
+    try:
+        report_to = _rendezvous_target(args.rendezvous)
+    except ConfigError as exc:
+        print(f"ddlf-worker: {exc}", file=sys.stderr)
+        return 2
     if report_to is not None and not token:
         print("ddlf-worker: --rendezvous needs the token (DDLF_TOKEN or --token-file)", file=sys.stderr)
         return 2
@@ -345,7 +353,7 @@ def _rendezvous_target(given: str | None) -> str | None:
     if target.isdigit():
         host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR")
         if not host:
-            raise SystemExit("ddlf-worker: DDLF_RENDEZVOUS is a port, but SLURM_LAUNCH_NODE_IPADDR is not set")
+            raise ConfigError("DDLF_RENDEZVOUS is a port, but SLURM_LAUNCH_NODE_IPADDR is not set")
         target = f"{host}:{target}"
     return target
 

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import MemoryBudgetExceeded
+from ..errors import ConfigError, MemoryBudgetExceeded
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
@@ -40,13 +40,14 @@ WATCH_INTERVAL = 0.005
 
 def parse_size(text: str) -> int:
     """``"512M"``, ``"2G"``, ``"1.5GiB"``, ``"1000000"`` -> bytes (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of
-    1024; a trailing ``B`` is optional). Raises ``ValueError`` for anything else, zero or negative sizes."""
+    1024; a trailing ``B`` is optional). Raises :class:`~ddlf.errors.ConfigError` for anything else, zero or
+    negative sizes."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?)?b?\s*", text.lower())
     if not m:
-        raise ValueError(f"not a size: {text!r} (use bytes, or a number with K, M, G, T, Ki, Mi, Gi or Ti)")
+        raise ConfigError(f"not a size: {text!r} (use bytes, or a number with K, M, G, T, Ki, Mi, Gi or Ti)")
     size = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
     if size <= 0:
-        raise ValueError(f"a memory budget must be positive, not {text!r}")
+        raise ConfigError(f"a memory budget must be positive, not {text!r}")
     return size
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import _ddlf
+from ..errors import ConfigError, ConfigTypeError, NotFoundError
 from ..ring_spec import RingSpec, check_op, check_wire
 
 MAX_RINGS = 16
@@ -115,7 +116,7 @@ class BucketRing:
         float32 or float64 like the parts), with no copy on one host's shared memory; ``out`` is undefined after
         a failure."""
         if not all(o.flags.c_contiguous for o in out):
-            raise ValueError("BucketRing.into: the out arrays must be C-contiguous (their flat views are written)")
+            raise ConfigError("BucketRing.into: the out arrays must be C-contiguous (their flat views are written)")
         with _retired_on_failure(self.spec) as r:
             r.allreduce_(_flat(parts), self.op, atomic=False, wire=self.wire, out=_flat(out))
 
@@ -138,12 +139,12 @@ def _flat(arrays: list[np.ndarray]) -> list[np.ndarray]:
 def _variable_arrays(worker: Any, name: str) -> tuple[Any, list[Any]]:
     """The variable ``name`` and its arrays (itself, or the items of a list or tuple)."""
     if name not in worker.vars:
-        raise KeyError(f"no variable named {name!r} on this worker")
+        raise NotFoundError(f"no variable named {name!r} on this worker")
     value = worker.vars[name]
     if isinstance(value, np.ndarray):
         return value, [value]
     if not isinstance(value, (list, tuple)):
-        raise TypeError(
+        raise ConfigTypeError(
             f"allreduce: variable {name!r} holds {type(value).__name__}; expected a numpy array or a list of them"
         )
     return value, list(value)
@@ -162,9 +163,9 @@ def describe_variable(worker: Any, name: str) -> list[tuple[str, tuple[int, ...]
 
 def _check_array(i: int, a: Any) -> None:
     if not isinstance(a, np.ndarray):
-        raise TypeError(f"allreduce: item {i} is {type(a).__name__}, not a numpy array")
+        raise ConfigTypeError(f"allreduce: item {i} is {type(a).__name__}, not a numpy array")
     if a.dtype not in (np.float32, np.float64):
-        raise TypeError(f"allreduce: array {i} is {a.dtype}; only float32 and float64 arrays are reduced")
+        raise ConfigTypeError(f"allreduce: array {i} is {a.dtype}; only float32 and float64 arrays are reduced")
 
 
 def allreduce_variable(worker: Any, name: str, spec: RingSpec, op: str, wire: str | None = None) -> None:

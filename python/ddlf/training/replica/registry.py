@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import TooManyRuns
+from ...errors import NotFoundError, TooManyRuns
 from ...frameworks import model_spec
 from ...frameworks.adapter import adapter_for
 from ...frameworks.console import quiet_start
@@ -79,7 +79,7 @@ class Sessions:
         """The session of ``run_id``, marked used now."""
         session = self.by_id.get(run_id)
         if session is None:
-            raise LookupError(
+            raise NotFoundError(
                 f"training run {run_id} is not set up on this worker (it was torn down, or evicted after "
                 f"{self.limits.idle_seconds:.0f} s idle)"
             )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import ops
+from ...errors import NotFoundError
 from ...ring_spec import RingSpec
 from ...worker import drain, reduction
 from ...worker.reduction import BucketRing, reduce_scratch
@@ -41,7 +42,7 @@ def _start_weights(worker: Any, session: Session, run_id: str, round_no: int, fr
     reduced = session.reduced
     if reduced is None or reduced[0] not in (round_no, round_no - 1):
         have = "none" if reduced is None else f"round {reduced[0]}"
-        raise LookupError(f"run {run_id}: no reduced weights for round {round_no} here (have {have})")
+        raise NotFoundError(f"run {run_id}: no reduced weights for round {round_no} here (have {have})")
     return reduced[1] if reduced[0] == round_no else reduced[2]
 
 

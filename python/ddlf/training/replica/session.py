@@ -15,6 +15,7 @@ import numpy as np
 
 from ... import ops
 from ...data.structure import Parts
+from ...errors import ModelMismatchError, NotFoundError
 from ...frameworks.adapter import adapter_for
 from ...process import freeze_heap
 from ...worker.drain import call_settled
@@ -101,7 +102,7 @@ class Session:
         """The weights of the last round reduced here (what every member of the ring holds after it)."""
         reduced = self.reduced
         if reduced is None or (round_no is not None and reduced[0] != round_no):
-            raise LookupError(f"run {self.run_id}: no reduced weights for round {round_no} here")
+            raise NotFoundError(f"run {self.run_id}: no reduced weights for round {round_no} here")
         return reduced[2]
 
     # -- what rounds share ------------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ class Session:
         adapter.build_optimizer()
         variables = model.optimizer.variables
         if len(variables) != len(values) or any(tuple(v.shape) != np.shape(a) for v, a in zip(variables, values)):
-            raise ValueError(
+            raise ModelMismatchError(
                 f"the master's optimizer state ({len(values)} arrays) does not fit this worker's optimizer "
                 f"({len(variables)} variables): create_model must build the same model and optimizer everywhere"
             )

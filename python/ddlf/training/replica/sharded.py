@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import ConfigError, InvalidStateError, ModelMismatchError
 from ...frameworks.adapter import adapter_for
 from ...frameworks.shard_optimizers import (
     KERAS_ELEMENTWISE,
@@ -44,33 +45,33 @@ from ...frameworks.shard_optimizers import (
 
 
 def check_shardable(model: Any) -> None:
-    """Raise ``ValueError`` (with the reason and what to do) unless ``model``'s optimizer state can be sharded: a
-    compiled Keras model (its own ``train_step`` not overridden) or a :class:`ddlf.models.TorchModel`, with float32
-    trainable weights and an element-wise optimizer (:data:`KERAS_ELEMENTWISE`: without per-weight clipping
-    (``clipnorm``; ``global_clipnorm`` is kept: the ranks sum their shards' squared norms), averaging (``use_ema``)
-    or accumulation, and with weight decay (if any) for every weight alike; :data:`TORCH_ELEMENTWISE`: one parameter
-    group)."""
+    """Raise :class:`~ddlf.errors.ConfigError` (with the reason and what to do) unless ``model``'s optimizer state
+    can be sharded: a compiled Keras model (its own ``train_step`` not overridden) or a
+    :class:`ddlf.models.TorchModel`, with float32 trainable weights and an element-wise optimizer
+    (:data:`KERAS_ELEMENTWISE`: without per-weight clipping (``clipnorm``; ``global_clipnorm`` is kept: the ranks sum
+    their shards' squared norms), averaging (``use_ema``) or accumulation, and with weight decay (if any) for every
+    weight alike; :data:`TORCH_ELEMENTWISE`: one parameter group)."""
     adapter = adapter_for(model)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
-        raise ValueError(f"{_WHAT} needs a compiled model (create_model must compile it)")
+        raise ConfigError(f"{_WHAT} needs a compiled model (create_model must compile it)")
     if adapter.kind == "torch":
         _check_torch(optimizer, model)
     else:
         if adapter.overrides_train_step():
-            raise ValueError(f"{_WHAT} cannot run {type(model).__name__}'s own train_step: use shard_optimizer=False")
+            raise ConfigError(f"{_WHAT} cannot run {type(model).__name__}'s own train_step: use shard_optimizer=False")
         _check_keras(optimizer)
     weights = trainable_variables(model)
     odd = [w for w in weights if _dtype_name(w) != "float32"]
     if odd:
-        raise ValueError(
+        raise ConfigError(
             f"{_WHAT}: trainable weights must be float32 (the shard is one float32 buffer); "
             f"{_name(odd[0])} is {_dtype_name(odd[0])}"
         )
     if adapter.kind != "torch" and getattr(optimizer, "weight_decay", None):
         decayed = {bool(optimizer._use_weight_decay(w)) for w in weights}
         if len(decayed) > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{_WHAT}: the optimizer decays some weights and not others (exclude_from_weight_decay); a shard "
                 "mixes them: use shard_optimizer=False"
             )
@@ -82,13 +83,13 @@ _WHAT = "GradientAveraging(shard_optimizer=True)"
 def _check_keras(optimizer: Any) -> None:
     cls = type(optimizer)
     if cls.__name__ not in KERAS_ELEMENTWISE or not cls.__module__.startswith("keras"):
-        raise ValueError(
+        raise ConfigError(
             f"{_WHAT}: the optimizer {cls.__module__}.{cls.__name__} is not one whose state can be cut into shards "
             f"(element-wise Keras optimizers only: {', '.join(KERAS_ELEMENTWISE)}); use shard_optimizer=False"
         )
     for option in ("clipnorm", "use_ema", "gradient_accumulation_steps"):
         if getattr(optimizer, option, None):
-            raise ValueError(
+            raise ConfigError(
                 f"{_WHAT}: the optimizer's {option}={getattr(optimizer, option)!r} needs whole weights (or all of "
                 "them) on one worker; use clipvalue, or shard_optimizer=False"
             )
@@ -97,20 +98,20 @@ def _check_keras(optimizer: Any) -> None:
 def _check_torch(optimizer: Any, model: Any) -> None:
     cls = type(optimizer)
     if cls.__name__ not in TORCH_ELEMENTWISE or not cls.__module__.startswith("torch.optim"):
-        raise ValueError(
+        raise ConfigError(
             f"{_WHAT}: the optimizer {cls.__module__}.{cls.__name__} is not one whose state can be cut into shards "
             f"(element-wise torch.optim optimizers only: {', '.join(TORCH_ELEMENTWISE)}); use shard_optimizer=False"
         )
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if trained != {id(p) for p in trainable_variables(model)}:
-        raise ValueError(
+        raise ConfigError(
             f"{_WHAT}: the optimizer trains {len(trained)} parameters and the module has "
             f"{len(trainable_variables(model))} that require a gradient; sharded, the shard's optimizer would "
             "train them all: give the optimizer every parameter that requires a gradient (freeze the others with "
             "requires_grad=False), or use shard_optimizer=False"
         )
     if len(optimizer.param_groups) != 1:
-        raise ValueError(
+        raise ConfigError(
             f"{_WHAT}: the optimizer has {len(optimizer.param_groups)} parameter groups; a shard of the flat weights "
             "mixes them, so it needs one (the same hyperparameters for every weight): use shard_optimizer=False"
         )
@@ -166,7 +167,7 @@ def join(states: list[dict[str, Any]]) -> dict[str, Any] | None:
     covered = np.zeros(length, bool)
     for s in states:
         if int(s["length"]) != length or len(s["slots"]) != kinds:
-            raise ValueError("optimizer shards of different models cannot be joined")
+            raise ModelMismatchError("optimizer shards of different models cannot be joined")
         a = int(s["start"])
         for k, part in enumerate(s["slots"]):
             slots[k][a : a + len(part)] = part
@@ -249,7 +250,7 @@ class ShardedOptimizer:
         missing = 0
         if plan == "keep":
             if self.range != (a, b):
-                raise RuntimeError(
+                raise InvalidStateError(
                     f"told to keep optimizer shard {self.range} on a ring that gives this worker {(a, b)}"
                 )
         elif plan == "fresh":

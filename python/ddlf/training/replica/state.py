@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import ModelMismatchError
 from ...frameworks.adapter import LEARNING_RATE, adapter_for
 
 __all__ = [
@@ -91,7 +92,9 @@ def metric_results(model: Any, state: list[np.ndarray]) -> dict[str, float]:
     """The results of ``model``'s metrics for ``state`` (what :func:`metric_state` gave, or several added up)."""
     variables = [v for m in model.metrics for v in m.variables]
     if len(variables) != len(state):
-        raise ValueError(f"metric state of {len(state)} arrays for a model with {len(variables)} metric variables")
+        raise ModelMismatchError(
+            f"metric state of {len(state)} arrays for a model with {len(variables)} metric variables"
+        )
     for v, s in zip(variables, state):
         v.assign(np.asarray(s, dtype=np.dtype(v.dtype)))
     return {k: float(v) for k, v in model.get_metrics_result().items()}

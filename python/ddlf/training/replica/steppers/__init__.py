@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ....errors import ConfigError
 from ....frameworks.adapter import adapter_for
 from .base import Stepper, torch_buckets
 from .grouped import GROUP_BYTES, GROUP_STEPS, _Grouped
@@ -82,7 +83,7 @@ def check_scalable(model: Any) -> None:
     function of the step, not a variable to scale)."""
     schedule = adapter_for(model).learning_rate_schedule()
     if schedule is not None:
-        raise ValueError(
+        raise ConfigError(
             f"scale_learning_rate does not work with a learning-rate schedule ({type(schedule).__name__}): "
             "scale the schedule itself (its initial rate times the number of workers)"
         )
@@ -100,7 +101,7 @@ def check_steppable(model: Any, workers: int) -> None:
     ``fit``."""
     adapter = adapter_for(model)
     if workers > 1 and adapter.overrides_train_step() and adapter.kind == "keras-jax":
-        raise ValueError(
+        raise ConfigError(
             f"GradientAveraging on {workers} workers cannot run {type(model).__name__}'s own train_step on JAX "
             "(its gradients stay inside one compiled, stateless step): train it with ModelAveraging(every=1) "
             "or Asynchronous(), on one worker (RunConfig(workers=[0])), or with Keras on TensorFlow or torch"

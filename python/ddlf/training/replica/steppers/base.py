@@ -2,35 +2,38 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 
+from ....errors import InvalidStateError
 
-class Stepper:
+
+class Stepper(ABC):
     """A model's training step, split around the gradient exchange."""
 
-    def begin(self) -> None:
+    def begin(self) -> None:  # noqa: B027 - a hook, nothing to do unless a stepper says so
         """A round starts (the model's variables hold its start weights)."""
 
+    @abstractmethod
     def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
         """This batch's gradients of the mean loss (weighted by the rows' sample weights ``sw``, as ``fit``
         weighs them), one array per trainable weight (zeros for unused weights); the model's running loss and
         metrics count the batch."""
-        raise NotImplementedError
 
+    @abstractmethod
     def apply(self, gradients: list[np.ndarray]) -> None:
         """One optimizer step with ``gradients`` (what :meth:`gradients` returned, averaged)."""
-        raise NotImplementedError
 
     def step(self, x: Any, y: Any, sw: Any = None) -> None:
         """One whole training step on a batch (model averaging: nothing in between). A stepper may gather several
         and run them together, in order, at the latest by :meth:`end`."""
         self.apply(self.gradients(x, y, sw))
 
+    @abstractmethod
     def end(self) -> dict[str, float]:
         """The round ends: the model's variables hold the result. Returns the running logs."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Let go of what the stepper started (PyTorch's gradient buckets: their thread and hooks), when its run is
@@ -40,17 +43,17 @@ class Stepper:
             held[1].close()
         self._buckets = None
 
+    @abstractmethod
     def zeros(self) -> list[np.ndarray]:
         """Zero gradients (a replica without a batch this step contributes them, with weight 0)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build_optimizer(self) -> None:
         """Create the optimizer's state (slots) if it has none yet, leaving the weights as they are."""
-        raise NotImplementedError
 
+    @abstractmethod
     def set_learning_rate_factor(self, factor: float) -> None:
         """Scale the optimizer's learning rate to ``factor`` times the one the model was compiled with."""
-        raise NotImplementedError
 
     def buckets(self, cap_bytes: int, wire: str | None = None) -> Any:
         """An exchange that reduces this model's gradients while its backward pass runs (then :meth:`backward`
@@ -60,8 +63,9 @@ class Stepper:
         return None
 
     def backward(self, x: Any, y: Any, sw: Any = None) -> None:
-        """Forward and backward on a batch, leaving the gradients where :meth:`buckets`' hooks read them."""
-        raise NotImplementedError
+        """Forward and backward on a batch, leaving the gradients where :meth:`buckets`' hooks read them (only for a
+        stepper whose :meth:`buckets` gives some)."""
+        raise InvalidStateError(f"{type(self).__name__} reduces no gradient buckets: backward() needs buckets()")
 
     base_lr: Any = None
     """The learning rate (torch: each parameter group's) that :meth:`set_learning_rate_factor` scales; None until
@@ -71,9 +75,9 @@ class Stepper:
     """Set by a sharded optimizer (:mod:`.sharded`): the model's own optimizer is never built (its state lives
     in shards), and the new weights come through :meth:`set_trainable`."""
 
+    @abstractmethod
     def set_trainable(self, values: list[np.ndarray]) -> None:
         """Write ``values`` into the trainable weights (in order)."""
-        raise NotImplementedError
 
 
 def torch_buckets(stepper: Any, params: list[Any], cap_bytes: int) -> Any:

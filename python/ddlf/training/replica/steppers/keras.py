@@ -6,17 +6,18 @@ from typing import Any
 
 import numpy as np
 
+from ....errors import ConfigError
 from .base import Stepper
 
 
 class _KerasStepper(Stepper):
     def __init__(self, model: Any) -> None:
         if getattr(model, "optimizer", None) is None:
-            raise ValueError("ddlf trains a compiled model: create_model must compile it (model.compile(...))")
+            raise ConfigError("ddlf trains a compiled model: create_model must compile it (model.compile(...))")
         self.model = model
         self.trainable = list(model.trainable_weights)
         if not self.trainable:
-            raise ValueError(
+            raise ConfigError(
                 "the model has no trainable weights: every layer is frozen (trainable=False), so there is nothing "
                 "to train"
             )
@@ -86,7 +87,7 @@ class _CatchApply:
     def __enter__(self) -> _CatchApply:
         def catch(grads: Any, trainable_variables: Any = None) -> None:
             if self.pairs:
-                raise ValueError(
+                raise ConfigError(
                     "GradientAveraging: this train_step applies gradients more than once per batch (several "
                     "optimizers, a GAN's two steps); train it with ModelAveraging or Asynchronous"
                 )
@@ -98,4 +99,4 @@ class _CatchApply:
     def __exit__(self, *exc: object) -> None:
         del self.optimizer.apply
         if exc[0] is None and not self.pairs:
-            raise ValueError("GradientAveraging: this train_step applied no gradients (it calls no optimizer)")
+            raise ConfigError("GradientAveraging: this train_step applied no gradients (it calls no optimizer)")

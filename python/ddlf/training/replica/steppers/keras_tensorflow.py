@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ....errors import InvalidStateError
 from ....frameworks.adapter import adapter_for
 from ..tracing import AnyBatchSize
 from .grouped import _Grouped
@@ -108,7 +109,7 @@ class _TensorFlowStepper(_KerasStepper):
         """The batch :meth:`backward` was given."""
         batch, self._batch = self._batch, None
         if batch is None:
-            raise RuntimeError("take_batch() without a batch: backward() first")
+            raise InvalidStateError("take_batch() without a batch: backward() first")
         return batch
 
     def _ready(self, x: Any, y: Any, sw: Any = None) -> None:

@@ -6,13 +6,14 @@ from typing import Any
 
 import numpy as np
 
+from ....errors import ConfigError
 from ....frameworks.torch_model import TorchModel
 from .base import Stepper, torch_buckets
 
 
 def _no_sample_weights(sw: Any) -> None:
     if sw is not None:
-        raise ValueError(
+        raise ConfigError(
             "a ddlf.models.TorchModel takes no sample weights (class_weight, sample_weight): weigh the rows in its "
             "loss function instead"
         )
