@@ -7,7 +7,10 @@ from typing import Any, final
 from typing_extensions import Buffer, Self
 
 __version__: str
+"""The package version, shared by the master and the worker daemon (the Rust crates' version)."""
 PROTOCOL_VERSION: int
+"""The wire protocol's version: bumped whenever a message changes incompatibly. Master and worker compare it at
+connect time (a worker of another version is refused with :class:`~ddlf.errors.ProtocolError`)."""
 OPS: dict[str, int]
 """Operation codes of the wire protocol, by name without the ``OP_`` prefix."""
 ERROR_KINDS: dict[str, int]

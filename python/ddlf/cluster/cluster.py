@@ -47,11 +47,11 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
             this process's shared-memory pool (``/dev/shm``) that they all map, written once, instead of the
             socket. Workers elsewhere, or that cannot see our ``/dev/shm``, use TCP; so does everything when
             ``/dev/shm`` is full. Off by default (see BENCHMARKS.md).
-        heartbeat_interval, heartbeat_timeout: every connection sends an HTTP/2 PING each ``heartbeat_interval``
-            seconds, answered by the daemon's network thread even while its Python is busy; a worker that leaves
-            one unanswered for ``heartbeat_timeout`` seconds (process stopped, host gone, link down) is declared
-            lost and every call waiting on it fails with :class:`~ddlf.errors.WorkerUnavailable`. A killed daemon
-            is noticed at once (its socket closes).
+        heartbeat_interval: every connection sends an HTTP/2 PING each ``heartbeat_interval`` seconds, answered
+            by the daemon's network thread even while its Python is busy.
+        heartbeat_timeout: a worker that leaves a PING unanswered for ``heartbeat_timeout`` seconds (process
+            stopped, host gone, link down) is declared lost and every call waiting on it fails with
+            :class:`~ddlf.errors.WorkerUnavailable`. A killed daemon is noticed at once (its socket closes).
         tls_ca: talk TLS to the daemons (started with ``--tls-cert/--tls-key``), trusting this certificate
             authority: a path to a PEM file, or the PEM bytes. ``tls_domain``: the name their certificates are
             checked against (default: each address's host).

@@ -142,18 +142,18 @@ class IApp:
         """Train on the cluster, as Keras' ``model.fit`` trains in one process; returns a Keras-like
         :class:`~ddlf.History`.
 
+        ``epochs``, ``batch_size``, ``validation_data``, ``validation_split``, ``validation_freq``, ``shuffle``,
+        ``class_weight``, ``sample_weight``, ``callbacks``, ``verbose``, ``initial_epoch``: as in ``fit``.
+        ``batch_size`` is each worker's; ``validation_data`` ``(x, y)`` (arrays the master holds, raw as
+        :meth:`load_dataset`'s rows: :meth:`preprocess` runs on them) is evaluated on the master's model;
+        ``validation_split`` holds out the last share of the rows the workers loaded (before shuffling), evaluated
+        on the workers where those rows are (the ``val_*`` logs are what ``evaluate`` gives over all of them);
+        ``validation_data`` wins over it, as in ``fit``. ``sample_weight``: one weight per row (an array), or a
+        function ``(x, y) -> weights`` of each batch, run on the workers (weights can also come from
+        ``load_dataset`` as a third part). ``callbacks`` are Keras' own (``keras.callbacks.EarlyStopping``, ...; see
+        :mod:`ddlf.training.keras_callbacks`) or ddlf's (:mod:`ddlf.callbacks`).
+
         Args:
-            epochs, batch_size, validation_data, validation_split, validation_freq, shuffle, class_weight,
-                sample_weight, callbacks, verbose, initial_epoch: as in ``fit``. ``batch_size`` is each worker's;
-                ``validation_data`` ``(x, y)`` (arrays the master holds, raw as
-                :meth:`load_dataset`'s rows: :meth:`preprocess` runs on them) is evaluated on the master's model;
-                ``validation_split`` holds out the last share of the rows the workers loaded (before shuffling),
-                evaluated on the workers where those rows are (the ``val_*`` logs are what ``evaluate`` gives over
-                all of them); ``validation_data`` wins over it, as in ``fit``. ``sample_weight``: one weight per
-                row (an array), or a function ``(x, y) -> weights`` of each batch, run on the workers (weights can
-                also come from ``load_dataset`` as a third part). ``callbacks`` are Keras' own
-                (``keras.callbacks.EarlyStopping``, ...; see :mod:`ddlf.training.keras_callbacks`) or ddlf's
-                (:mod:`ddlf.callbacks`).
             strategy: how the workers learn together (:mod:`ddlf.training.options`): :class:`~ddlf.ModelAveraging`
                 (the paper's parameter averaging, one round per epoch unless ``every=`` batches),
                 :class:`~ddlf.GradientAveraging` (every step, n workers as one process at n times the batch) or

@@ -97,14 +97,16 @@ def sweep(
         make_app: builds the trial's app (an :class:`~ddlf.IApp`) for a config; its ``dataset_key`` decides the
             cached dataset every trial reuses.
         epochs: the most epochs a trial trains.
-        metric, mode: what ranks trials (a key of the epoch logs: ``val_*`` needs ``validation_data``), and
-            whether higher (``"max"``) or lower is better.
+        metric: what ranks trials (a key of the epoch logs: ``val_*`` needs ``validation_data``).
+        mode: whether a higher (``"max"``) or lower (``"min"``) ``metric`` is better.
         workers_per_trial: workers each trial trains on.
-        grace_epochs, reduction_factor: ASHA's first rung and the ratio between rungs (also the share kept).
+        grace_epochs: ASHA's first rung.
+        reduction_factor: the ratio between ASHA's rungs (also the share kept).
         retries: how many times a trial that lost its workers is queued again (after the run's
             ``rejoin_timeout``, 5 s unless ``run`` is given, without any of them back).
-        strategy, data, run: each trial's options as in :meth:`IApp.train` (``run.workers`` is set per trial to
-            its group).
+        strategy: each trial's strategy, as in :meth:`IApp.train`.
+        data: each trial's data options, as in :meth:`IApp.train`.
+        run: each trial's run options, as in :meth:`IApp.train` (``run.workers`` is set per trial to its group).
         report: an ``.html`` path: the sweep's page (:meth:`SweepResult.write_report`) is written there at the end.
         train_kwargs: ``fit``'s other arguments, passed to :meth:`IApp.train` (``batch_size``, ...).
             ``callbacks``: each trial gets its own copy (``copy.deepcopy``), as each trial is its own ``fit``:
