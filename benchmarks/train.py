@@ -12,7 +12,7 @@ import numpy as np
 
 import ddlf
 from ddlf.cluster.cluster import Cluster
-from ddlf.training.options import SLOW_WORKER_ENV
+from ddlf.training.run import SLOW_WORKER_ENV
 
 from . import report
 

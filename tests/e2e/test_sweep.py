@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddlf
-from ddlf.training.options import SLOW_WORKER_ENV
+from ddlf.training.run import SLOW_WORKER_ENV
 
 from ..conftest import MNIST_DIR, POOL, pooled
 from .apps import SmallMnist

@@ -30,18 +30,29 @@ class HostsMnist(SmallMnist):
 
 
 class LinkFault(ddlf.callbacks.Callback):
-    """Take a link down at the end of a round, and up again some seconds later."""
+    """Take a link down at the end of a round, and up again some seconds later. The next epoch starts only once
+    the link is back, so that the run goes on after it (the others train on meanwhile, within the epoch): whether
+    the host rejoins is then up to ddlf, not to how fast this machine trains the epochs left."""
 
     def __init__(self, switch_ns: str, port: str, at_round: int, seconds: float) -> None:
         self.cmd = ["ip", "netns", "exec", switch_ns, "ip", "link", "set", port]
         self.at_round, self.seconds = at_round, seconds
         self.fired = False
+        self.up = threading.Event()
 
     def on_round_end(self, round: int, logs=None) -> None:
         if round == self.at_round and not self.fired:
             self.fired = True
             subprocess.run([*self.cmd, "down"], check=True)
-            threading.Timer(self.seconds, lambda: subprocess.run([*self.cmd, "up"], check=True)).start()
+            threading.Timer(self.seconds, self._up).start()
+
+    def _up(self) -> None:
+        subprocess.run([*self.cmd, "up"], check=True)
+        self.up.set()
+
+    def on_epoch_begin(self, epoch: int, logs=None) -> None:
+        if self.fired:
+            self.up.wait(60)
 
 
 def main() -> None:
