@@ -77,4 +77,6 @@ def test_projection_communication_per_epoch_is_flat_in_workers() -> None:
     # Compute shrinks as 1/n on top of it; compression of the upload lowers the floor.
     with_compute = [project.epoch_seconds(n, **{**kw, "batch_seconds": 0.02}) for n in (8, 64)]
     assert with_compute[0] > with_compute[1] > epochs[1]
-    assert project.epoch_seconds(64, **{**kw, "up": 0.2e6}) < 0.6 * epochs[1]
+    # (a projection, not a clock: the model's communication is linear in the bytes each way)
+    compressed = project.epoch_seconds(64, **{**kw, "up": 0.2e6})
+    assert compressed == pytest.approx(epochs[1] * (20e6 + 0.2e6) / (20e6 + 20e6))
