@@ -195,9 +195,13 @@ class IApp:
         cfg = self._check(cfg)
         self._warn_suspicious(cfg, validation_data is not None or bool(cfg.fit.validation_split), initial_epoch)
         self._next_run = RunState(strategy_reason=reason, resumed=resumed)  # what _run starts from
-        if cfg.mode == "sync":
-            return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
-        return self.train_async(cfg, validation_data, callbacks, initial_epoch)
+        try:
+            if cfg.mode == "sync":
+                return self.train_sync(cfg, validation_data, callbacks, initial_epoch)
+            return self.train_async(cfg, validation_data, callbacks, initial_epoch)
+        finally:
+            # an override that raised before its run started leaves nothing for a later call to pick up
+            self.__dict__.pop("_next_run", None)
 
     def _check(self, cfg: TrainConfig) -> TrainConfig:
         """What the options cannot check alone, against this app and its cluster (before any worker sets up);
