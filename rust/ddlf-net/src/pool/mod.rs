@@ -23,8 +23,10 @@ pub mod outgoing;
 
 use std::future::Future;
 use std::io;
+use std::pin::Pin;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use ddlf_proto::{CallReply, ErrorKind, StacksReply, StatusReply, Value};
 use futures_util::future::join_all;
@@ -235,8 +237,13 @@ impl Pool {
         fut: F,
         interrupt: Interrupt<'_>,
     ) -> Result<F::Output, PoolError> {
+        let spin = self.config.lane_spin;
         self.rt.block_on(async move {
             tokio::pin!(fut);
+            let mut fut = Spin {
+                fut,
+                until: Instant::now() + spin,
+            };
             loop {
                 tokio::select! {
                     out = &mut fut => return Ok(out),
@@ -415,5 +422,32 @@ impl Pool {
             move |c| async move { c.shutdown(timeout).await },
             interrupt,
         )
+    }
+}
+
+/// A future polled without parking its thread until `until`: while it is pending, the thread yields the CPU and
+/// wakes itself, so a reply that comes within the spin (a ping, a status, a quick gRPC call) is picked up without
+/// the futex wake-up of a parked thread (an inter-processor interrupt, costly in a VM): the technique of the
+/// lanes' busy-polling ([`crate::lane::default_spin`], `Cluster(lane_spin_us=...)`), applied to the wait on the
+/// pool's runtime. After `until` it parks as any future does.
+struct Spin<'a, F: Future> {
+    fut: Pin<&'a mut F>,
+    until: Instant,
+}
+
+impl<F: Future> Future for Spin<'_, F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        match self.fut.as_mut().poll(cx) {
+            Poll::Ready(out) => Poll::Ready(out),
+            Poll::Pending => {
+                if Instant::now() < self.until {
+                    std::thread::yield_now();
+                    cx.waker().wake_by_ref();
+                }
+                Poll::Pending
+            }
+        }
     }
 }
