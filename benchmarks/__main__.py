@@ -7,6 +7,7 @@ import sys
 
 BENCHMARKS = {
     "rpc": "benchmarks.rpc",
+    "guard": "benchmarks.guard",
     "tensor": "benchmarks.tensor",
     "data": "benchmarks.data",
     "train": "benchmarks.train",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 from typing import Any
 
@@ -23,7 +25,22 @@ def _timed(samples: list[float], calls: int, fn: Any, *args: Any) -> None:
         samples.append(time.perf_counter() - t0)
 
 
-def run(rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2, spin_us: int = 100) -> dict[str, list[float]]:
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (``sched_setaffinity`` moves one thread; threads started later
+    inherit their creator's mask)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def run(
+    rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2, spin_us: int = 100, one_cpu: bool = False
+) -> dict[str, list[float]]:
+    """Each contender's call times (seconds), ``calls_per_round`` per round. ``one_cpu``: the master (this
+    process) and every server (daemons, the echo's servers) on one CPU, so that every run has the same placement:
+    where the scheduler puts two processes that ping-pong moves a plain round trip about 3x on a small VM (22 µs on
+    one core, 65 µs across two, where each reply wakes the other core), and on one CPU what a round trip costs is
+    the software's own work, which is what a change of the code moves."""
     one, every = "ddlf call, 1 worker", f"ddlf call, all {n_workers} workers"
     floor, floor_spin = "raw socket echo", f"raw socket echo, both ends busy-polling {spin_us} µs"
     no_spin = ", lane without busy-polling"
@@ -48,6 +65,13 @@ def run(rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2, spin_u
         for c in (cluster, quiet):
             c.add_function(_noop, "noop")
         echo, echo_spin = RawEcho(), RawEcho(spin_us=spin_us)
+        mask = os.sched_getaffinity(0)
+        if one_cpu:
+            assert quiet._local is not None
+            cpu = {min(mask)}
+            for pid in [*cluster._local.pids(), *quiet._local.pids(), echo.proc.pid, echo_spin.proc.pid]:
+                pin(pid, cpu)
+            pin(os.getpid(), cpu)
         payload = b"x" * 64
         client = cluster._client
         # Warm up every path.
@@ -67,6 +91,8 @@ def run(rounds: int = 10, calls_per_round: int = 500, n_workers: int = 2, spin_u
         echo.close()
         echo_spin.close()
         grpc.close()
+        if one_cpu:
+            pin(os.getpid(), mask)
     return samples
 
 
