@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
-# Each section's header says how long the run has taken so far (CI's whole run should stay near 25 minutes).
+# Each section's header says how long the run has taken so far (CI's whole run should stay under 20 minutes).
 section() { echo "== $1 (at $((SECONDS / 60))m$((SECONDS % 60))s)"; }
 
 scripts/install.sh
@@ -42,13 +42,44 @@ section "cargo test"
 # master's dispatch policy (ddlf_net::pool) and the workers' ring (ddlf_collective) have their loopback tests here.
 cargo test --workspace --exclude ddlf-py
 
-section "pytest: unit"
-# Two processes: the unit tests are independent, and a few wait on subprocesses (valgrind, fresh interpreters).
-.venv/bin/python -m pytest tests/unit -q -n 2
+section "call-path guard"
+# The rpc benchmark's ratios (a no-op call over a raw socket echo, in the same rounds), checked at a wide margin: a
+# call path twice as slow fails here; noise does not (benchmarks/guard.py). Timings stay out of the tests.
+.venv/bin/python -m benchmarks guard
 
-section "pytest: end to end, network namespaces and Slurm"
-# Two test processes (pytest-xdist), each taking whole modules (a module's cluster starts once; the Slurm tests,
-# one module, run one at a time): much of an end-to-end test is waiting (daemons starting, heartbeats, Slurm's
-# scheduler), so two of them share the two cores well. DDLF_TEST_PROCESSES=0: one process.
-.venv/bin/python -m pytest tests/e2e tests/netns tests/slurm -n "${DDLF_TEST_PROCESSES:-2}" --dist loadfile \
-  --durations=15 "$@"
+section "pytest"
+# Two streams at once, so that the two cores stay busy while tests wait (daemons starting, heartbeats, Slurm's
+# scheduler, emulated links). The side stream, one test at a time: the unit tests (no daemons), the docs' examples
+# and site (scripts with daemons of their own), then the Slurm and network-namespace modules (they share one
+# slurmctld and the host's namespaces). Beside it, the end-to-end tests in two test processes (pytest-xdist), each
+# taking whole modules (a module's cluster starts once; these share one pool of daemons per process). The side
+# stream's report follows the main one's. DDLF_TEST_PROCESSES=0: the main stream in one process. Arguments go to both
+# streams (`-k`, `-x`, ...).
+SIDE=(tests/unit tests/e2e/test_docs.py tests/e2e/test_site.py tests/slurm tests/netns)
+MAIN=(tests/e2e --ignore=tests/e2e/test_docs.py --ignore=tests/e2e/test_site.py)
+side_log=$(mktemp)
+side_pid=
+# A background command ignores Ctrl-C in a script: if this script stops early, the side stream is stopped with it.
+stop_side() { if [ -n "$side_pid" ]; then kill -TERM "$side_pid" 2>/dev/null || true; fi; }
+trap stop_side EXIT
+.venv/bin/python -m pytest "${SIDE[@]}" -q --durations=5 "$@" >"$side_log" 2>&1 &
+side_pid=$!
+main_rc=0
+if [ "${DDLF_TEST_PROCESSES:-2}" = 0 ]; then
+  .venv/bin/python -m pytest "${MAIN[@]}" -q --durations=15 "$@" || main_rc=$?
+else
+  .venv/bin/python -m pytest "${MAIN[@]}" -q -n "${DDLF_TEST_PROCESSES:-2}" --dist loadfile --durations=15 \
+    "$@" || main_rc=$?
+fi
+side_rc=0
+wait "$side_pid" || side_rc=$?
+side_pid=
+section "pytest: unit, docs, Slurm and network namespaces (run beside the end-to-end tests)"
+cat "$side_log"
+rm -f "$side_log"
+# pytest exits 5 when it selects no test: fine for one stream (`-k` naming tests of the other), not for both.
+if [ "$main_rc" = 5 ] && [ "$side_rc" = 5 ]; then exit 5; fi
+for rc in "$main_rc" "$side_rc"; do
+  if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then exit "$rc"; fi
+done
+section "done"

@@ -30,15 +30,17 @@ class HostsMnist(SmallMnist):
 
 
 class LinkFault(ddlf.callbacks.Callback):
-    """Take a link down at the end of a round, and up again some seconds later. The next epoch starts only once
-    the link is back, so that the run goes on after it (the others train on meanwhile, within the epoch): whether
-    the host rejoins is then up to ddlf, not to how fast this machine trains the epochs left."""
+    """Take a link down at the end of a round, and up again some seconds later. No epoch starts while the link is
+    down (the others train on meanwhile, within the epoch), and once it is back the run goes on until the host has
+    rejoined and trained one whole epoch, then stops (the run's ``epochs`` bound it): whether and when the host
+    rejoins is then up to ddlf, not to how fast this machine trains the epochs left."""
 
     def __init__(self, switch_ns: str, port: str, at_round: int, seconds: float) -> None:
         self.cmd = ["ip", "netns", "exec", switch_ns, "ip", "link", "set", port]
         self.at_round, self.seconds = at_round, seconds
         self.fired = False
         self.up = threading.Event()
+        self.back_from: int | None = None  # the first epoch that began with the host rejoined
 
     def on_round_end(self, round: int, logs=None) -> None:
         if round == self.at_round and not self.fired:
@@ -51,8 +53,16 @@ class LinkFault(ddlf.callbacks.Callback):
         self.up.set()
 
     def on_epoch_begin(self, epoch: int, logs=None) -> None:
-        if self.fired:
-            self.up.wait(60)
+        if not self.fired:
+            return
+        self.up.wait(60)
+        rejoined = any(e["event"] in ("rejoined", "restarted") for e in self.app.cluster.events)
+        if self.back_from is None and rejoined:
+            self.back_from = epoch
+
+    def on_epoch_end(self, epoch: int, logs=None) -> None:
+        if self.back_from is not None and epoch >= self.back_from:
+            self.app.stop_training = True
 
 
 def main() -> None:
