@@ -49,15 +49,16 @@ section "call-path guard"
 
 section "pytest"
 # Two streams at once, so that the two cores stay busy while tests wait (daemons starting, heartbeats, Slurm's
-# scheduler, emulated links). The side stream, one test at a time: the unit tests (no daemons), then the Slurm and
-# network-namespace modules (they share one slurmctld and the host's namespaces). Beside it, the end-to-end tests in
-# two test processes (pytest-xdist), each taking whole modules (a module's cluster starts once; these share one pool
-# of daemons per process). The side stream's report follows the main one's. DDLF_TEST_PROCESSES=0: the main stream
-# in one process. Arguments go to both streams (`-k`, `-x`, ...).
+# scheduler, emulated links). The side stream, one test at a time: the unit tests (no daemons), the model-truth cases
+# again on JAX (a pytest process of its own), then the Slurm and network-namespace modules (they share one slurmctld
+# and the host's namespaces). Beside it, the end-to-end tests in two test processes (pytest-xdist), each taking
+# whole modules (a module's cluster starts once; these share one pool of daemons per process). The side stream's
+# report follows the main one's. DDLF_TEST_PROCESSES=0: the main stream in one process. Arguments go to both streams
+# (`-k`, `-x`, ...).
 # (Moving the docs' examples beside as well made both streams longer: 13:10 and 12:35 in a fresh clone, against
 # 11:57 for the whole stage this way; on two cores the pytest stages are CPU-bound at about 87% busy.)
-SIDE=(tests/unit tests/slurm tests/netns)
-MAIN=(tests/e2e)
+SIDE=(tests/unit tests/e2e/test_model_truth_on_jax.py tests/slurm tests/netns)
+MAIN=(tests/e2e --ignore=tests/e2e/test_model_truth_on_jax.py)
 side_log=$(mktemp)
 side_pid=
 # A background command ignores Ctrl-C in a script: on Ctrl-C (once the main stream has stopped) or when this script

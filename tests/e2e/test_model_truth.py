@@ -391,27 +391,6 @@ def test_a_recompile_during_train_is_warned_of_and_taken_by_the_next_train(clust
     assert _moved(start, app.model.get_weights()) < 1e-6
 
 
-@pytest.mark.slow
-def test_every_case_here_holds_with_keras_on_jax_too() -> None:
-    """This module's cases again, Keras on JAX (the suite runs Keras on TensorFlow): in a fresh pytest process,
-    whose daemons follow its backend."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_XDIST_WORKER", "DDLF_NODE_STORE")}
-    env["KERAS_BACKEND"] = "jax"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not on_jax"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
-
-
 class HalfText(Binary):
     """Strings on worker 1 only: one worker sets the run up, the other refuses it."""
 
