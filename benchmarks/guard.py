@@ -74,11 +74,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks guard", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--calls", type=int, default=300, help="calls per round per contender")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="the limits are set for 2 (what CI runs)")
     p.add_argument("--spin-us", type=int, default=100)
     p.add_argument("--attempts", type=int, default=3, help="measurements a failing check gets before it fails")
     args = p.parse_args(argv)
+    for name in ("rounds", "calls", "workers", "attempts"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.spin_us < 0:
+        p.error(f"--spin-us must be >= 0, got {args.spin_us}")
     checks = limits(args.workers)
+    failing: list[Limit] = []
     best: dict[str, float] = {}
     for attempt in range(1, args.attempts + 1):
         ratios = measure(args.rounds, args.calls, args.workers, args.spin_us)

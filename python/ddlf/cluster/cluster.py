@@ -61,8 +61,9 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
             of a gRPC call, and large values written and read in place (see BENCHMARKS.md). TLS, heartbeats and
             calls made while another thread uses the lane go over gRPC. ``False``: everything over gRPC.
         lane_spin_us: microseconds a call on a lane spins (non-blocking reads, yielding the CPU) for its reply
-            before it sleeps; a reply within it costs no wake-up (default: ``DDLF_LANE_SPIN_US``, else 100;
-            0 sleeps at once). ``Cluster.local`` gives its daemons the same setting.
+            before it sleeps, and a call over gRPC (``ping``, ``status``, TLS daemons) polls before its thread
+            parks; a reply within it costs no wake-up (default: ``DDLF_LANE_SPIN_US``, else 100; 0 sleeps at
+            once). ``Cluster.local`` gives its daemons the same setting.
 
     Fault handling (:mod:`ddlf.cluster.recovery`): a worker whose connection breaks is marked lost (a warning names it,
     and :attr:`events` records it). A daemon restarted at the same address is re-provisioned automatically the

@@ -47,7 +47,8 @@ pub struct ClientConfig {
     pub tls: Option<ClientTls>,
     /// Also open a direct lane to each worker (plaintext daemons only) for calls (any size).
     pub direct_lane: bool,
-    /// How long a lane call spins for its reply before it blocks (see `lane::default_spin`).
+    /// How long a lane call spins for its reply before it blocks (see `lane::default_spin`), and a wait on the
+    /// pool's runtime polls before its thread parks.
     pub lane_spin: Duration,
 }
 
