@@ -59,11 +59,24 @@ section "pytest"
 # 11:57 for the whole stage this way; on two cores the pytest stages are CPU-bound at about 87% busy.)
 SIDE=(tests/unit tests/e2e/test_model_truth_on_jax.py tests/slurm tests/netns)
 MAIN=(tests/e2e --ignore=tests/e2e/test_model_truth_on_jax.py)
+for arg in "$@"; do
+  case "$arg" in
+    -*) ;;
+    *) if [ -e "${arg%%::*}" ]; then
+         echo "scripts/test.sh passes pytest options to both streams, not tests to run (they would run twice):" \
+           "for $arg run .venv/bin/python -m pytest $arg" >&2
+         exit 2
+       fi ;;
+  esac
+done
 side_log=$(mktemp)
 side_pid=
 # A background command ignores Ctrl-C in a script: on Ctrl-C (once the main stream has stopped) or when this script
 # stops early, the side stream is stopped with it.
-stop_side() { if [ -n "$side_pid" ]; then kill -TERM "$side_pid" 2>/dev/null || true; fi; }
+stop_side() {
+  if [ -n "$side_pid" ]; then kill -TERM "$side_pid" 2>/dev/null || true; fi
+  rm -f "$side_log"
+}
 trap stop_side EXIT
 trap 'stop_side; exit 130' INT TERM
 .venv/bin/python -m pytest "${SIDE[@]}" -q --durations=5 "$@" >"$side_log" 2>&1 &
