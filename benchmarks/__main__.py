@@ -40,6 +40,7 @@ BENCHMARKS = {
     "demo": "benchmarks.demo",
     "spark": "benchmarks.spark_dataframe",
     "soak": "benchmarks.soak",
+    "ddp": "benchmarks.ddp",
 }
 
 

@@ -82,6 +82,8 @@ class ModelSpec:
     """torch: the optimizer's class."""
     optimizer_groups: list[dict[str, Any]] | None = None
     """torch: each parameter group's hyperparameters (all but its ``params``)."""
+    training_options: dict[str, Any] | None = None
+    """torch: the ``TorchModel``'s ``precision`` and ``clip_grad_norm`` (not its device: each worker has its own)."""
 
 
 # -- Keras ----------------------------------------------------------------------------------------------------------
@@ -393,7 +395,12 @@ def _describe_torch(model: Any) -> ModelSpec:
         trainable=[bool(p.requires_grad) for p in model.module.parameters()],
         optimizer_class=f"{type(model.optimizer).__module__}.{type(model.optimizer).__qualname__}",
         optimizer_groups=optimizer_groups(model),
+        training_options=_torch_options(model),
     )
+
+
+def _torch_options(model: Any) -> dict[str, Any]:
+    return {name: getattr(model, name) for name in ("precision", "clip_grad_norm") if hasattr(model, name)}
 
 
 def _apply_torch(model: Any, spec: ModelSpec) -> list[str]:
@@ -418,6 +425,10 @@ def _apply_torch(model: Any, spec: ModelSpec) -> list[str]:
             changed.append("requires_grad")
     if spec.optimizer_groups is not None and set_optimizer_groups(model, spec.optimizer_groups):
         changed.append("optimizer")
+    for name, value in (spec.training_options or {}).items():
+        if hasattr(model, name) and getattr(model, name) != value:
+            setattr(model, name, value)
+            changed.append(name)
     return changed
 
 
@@ -464,6 +475,7 @@ def signature(model: Any) -> dict[str, Any]:
         return {
             "requires_grad": [bool(p.requires_grad) for p in model.module.parameters()],
             "optimizer": type(model.optimizer).__qualname__,
+            "training_options": _torch_options(model),
         }
     if not is_keras_model(model):
         return {}

@@ -53,6 +53,7 @@ class KerasShard:
         self.slots: list[Any] = []
         self.scalars: list[Any] = []
         self.clip: float | None = None  # the optimizer's global_clipnorm, applied by the caller over every shard
+        self.clip_epsilon = 0.0  # Keras's clip_by_global_norm divides by the norm itself
         self._apply: Any = None  # on TensorFlow: the step as one graph (see build)
 
     def build(self, size: int) -> None:
@@ -164,13 +165,16 @@ class TorchShard:
     hyperparameters, which it follows: a learning-rate scheduler or the linear scaling rule sets them on the model's
     optimizer) on one ``torch.nn.Parameter``: the shard."""
 
-    clip = None  # torch optimizers do not clip; a user clips in their own loop, which TorchModel does not run
+    clip_epsilon = 1e-6
+    """Added to the norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` adds it."""
 
     def __init__(self, model: Any) -> None:
         import torch
 
         self.torch = torch
         self.model = model
+        self.clip: float | None = getattr(model, "clip_grad_norm", None)
+        """``TorchModel(clip_grad_norm=)``: applied by the caller, by the norm over every rank's shard."""
         # The model's own optimizer never steps here: what torch made at its construction (Adagrad's sums) goes.
         model.optimizer.state.clear()
         self.optimizer: Any = None

@@ -7,6 +7,7 @@ as a compiled Keras model. torch is imported only when a ``TorchModel`` is made.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -20,10 +21,16 @@ __all__ = ["TorchModel"]
 
 _METRICS = ("accuracy",)
 
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+"""What :class:`TorchModel`'s ``precision`` takes (Lightning's names): float32 throughout; the forward pass and
+the loss under ``torch.autocast`` in bfloat16 or float16, the weights, gradients and optimizer in float32
+(float16 with a gradient scaler)."""
+
 
 def _arrays(tensors: Sequence[Any]) -> list[np.ndarray]:
-    """numpy copies of tensors (a copy: the model keeps training in place)."""
-    return [t.detach().cpu().numpy().copy() for t in tensors]
+    """numpy copies of tensors (a copy: the model keeps training in place; from a GPU the copy to the host is
+    the one)."""
+    return [t.detach().numpy().copy() if t.device.type == "cpu" else t.detach().cpu().numpy() for t in tensors]
 
 
 # -- batches that are structures: a dict name -> array, or a tuple or list of arrays (nested alike) -----------------
@@ -79,9 +86,50 @@ def _detached(value: Any) -> Any:
     return value.detach() if hasattr(value, "detach") else value
 
 
-def _numpy(value: Any) -> Any:
-    """An output as numpy (anything that is not a tensor as it is)."""
-    return value.detach().cpu().numpy() if hasattr(value, "detach") else value
+def _numpy(value: Any, widen: Any = None) -> Any:
+    """An output as numpy (anything that is not a tensor as it is); bfloat16, which numpy lacks, and ``widen`` (the
+    dtype mixed precision computed in) as float32."""
+    if not hasattr(value, "detach"):
+        return value
+    value = value.detach()
+    if str(value.dtype) == "torch.bfloat16" or (widen is not None and value.dtype == widen):
+        value = value.float()
+    return value.cpu().numpy()
+
+
+def plain_module(module: Any) -> Any:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, else ``module`` itself: its
+    ``forward``'s signature and its ``state_dict``'s keys are the user's."""
+    return getattr(module, "_orig_mod", module)
+
+
+def resolve_device(torch: Any, device: Any, module: Any) -> Any:
+    """The ``torch.device`` a :class:`TorchModel` trains on. ``"auto"``: where the module already is if that is not
+    the CPU, else the process's first GPU (a worker started with ``--gpu N`` or by ``Cluster.local(gpus=...)`` sees
+    only its own), else the CPU. An explicit device must exist here."""
+    if device == "auto":
+        placed = {p.device for p in module.parameters()} - {torch.device("cpu")}
+        if len(placed) == 1:
+            return placed.pop()
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        chosen = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"TorchModel: device {device!r} is not a torch device ('auto', 'cpu', 'cuda:0')") from exc
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (chosen.index is not None and chosen.index >= count):
+            import os
+
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ConfigError(
+                f"TorchModel: device {str(chosen)!r} is not available in this process: torch sees {count} CUDA "
+                f"device(s) (CUDA_VISIBLE_DEVICES={visible!r}); use device='auto' to train on the worker's GPU where "
+                "it has one and on the CPU elsewhere"
+            )
+    elif chosen.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("TorchModel: device 'mps' is not available in this process; use device='auto'")
+    return chosen
 
 
 def _output_name(key: str | int) -> str:
@@ -101,7 +149,9 @@ def _per_output(spec: Any, what: str) -> list[tuple[str | int, Any]]:
 
 def _takes_keywords(module: Any, names: tuple[str, ...]) -> bool:
     """Whether ``module.forward`` takes parameters ``names`` (a dict's keys) by keyword: it has ``**kwargs`` or all of
-    them. If not, it must take one positional argument (the dict)."""
+    them. If not, it must take one positional argument (the dict). A compiled module's forward is read where it was
+    written (the wrapper takes anything)."""
+    module = plain_module(module)
     try:
         signature = inspect.signature(module.forward)
     except (TypeError, ValueError):  # no signature to read (a builtin): pass the dict
@@ -143,6 +193,25 @@ class TorchModel:
             output. The default, ``"auto"``: an array becomes ``long`` (class labels); in a dict or tuple, integer
             arrays become ``long`` and floating ones ``float32``.
         loss_weights: with one loss per output, their weights.
+        device: where the module, its optimizer's state and each batch live. ``"auto"`` (the default): the device the
+            module is on if that is not the CPU, else the process's GPU (a worker started with ``ddlf-worker --gpu
+            N`` or by ``Cluster.local(gpus="auto")`` sees only its own, as ``cuda``), else the CPU; or an explicit
+            ``"cpu"``, ``"cuda:0"``, ``torch.device``, refused where this process does not have it. Each worker
+            resolves ``"auto"`` itself, so one app trains on GPU and CPU workers alike. Batches go to a GPU from
+            pinned memory without blocking; weights and gradients cross to the ring as numpy arrays.
+        precision: ``"32-true"`` (the default), ``"bf16-mixed"`` or ``"16-mixed"`` (Lightning's names): the forward
+            pass and the loss run under ``torch.autocast`` in bfloat16 or float16, the weights, gradients and
+            optimizer stay float32. ``"16-mixed"`` scales the loss with a ``torch.amp.GradScaler``: with gradient
+            averaging the scaled gradients are averaged and then unscaled, and a step whose average overflowed is
+            skipped on every worker alike while the scale shrinks (as under DDP).
+        clip_grad_norm: clip the gradients to this total norm before each optimizer step
+            (``torch.nn.utils.clip_grad_norm_``, as a DDP loop does after ``backward``); with gradient averaging the
+            averaged gradients are clipped, so every worker takes the same step. ``None``: no clipping.
+        channels_last: keep the module's 4-d weights and each 4-d float input in ``torch.channels_last`` memory
+            format (faster convolutions on recent CPUs and on GPUs with tensor cores).
+
+    ``module`` may be a ``torch.compile``'d module: it trains as the module does (its backward runs compiled, and
+    gradient averaging's buckets hook its parameters); ``save`` writes the plain module's ``state_dict``.
 
     A batch's inputs ``x`` are an array (``module(x)``), a tuple or list of arrays (``module(*x)``) or a dict name
     -> array: ``module(**x)`` when ``module.forward`` takes those names as parameters (or ``**kwargs``), else
@@ -163,6 +232,11 @@ class TorchModel:
         metrics: Sequence[str] = ("accuracy",),
         target_dtype: str | Mapping[str, str | None] | Sequence[str | None] | None = "auto",
         loss_weights: Mapping[str, float] | Sequence[float] | None = None,
+        *,
+        device: Any = "auto",
+        precision: str = "32-true",
+        clip_grad_norm: float | None = None,
+        channels_last: bool = False,
     ) -> None:
         import torch
 
@@ -191,10 +265,72 @@ class TorchModel:
         if per_output:
             self._target_dtypes = {k: self._dtype(v) for k, v in _per_output(target_dtype, "target_dtype")}
         self._kwargs_calls: dict[tuple[str, ...], bool] = {}
+        if not isinstance(channels_last, bool):
+            raise ConfigTypeError(f"TorchModel: channels_last must be True or False, got {channels_last!r}")
+        self.channels_last = channels_last
+        self.device = resolve_device(torch, device, module)
+        """The ``torch.device`` the module, its optimizer's state and the batches are on."""
+        self._on_host = self.device.type == "cpu"
+        self._memory_format = torch.channels_last if channels_last else None
+        module.to(self.device)
+        if self._memory_format is not None:
+            module.to(memory_format=self._memory_format)
+        self.scaler: Any = None
+        """The ``torch.amp.GradScaler`` of ``"16-mixed"`` (None otherwise)."""
+        self.precision = precision
+        self.clip_grad_norm = clip_grad_norm
         self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(module.parameters())
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ConfigTypeError("optimizer must be a torch.optim.Optimizer or a function returning one")
+        self._move_optimizer_state()
         self.reset_metrics()
+
+    @property
+    def precision(self) -> str:
+        """``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (see the class's docs); set it between runs and the
+        workers' replicas follow the master's."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        value = "32-true" if value in ("32", 32) else value
+        if value not in PRECISIONS:
+            raise ConfigError(
+                f"TorchModel: precision must be one of {list(PRECISIONS)}, got {value!r} (the weights stay float32: "
+                "'bf16-true' or '16-true' would make the gradients too coarse to average)"
+            )
+        torch = self._torch
+        self._precision = value
+        self._autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(value)
+        if value != "16-mixed":
+            self.scaler = None
+        elif self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+
+    @property
+    def clip_grad_norm(self) -> float | None:
+        """The total norm the gradients are clipped to before each step (None: not clipped); set it between runs
+        and the workers' replicas follow the master's."""
+        return self._clip_grad_norm
+
+    @clip_grad_norm.setter
+    def clip_grad_norm(self, value: float | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ConfigError(f"TorchModel: clip_grad_norm must be a positive number or None, got {value!r}")
+        self._clip_grad_norm = None if value is None else float(value)
+
+    def _move_optimizer_state(self) -> None:
+        """An optimizer built (and stepped) before the module moved: its state tensors to the module's device."""
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if self._torch.is_tensor(v) and v.device != self.device and v.dim() > 0:
+                    state[k] = v.to(self.device)
+
+    def _autocast(self) -> Any:
+        """The forward pass's precision: ``torch.autocast`` for the mixed ones, nothing for float32."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return self._torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
 
     def _dtype(self, name: Any) -> Any:
         if name is None or name == "auto":
@@ -260,15 +396,33 @@ class TorchModel:
             warnings.simplefilter("ignore", UserWarning)
             return self._torch.from_numpy(np.asarray(a))
 
+    def _batch(self, a: Any, dtype: Any = None) -> Any:
+        """An array of a batch as a tensor on the model's device (of ``dtype``, if given): on the CPU the array's
+        memory itself where the dtype agrees; to a GPU from pinned memory, without blocking the host."""
+        t = self._tensor(a)
+        if self._on_host:
+            t = t if dtype is None else t.to(dtype)
+        else:
+            if (
+                dtype is not None
+                and t.dtype != dtype
+                and t.element_size() < self._torch.empty((), dtype=dtype).element_size()
+            ):
+                t = t.pin_memory().to(self.device, non_blocking=True).to(dtype)  # the narrower one crosses
+            else:
+                t = (t if dtype is None else t.to(dtype)).pin_memory().to(self.device, non_blocking=True)
+        if self._memory_format is not None and t.dim() == 4 and t.is_floating_point():
+            t = t.contiguous(memory_format=self._memory_format)
+        return t
+
     def _inputs(self, x: Any) -> Any:
-        return _map(self._tensor, x) if _structured(x) else self._tensor(x)
+        return _map(self._batch, x) if _structured(x) else self._batch(x)
 
     def _targets(self, y: Any) -> Any:
         if not _structured(y):
             if self._target_dtypes is not None:
                 raise ConfigError("target_dtype is given per output, but the targets are one array")
-            dtype = self._array_target_dtype
-            return self._tensor(y).to(dtype) if dtype is not None else self._tensor(y)
+            return self._batch(y, self._array_target_dtype)
         if isinstance(y, dict):
             return {k: self._target(v, k) for k, v in y.items()}
         return type(y)(self._target(v, i) for i, v in enumerate(y))
@@ -276,7 +430,7 @@ class TorchModel:
     def _target(self, a: Any, key: str | int) -> Any:
         """Target ``key`` of a dict or tuple of targets, converted as ``target_dtype`` says."""
         dtype = self._target_dtype if self._target_dtypes is None else self._target_dtypes.get(key)
-        t = _map(self._tensor, a)
+        t = _map(self._batch, a)
         if dtype is None or _structured(t):
             return t
         if dtype == "auto":
@@ -380,13 +534,16 @@ class TorchModel:
         self.module.train()
         if self._losses is None and not isinstance(x, (dict, tuple, list)) and not isinstance(y, (dict, tuple, list)):
             # An array in, an array of targets, one loss: the common case, with as little around torch as can be.
-            inputs, target = self._tensor(x), self._tensor(y)
-            if self._array_target_dtype is not None:
-                target = target.to(self._array_target_dtype)
+            inputs, target = self._batch(x), self._batch(y, self._array_target_dtype)
             self.optimizer.zero_grad(set_to_none=True)
-            out = self.module(inputs)
-            loss = self.loss_fn(out, target)  # type: ignore[operator]
-            loss.backward()
+            if self._autocast_dtype is None:
+                out = self.module(inputs)
+                loss = self.loss_fn(out, target)  # type: ignore[operator]
+            else:
+                with self._autocast():
+                    out = self.module(inputs)
+                    loss = self.loss_fn(out, target)  # type: ignore[operator]
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             n = len(target)
             self._seen += n
             sums = self._sums
@@ -399,17 +556,36 @@ class TorchModel:
             return
         inputs, target = self._inputs(x), self._targets(y)
         self.optimizer.zero_grad(set_to_none=True)
-        out = self._forward(inputs)
-        loss, parts = self._loss(out, target)
-        loss.backward()
+        with self._autocast():
+            out = self._forward(inputs)
+            loss, parts = self._loss(out, target)
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         n = _rows(target)
         self._seen += n
         self._count(self._sums, n, loss, parts, _map(_detached, out), target)
 
+    def _step(self) -> None:
+        """The optimizer's step on the gradients in the parameters' ``.grad`` (this batch's, or the average of the
+        workers'): unscaled (``"16-mixed"``: a step whose gradients are not finite is skipped and the scale
+        shrinks), clipped to ``clip_grad_norm``, then stepped."""
+        scaler = self.scaler
+        if self.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            self._torch.nn.utils.clip_grad_norm_(
+                [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None],
+                self.clip_grad_norm,
+            )
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            scaler.step(self.optimizer)
+            scaler.update()
+
     def train_on_batch(self, x: Any, y: Any, return_dict: bool = False) -> Any:
         """One optimizer step on a batch; returns the running loss (and metrics) since :meth:`reset_metrics`."""
         self._backward(x, y)
-        self.optimizer.step()
+        self._step()
         return self._logs(self._sums, self._seen, return_dict)
 
     def evaluate(
@@ -437,21 +613,24 @@ class TorchModel:
             for start in range(0, rows, batch_size):
                 inputs = self._inputs(_slice(x, start, start + batch_size))
                 target = self._targets(_slice(y, start, start + batch_size))
-                out = self._forward(inputs)
-                loss, parts = self._loss(out, target)
+                with self._autocast():
+                    out = self._forward(inputs)
+                    loss, parts = self._loss(out, target)
                 n = _rows(target)
                 self._count(sums, n, loss, parts, out, target)
                 seen += n
         return self._logs(sums, seen, return_dict)
 
     def predict(self, x: Any, batch_size: int = 32, verbose: int = 0) -> Any:
-        """The module's outputs on ``x``, as numpy: one array, or the dict or tuple of them the module returns."""
+        """The module's outputs on ``x``, as numpy: one array, or the dict or tuple of them the module returns
+        (under mixed precision, and bfloat16 ones always, as float32)."""
         self.module.eval()
         parts = []
         with self._torch.no_grad():
             for s in range(0, _rows(x), batch_size):
-                out = self._forward(self._inputs(_slice(x, s, s + batch_size)))
-                parts.append(_map(_numpy, out))
+                with self._autocast():
+                    out = self._forward(self._inputs(_slice(x, s, s + batch_size)))
+                parts.append(_map(lambda t: _numpy(t, self._autocast_dtype), out))
         if not parts:
             return np.empty((0,))
         if not _structured(parts[0]):
@@ -505,27 +684,37 @@ class TorchModel:
         return True
 
     def get_rng_state(self) -> list[np.ndarray]:
-        """torch's CPU random generator state (dropout masks), so a resumed run draws the same numbers."""
-        return [self._torch.get_rng_state().numpy().copy()]
+        """torch's random generator states (dropout masks): the CPU's, and the GPU's when the model is on one, so a
+        resumed run draws the same numbers."""
+        states = [self._torch.get_rng_state().numpy().copy()]
+        if self.device.type == "cuda":
+            states.append(self._torch.cuda.get_rng_state(self.device).numpy().copy())
+        return states
 
     def set_rng_state(self, state: Sequence[np.ndarray]) -> None:
-        """Put back :meth:`get_rng_state`."""
-        if len(state) == 1:
+        """Put back :meth:`get_rng_state` (a GPU's state only where this model is on a GPU too)."""
+        if len(state) >= 1:
             self._torch.set_rng_state(self._tensor(np.asarray(state[0], dtype=np.uint8)))
+        if len(state) >= 2 and self.device.type == "cuda":
+            self._torch.cuda.set_rng_state(self._tensor(np.asarray(state[1], dtype=np.uint8)), self.device)
 
     # -- saving -----------------------------------------------------------------------------------------------
 
     def save(self, path: str) -> None:
-        """Save the module's ``state_dict`` with ``torch.save``."""
-        self._torch.save(self.module.state_dict(), path)
+        """Save the module's ``state_dict`` with ``torch.save`` (a compiled module's: the plain module's, whose keys
+        a module built without ``torch.compile`` loads)."""
+        self._torch.save(plain_module(self.module).state_dict(), path)
 
     save_weights = save
 
     def load_weights(self, path: str) -> None:
-        """Load a ``state_dict`` written by :meth:`save`."""
-        self.module.load_state_dict(self._torch.load(path, weights_only=True))
+        """Load a ``state_dict`` written by :meth:`save` onto this model's device, wherever it was saved."""
+        plain_module(self.module).load_state_dict(self._torch.load(path, weights_only=True, map_location=self.device))
 
     def __repr__(self) -> str:
-        return (
-            f"TorchModel({type(self.module).__name__}, {type(self.optimizer).__name__}, {self.count_params():,} params)"
-        )
+        name = type(plain_module(self.module)).__name__
+        if plain_module(self.module) is not self.module:
+            name = f"compiled {name}"
+        extra = "" if self.device.type == "cpu" else f", {self.device}"
+        extra += "" if self.precision == "32-true" else f", {self.precision}"
+        return f"TorchModel({name}, {type(self.optimizer).__name__}, {self.count_params():,} params{extra})"

@@ -13,7 +13,10 @@ Every rank launches the buckets in the same order (bucket ``k`` only after bucke
 hooks fire in, so the ranks' ring passes always pair up. Each bucket carries its own weight as its last element
 (as the one-buffer exchange does); a bucket whose gradients are not finite is sent as zeros with weight 0, so a
 NaN never reaches the other replicas (with buckets it is left out bucket by bucket: the other buckets of that
-batch still count).
+batch still count). A model that scales its loss (float16 mixed precision) keeps them instead: its gradient scaler,
+the same on every rank, then skips the step everywhere and shrinks the scale.
+
+A gradient on a GPU is scaled there and copied once, into its bucket's host buffer that goes to the ring.
 """
 
 from __future__ import annotations
@@ -50,7 +53,12 @@ class Buckets:
     op = "sum"
     """What the ring does with the buckets (the weighted sums are divided here)."""
 
-    def __init__(self, params: list[Any], cap_bytes: int) -> None:
+    def __init__(self, params: list[Any], cap_bytes: int, keep_nonfinite: bool = False) -> None:
+        import torch
+
+        self._torch = torch
+        self.keep_nonfinite = keep_nonfinite
+        """Send a bucket whose gradients are not finite as it is (a loss scaler decides on the sum)."""
         self.params = params
         self.sizes = [int(p.numel()) for p in params]
         self.bucket_of: list[int] = [0] * len(params)
@@ -153,13 +161,15 @@ class Buckets:
         out = self._flats[b][at : at + n]
         if grad is None or self._weight == 0:
             out[:] = 0
-        else:
-            np.multiply(grad.detach().reshape(-1).cpu().numpy(), self._weight, out=out)
+        elif grad.device.type == "cpu":
+            np.multiply(grad.detach().reshape(-1).numpy(), self._weight, out=out)
+        else:  # scaled on the device, one copy to the host
+            self._torch.from_numpy(out).copy_(grad.detach().reshape(-1) * float(self._weight))
         self._left[b] -= 1
         while self._next < len(self.members) and self._left[self._next] == 0:
             flat = self._flats[self._next]
             flat[-1] = self._weight
-            if not np.isfinite(flat).all():
+            if not self.keep_nonfinite and not np.isfinite(flat).all():
                 flat[:] = 0  # left out of this bucket's average on every rank
                 self._bad = True
             self._futures.append(self._pool.submit(self._reduce, flat))

@@ -322,7 +322,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                 grads = stepper.gradients(bx, by, sw)
                 if slow_seconds_per_batch:
                     time.sleep(slow_seconds_per_batch)
-                if not all(finite(g) for g in grads):
+                if not stepper.scaled and not all(finite(g) for g in grads):
                     # Averaged in, NaN would reach every replica: this batch is left out of the step.
                     log.warning("run %s: non-finite gradients on a batch of %d rows: left out of the step", run_id, n)
                     grads, n = stepper.zeros(), 0
@@ -333,7 +333,7 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
                 reduce_s += time.perf_counter() - t_reduce
             if averaged is None:
                 continue  # the exchange took the optimizer's step itself (TensorFlow: in the step's graph)
-            if compression is not None and total > 0 and not all(finite(a) for a in averaged):
+            if compression is not None and total > 0 and not stepper.scaled and not all(finite(a) for a in averaged):
                 overflowed += 1  # the same bits on every member: all skip this step
                 continue
             if total > 0:
@@ -429,7 +429,7 @@ def _train_sharded(session: Session, spec: GradientRound, start: list[np.ndarray
                     weight = n / batch_size
                     if spec.slow_seconds_per_batch:
                         time.sleep(spec.slow_seconds_per_batch)
-                    if not all(finite(g) for g in grads):
+                    if not stepper.scaled and not all(finite(g) for g in grads):
                         log.warning(
                             "run %s: non-finite gradients on a batch of %d rows: left out of the step", spec.run_id, n
                         )

@@ -96,6 +96,12 @@ def _check_keras(optimizer: Any) -> None:
 
 
 def _check_torch(optimizer: Any, model: Any) -> None:
+    if getattr(model, "scaler", None) is not None:
+        raise ConfigError(
+            f"{_WHAT}: TorchModel(precision='16-mixed') scales its loss with a gradient scaler, whose unscaling and "
+            "skipped steps the shards' optimizers do not run: use precision='bf16-mixed' (no scaler) or "
+            "shard_optimizer=False"
+        )
     cls = type(optimizer)
     if cls.__name__ not in TORCH_ELEMENTWISE or not cls.__module__.startswith("torch.optim"):
         raise ConfigError(
@@ -297,9 +303,9 @@ class ShardedOptimizer:
         if total[1] > 0:
             return "overflow"
         scale = 1.0 / total[0]
-        if clip:  # as Keras's clip_by_global_norm, on the mean over every rank's shard
-            norm = np.sqrt(total[2]) * scale
-            scale *= clip * min(1.0 / norm if norm > 0 else np.inf, 1.0 / clip)
+        if clip:  # as Keras's clip_by_global_norm (torch's clip_grad_norm_), on the mean over every rank's shard
+            norm = np.sqrt(total[2]) * scale + self.local.clip_epsilon
+            scale *= min(clip / norm, 1.0) if norm > 0 else 1.0
         mean *= np.float32(scale)
         self.flat[a:b] = self.local.step(mean)
         ring.allgather_(self.flat)  # the other shards' partial sums are overwritten by their new weights

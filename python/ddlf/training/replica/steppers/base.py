@@ -71,6 +71,11 @@ class Stepper(ABC):
     """The learning rate (torch: each parameter group's) that :meth:`set_learning_rate_factor` scales; None until
     it is first read."""
 
+    scaled = False
+    """The model scales its loss (``TorchModel(precision="16-mixed")``): gradients that are not finite are averaged
+    in rather than left out, so that every worker's gradient scaler sees the same overflow, skips the same step and
+    shrinks its scale alike (as under DDP)."""
+
     sharded = False
     """Set by a sharded optimizer (:mod:`.sharded`): the model's own optimizer is never built (its state lives
     in shards), and the new weights come through :meth:`set_trainable`."""
@@ -80,9 +85,9 @@ class Stepper(ABC):
         """Write ``values`` into the trainable weights (in order)."""
 
 
-def torch_buckets(stepper: Any, params: list[Any], cap_bytes: int) -> Any:
+def torch_buckets(stepper: Any, params: list[Any], cap_bytes: int, keep_nonfinite: bool = False) -> Any:
     """The torch steppers' :meth:`Stepper.buckets`: one per stepper and cap, ``None`` unless every parameter is
-    float32."""
+    float32 (``keep_nonfinite``: see :attr:`Stepper.scaled`)."""
     from ..buckets import Buckets
 
     held = getattr(stepper, "_buckets", None)
@@ -90,6 +95,6 @@ def torch_buckets(stepper: Any, params: list[Any], cap_bytes: int) -> Any:
         return held[1]
     if held is not None and held[1] is not None:
         held[1].close()
-    made = Buckets(params, cap_bytes) if Buckets.supports(params) else None
+    made = Buckets(params, cap_bytes, keep_nonfinite) if Buckets.supports(params) else None
     stepper._buckets = (cap_bytes, made)
     return made

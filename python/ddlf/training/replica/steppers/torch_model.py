@@ -27,6 +27,7 @@ class _TorchModelStepper(Stepper):
         self.model = model
         self.params = [p for p in model.module.parameters() if p.requires_grad]
         self.base_lr: list[float] | None = None
+        self.scaled = model.scaler is not None
 
     def begin(self) -> None:
         pass
@@ -36,7 +37,7 @@ class _TorchModelStepper(Stepper):
         self.model._backward(x, y)
 
     def buckets(self, cap_bytes: int, wire: str | None = None) -> Any:
-        return torch_buckets(self, self.params, cap_bytes)
+        return torch_buckets(self, self.params, cap_bytes, keep_nonfinite=self.scaled)
 
     def gradients(self, x: Any, y: Any, sw: Any = None) -> list[np.ndarray]:
         _no_sample_weights(sw)
@@ -50,7 +51,7 @@ class _TorchModelStepper(Stepper):
         m = self.model
         for p, g in zip(self.params, gradients):
             p.grad = m._tensor(g).to(device=p.device, dtype=p.dtype)
-        m.optimizer.step()
+        m._step()  # unscaled ("16-mixed"), clipped (clip_grad_norm), stepped
 
     def end(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.model.get_metrics_result().items()}
@@ -59,10 +60,10 @@ class _TorchModelStepper(Stepper):
         return [np.zeros(tuple(p.shape), np.float32) for p in self.params]
 
     def set_trainable(self, values: list[np.ndarray]) -> None:
-        torch = self.model._torch
-        with torch.no_grad():
+        m = self.model
+        with m._torch.no_grad():
             for p, a in zip(self.params, values):
-                p.copy_(torch.from_numpy(np.asarray(a)))
+                p.copy_(m._tensor(a))
 
     def build_optimizer(self) -> None:
         """torch creates an optimizer's state on its first step: take one with zero gradients and put the
