@@ -233,6 +233,55 @@ def test_torch_after_tensorflow_in_the_master_is_an_error_not_an_abort(tmp_path)
     assert lines[2] == "worker alive: ['yes'] compiler loaded: False"
 
 
+# A PyTorch user's script: torch imported, Keras never. Neither Keras nor TensorFlow should load anywhere.
+TORCH_ONLY = """
+import sys
+
+import numpy as np
+import torch
+
+import ddlf
+from ddlf.models import TorchModel
+
+
+class TorchApp(ddlf.IApp):
+    def load_dataset(self):
+        x = np.random.default_rng(0).random((256, 4), dtype=np.float32)
+        return x, (x.sum(axis=1) > 2).astype(np.int64)
+
+    def create_model(self):
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 2))
+        return TorchModel(net, lambda p: torch.optim.Adam(p, lr=1e-2), torch.nn.CrossEntropyLoss())
+
+
+loaded = lambda: sorted(m for m in ("keras", "tensorflow") if m in sys.modules)
+with ddlf.Cluster.local(2) as cluster:
+    for strategy in (ddlf.ModelAveraging(), ddlf.GradientAveraging(), ddlf.Asynchronous()):
+        h = TorchApp(cluster).train(epochs=2, batch_size=16, verbose=0, strategy=strategy)
+        assert h.history["loss"][-1] < h.history["loss"][0], h.history
+    print("workers:", cluster.run(loaded), "torch:", cluster.run(lambda: "torch" in sys.modules))
+print("master:", loaded())
+"""
+
+
+@pytest.mark.slow
+def test_a_torch_script_loads_neither_keras_nor_tensorflow_anywhere(tmp_path) -> None:
+    """Seeding, warm models and the daemons' default preload leave Keras (and with it TensorFlow, 4-5 CPU-seconds
+    and hundreds of MB per process) unloaded in a script that trains a TorchModel without importing Keras."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "torch_only.py"
+    script.write_text(TORCH_ONLY)
+    env = {k: v for k, v in os.environ.items() if k not in ("DDLF_PRELOAD", "KERAS_BACKEND")}
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    lines = out.stdout.splitlines()
+    assert lines == ["workers: [[], []] torch: [True, True]", "master: []"]
+
+
 # What a worker has loaded (a lambda, so that it travels by value: a reference to this module would import torch).
 _loaded = lambda: tuple(m in __import__("sys").modules for m in ("torch", "torch._dynamo", "tensorflow"))  # noqa: E731
 

@@ -147,9 +147,9 @@ def test_importing_ddlf_has_no_side_effects() -> None:
     assert out.stdout.split() == ["None", "False"]
 
 
-def _seeding_in_a_fresh_interpreter(prelude: str, call: str) -> list[str]:
-    """Run ``prelude``, then ``call`` (a seeding), in a fresh interpreter on Keras's TensorFlow backend; returns which
-    of torch, torch's compiler and TensorFlow are loaded after it, in that order."""
+def _seeding_in_a_fresh_interpreter(prelude: str, call: str, backend: str = "tensorflow") -> list[str]:
+    """Run ``prelude``, then ``call`` (a seeding), in a fresh interpreter on Keras's ``backend``; returns which of
+    torch, torch's compiler and TensorFlow are loaded after it, in that order."""
     import subprocess
     import sys
 
@@ -157,7 +157,7 @@ def _seeding_in_a_fresh_interpreter(prelude: str, call: str) -> list[str]:
         f"import sys\n{prelude}\nfrom ddlf.frameworks.seeding import set_random_seed\n{call}\n"
         "print(*(m in sys.modules for m in ('torch', 'torch._dynamo', 'tensorflow')))"
     )
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     return out.stdout.split()
 
@@ -175,10 +175,19 @@ def test_a_torch_run_loads_torchs_compiler_before_tensorflow() -> None:
     pytest.importorskip("torch")
     from ddlf.frameworks.loading import clash_possible
 
-    expected = ["True", "True" if clash_possible() else "False", "True"]
-    # A script that imported torch (a TorchModel's module), or a run the master says is a torch one.
-    assert _seeding_in_a_fresh_interpreter("import torch", "set_random_seed(1)") == expected
-    assert _seeding_in_a_fresh_interpreter("", "set_random_seed(1, torch=True)") == expected
+    compiler = "True" if clash_possible() else "False"
+    # Keras on torch: keras.utils.set_random_seed loads TensorFlow (to seed tf.data), after torch's compiler.
+    assert _seeding_in_a_fresh_interpreter("import torch", "set_random_seed(1)", "torch") == ["True", compiler, "True"]
+    # A script that imported torch and not Keras (a TorchModel's), or a run the master says is a torch one, in a
+    # process without Keras: Keras, and TensorFlow with it, stay out.
+    assert _seeding_in_a_fresh_interpreter("import torch", "set_random_seed(1)") == ["True", compiler, "False"]
+    assert _seeding_in_a_fresh_interpreter("", "set_random_seed(1, torch=True)") == [compiler, compiler, "False"]
+    # Keras loaded already (on TensorFlow): seeded as ever, the compiler first.
+    assert _seeding_in_a_fresh_interpreter("import torch, torch._dynamo, keras", "set_random_seed(1)") == [
+        "True",
+        "True",
+        "True",
+    ]
 
 
 def test_the_failure_policy_decides_by_kind() -> None:

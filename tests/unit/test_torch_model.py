@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ddlf.frameworks import torch_batches as tb
 from ddlf.frameworks import torch_model as tm
 
 
@@ -23,27 +24,27 @@ def test_a_dict_goes_by_keyword_when_forward_names_its_keys_else_whole() -> None
     def positional(*args): ...
     def needs_two(a, c): ...
 
-    assert tm._takes_keywords(_Module(two), ("a", "b"))
-    assert tm._takes_keywords(_Module(two), ("a",))
-    assert tm._takes_keywords(_Module(anything), ("x", "y"))
-    assert tm._takes_keywords(_Module(batch), ("inputs",))  # module(inputs=...): the same call
-    assert not tm._takes_keywords(_Module(batch), ("image", "text"))  # module({"image": ..., "text": ...})
-    assert not tm._takes_keywords(_Module(two), ("image", "text"))  # b has a default: a takes the dict
-    assert not tm._takes_keywords(_Module(positional), ("image",))
+    assert tb.takes_keywords(_Module(two), ("a", "b"))
+    assert tb.takes_keywords(_Module(two), ("a",))
+    assert tb.takes_keywords(_Module(anything), ("x", "y"))
+    assert tb.takes_keywords(_Module(batch), ("inputs",))  # module(inputs=...): the same call
+    assert not tb.takes_keywords(_Module(batch), ("image", "text"))  # module({"image": ..., "text": ...})
+    assert not tb.takes_keywords(_Module(two), ("image", "text"))  # b has a default: a takes the dict
+    assert not tb.takes_keywords(_Module(positional), ("image",))
     with pytest.raises(TypeError, match=r"keys \['a', 'b'\].*forward\(a, c\)"):
-        tm._takes_keywords(_Module(needs_two), ("a", "b"))
+        tb.takes_keywords(_Module(needs_two), ("a", "b"))
 
 
 def test_structures_are_mapped_sliced_and_counted_as_one_batch() -> None:
     x = {"image": np.zeros((5, 3)), "pair": (np.arange(5), [np.ones((5, 2))])}
-    assert tm._rows(x) == 5 and tm._rows(np.zeros((4, 2))) == 4 and tm._rows((np.zeros(3),)) == 3
-    part = tm._slice(x, 1, 3)
+    assert tb.count_rows(x) == 5 and tb.count_rows(np.zeros((4, 2))) == 4 and tb.count_rows((np.zeros(3),)) == 3
+    part = tb.slice_rows(x, 1, 3)
     assert part["image"].shape == (2, 3) and part["pair"][0].tolist() == [1, 2]
     assert isinstance(part["pair"], tuple) and isinstance(part["pair"][1], list)  # the structure kept
-    assert len(tm._leaves(x)) == 3
+    assert len(tb.leaves(x)) == 3
     with pytest.raises(ValueError, match="no samples"):
-        tm._rows({})
-    assert tm._output_name("digit") == "digit" and tm._output_name(1) == "output_1"
+        tb.count_rows({})
+    assert tb.output_name("digit") == "digit" and tb.output_name(1) == "output_1"
 
 
 def test_losses_per_output_are_checked_up_front() -> None:
@@ -68,8 +69,8 @@ def test_losses_per_output_are_checked_up_front() -> None:
 
 def test_a_missing_output_or_target_is_named() -> None:
     with pytest.raises(ValueError, match=r"output 'size', but the outputs are keys \['digit'\]"):
-        tm._entry({"digit": 1}, "size", "output")
+        tb.entry({"digit": 1}, "size", "output")
     with pytest.raises(ValueError, match="target 2, but the targets are 2 entries"):
-        tm._entry((1, 2), 2, "target")
+        tb.entry((1, 2), 2, "target")
     with pytest.raises(ValueError, match="output 'a', but the outputs are one tensor"):
-        tm._entry(np.zeros(3), "a", "output")
+        tb.entry(np.zeros(3), "a", "output")

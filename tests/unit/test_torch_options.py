@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ddlf
-from ddlf.frameworks import torch_model as tm
+from ddlf.frameworks import torch_placement
 from ddlf.frameworks.torch_model import TorchModel
 
 torch = pytest.importorskip("torch")
@@ -29,9 +29,9 @@ def test_the_device_auto_is_the_modules_else_the_gpu_else_the_cpu() -> None:
     cpu = torch.device("cpu")
     linear = torch.nn.Linear(2, 2)
     expected = torch.device("cuda") if torch.cuda.is_available() else cpu
-    assert tm.resolve_device(torch, "auto", linear) == expected
-    assert tm.resolve_device(torch, "cpu", linear) == cpu
-    assert tm.resolve_device(torch, cpu, linear) == cpu
+    assert torch_placement.resolve_device(torch, "auto", linear) == expected
+    assert torch_placement.resolve_device(torch, "cpu", linear) == cpu
+    assert torch_placement.resolve_device(torch, cpu, linear) == cpu
     assert _model(device="cpu").device == cpu
     assert next(_model(device="cpu").module.parameters()).device == cpu
 

@@ -43,12 +43,14 @@ class Launchers:
         thread pools (default: the machine's cores divided among the workers).
 
         ``preload``: modules each daemon imports in the background as soon as it listens, while this script goes
-        on (``ddlf-worker --preload``). The default, ``"keras"``, loads Keras on this process's backend
-        (``KERAS_BACKEND``, else ddlf's default, which this sets for the workers) when Keras is installed, so a
+        on (``ddlf-worker --preload``). The default, ``"keras"`` (``"torch"`` in a PyTorch script, below), loads
+        Keras on this process's backend (``KERAS_BACKEND``, else ddlf's default, which this sets for the workers)
+        when Keras is installed, so a
         first ``train()`` does not wait for the framework to import. A request that runs or sends code (``run``,
         ``set``, ``train``...) while a daemon still preloads waits for the preload to finish (a few seconds for
         Keras on TensorFlow; count it in a short ``timeout``). ``None``: nothing. ``"default"``: ``DDLF_PRELOAD``
-        if set (comma-separated modules; empty: nothing), else ``"keras"``.
+        if set (comma-separated modules; empty: nothing), else ``"keras"``, or ``"torch"`` when this script has
+        imported torch and not Keras (a ``TorchModel`` needs neither Keras nor TensorFlow on the workers).
 
         ``gpus``: one worker per GPU, each seeing only its own (``ddlf-worker --gpu``): ``"auto"`` for every GPU
         this process may use (``CUDA_VISIBLE_DEVICES``, else all that ``nvidia-smi`` lists), or a list of ids.

@@ -168,6 +168,15 @@ def _terminate_all(processes: list[subprocess.Popen[bytes]], directory: str) -> 
         os.rmdir(directory)
 
 
+def default_preload() -> str:
+    """What local daemons preload unless told: what this script trains with. ``"torch"`` for a script that has
+    imported torch and not Keras (a ``TorchModel``: the daemons need neither Keras nor TensorFlow, 4-5 CPU-seconds
+    and hundreds of MB each), else ``"keras"`` (on this process's backend)."""
+    if "torch" in sys.modules and "keras" not in sys.modules and keras_backend_in_use() != "torch":
+        return "torch"
+    return "keras"
+
+
 def start_local(
     n_workers: int | None,
     *,
@@ -200,7 +209,7 @@ def start_local(
     args = list(worker_args)
     env = {}
     if preload == "default":
-        preload = os.environ.get("DDLF_PRELOAD", "keras")
+        preload = os.environ.get("DDLF_PRELOAD", default_preload())
     modules = module_list(preload) if isinstance(preload, str) else list(preload or [])
     if "keras" in modules:
         from ..frameworks.loading import installed

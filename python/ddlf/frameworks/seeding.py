@@ -15,6 +15,7 @@ from .keras_backend import keras_backend_in_use
 
 def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
     """Seed Python's, numpy's and Keras's generators, and torch's when torch is loaded (a TorchModel's dropout).
+    Keras is left unloaded by a PyTorch run in a process that has not imported it.
 
     ``torch``: whether this process trains with PyTorch (a ``TorchModel``, or Keras on its torch backend); by
     default, whether the script has imported torch already or Keras runs on torch."""
@@ -29,6 +30,12 @@ def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
         # backend: where torch and triton are installed too, torch's compiler must be in first (frameworks.loading).
         # Only then: it costs 3.3 s and about 900 MB of mappings, which a Keras run on TensorFlow does not need.
         load_torch_compiler_first()
+    if torch and "keras" not in sys.modules and keras_backend_in_use() != "torch":
+        # A PyTorch run (a TorchModel) in a process without Keras: importing Keras here would load TensorFlow, 4-5
+        # CPU-seconds and hundreds of MB, for nothing. Keras imported later still draws its default seeds from
+        # Python's generator, seeded above.
+        _seed_torch(seed)
+        return
     # Keras imports its backend, and keras.utils.set_random_seed TensorFlow: their start-up notices stay off the
     # console (frameworks.console).
     with quiet_start() if "tensorflow" not in sys.modules or "keras" not in sys.modules else nullcontext():
@@ -38,6 +45,10 @@ def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
             pass
         else:
             keras.utils.set_random_seed(seed)
+    _seed_torch(seed)
+
+
+def _seed_torch(seed: int) -> None:
     loaded = sys.modules.get("torch")
     if loaded is not None:
         loaded.manual_seed(seed)

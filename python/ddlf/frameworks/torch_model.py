@@ -8,7 +8,6 @@ as a compiled Keras model. torch is imported only when a ``TorchModel`` is made.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -16,159 +15,30 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, ConfigTypeError, ModelMismatchError
+from .torch_batches import (
+    count_rows,
+    detached,
+    entry,
+    map_arrays,
+    output_name,
+    per_output,
+    plain_module,
+    slice_rows,
+    structured,
+    takes_keywords,
+    to_numpy,
+)
+from .torch_placement import PRECISIONS, resolve_device
 
 __all__ = ["TorchModel"]
 
 _METRICS = ("accuracy",)
-
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-"""What :class:`TorchModel`'s ``precision`` takes (Lightning's names): float32 throughout; the forward pass and
-the loss under ``torch.autocast`` in bfloat16 or float16, the weights, gradients and optimizer in float32
-(float16 with a gradient scaler)."""
 
 
 def _arrays(tensors: Sequence[Any]) -> list[np.ndarray]:
     """numpy copies of tensors (a copy: the model keeps training in place; from a GPU the copy to the host is
     the one)."""
     return [t.detach().numpy().copy() if t.device.type == "cpu" else t.detach().cpu().numpy() for t in tensors]
-
-
-# -- batches that are structures: a dict name -> array, or a tuple or list of arrays (nested alike) -----------------
-
-
-def _structured(value: Any) -> bool:
-    return isinstance(value, (dict, tuple, list))
-
-
-def _map(fn: Callable[[Any], Any], value: Any) -> Any:
-    """``fn`` applied to every array of ``value``, the structure kept (a list stays a list)."""
-    if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(fn, v) for v in value)
-    return fn(value)
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    if isinstance(value, (tuple, list)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value]
-
-
-def _slice(value: Any, start: int, end: int) -> Any:
-    """Rows ``start:end`` of every array of ``value``."""
-    return _map(lambda a: a[start:end], value)
-
-
-def _rows(value: Any) -> int:
-    """The batch's number of samples: the length of its first array."""
-    leaves = _leaves(value)
-    if not leaves:
-        raise ConfigError("an empty dict, tuple or list holds no samples")
-    return len(leaves[0])
-
-
-def _entry(value: Any, key: str | int, what: str) -> Any:
-    """Output or target ``key`` of a structure, with what went wrong if it has none."""
-    if isinstance(value, dict) and isinstance(key, str) and key in value:
-        return value[key]
-    if isinstance(value, (tuple, list)) and isinstance(key, int) and key < len(value):
-        return value[key]
-    have = f"keys {sorted(value)}" if isinstance(value, dict) else f"{len(value)} entries"
-    if not _structured(value):
-        have = "one tensor"
-    raise ConfigError(f"the loss is given for {what} {key!r}, but the {what}s are {have}")
-
-
-def _detached(value: Any) -> Any:
-    return value.detach() if hasattr(value, "detach") else value
-
-
-def _numpy(value: Any, widen: Any = None) -> Any:
-    """An output as numpy (anything that is not a tensor as it is); bfloat16, which numpy lacks, and ``widen`` (the
-    dtype mixed precision computed in) as float32."""
-    if not hasattr(value, "detach"):
-        return value
-    value = value.detach()
-    if str(value.dtype) == "torch.bfloat16" or (widen is not None and value.dtype == widen):
-        value = value.float()
-    return value.cpu().numpy()
-
-
-def plain_module(module: Any) -> Any:
-    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, else ``module`` itself: its
-    ``forward``'s signature and its ``state_dict``'s keys are the user's."""
-    return getattr(module, "_orig_mod", module)
-
-
-def resolve_device(torch: Any, device: Any, module: Any) -> Any:
-    """The ``torch.device`` a :class:`TorchModel` trains on. ``"auto"``: where the module already is if that is not
-    the CPU, else the process's first GPU (a worker started with ``--gpu N`` or by ``Cluster.local(gpus=...)`` sees
-    only its own), else the CPU. An explicit device must exist here."""
-    if device == "auto":
-        placed = {p.device for p in module.parameters()} - {torch.device("cpu")}
-        if len(placed) == 1:
-            return placed.pop()
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        chosen = device if isinstance(device, torch.device) else torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"TorchModel: device {device!r} is not a torch device ('auto', 'cpu', 'cuda:0')") from exc
-    if chosen.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (chosen.index is not None and chosen.index >= count):
-            import os
-
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            raise ConfigError(
-                f"TorchModel: device {str(chosen)!r} is not available in this process: torch sees {count} CUDA "
-                f"device(s) (CUDA_VISIBLE_DEVICES={visible!r}); use device='auto' to train on the worker's GPU where "
-                "it has one and on the CPU elsewhere"
-            )
-    elif chosen.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("TorchModel: device 'mps' is not available in this process; use device='auto'")
-    return chosen
-
-
-def _output_name(key: str | int) -> str:
-    return key if isinstance(key, str) else f"output_{key}"
-
-
-def _per_output(spec: Any, what: str) -> list[tuple[str | int, Any]]:
-    """A dict or sequence given per output as ``(key, value)`` pairs (dict keys, or indices)."""
-    if isinstance(spec, Mapping):
-        return list(spec.items())
-    if isinstance(spec, Sequence) and not isinstance(spec, str):
-        return list(enumerate(spec))
-    raise ConfigTypeError(
-        f"{what} must be one for all outputs, a dict by output name or a list by position, got {spec!r}"
-    )
-
-
-def _takes_keywords(module: Any, names: tuple[str, ...]) -> bool:
-    """Whether ``module.forward`` takes parameters ``names`` (a dict's keys) by keyword: it has ``**kwargs`` or all of
-    them. If not, it must take one positional argument (the dict). A compiled module's forward is read where it was
-    written (the wrapper takes anything)."""
-    module = plain_module(module)
-    try:
-        signature = inspect.signature(module.forward)
-    except (TypeError, ValueError):  # no signature to read (a builtin): pass the dict
-        return False
-    params = list(signature.parameters.values())
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return True
-    if set(names) <= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}:
-        return True
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if len(required) > 1 or not (positional or any(p.kind is p.VAR_POSITIONAL for p in params)):
-        raise ConfigTypeError(
-            f"the batch's inputs are a dict with keys {list(names)}, but {type(module).__name__}.forward{signature} "
-            "takes neither those names as parameters nor one dict"
-        )
-    return False
 
 
 class TorchModel:
@@ -257,13 +127,13 @@ class TorchModel:
             loss_fn = list(loss_fn)
         self._losses = self._per_output_losses(loss_fn, loss_weights)
         self.metrics = tuple(metrics)
-        per_output = target_dtype is not None and not isinstance(target_dtype, str)
-        self._target_dtype = "auto" if per_output else self._dtype(target_dtype)
+        by_output = target_dtype is not None and not isinstance(target_dtype, str)
+        self._target_dtype = "auto" if by_output else self._dtype(target_dtype)
         self._array_target_dtype = torch.long if self._target_dtype == "auto" else self._target_dtype
         self._class_dtypes = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
         self._target_dtypes: dict[str | int, Any] | None = None
-        if per_output:
-            self._target_dtypes = {k: self._dtype(v) for k, v in _per_output(target_dtype, "target_dtype")}
+        if by_output:
+            self._target_dtypes = {k: self._dtype(v) for k, v in per_output(target_dtype, "target_dtype")}
         self._kwargs_calls: dict[tuple[str, ...], bool] = {}
         if not isinstance(channels_last, bool):
             raise ConfigTypeError(f"TorchModel: channels_last must be True or False, got {channels_last!r}")
@@ -346,11 +216,11 @@ class TorchModel:
             if loss_weights is not None:
                 raise ConfigError("loss_weights weigh one loss per output: give loss_fn as a dict or list of losses")
             return None
-        given = _per_output(loss_fn, "loss_fn")
+        given = per_output(loss_fn, "loss_fn")
         losses = [(k, fn) for k, fn in given if fn is not None]
         if not losses or any(not callable(fn) for _, fn in losses):
             raise ConfigTypeError(f"loss_fn: a loss (a callable) or None per output, got {loss_fn!r}")
-        weights = dict(_per_output(loss_weights, "loss_weights")) if loss_weights is not None else {}
+        weights = dict(per_output(loss_weights, "loss_weights")) if loss_weights is not None else {}
         if unknown := [k for k in weights if k not in dict(given)]:
             raise ConfigError(f"loss_weights for {unknown}, which loss_fn does not name")
         return [(k, fn, float(weights.get(k, 1.0))) for k, fn in losses]
@@ -416,10 +286,10 @@ class TorchModel:
         return t
 
     def _inputs(self, x: Any) -> Any:
-        return _map(self._batch, x) if _structured(x) else self._batch(x)
+        return map_arrays(self._batch, x) if structured(x) else self._batch(x)
 
     def _targets(self, y: Any) -> Any:
-        if not _structured(y):
+        if not structured(y):
             if self._target_dtypes is not None:
                 raise ConfigError("target_dtype is given per output, but the targets are one array")
             return self._batch(y, self._array_target_dtype)
@@ -430,8 +300,8 @@ class TorchModel:
     def _target(self, a: Any, key: str | int) -> Any:
         """Target ``key`` of a dict or tuple of targets, converted as ``target_dtype`` says."""
         dtype = self._target_dtype if self._target_dtypes is None else self._target_dtypes.get(key)
-        t = _map(self._batch, a)
-        if dtype is None or _structured(t):
+        t = map_arrays(self._batch, a)
+        if dtype is None or structured(t):
             return t
         if dtype == "auto":
             if t.is_floating_point():
@@ -452,7 +322,7 @@ class TorchModel:
         """Whether ``module.forward`` takes a dict's entries ``names`` as keyword arguments (else: the dict)."""
         known = self._kwargs_calls.get(names)
         if known is None:
-            known = self._kwargs_calls[names] = _takes_keywords(self.module, names)
+            known = self._kwargs_calls[names] = takes_keywords(self.module, names)
         return known
 
     def _loss(self, out: Any, target: Any) -> tuple[Any, dict[str, Any]]:
@@ -462,8 +332,8 @@ class TorchModel:
         total: Any = None
         parts: dict[str, Any] = {}
         for key, fn, weight in self._losses:
-            value = fn(_entry(out, key, "output"), _entry(target, key, "target"))
-            parts[f"{_output_name(key)}_loss"] = value
+            value = fn(entry(out, key, "output"), entry(target, key, "target"))
+            parts[f"{output_name(key)}_loss"] = value
             total = value * weight if total is None else total + value * weight
         return total, parts
 
@@ -473,8 +343,8 @@ class TorchModel:
         ``<name>_accuracy`` for several."""
         if "accuracy" not in self.metrics:
             return {}
-        if not _structured(out) or not _structured(target):
-            if _structured(out) or _structured(target):
+        if not structured(out) or not structured(target):
+            if structured(out) or structured(target):
                 return {}
             share = self._accuracy(out, target)
             return {} if share is None else {"accuracy": share}
@@ -485,11 +355,11 @@ class TorchModel:
         for key in keys:
             o = out.get(key) if isinstance(out, dict) else out[key]
             t = target.get(key) if isinstance(target, dict) else (target[key] if key < len(target) else None)
-            if t is None or _structured(o) or _structured(t):
+            if t is None or structured(o) or structured(t):
                 continue
             share = self._accuracy(o, t)
             if share is not None:
-                found[f"{_output_name(key)}_accuracy"] = share
+                found[f"{output_name(key)}_accuracy"] = share
         return found
 
     def _accuracy(self, out: Any, target: Any) -> float | None:
@@ -560,9 +430,9 @@ class TorchModel:
             out = self._forward(inputs)
             loss, parts = self._loss(out, target)
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-        n = _rows(target)
+        n = count_rows(target)
         self._seen += n
-        self._count(self._sums, n, loss, parts, _map(_detached, out), target)
+        self._count(self._sums, n, loss, parts, map_arrays(detached, out), target)
 
     def _step(self) -> None:
         """The optimizer's step on the gradients in the parameters' ``.grad`` (this batch's, or the average of the
@@ -608,15 +478,15 @@ class TorchModel:
         self.module.eval()
         sums: dict[str, float] = {}
         seen = 0
-        rows = _rows(x)
+        rows = count_rows(x)
         with self._torch.no_grad():
             for start in range(0, rows, batch_size):
-                inputs = self._inputs(_slice(x, start, start + batch_size))
-                target = self._targets(_slice(y, start, start + batch_size))
+                inputs = self._inputs(slice_rows(x, start, start + batch_size))
+                target = self._targets(slice_rows(y, start, start + batch_size))
                 with self._autocast():
                     out = self._forward(inputs)
                     loss, parts = self._loss(out, target)
-                n = _rows(target)
+                n = count_rows(target)
                 self._count(sums, n, loss, parts, out, target)
                 seen += n
         return self._logs(sums, seen, return_dict)
@@ -627,13 +497,13 @@ class TorchModel:
         self.module.eval()
         parts = []
         with self._torch.no_grad():
-            for s in range(0, _rows(x), batch_size):
+            for s in range(0, count_rows(x), batch_size):
                 with self._autocast():
-                    out = self._forward(self._inputs(_slice(x, s, s + batch_size)))
-                parts.append(_map(lambda t: _numpy(t, self._autocast_dtype), out))
+                    out = self._forward(self._inputs(slice_rows(x, s, s + batch_size)))
+                parts.append(map_arrays(lambda t: to_numpy(t, self._autocast_dtype), out))
         if not parts:
             return np.empty((0,))
-        if not _structured(parts[0]):
+        if not structured(parts[0]):
             return np.concatenate(parts)
         first = parts[0]
         if isinstance(first, dict):

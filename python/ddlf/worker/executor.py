@@ -484,6 +484,11 @@ def _preload(modules: list[str], done: threading.Event) -> None:
                     module = importlib.import_module(name)
                     if name == "keras":
                         module.backend.backend()  # loads the backend's own framework too
+                    elif name == "torch":
+                        from ..frameworks.loading import load_torch_compiler_first
+
+                        # torch.optim loads it at a first step anyway; in first, a later run may bring TensorFlow
+                        load_torch_compiler_first()
             except BaseException as exc:  # a worker must serve whatever its preload does
                 log.warning("preloading %s failed: %s: %s", name, type(exc).__name__, exc)
                 continue

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections import OrderedDict
 from typing import Any
 
@@ -38,11 +39,12 @@ _KEPT: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
 def fingerprint(model: Any) -> str | None:
     """What must be equal for a kept model to stand in for ``model``: its class, architecture, trainable flags,
     compile and optimizer settings (a plain learning rate aside: lend copies it), the state of its preprocessing
-    layers and the Keras backend; ``None`` when ``model`` is not lent or kept."""
-    try:
-        import keras
-    except ImportError:
-        return None
+    layers and the Keras backend; ``None`` when ``model`` is not lent or kept (not a Keras model: Keras is not
+    imported to tell, as a PyTorch run in a process without it would load TensorFlow for nothing)."""
+    if "keras" not in sys.modules:
+        return None  # no Keras loaded: the model is not a Keras model
+    import keras
+
     try:
         from keras.src.models.functional import Functional
     except ImportError:  # a Keras without this module path: lend nothing rather than guess
