@@ -159,9 +159,12 @@ def test_grpc_stays_healthy_while_only_the_lane_is_used() -> None:
     d = Daemon("--keepalive", "0.3", "0.5")
     try:
         c = ddlf.Cluster([d.address], d.token)
-        end = time.monotonic() + 3.0
-        while time.monotonic() < end:
+        assert c.run(_ident, 1) == [1]  # waits for the daemon's preload: on a loaded machine that may take seconds
+        # At least 3 s of lane-only traffic (6 keepalive timeouts), and at least 20 calls however slow the machine.
+        end, calls = time.monotonic() + 3.0, 1
+        while time.monotonic() < end or calls < 20:
             assert c.run(_ident, 1) == [1]
+            calls += 1
             time.sleep(0.01)
         assert c.status()[0]["requests_served"] > 10  # status is gRPC only
         big = np.arange(300_000, dtype=np.float64)  # 2.4 MB

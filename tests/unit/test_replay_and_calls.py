@@ -182,12 +182,6 @@ def test_a_torch_run_loads_torchs_compiler_before_tensorflow() -> None:
     # process without Keras: Keras, and TensorFlow with it, stay out.
     assert _seeding_in_a_fresh_interpreter("import torch", "set_random_seed(1)") == ["True", compiler, "False"]
     assert _seeding_in_a_fresh_interpreter("", "set_random_seed(1, torch=True)") == [compiler, compiler, "False"]
-    # Keras loaded already (on TensorFlow): seeded as ever, the compiler first.
-    assert _seeding_in_a_fresh_interpreter("import torch, torch._dynamo, keras", "set_random_seed(1)") == [
-        "True",
-        "True",
-        "True",
-    ]
 
 
 def test_the_failure_policy_decides_by_kind() -> None:
