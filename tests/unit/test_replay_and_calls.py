@@ -176,12 +176,54 @@ def test_a_torch_run_loads_torchs_compiler_before_tensorflow() -> None:
     from ddlf.frameworks.loading import clash_possible
 
     compiler = "True" if clash_possible() else "False"
-    # Keras on torch: keras.utils.set_random_seed loads TensorFlow (to seed tf.data), after torch's compiler.
-    assert _seeding_in_a_fresh_interpreter("import torch", "set_random_seed(1)", "torch") == ["True", compiler, "True"]
+    # Keras on torch: torch's compiler first (TensorFlow may come later), and Keras seeded without loading
+    # TensorFlow (keras.utils.set_random_seed alone would, to seed tf.data).
+    assert _seeding_in_a_fresh_interpreter("import torch", "set_random_seed(1)", "torch") == ["True", compiler, "False"]
     # A script that imported torch and not Keras (a TorchModel's), or a run the master says is a torch one, in a
     # process without Keras: Keras, and TensorFlow with it, stay out.
     assert _seeding_in_a_fresh_interpreter("import torch", "set_random_seed(1)") == ["True", compiler, "False"]
     assert _seeding_in_a_fresh_interpreter("", "set_random_seed(1, torch=True)") == [compiler, compiler, "False"]
+
+
+JAX_RUN_WITHOUT_TENSORFLOW = """
+import random, sys
+import numpy as np
+import keras
+from ddlf.frameworks import model_spec
+from ddlf.frameworks.seeding import set_random_seed
+from ddlf.training.replica import warm
+
+def draws():
+    return [random.random(), float(np.random.rand()), keras.random.uniform((2,)).tolist()]
+
+set_random_seed(3)
+ours = draws()
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+spec = model_spec.describe(model)
+assert model_spec.apply(model, spec) == [] and model_spec.differs(model, spec) is None
+assert warm.fingerprint(model) is not None and model_spec.signature(model)
+print("tensorflow loaded:", "tensorflow" in sys.modules)
+keras.utils.set_random_seed(3)  # Keras' own (loads TensorFlow to seed tf.data): the same draws
+print("same draws:", draws() == ours, "tensorflow loaded:", "tensorflow" in sys.modules)
+"""
+
+
+def test_a_keras_run_on_jax_seeds_and_reads_its_model_without_loading_tensorflow() -> None:
+    """keras.utils.set_random_seed and Keras' serialization (get_config, get_compile_config) ask whether TensorFlow is
+    available, which imports it: 2-3 s on the master and on each worker of a first train() on JAX. ddlf's seeding,
+    model spec and warm models leave it unloaded, and seed as Keras does."""
+    pytest.importorskip("jax")
+    pytest.importorskip("tensorflow")
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", JAX_RUN_WITHOUT_TENSORFLOW], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["tensorflow loaded: False", "same draws: True tensorflow loaded: True"]
 
 
 def test_the_failure_policy_decides_by_kind() -> None:

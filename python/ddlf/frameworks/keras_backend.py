@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ..errors import FrameworkClash
 
@@ -83,3 +88,52 @@ def follow_keras_backend(master: str | None) -> None:
             f"its first backend, so start this worker with KERAS_BACKEND={master} (or the master with "
             f"KERAS_BACKEND={mine})"
         )
+
+
+_UNLOADED_TENSORFLOW = threading.RLock()  # reentrant: a serializing function may call another
+
+
+@contextlib.contextmanager
+def tensorflow_left_unloaded() -> Iterator[None]:
+    """While Keras seeds or serializes for ddlf (``keras.utils.set_random_seed``, ``get_config``,
+    ``get_compile_config``): Keras asks whether TensorFlow is *available* there, to seed ``tf.data`` or recognise
+    TensorFlow objects, and asking imports it (2-3 s and hundreds of MB) whatever the backend. On another backend,
+    with TensorFlow not loaded, nothing TensorFlow can be in play, so it answers "not available" without the
+    import. Elsewhere, and with any other Keras, it changes nothing."""
+    keras = sys.modules.get("keras")
+    if keras is None or "tensorflow" in sys.modules or keras.backend.backend() == "tensorflow":
+        yield
+        return
+    try:
+        from keras.src.utils import module_utils
+    except ImportError:
+        yield
+        return
+    lazy = getattr(module_utils, "tensorflow", None)
+    if lazy is None or not hasattr(type(lazy), "available") or "_available" not in vars(lazy):
+        yield  # (read on the instance, the property would import it)
+        return
+    with _UNLOADED_TENSORFLOW:
+        before = lazy._available
+        if before is None:
+            lazy._available = False
+        try:
+            yield
+        finally:
+            if before is None and lazy._available is False:
+                lazy._available = None  # asked again later (a user's tf.data): Keras imports it then
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def keeps_tensorflow_unloaded(fn: _F) -> _F:
+    """``fn`` run within :func:`tensorflow_left_unloaded` (it reads a Keras model's configuration)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with tensorflow_left_unloaded():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelMismatchError
+from .keras_backend import keeps_tensorflow_unloaded
 
 log = logging.getLogger("ddlf.training")
 
@@ -161,6 +162,7 @@ def plain_learning_rate(optimizer: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+@keeps_tensorflow_unloaded  # Keras' serialization asks for TensorFlow
 def compile_key(model: Any) -> str | None:
     """What ``model``'s compile configuration says, its plain learning rate left out (it is carried on its own and
     changes nothing compiled); None where it cannot be read."""
@@ -201,6 +203,7 @@ def _built(value: Any) -> Any:
     return _tree(value, lambda v: v.build() if isinstance(v, Rebuilt) else v)
 
 
+@keeps_tensorflow_unloaded  # Keras' serialization asks for TensorFlow
 def _compile_args(model: Any) -> Any:
     held = getattr(model, "_compile_config", None)
     config = getattr(held, "config", None)
@@ -239,6 +242,7 @@ def anonymous(config: Any) -> Any:
     return rename(config)
 
 
+@keeps_tensorflow_unloaded  # Keras' serialization asks for TensorFlow
 def architecture(model: Any) -> str | None:
     """A digest of a built Keras model's configuration, names aside (None: not built, or not readable)."""
     if not getattr(model, "built", False) or not model.weights:

@@ -10,12 +10,13 @@ from typing import Any
 import numpy as np
 
 from .console import quiet_start
-from .keras_backend import keras_backend_in_use
+from .keras_backend import keras_backend_in_use, tensorflow_left_unloaded
 
 
 def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
     """Seed Python's, numpy's and Keras's generators, and torch's when torch is loaded (a TorchModel's dropout).
-    Keras is left unloaded by a PyTorch run in a process that has not imported it.
+    Keras is left unloaded by a PyTorch run in a process that has not imported it, and TensorFlow by a run on
+    another Keras backend in a process that has not loaded it.
 
     ``torch``: whether this process trains with PyTorch (a ``TorchModel``, or Keras on its torch backend); by
     default, whether the script has imported torch already or Keras runs on torch."""
@@ -44,8 +45,17 @@ def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
         except ImportError:  # a torch-only installation
             pass
         else:
-            keras.utils.set_random_seed(seed)
+            _seed_keras(keras, seed)
     _seed_torch(seed)
+
+
+def _seed_keras(keras: Any, seed: int) -> None:
+    """``keras.utils.set_random_seed``, without the import of TensorFlow it makes (to seed ``tf.data``) on another
+    backend where TensorFlow is not loaded (:func:`~.keras_backend.tensorflow_left_unloaded`): 2-3 s on the master
+    and on every worker of a first ``train()`` on JAX, for nothing (TensorFlow, if a later step loads it, is not
+    seeded by the run)."""
+    with tensorflow_left_unloaded():
+        keras.utils.set_random_seed(seed)
 
 
 def _seed_torch(seed: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from ...frameworks import model_spec
 from ...frameworks.adapter import adapter_for
+from ...frameworks.keras_backend import keeps_tensorflow_unloaded
 
 KEEP = 2
 """Warm models kept per worker process."""
@@ -36,6 +37,7 @@ log = logging.getLogger("ddlf.training")
 _KEPT: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
 
 
+@keeps_tensorflow_unloaded
 def fingerprint(model: Any) -> str | None:
     """What must be equal for a kept model to stand in for ``model``: its class, architecture, trainable flags,
     compile and optimizer settings (a plain learning rate aside: lend copies it), the state of its preprocessing
