@@ -34,19 +34,16 @@ from typing import Any
 import numpy as np
 
 from . import report
+from .backends import DATA
 
 BATCH = 64
 LR = 1e-3
 
 
-def _data_dir() -> str:
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data", "mnist")
-
-
 def _data(rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     import ddlf
 
-    (x, y), (xt, yt) = ddlf.datasets.mnist(_data_dir())
+    (x, y), (xt, yt) = ddlf.datasets.mnist(DATA)
 
     def prepared(a: np.ndarray) -> np.ndarray:
         return a.reshape(len(a), -1).astype(np.float32) / 255.0

@@ -36,6 +36,19 @@ def test_the_device_auto_is_the_modules_else_the_gpu_else_the_cpu() -> None:
     assert next(_model(device="cpu").module.parameters()).device == cpu
 
 
+def test_the_device_auto_refuses_a_module_spread_over_devices() -> None:
+    from types import SimpleNamespace
+
+    class Spread:
+        def parameters(self):
+            return iter(
+                [SimpleNamespace(device=torch.device("cuda:0")), SimpleNamespace(device=torch.device("cuda:1"))]
+            )
+
+    with pytest.raises(ddlf.ConfigError, match=r"on 2 devices \(\['cuda:0', 'cuda:1'\]\).*one device"):
+        torch_placement.resolve_device(torch, "auto", Spread())
+
+
 @pytest.mark.parametrize(
     ("device", "message"),
     [
@@ -228,3 +241,44 @@ def test_the_training_options_travel_with_the_masters_model_but_not_its_device()
     before = model_spec.signature(master)
     master.clip_grad_norm = None
     assert model_spec.changed(before, model_spec.signature(master)) == ["training_options"]
+
+
+def test_the_gradient_scalers_state_travels_with_the_optimizers() -> None:
+    """Replicas that average scaled gradients must share one scale: a worker joining (or a round redone) takes it
+    with the optimizer state, as checkpoints keep it."""
+
+    def adam(**options) -> TorchModel:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        return TorchModel(net, lambda p: torch.optim.Adam(p, lr=1e-3), torch.nn.CrossEntropyLoss(), **options)
+
+    x, y = _batch()
+    bad = x.copy()
+    bad[0] = 1e5
+    shrunk = adam(precision="16-mixed")
+    shrunk.train_on_batch(x, y)
+    shrunk.train_on_batch(bad, y)  # overflow: skipped, the scale halves
+    state = shrunk.get_optimizer_state()
+    assert [float(a) for a in state[-2:]] == [2.0**15, 0.0]
+    fresh = adam(precision="16-mixed")
+    fresh.train_on_batch(x, y)
+    assert fresh.scaler.get_scale() == 2.0**16
+    assert fresh.set_optimizer_state(state)
+    assert fresh.scaler.get_scale() == 2.0**15
+    plain = adam()
+    plain.train_on_batch(x, y)
+    assert len(plain.get_optimizer_state()) == len(state) - 2  # float32: the optimizer's own state only
+
+
+def test_a_replica_without_a_batch_on_its_first_step_steps_with_the_others_average() -> None:
+    """Gradient averaging: a worker with no rows for a step adds zeros and then applies the average like the others;
+    under "16-mixed" its scaler has never scaled a loss, and must still unscale and step."""
+    from ddlf.training.replica.steppers.torch_model import _TorchModelStepper
+
+    m = _model(precision="16-mixed", clip_grad_norm=1.0)
+    stepper = _TorchModelStepper(m)
+    before = m.get_weights()
+    averaged = [np.full(w.shape, 1024.0, np.float32) for w in stepper.zeros()]  # the others' scaled average
+    stepper.apply(averaged)
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(m.get_weights(), before))
+    assert m.scaler.get_scale() == 2.0**16

@@ -36,9 +36,12 @@ _METRICS = ("accuracy",)
 
 
 def _arrays(tensors: Sequence[Any]) -> list[np.ndarray]:
-    """numpy copies of tensors (a copy: the model keeps training in place; from a GPU the copy to the host is
-    the one)."""
-    return [t.detach().numpy().copy() if t.device.type == "cpu" else t.detach().cpu().numpy() for t in tensors]
+    """C-ordered numpy copies of tensors (a copy: the model keeps training in place; from a GPU the copy to the
+    host is the one, unless the tensor is laid out otherwise, channels-last)."""
+    return [
+        t.detach().numpy().copy() if t.device.type == "cpu" else np.ascontiguousarray(t.detach().cpu().numpy())
+        for t in tensors
+    ]
 
 
 class TorchModel:
@@ -176,6 +179,11 @@ class TorchModel:
             self.scaler = None
         elif self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device.type)
+            # The scale exists from the start, not from the first scale(): a worker without a batch on its first
+            # step still unscales and steps with the others' average (and its state travels with the optimizer's).
+            init = getattr(self.scaler, "_lazy_init_scale_growth_tracker", None)
+            if init is not None:
+                init(self.device)
 
     @property
     def clip_grad_norm(self) -> float | None:
@@ -268,19 +276,18 @@ class TorchModel:
 
     def _batch(self, a: Any, dtype: Any = None) -> Any:
         """An array of a batch as a tensor on the model's device (of ``dtype``, if given): on the CPU the array's
-        memory itself where the dtype agrees; to a GPU from pinned memory, without blocking the host."""
+        memory itself where the dtype agrees; to a GPU from pinned memory, without blocking the host, converted on
+        whichever side keeps the copy narrower."""
         t = self._tensor(a)
-        if self._on_host:
-            t = t if dtype is None else t.to(dtype)
-        else:
-            if (
-                dtype is not None
-                and t.dtype != dtype
-                and t.element_size() < self._torch.empty((), dtype=dtype).element_size()
-            ):
-                t = t.pin_memory().to(self.device, non_blocking=True).to(dtype)  # the narrower one crosses
-            else:
-                t = (t if dtype is None else t.to(dtype)).pin_memory().to(self.device, non_blocking=True)
+        convert = dtype is not None and t.dtype != dtype
+        if convert and (self._on_host or t.element_size() >= dtype.itemsize):
+            t, convert = t.to(dtype), False
+        if not self._on_host:
+            if self.device.type == "cuda":
+                t = t.pin_memory()
+            t = t.to(self.device, non_blocking=self.device.type == "cuda")
+            if convert:
+                t = t.to(dtype)
         if self._memory_format is not None and t.dim() == 4 and t.is_floating_point():
             t = t.contiguous(memory_format=self._memory_format)
         return t
@@ -406,13 +413,9 @@ class TorchModel:
             # An array in, an array of targets, one loss: the common case, with as little around torch as can be.
             inputs, target = self._batch(x), self._batch(y, self._array_target_dtype)
             self.optimizer.zero_grad(set_to_none=True)
-            if self._autocast_dtype is None:
+            with self._autocast():
                 out = self.module(inputs)
                 loss = self.loss_fn(out, target)  # type: ignore[operator]
-            else:
-                with self._autocast():
-                    out = self.module(inputs)
-                    loss = self.loss_fn(out, target)  # type: ignore[operator]
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             n = len(target)
             self._seen += n
@@ -521,7 +524,9 @@ class TorchModel:
     # -- state beyond the weights -----------------------------------------------------------------------------
 
     def _optimizer_tensors(self) -> list[Any] | None:
-        """The optimizer's per-parameter state tensors in a fixed order; None before its first step."""
+        """The optimizer's per-parameter state tensors in a fixed order, then (``"16-mixed"``) the gradient scaler's
+        scale and growth tracker, which every replica must share to take the same step; None before the first
+        step."""
         out: list[Any] = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -529,6 +534,9 @@ class TorchModel:
                 if not state:
                     return None
                 out.extend(state[k] for k in sorted(state) if self._torch.is_tensor(state[k]))
+        scaler = self.scaler
+        if scaler is not None and getattr(scaler, "_scale", None) is not None:
+            out += [scaler._scale, scaler._growth_tracker]
         return out
 
     @property
@@ -537,7 +545,8 @@ class TorchModel:
         return self._optimizer_tensors() is not None
 
     def get_optimizer_state(self) -> list[np.ndarray]:
-        """Copies of the optimizer's state tensors (Adam's moments and step), empty before the first step."""
+        """Copies of the optimizer's state tensors (Adam's moments and step; the gradient scaler's scale and growth
+        tracker under ``"16-mixed"``), empty before the first step."""
         return _arrays(self._optimizer_tensors() or [])
 
     def set_optimizer_state(self, state: Sequence[np.ndarray]) -> bool:

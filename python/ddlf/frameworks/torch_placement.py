@@ -20,7 +20,12 @@ def resolve_device(torch: Any, device: Any, module: Any) -> Any:
     only its own), else the CPU. An explicit device must exist here."""
     if device == "auto":
         placed = {p.device for p in module.parameters()} - {torch.device("cpu")}
-        if len(placed) == 1:
+        if len(placed) > 1:
+            raise ConfigError(
+                f"TorchModel: the module's parameters are on {len(placed)} devices ({sorted(map(str, placed))}); "
+                "a replica trains on one: put the module on one device, or pass device= to move it there"
+            )
+        if placed:
             return placed.pop()
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
