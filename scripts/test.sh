@@ -14,6 +14,11 @@ scripts/install-system.sh
 # train on CPU): about 1 minute and 5 GB here, so it is installed for the tests only, not by install.sh.
 # DDLF_TEST_TORCH=0 skips it (the torch tests then skip, visibly).
 if [ "${DDLF_TEST_TORCH:-1}" != 0 ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt 8 ]; then
+    echo "scripts/test.sh: ${free_gb} GB free here; torch (with CUDA's libraries) needs about 5 GB and the Rust" \
+      "test build about 3 GB more: pip may fail with 'No space left on device' (DDLF_TEST_TORCH=0 skips torch)" >&2
+  fi
   .venv/bin/python -m pip install --quiet "torch>=2.1"
 fi
 

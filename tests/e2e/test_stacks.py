@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,31 +19,58 @@ from ddlf.cli.main import format_stacks
 from ..conftest import Daemon
 
 
-def _train_of_thought(seconds: float) -> str:
-    """A function the test looks for on the worker's stack, busy in pure Python."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        pass
+def _train_of_thought(started: str, stop: str) -> str:
+    """A function the test looks for on the worker's stack, busy in pure Python until the test has read it."""
+    import os
+    import time
+
+    open(started, "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(stop) and time.monotonic() < deadline:
+        for _ in range(10_000):
+            pass
     return "thought"
 
 
-def _hold_the_gil(n: int) -> bool:
+def _hold_the_gil(n: int, started: str | None = None) -> bool:
     """A regular expression that backtracks for seconds inside C, never letting go of the GIL."""
+    if started is not None:
+        open(started, "w").close()
     return re.match(r"(a+)+$", "a" * n + "b") is not None
 
 
-def _stacks_while(cluster: ddlf.Cluster, fn: object, *args: object) -> tuple[list[dict], object]:
+def _wait_for(path: Path, what: str) -> None:
+    """Until ``path`` exists: the worker says it began (however long a loaded machine took to get there)."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{what} never began"
+        time.sleep(0.02)
+
+
+def _stacks_while(
+    cluster: ddlf.Cluster, fn: object, *args: object, started: Path, stop: Path | None = None, settle: float = 0.0
+) -> tuple[list[dict], object]:
+    """Stacks read while worker 0 runs ``fn(*args)``: once ``fn`` has said it began (and ``settle`` seconds more),
+    then ``stop`` is created to let it finish."""
     result: dict[str, object] = {}
     runner = threading.Thread(target=lambda: result.setdefault("value", cluster.run_on(0, fn, *args)))
     runner.start()
-    time.sleep(1.0)
-    stacks = cluster.stacks()
-    runner.join(120)
+    try:
+        _wait_for(started, getattr(fn, "__name__", "the function"))
+        time.sleep(settle)
+        stacks = cluster.stacks()
+    finally:
+        if stop is not None:
+            stop.touch()
+        runner.join(120)
     return stacks, result.get("value")
 
 
-def test_stacks_of_a_busy_worker_show_the_user_function(cluster: ddlf.Cluster) -> None:
-    stacks, value = _stacks_while(cluster, _train_of_thought, 3.0)
+def test_stacks_of_a_busy_worker_show_the_user_function(cluster: ddlf.Cluster, tmp_path: Path) -> None:
+    started, stop = tmp_path / "started", tmp_path / "stop"
+    stacks, value = _stacks_while(
+        cluster, _train_of_thought, str(started), str(stop), started=started, stop=stop, settle=0.6
+    )
     assert value == "thought"  # (the stack below was read while it ran: answered without waiting for it)
     busy, idle = stacks
     assert busy["running"] == "run:_train_of_thought" and busy["running_for_s"] > 0.5, busy
@@ -53,7 +81,7 @@ def test_stacks_of_a_busy_worker_show_the_user_function(cluster: ddlf.Cluster) -
     assert cluster.run_on(0, lambda: 5) == 5  # the worker still serves
 
 
-def test_stacks_of_a_worker_holding_the_gil_are_answered_without_it(cluster: ddlf.Cluster) -> None:
+def test_stacks_of_a_worker_holding_the_gil_are_answered_without_it(cluster: ddlf.Cluster, tmp_path: Path) -> None:
     # Calibrated here: the match takes long enough to ask during it on this machine, whatever its speed.
     t0 = time.perf_counter()
     cluster.run_on(0, _hold_the_gil, 18)
@@ -62,7 +90,8 @@ def test_stacks_of_a_worker_holding_the_gil_are_answered_without_it(cluster: ddl
     while per_step < 2.5 and n < 32:
         n += 1
         per_step *= 2
-    stacks, value = _stacks_while(cluster, _hold_the_gil, n)
+    started = tmp_path / "started"
+    stacks, value = _stacks_while(cluster, _hold_the_gil, n, str(started), started=started)
     assert value is False
     # read while the interpreter held the GIL in the match: answered without the interpreter
     assert "_hold_the_gil" in stacks[0]["python"], stacks[0]["python"]
@@ -119,8 +148,10 @@ def test_stacks_say_on_whom_a_waiting_collective_waits(cluster: ddlf.Cluster, hi
     result: dict[str, object] = {}
     first = threading.Thread(target=lambda: result.setdefault("0", cluster.run_on(0, _reduce_ones, ring.spec(0))))
     first.start()
-    time.sleep(1.5)
-    waiting = cluster.stacks([0])[0]  # answered while the worker's training thread waits in the ring
+    deadline = time.monotonic() + 120
+    while not (waiting := cluster.stacks([0])[0])["collectives"]:  # answered while worker 0 waits in the ring
+        assert time.monotonic() < deadline and first.is_alive(), waiting
+        time.sleep(0.05)
     (call,) = waiting["collectives"]
     assert call.startswith("all-reduce of 1000 float32 on ring"), call
     who = "member 1" if hierarchical else "rank 1"

@@ -140,6 +140,35 @@ def test_mixed_precision_runs_the_forward_in_half_and_keeps_float32_weights(prec
     assert np.isfinite(loss) and 0 <= acc <= 1
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_step_that_raises_under_float16_leaves_the_model_trainable(clip: float | None) -> None:
+    """GradScaler records that a step unscaled and stepped until update(): a step that raised between the two (an
+    optimizer that fails once, Ctrl-C) must not make every later step on the model (a warm one) refused."""
+    m = _model(precision="16-mixed", clip_grad_norm=clip)
+    x, y = _batch()
+    real_step, calls = m.optimizer.step, []
+
+    def step_that_fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the optimizer failed")
+        return real_step(*args, **kwargs)
+
+    m.optimizer.step = step_that_fails_once
+    start = m.get_weights()
+    with pytest.raises(RuntimeError, match="the optimizer failed"):
+        m.train_on_batch(x, y)
+    # Was refused ("unscale_() has already been called ...") with clipping, and without it stepped on the gradients
+    # still scaled by 65536: now the step is the one a fresh model takes on the batch.
+    m.train_on_batch(x, y)
+    fresh = _model(precision="16-mixed", clip_grad_norm=clip)
+    fresh.train_on_batch(x, y)
+    assert len(calls) == 2 and m.scaler.get_scale() == fresh.scaler.get_scale() == 2.0**16
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(m.get_weights(), start))
+    for a, b in zip(m.get_weights(), fresh.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_a_float16_overflow_skips_the_step_and_halves_the_scale() -> None:
     m = _model(precision="16-mixed")
     x, y = _batch()

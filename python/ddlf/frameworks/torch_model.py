@@ -28,7 +28,7 @@ from .torch_batches import (
     takes_keywords,
     to_numpy,
 )
-from .torch_placement import PRECISIONS, resolve_device
+from .torch_placement import PRECISIONS, resolve_device, scaler_step
 
 __all__ = ["TorchModel"]
 
@@ -442,17 +442,14 @@ class TorchModel:
         workers'): unscaled (``"16-mixed"``: a step whose gradients are not finite is skipped and the scale
         shrinks), clipped to ``clip_grad_norm``, then stepped."""
         scaler = self.scaler
-        if self.clip_grad_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(self.optimizer)
-            self._torch.nn.utils.clip_grad_norm_(
-                [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None],
-                self.clip_grad_norm,
-            )
-        if scaler is None:
-            self.optimizer.step()
-        else:
-            scaler.step(self.optimizer)
+        with scaler_step(scaler):  # a step that raises is forgotten by the scaler
+            if self.clip_grad_norm is not None:
+                if scaler is not None:
+                    scaler.unscale_(self.optimizer)
+                params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+                self._torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            self.optimizer.step() if scaler is None else scaler.step(self.optimizer)
+        if scaler is not None:
             scaler.update()
 
     def train_on_batch(self, x: Any, y: Any, return_dict: bool = False) -> Any:

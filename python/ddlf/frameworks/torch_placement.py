@@ -3,7 +3,10 @@ the precisions it takes."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError
@@ -44,3 +47,18 @@ def resolve_device(torch: Any, device: Any, module: Any) -> Any:
     elif chosen.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("TorchModel: device 'mps' is not available in this process; use device='auto'")
     return chosen
+
+
+@contextlib.contextmanager
+def scaler_step(scaler: Any) -> Iterator[None]:
+    """Around a step's unscale and step: if they raise, the gradient scaler forgets this step's "unscaled" and
+    "stepped" records (what ``GradScaler.update()`` resets), so that the next step on the model (a later run on a
+    warm model) is not refused for this one's failure; the scale itself stays. ``None``: no scaler."""
+    try:
+        yield
+    except BaseException:
+        if scaler is not None:
+            from torch.amp import grad_scaler
+
+            scaler._per_optimizer_states = collections.defaultdict(grad_scaler._refresh_per_optimizer_state)
+        raise
