@@ -224,6 +224,7 @@ def test_torch_compiler_after_tensorflow_is_refused_with_the_fix(monkeypatch) ->
     monkeypatch.setattr(frameworks, "installed", lambda name: True)
     monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tensorflow"))
     monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    monkeypatch.delitem(sys.modules, frameworks.COMPILER_LLVM, raising=False)
     with pytest.raises(RuntimeError, match=r"Load PyTorch first.*--preload torch,keras"):
         frameworks.check_torch_compiler_can_load()
     # The import itself is refused, whatever asks for it (an optimizer built before its TorchModel); once installed
@@ -236,6 +237,13 @@ def test_torch_compiler_after_tensorflow_is_refused_with_the_fix(monkeypatch) ->
     frameworks.guard_torch_compiler()
     assert sum(isinstance(f, frameworks._TorchCompilerGuard) for f in sys.meta_path) == 1
     assert isinstance(sys.meta_path[0], frameworks._TorchCompilerGuard)
+    with pytest.raises(ddlf.FrameworkClash, match="Load PyTorch first"):
+        guard.find_spec(frameworks.COMPILER_LLVM, None)  # triton's LLVM, which the compiler loads, too
+    # The compiler's LLVM loaded before TensorFlow (what a daemon preloading Keras does): the compiler may load now.
+    monkeypatch.setitem(sys.modules, frameworks.COMPILER_LLVM, types.ModuleType(frameworks.COMPILER_LLVM))
+    frameworks.check_torch_compiler_can_load()
+    assert guard.find_spec("torch._dynamo", None) is None
+    monkeypatch.delitem(sys.modules, frameworks.COMPILER_LLVM)
     monkeypatch.delitem(sys.modules, "tensorflow")
     frameworks.check_torch_compiler_can_load()  # TensorFlow not loaded: nothing to refuse
     assert guard.find_spec("torch._dynamo", None) is None

@@ -262,11 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_system_exit)
     preload = module_list(args.preload)
     if "keras" in preload or "tensorflow" in preload:
-        from ..frameworks.loading import load_torch_compiler_first
+        from ..frameworks.loading import load_compiler_llvm_first
 
         # Before serving, on this thread: a TorchModel run on this daemon must still be able to load torch's
         # compiler once TensorFlow is in (frameworks.loading); in a background thread it would race the requests.
-        load_torch_compiler_first()
+        load_compiler_llvm_first()
     try:
         report_to = _rendezvous_target(args.rendezvous)
     except ConfigError as exc:
