@@ -163,11 +163,10 @@ def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch
 
         # The preload loaded only the compiler's LLVM before TensorFlow (0.1 s, not the 3.3 s compiler) ...
         assert "tensorflow" in sys.modules and "torch._dynamo" not in sys.modules
-        # ... and the compiler loads after TensorFlow: a TorchModel trains, and a compiled function runs.
+        # ... and the compiler loads after TensorFlow: a TorchModel trains (its optimizer loads the compiler).
         model = TorchModel(torch.nn.Linear(2, 2), lambda p: torch.optim.Adam(p), torch.nn.MSELoss(), metrics=())
         loss = model.train_on_batch(np.ones((4, 2), np.float32), np.zeros((4, 2), np.float32))
-        doubled = torch.compile(lambda t: t * 2)(torch.ones(2))
-        return type(model).__name__, "torch._dynamo" in sys.modules, bool(np.isfinite(loss)), doubled.tolist()
+        return type(model).__name__, "torch._dynamo" in sys.modules, bool(np.isfinite(loss))
 
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")  # for the daemons (this process may run Keras on JAX)
     # A daemon preloading Keras on TensorFlow loads the LLVM of PyTorch's compiler first: TorchModel apps still work
@@ -175,7 +174,7 @@ def test_torch_after_tensorflow_on_a_worker_is_an_error_not_an_abort(monkeypatch
     with ddlf.Cluster.local(1, preload=None, worker_args=["--preload", "keras"]) as cluster:
         # A request that runs code waits for the preload (ddlf.worker.executor): TensorFlow is in by then.
         assert cluster.run(lambda: "tensorflow" in __import__("sys").modules) == [True], "the preload never loaded it"
-        assert cluster.run(tensorflow_preloaded_then_torch) == [("TorchModel", True, True, [2.0, 2.0])]
+        assert cluster.run(tensorflow_preloaded_then_torch) == [("TorchModel", True, True)]
     # Without the preload, TensorFlow loaded by user code first: a clear error, and the worker keeps serving.
     with ddlf.Cluster.local(1, preload=None) as cluster:
         with pytest.raises(ddlf.RemoteError, match="Load PyTorch first"):
