@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -217,8 +218,6 @@ def test_files_digest_tells_versions_apart() -> None:
 
 
 def test_torch_compiler_after_tensorflow_is_refused_with_the_fix(monkeypatch) -> None:
-    import types
-
     from ddlf.frameworks import loading as frameworks
 
     monkeypatch.setattr(frameworks, "installed", lambda name: True)
@@ -247,3 +246,34 @@ def test_torch_compiler_after_tensorflow_is_refused_with_the_fix(monkeypatch) ->
     monkeypatch.delitem(sys.modules, "tensorflow")
     frameworks.check_torch_compiler_can_load()  # TensorFlow not loaded: nothing to refuse
     assert guard.find_spec("torch._dynamo", None) is None
+
+
+def test_a_daemon_preloading_keras_loads_only_the_compilers_llvm_first(monkeypatch) -> None:
+    """Before TensorFlow, where the order matters: triton's library alone (0.1 s, not the 3.3 s compiler); the whole
+    compiler where that library will not load by itself; nothing once TensorFlow is in or the order does not
+    matter."""
+    from ddlf.frameworks import loading as frameworks
+
+    loaded: list[str] = []
+    whole: list[bool] = []
+    monkeypatch.setattr(frameworks, "clash_possible", lambda: True)
+    monkeypatch.setattr(frameworks, "load_torch_compiler_first", lambda: whole.append(True))
+    monkeypatch.delitem(sys.modules, "tensorflow", raising=False)
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    monkeypatch.delitem(sys.modules, frameworks.COMPILER_LLVM, raising=False)
+    monkeypatch.setattr(frameworks.importlib, "import_module", lambda name: loaded.append(name))
+    frameworks.load_compiler_llvm_first()
+    assert loaded == [frameworks.COMPILER_LLVM] and not whole
+
+    def will_not_load(name):
+        raise OSError("libtriton.so: cannot open shared object file")
+
+    monkeypatch.setattr(frameworks.importlib, "import_module", will_not_load)
+    frameworks.load_compiler_llvm_first()
+    assert whole == [True]
+    monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tensorflow"))
+    frameworks.load_compiler_llvm_first()  # too late to choose the order: nothing more is loaded
+    monkeypatch.delitem(sys.modules, "tensorflow")
+    monkeypatch.setattr(frameworks, "clash_possible", lambda: False)
+    frameworks.load_compiler_llvm_first()
+    assert whole == [True] and loaded == [frameworks.COMPILER_LLVM]

@@ -66,7 +66,7 @@ def load_compiler_llvm_first() -> None:
         return
     try:
         importlib.import_module(COMPILER_LLVM)
-    except ImportError:
+    except Exception:  # a triton laid out otherwise, or whose library will not load alone: the whole compiler
         load_torch_compiler_first()
 
 
