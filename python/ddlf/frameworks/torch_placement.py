@@ -57,8 +57,10 @@ def scaler_step(scaler: Any) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if scaler is not None:
+        # torch's private names: were they to change, the step's own error still surfaces (not an AttributeError).
+        with contextlib.suppress(ImportError, AttributeError):
             from torch.amp import grad_scaler
 
-            scaler._per_optimizer_states = collections.defaultdict(grad_scaler._refresh_per_optimizer_state)
+            if scaler is not None:
+                scaler._per_optimizer_states = collections.defaultdict(grad_scaler._refresh_per_optimizer_state)
         raise
