@@ -163,7 +163,10 @@ class ServingDaemon:
         """The training runs the daemon reports."""
 
     def set_stack_dumper(self, signal: int, path: str | os.PathLike[str]) -> None:
-        """Answer stack requests by raising ``signal`` (faulthandler registered on it, appending to ``path``)."""
+        """Answer stack requests by raising ``signal`` (faulthandler registered on it, appending to ``path``).
+
+        The daemon opens ``path`` here and keeps it open: its name may be removed once this returns.
+        """
 
 @final
 class BatchPipeline:

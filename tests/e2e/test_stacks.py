@@ -128,6 +128,22 @@ def test_ddlf_stacks_command(daemon: Daemon) -> None:
     assert bad.returncode == 1 and "127.0.0.1:1" in bad.stderr and daemon.address in bad.stdout
 
 
+def test_the_stack_file_has_no_name_a_killed_daemon_could_leave(daemon: Daemon) -> None:
+    """The daemon keeps its stack file open without a name: SIGKILL leaves nothing in the temporary directory."""
+    fds = Path(f"/proc/{daemon.proc.pid}/fd")
+    files = [os.readlink(fd) for fd in fds.iterdir() if "ddlf-stacks-" in os.readlink(fd)]
+    assert files and all(f.endswith(" (deleted)") for f in files), files
+    assert not any(Path(f.removesuffix(" (deleted)")).exists() for f in files), files
+    text = subprocess.run(
+        [sys.executable, "-m", "ddlf.cli", "stacks", daemon.address],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DDLF_TOKEN": daemon.token or ""},
+        timeout=60,
+    )
+    assert text.returncode == 0 and "most recent call first" in text.stdout, text.stderr
+
+
 def _reduce_ones(spec: object) -> float:
     import numpy as np
 

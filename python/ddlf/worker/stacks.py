@@ -1,9 +1,11 @@
 """Every thread's Python stack on request (``ddlf stacks``, ``Cluster.stacks()``), even from a stuck interpreter.
 
 Python's :mod:`faulthandler` is registered on a real-time signal, appending every thread's stack to a private
-file; the daemon's network side (``rust/ddlf-worker/src/stacks.rs``) empties the file, raises the signal on one of
-its own threads and reads the text back. faulthandler's handler is C code that walks the frames without the GIL,
-so a worker whose interpreter thread is deep in a computation, or deadlocked, answers within milliseconds.
+file; the daemon's network side (``rust/ddlf-worker/src/stacks.rs``) opens the file too, after which its name is
+removed (a killed daemon leaves nothing behind in the temporary directory). To take the stacks it empties the file,
+raises the signal on one of its own threads and reads the text back. faulthandler's handler is C code that walks the
+frames without the GIL, so a worker whose interpreter thread is deep in a computation, or deadlocked, answers within
+milliseconds.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ class StackDumps:
         os.close(fd)
         self._file: IO[str] | None = open(self.path, "a")  # noqa: SIM115 - appending: see the module docstring
         faulthandler.register(STACK_SIGNAL, file=self._file, all_threads=True, chain=False)
-        daemon.set_stack_dumper(int(STACK_SIGNAL), self.path)
+        try:
+            daemon.set_stack_dumper(int(STACK_SIGNAL), self.path)
+        finally:
+            # Both sides hold the file open now: its name is not needed, and would outlive a killed daemon.
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
     def close(self) -> None:
-        """Unregister and remove the file."""
+        """Unregister and close the file."""
         if self._file is None:
             return
         faulthandler.unregister(STACK_SIGNAL)
         self._file.close()
         self._file = None
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)

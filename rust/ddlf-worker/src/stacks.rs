@@ -1,13 +1,15 @@
 //! Every Python thread's stack, taken without the interpreter's lock, for the `Stacks` RPC (`ddlf stacks`).
 //!
 //! The interpreter side registers Python's `faulthandler` on a signal, writing to a file opened for appending, and
-//! tells the daemon the signal and the file ([`StackDumper`]). To take the stacks, a network thread empties the
-//! file and raises the signal on itself: the signal is delivered to the raising thread before `pthread_kill`
+//! tells the daemon the signal and the file ([`StackDumper`]). The daemon opens the file once, when it is installed,
+//! so that the interpreter side can remove its name at once: a daemon that is killed leaves no file behind. To take
+//! the stacks, a network thread empties the file and raises the signal on itself: the signal is delivered to the raising thread before `pthread_kill`
 //! returns, and faulthandler's handler walks every thread's frames without the GIL (it is written for crashed and
 //! deadlocked interpreters), so a worker whose interpreter is stuck in a long computation, or deadlocked, still
 //! answers. One dump at a time: a lock serialises them.
 
-use std::io::Read;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -37,32 +39,38 @@ pub struct StackDumper {
 /// Where the dumper lives: set once by the interpreter side, used by any network thread.
 #[derive(Debug, Default)]
 pub struct Stacks {
-    dumper: Mutex<Option<StackDumper>>,
+    dumper: Mutex<Option<(StackDumper, File)>>,
 }
 
 impl Stacks {
-    /// Install (or replace) the dumper. The signal must already have faulthandler's handler.
+    /// Install (or replace) the dumper: the signal must already have faulthandler's handler; the file is opened
+    /// here and kept open, so its name may be removed once this returns.
     pub fn install(&self, dumper: StackDumper) -> Result<(), StackError> {
         check_handler(dumper.signal)?;
-        *self.dumper.lock().unwrap_or_else(|e| e.into_inner()) = Some(dumper);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&dumper.path)
+            .map_err(|source| StackError::File {
+                path: dumper.path.clone(),
+                source,
+            })?;
+        *self.dumper.lock().unwrap_or_else(|e| e.into_inner()) = Some((dumper, file));
         Ok(())
     }
 
     /// Every Python thread's stack, most recent call first (faulthandler's text).
     pub fn dump(&self) -> Result<String, StackError> {
-        let guard = self.dumper.lock().unwrap_or_else(|e| e.into_inner());
-        let dumper = guard.as_ref().ok_or(StackError::NotInstalled)?;
+        let mut guard = self.dumper.lock().unwrap_or_else(|e| e.into_inner());
+        let (dumper, file) = guard.as_mut().ok_or(StackError::NotInstalled)?;
+        let path = dumper.path.clone();
         let file_error = |source| StackError::File {
-            path: dumper.path.clone(),
+            path: path.clone(),
             source,
         };
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&dumper.path)
-            .map_err(file_error)?;
         // faulthandler's descriptor appends, so after emptying the file its text starts at offset 0.
         file.set_len(0).map_err(file_error)?;
+        file.seek(SeekFrom::Start(0)).map_err(file_error)?;
         check_handler(dumper.signal)?;
         // SAFETY: `pthread_self()` is this live thread, and `check_handler` just confirmed the signal is a valid
         // number with a handler installed (not the default action, which could end the process, nor ignored).
@@ -123,32 +131,39 @@ mod tests {
         ));
     }
 
+    /// The descriptor the test's handler appends to (as faulthandler's does).
+    static MARKER_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
     extern "C" fn write_marker(_: libc::c_int) {
-        // Only async-signal-safe calls: open/write/close on a fixed path.
-        let path = b"/tmp/ddlf-stacks-unit-test\0";
-        // SAFETY: a NUL-terminated path and a static buffer; these calls are async-signal-safe.
+        let fd = MARKER_FD.load(std::sync::atomic::Ordering::SeqCst);
+        if fd < 0 {
+            return;
+        }
+        // SAFETY: `fd` is the test's open descriptor (checked set above); `write` is async-signal-safe; the buffer
+        // is static and its length is given.
         unsafe {
-            let fd = libc::open(
-                path.as_ptr().cast(),
-                libc::O_WRONLY | libc::O_APPEND | libc::O_CREAT,
-                0o600,
+            libc::write(
+                fd,
+                b"Thread 0x1 (most recent call first):\n".as_ptr().cast(),
+                37,
             );
-            if fd >= 0 {
-                libc::write(
-                    fd,
-                    b"Thread 0x1 (most recent call first):\n".as_ptr().cast(),
-                    37,
-                );
-                libc::close(fd);
-            }
         }
     }
 
     #[test]
     fn the_handler_runs_before_the_dump_reads_the_file() {
         let sig = libc::SIGRTMIN() + 8;
-        let path = PathBuf::from("/tmp/ddlf-stacks-unit-test");
+        let path =
+            std::env::temp_dir().join(format!("ddlf-stacks-unit-test-{}", std::process::id()));
         std::fs::write(&path, b"an earlier dump\n").unwrap();
+        let appending = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        MARKER_FD.store(
+            std::os::fd::AsRawFd::as_raw_fd(&appending),
+            std::sync::atomic::Ordering::SeqCst,
+        );
         let mut action = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
         // SAFETY: zeroed sigaction with a valid handler address; installing a handler for a real-time signal
         // that nothing else in the test binary uses.
@@ -164,8 +179,12 @@ mod tests {
                 path: path.clone(),
             })
             .unwrap();
+        // The name may go once installed (a killed daemon leaves no file); a second dump reads only its own text.
+        std::fs::remove_file(&path).unwrap();
         let text = stacks.dump().unwrap();
         assert_eq!(text, "Thread 0x1 (most recent call first):\n");
-        let _ = std::fs::remove_file(path);
+        let text = stacks.dump().unwrap();
+        assert_eq!(text, "Thread 0x1 (most recent call first):\n");
+        drop(appending);
     }
 }
