@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -98,9 +97,9 @@ def test_concurrent_callers_share_the_lane_or_fall_back_to_grpc(both) -> None:
     assert results == {k: [k * 1000 + i for i in range(50)] for k in range(4)}
 
 
-def test_a_deadline_on_the_lane_then_calls_go_on(both) -> None:
+def test_a_deadline_on_the_lane_then_calls_go_on(both, tmp_path) -> None:
     lane, _ = both
-    marker = os.path.join(tempfile.mkdtemp(prefix="ddlf-deadline-"), "slept")
+    marker = str(tmp_path / "slept")
     with pytest.raises(ddlf.DeadlineExceeded):
         lane.run(_sleep_then_mark, 1.0, marker, timeout=0.2)
     assert not os.path.exists(marker)  # raised while the worker still slept, not when the call ended
