@@ -350,6 +350,15 @@ class Daemon:
             stdout=subprocess.DEVNULL if log_file else subprocess.PIPE,
             stderr=open(os.path.join(self.dir, "log"), "wb") if log_file else subprocess.PIPE,  # noqa: SIM115
         )
+        try:
+            self._wait_started(log_file)
+        except BaseException:
+            self.stop()  # its directory too: a daemon that failed to start leaves nothing behind
+            raise
+        with open(self.ready) as f:
+            self.address = f.read().strip()
+
+    def _wait_started(self, log_file: bool) -> None:
         if not wait_until(lambda: os.path.exists(self.ready) or self.proc.poll() is not None, 30):
             raise RuntimeError("daemon did not start")
         if self.proc.poll() is not None:
@@ -359,8 +368,6 @@ class Daemon:
             else:
                 said = self.proc.stderr.read() if self.proc.stderr else b""
             raise RuntimeError(f"daemon exited with code {self.proc.returncode}: {said.decode(errors='replace')}")
-        with open(self.ready) as f:
-            self.address = f.read().strip()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
