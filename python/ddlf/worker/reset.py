@@ -5,8 +5,10 @@
 registered services, :mod:`.services`), drops every cached dataset (the host's shared copy goes when no other
 worker maps it), forgets every uploaded module, clears Keras' session, reseeds the random generators from fresh
 entropy, drops the variables, functions and ``exec`` namespace and what TensorFlow keeps of traced graphs
-(:mod:`ddlf.frameworks.tensorflow_graphs`), and collects the garbage. ``clean()`` drops only
-the variables, functions and namespace; a reset is for a daemon that serves many scripts for days.
+(:mod:`ddlf.frameworks.tensorflow_graphs`), and collects the garbage once (Keras' own collection is skipped), then
+freezes what survives, as the daemon's preload did (:func:`ddlf.process.freeze_heap`): the next reset, and the
+collections of the next run, walk only what came after. ``clean()`` drops only the variables, functions and
+namespace; a reset is for a daemon that serves many scripts for days.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from ..errors import ResetRefused
 from ..frameworks.tensorflow_graphs import forget_custom_gradients
+from ..process import freeze_heap
 from . import services
 
 log = logging.getLogger("ddlf.worker")
@@ -50,7 +53,10 @@ def reset(worker: Any, force: bool = False) -> dict[str, Any]:
     dropped["modules"] = executor.forget_modules()
     keras = sys.modules.get("keras")
     if keras is not None:
-        keras.utils.clear_session()
+        try:
+            keras.utils.clear_session(free_memory=False)  # the one full collection is below
+        except TypeError:  # an older Keras 3: no free_memory, it always collects
+            keras.utils.clear_session()
     dropped["custom_gradients"] = forget_custom_gradients()  # what clear_session leaves of the traced graphs
     random.seed()
     numpy = sys.modules.get("numpy")
@@ -61,5 +67,6 @@ def reset(worker: Any, force: bool = False) -> dict[str, Any]:
         torch.seed()
     dropped.update(executor._clean("", "", None))
     dropped["collected"] = gc.collect()
+    freeze_heap()  # the state this worker starts the next script in: out of the collector's full scans
     log.info("worker reset: %s", {k: v for k, v in dropped.items() if v})
     return dropped
