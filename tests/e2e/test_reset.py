@@ -151,6 +151,29 @@ def test_keras_session_and_random_generators_start_afresh(cluster: ddlf.Cluster)
     assert cluster.run(lambda: float(np.random.random()))[0] != seeded  # reseeded, not left at seed 0's stream
 
 
+def _jit_kept_past_the_reset() -> int:
+    """A jitted function compiled once, kept where a reset leaves it (a module of the worker's own); its compiled
+    versions now."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    keep = sys.modules.setdefault("_ddlf_test_keeps_a_jit", types.ModuleType("_ddlf_test_keeps_a_jit"))
+    if not hasattr(keep, "double"):
+        keep.double = jax.jit(lambda x: x * 2)  # type: ignore[attr-defined]
+        keep.double(jnp.ones(3))  # type: ignore[attr-defined]
+    return int(keep.double._cache_size())  # type: ignore[attr-defined]
+
+
+def test_jaxs_compiled_functions_are_dropped(daemon: Any) -> None:
+    pytest.importorskip("jax")
+    with ddlf.Cluster([daemon.address], daemon.token) as c:
+        assert c.run(_jit_kept_past_the_reset) == [1]
+        c.reset()
+        assert c.run(_jit_kept_past_the_reset) == [0]  # the function is there; what JAX compiled for it is not
+
+
 def test_uploaded_modules_are_forgotten_and_shipped_again(cluster: ddlf.Cluster, tmp_path: Any) -> None:
     module = tmp_path / "reset_helper_mod.py"
     module.write_text("VALUE = 7\n")

@@ -357,8 +357,9 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
     def reset(self, *, force: bool = False, timeout: float | None = None) -> list[dict[str, Any]]:
         """Every worker back to the state it started in, without a restart: training runs torn down, warm models
         dropped, cached datasets dropped (the host's shared copy too, when no other worker maps it), uploaded
-        modules forgotten, Keras' session cleared, random generators reseeded from fresh entropy, and (as
-        :meth:`clean`) every variable, function and ``exec`` global dropped. Returns what each worker dropped.
+        modules forgotten, Keras' session and JAX's compiled functions cleared, random generators reseeded from
+        fresh entropy, and (as :meth:`clean`) every variable, function and ``exec`` global dropped. Returns what
+        each worker dropped.
 
         Use :meth:`clean` between the steps of one script (datasets and warm models stay: the next ``train()``
         starts at once); use ``reset`` when a long-lived daemon (``ddlf up``, a hand-started ``ddlf-worker``) is

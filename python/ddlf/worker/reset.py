@@ -2,13 +2,13 @@
 
 :func:`reset` runs on the worker's interpreter thread, between requests: it refuses while a training run is held
 (another master's, or one left behind) unless forced, then tears down every run and drops the warm models (the
-registered services, :mod:`.services`), drops every cached dataset (the host's shared copy goes when no other
-worker maps it), forgets every uploaded module, clears Keras' session, reseeds the random generators from fresh
-entropy, drops the variables, functions and ``exec`` namespace and what TensorFlow keeps of traced graphs
-(:mod:`ddlf.frameworks.tensorflow_graphs`), and collects the garbage once (Keras' own collection is skipped), then
-freezes what survives, as the daemon's preload did (:func:`ddlf.process.freeze_heap`): the next reset, and the
-collections of the next run, walk only what came after. ``clean()`` drops only the variables, functions and
-namespace; a reset is for a daemon that serves many scripts for days.
+registered services, :mod:`.services`), drops every cached dataset (the host's shared copy goes when no other worker
+maps it), forgets every uploaded module, clears Keras' session (and JAX's compiled functions), reseeds the random
+generators from fresh entropy, drops the variables, functions and ``exec`` namespace and what TensorFlow keeps of traced
+graphs (:mod:`ddlf.frameworks.tensorflow_graphs`), and collects the garbage once (Keras' own collection is skipped),
+then freezes what survives, as the daemon's preload did (:func:`ddlf.process.freeze_heap`): the next reset, and the
+collections of the next run, walk only what came after. ``clean()`` drops only the variables, functions and namespace; a
+reset is for a daemon that serves many scripts for days.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def reset(worker: Any, force: bool = False) -> dict[str, Any]:
         except TypeError:  # an older Keras 3: no free_memory, it always collects
             keras.utils.clear_session()
     dropped["custom_gradients"] = forget_custom_gradients()  # what clear_session leaves of the traced graphs
+    jax = sys.modules.get("jax")
+    if jax is not None and hasattr(jax, "clear_caches"):
+        jax.clear_caches()  # the compiled steps of the scripts before (clear_session does not reach them)
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
