@@ -137,3 +137,18 @@ def keeps_tensorflow_unloaded(fn: _F) -> _F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def clear_sessions() -> None:
+    """Keras' session (without its own garbage collection: the caller collects once) and JAX's compiled functions
+    (which ``clear_session`` does not reach), in so far as they are loaded: for a worker's reset
+    (:mod:`ddlf.worker.reset`)."""
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        try:
+            keras.utils.clear_session(free_memory=False)
+        except TypeError:  # an older Keras 3: no free_memory, it always collects
+            keras.utils.clear_session()
+    jax = sys.modules.get("jax")
+    if jax is not None and hasattr(jax, "clear_caches"):
+        jax.clear_caches()  # the compiled steps of the scripts before

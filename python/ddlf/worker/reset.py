@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from ..errors import ResetRefused
+from ..frameworks.keras_backend import clear_sessions
 from ..frameworks.tensorflow_graphs import forget_custom_gradients
 from ..process import freeze_heap
 from . import services
@@ -51,16 +52,8 @@ def reset(worker: Any, force: bool = False) -> dict[str, Any]:
     dropped["datasets"] = datasets
     executor = worker._executor
     dropped["modules"] = executor.forget_modules()
-    keras = sys.modules.get("keras")
-    if keras is not None:
-        try:
-            keras.utils.clear_session(free_memory=False)  # the one full collection is below
-        except TypeError:  # an older Keras 3: no free_memory, it always collects
-            keras.utils.clear_session()
+    clear_sessions()  # Keras' and JAX's: the one full collection is below
     dropped["custom_gradients"] = forget_custom_gradients()  # what clear_session leaves of the traced graphs
-    jax = sys.modules.get("jax")
-    if jax is not None and hasattr(jax, "clear_caches"):
-        jax.clear_caches()  # the compiled steps of the scripts before (clear_session does not reach them)
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
