@@ -3,6 +3,7 @@ answered by the daemon's network side without the interpreter."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -128,10 +129,18 @@ def test_ddlf_stacks_command(daemon: Daemon) -> None:
     assert bad.returncode == 1 and "127.0.0.1:1" in bad.stderr and daemon.address in bad.stdout
 
 
+def _open_files(pid: int) -> list[str]:
+    """What a process's descriptors point at now (one closed while they are read is left out)."""
+    targets = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # the daemon closed it meanwhile (a connection, a file it read)
+            targets.append(os.readlink(fd))
+    return targets
+
+
 def test_the_stack_file_has_no_name_a_killed_daemon_could_leave(daemon: Daemon) -> None:
     """The daemon keeps its stack file open without a name: SIGKILL leaves nothing in the temporary directory."""
-    fds = Path(f"/proc/{daemon.proc.pid}/fd")
-    files = [os.readlink(fd) for fd in fds.iterdir() if "ddlf-stacks-" in os.readlink(fd)]
+    files = [target for target in _open_files(daemon.proc.pid) if "ddlf-stacks-" in target]
     assert files and all(f.endswith(" (deleted)") for f in files), files
     assert not any(Path(f.removesuffix(" (deleted)")).exists() for f in files), files
     text = subprocess.run(
