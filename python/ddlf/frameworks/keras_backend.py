@@ -1,4 +1,5 @@
-"""Which Keras backend a process uses: the user's choice, the installed ones, and the master's on its workers."""
+"""Which Keras backend a process uses: the user's choice, the installed ones, and the master's on its workers; and
+clearing what a backend keeps between scripts (:func:`clear_sessions`, for a worker's reset)."""
 
 from __future__ import annotations
 

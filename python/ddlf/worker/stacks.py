@@ -26,16 +26,19 @@ class StackDumps:
     """The registration and its file, kept for the daemon's life; :meth:`close` undoes both."""
 
     def __init__(self, daemon: Any) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="ddlf-stacks-", suffix=".txt")  # mode 0600: the user's only
+        fd, path = tempfile.mkstemp(prefix="ddlf-stacks-", suffix=".txt")  # mode 0600: the user's only
         os.close(fd)
-        self._file: IO[str] | None = open(self.path, "a")  # noqa: SIM115 - appending: see the module docstring
+        self._file: IO[str] | None = open(path, "a")  # noqa: SIM115 - appending: see the module docstring
         faulthandler.register(STACK_SIGNAL, file=self._file, all_threads=True, chain=False)
         try:
-            daemon.set_stack_dumper(int(STACK_SIGNAL), self.path)
+            daemon.set_stack_dumper(int(STACK_SIGNAL), path)
+        except BaseException:
+            self.close()
+            raise
         finally:
             # Both sides hold the file open now: its name is not needed, and would outlive a killed daemon.
             with contextlib.suppress(OSError):
-                os.unlink(self.path)
+                os.unlink(path)
 
     def close(self) -> None:
         """Unregister and close the file."""

@@ -3,8 +3,8 @@
 //! The interpreter side registers Python's `faulthandler` on a signal, writing to a file opened for appending, and
 //! tells the daemon the signal and the file ([`StackDumper`]). The daemon opens the file once, when it is installed,
 //! so that the interpreter side can remove its name at once: a daemon that is killed leaves no file behind. To take
-//! the stacks, a network thread empties the file and raises the signal on itself: the signal is delivered to the raising thread before `pthread_kill`
-//! returns, and faulthandler's handler walks every thread's frames without the GIL (it is written for crashed and
+//! the stacks, a network thread empties the file and raises the signal on itself: the signal is delivered to the
+//! raising thread before `pthread_kill` returns, and faulthandler's handler walks every thread's frames without the GIL (it is written for crashed and
 //! deadlocked interpreters), so a worker whose interpreter is stuck in a long computation, or deadlocked, still
 //! answers. One dump at a time: a lock serialises them.
 
@@ -63,9 +63,8 @@ impl Stacks {
     pub fn dump(&self) -> Result<String, StackError> {
         let mut guard = self.dumper.lock().unwrap_or_else(|e| e.into_inner());
         let (dumper, file) = guard.as_mut().ok_or(StackError::NotInstalled)?;
-        let path = dumper.path.clone();
         let file_error = |source| StackError::File {
-            path: path.clone(),
+            path: dumper.path.clone(),
             source,
         };
         // faulthandler's descriptor appends, so after emptying the file its text starts at offset 0.
