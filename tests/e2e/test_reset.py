@@ -31,6 +31,23 @@ def _runs() -> list[dict[str, Any]]:
     return replica.runs()
 
 
+def _watch_warm_models() -> int:
+    """Weak references to the models this worker keeps warm, kept where a reset leaves them (a module of the
+    worker's own); how many."""
+    import types
+    import weakref
+
+    from ddlf.training.replica import warm
+
+    watch = sys.modules.setdefault("_ddlf_test_watches_models", types.ModuleType("_ddlf_test_watches_models"))
+    watch.refs = [weakref.ref(model) for model, _ in warm._KEPT.values()]  # type: ignore[attr-defined]
+    return len(watch.refs)  # type: ignore[attr-defined]
+
+
+def _watched_models_alive() -> int:
+    return sum(ref() is not None for ref in sys.modules["_ddlf_test_watches_models"].refs)  # type: ignore[attr-defined]
+
+
 def _datasets() -> list[str]:
     from ddlf.data.store import STORE
 
@@ -70,12 +87,14 @@ def test_datasets_warm_models_and_the_hosts_copies_are_dropped(cluster: ddlf.Clu
     app.train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
     assert cluster.run(_datasets) == [[OwnMnist.dataset_key]] * 2
     assert cluster.run(_warm_models) == [1, 1]
+    assert cluster.run(_watch_warm_models) == [1, 1]
     assert any(e.startswith(OwnMnist.dataset_key) for e in cluster.run(_node_store_entries)[0])  # the host's copy
     dropped = cluster.reset()
     assert [d["datasets"] for d in dropped] == [[OwnMnist.dataset_key]] * 2
     assert [d["training"]["warm_models"] for d in dropped] == [1, 1]
     assert cluster.run(_datasets) == [[], []]
     assert cluster.run(_warm_models) == [0, 0]
+    assert cluster.run(_watched_models_alive) == [0, 0]  # the models themselves freed, not only forgotten
     # (other workers of this host may hold other datasets' copies)
     assert not any(e.startswith(OwnMnist.dataset_key) for held in cluster.run(_node_store_entries) for e in held)
     history = OwnMnist(cluster).train(epochs=1, batch_size=64, strategy=ddlf.ModelAveraging(), verbose=0)
