@@ -1,5 +1,6 @@
-"""Which Keras backend a process uses: the user's choice, the installed ones, and the master's on its workers; and
-clearing what a backend keeps between scripts (:func:`clear_sessions`, for a worker's reset)."""
+"""Which Keras backend a process uses: the user's choice, the installed ones, and the master's on its workers;
+clearing what a backend keeps between scripts (:func:`clear_sessions`, for a worker's reset); and a worker's build
+of a replica without sampling initial weights the master's overwrite (:func:`initial_weights_unsampled`)."""
 
 from __future__ import annotations
 
@@ -153,3 +154,57 @@ def clear_sessions() -> None:
     jax = sys.modules.get("jax")
     if jax is not None and hasattr(jax, "clear_caches"):
         jax.clear_caches()  # the compiled steps of the scripts before
+
+
+_unsampled = threading.local()
+
+
+@contextlib.contextmanager
+def initial_weights_unsampled() -> Iterator[None]:
+    """While a worker builds its replica of the master's model (``create_model()``, and the build on a first
+    batch): on JAX, the random initial values of the variables Keras creates are not sampled, zeros instead. Each
+    run starts every replica from the master's weights, so what is sampled here is overwritten before any use, and
+    on JAX each shape's sampler is a compilation (``jit(_uniform)``, 0.5-1 s on a 2-core machine: most of a small
+    model's set-up). The seed of each draw is still drawn, so every later random draw (dropout, the worker's own
+    seed stream) is what it would have been. Only a variable's initializer is affected: a random tensor the
+    model's code draws for itself is sampled as always. Other backends sample as usual (cheaply)."""
+    keras = sys.modules.get("keras")
+    if keras is None or keras.backend.backend() != "jax":
+        yield
+        return
+    from keras.src.backend.jax import core
+    from keras.src.backend.jax import random as jax_random
+
+    originals = {name: getattr(jax_random, name) for name in ("uniform", "normal", "truncated_normal")}
+    initialize = core.Variable._initialize_with_initializer
+
+    def in_initializer(self: Any, initializer: Any) -> None:
+        _unsampled.active = True
+        try:
+            initialize(self, initializer)
+        finally:
+            _unsampled.active = False
+
+    def unsampled(name: str) -> Callable[..., Any]:
+        sample = originals[name]
+
+        def draw(shape: Any, *args: Any, dtype: Any = None, seed: Any = None, **kwargs: Any) -> Any:
+            if not getattr(_unsampled, "active", False) or args:
+                return sample(shape, *args, dtype=dtype, seed=seed, **kwargs)
+            import jax
+            import numpy as np
+
+            jax_random.jax_draw_seed(seed)  # the seed stream moves on as the sample would have moved it
+            return jax.device_put(np.zeros(tuple(shape), dtype=jax.numpy.dtype(dtype or keras.config.floatx())))
+
+        return draw
+
+    for name in originals:
+        setattr(jax_random, name, unsampled(name))
+    core.Variable._initialize_with_initializer = in_initializer
+    try:
+        yield
+    finally:
+        core.Variable._initialize_with_initializer = initialize
+        for name, fn in originals.items():
+            setattr(jax_random, name, fn)

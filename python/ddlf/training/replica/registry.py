@@ -22,7 +22,7 @@ from ...errors import NotFoundError, TooManyRuns
 from ...frameworks import model_spec
 from ...frameworks.adapter import adapter_for
 from ...frameworks.console import quiet_start
-from ...frameworks.keras_backend import follow_keras_backend, keras_backend_default
+from ...frameworks.keras_backend import follow_keras_backend, initial_weights_unsampled, keras_backend_default
 from ...frameworks.seeding import set_random_seed
 from ...frameworks.tensorflow_graphs import custom_gradients, forget_custom_gradients
 from ...process import release_heap
@@ -127,14 +127,16 @@ class Sessions:
         item, cached = load(app, identity, worker.id if n_shards else None, n_shards)
         parts = parts_of(item.value, fit)
         rows = training_rows(parts.rows, fit)
-        with model_spec.building_as(spec):  # under the master's global dtype policy
+        # the master's weights overwrite the initial ones before any use: on JAX they are not sampled (compiles)
+        with model_spec.building_as(spec), initial_weights_unsampled():  # under the master's global dtype policy
             model = app.create_model()
         if adapter_for(model).seeds_torch:
             set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
         sample, first_y = first_batch(parts, app.preprocess)
         check_model_data(sample, first_y, type(app).preprocess.__qualname__ != "IApp.preprocess")
         if sample is not None and model_spec.needs_build(model):  # built on its first batch, as fit builds it
-            model_spec.build_from(model, sample)
+            with initial_weights_unsampled():
+                model_spec.build_from(model, sample)
         else:
             sample = None  # the master needs no inputs to build its model from
         # The master's model is the truth: what the user changed on it since create_model() (a recompile, trainable

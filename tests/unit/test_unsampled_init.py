@@ -1,0 +1,74 @@
+"""``initial_weights_unsampled``: a worker's replica on JAX is built without sampling the initial weights that the
+master's overwrite (each shape's sampler is a compilation), and nothing else changes: the seed stream moves on as
+it would have, a random tensor the model's own code draws is sampled, and outside the block Keras samples again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddlf.frameworks.keras_backend import installed_keras_backends
+
+_SCRIPT = r"""
+import json
+import keras
+import numpy as np
+from ddlf.frameworks.keras_backend import initial_weights_unsampled
+
+
+def build():
+    gen = keras.random.SeedGenerator(1)  # an initializer drawing its seeds from a generator moves it on
+    init = keras.initializers.GlorotUniform(seed=gen)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2, kernel_initializer=init)])
+    drawn = keras.random.normal((5,))  # the model's code drawing for itself, not an initializer
+    return model, np.asarray(drawn), np.asarray(keras.random.uniform((3,), seed=gen))
+
+
+keras.utils.set_random_seed(0)
+sampled, drawn_sampled, gen_sampled = build()
+after_sampled = np.asarray(keras.random.uniform((4,)))
+keras.utils.set_random_seed(0)
+with initial_weights_unsampled():
+    unsampled, drawn_unsampled, gen_unsampled = build()
+after_unsampled = np.asarray(keras.random.uniform((4,)))
+again, _, _ = build()
+print(json.dumps({
+    "kernels_sampled": [float(np.abs(w).sum()) for w in sampled.get_weights()[::2]],
+    "kernels_unsampled": [float(np.abs(w).sum()) for w in unsampled.get_weights()],
+    "own_draw_equal": bool(np.array_equal(drawn_sampled, drawn_unsampled)),
+    "stream_equal": bool(np.array_equal(after_sampled, after_unsampled)),
+    "generator_equal": bool(np.array_equal(gen_sampled, gen_unsampled)),
+    "after_block_sampled": float(np.abs(again.get_weights()[0]).sum()),
+}))
+"""
+
+
+def test_a_replica_on_jax_is_built_without_sampling_its_initial_weights() -> None:
+    if "jax" not in installed_keras_backends():
+        pytest.skip("Keras's JAX backend is not installed")
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(total > 0 for total in got["kernels_sampled"])
+    assert got["kernels_unsampled"] == [0.0, 0.0, 0.0, 0.0]  # kernels and biases: zeros, not sampled
+    assert got["own_draw_equal"]  # what the model's code draws itself is sampled, from the same seed
+    assert got["stream_equal"]  # the global seed stream moved on as sampling would have moved it
+    assert got["generator_equal"]  # and so did an initializer's own seed generator
+    assert got["after_block_sampled"] > 0  # Keras samples again after the block
+
+
+def test_other_backends_sample_as_usual() -> None:
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() == "jax":
+        pytest.skip("this process runs Keras on JAX")
+    from ddlf.frameworks.keras_backend import initial_weights_unsampled
+
+    with initial_weights_unsampled():
+        layer = keras.layers.Dense(3)
+        layer.build((None, 4))
+    assert float(abs(keras.ops.convert_to_numpy(layer.kernel)).sum()) > 0
