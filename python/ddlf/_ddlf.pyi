@@ -219,6 +219,10 @@ def tune_allocator() -> bool:
     """Apply the allocator policy for large transfers (once; ``DDLF_MALLOC=system`` keeps glibc's defaults).
     Returns whether this process runs with it."""
 
+def return_free_memory() -> bool:
+    """Hand the allocator's free memory back to the kernel (glibc's ``malloc_trim``; the interpreter lock is
+    released meanwhile). Returns whether any was released."""
+
 @final
 class Ring:
     """One worker's rank in a ring all-reduce among workers (``ddlf.collective``), built from a

@@ -1,5 +1,6 @@
-"""This process and the processes it starts: thread budgets, the allocator policy, the garbage collector's
-long-lived objects, a scheduler's warning kept for the training run, dying with the parent."""
+"""This process and the processes it starts: thread budgets, the allocator policy (and returning free memory),
+the garbage collector's long-lived objects, a scheduler's warning kept for the training run, dying with the
+parent."""
 
 from __future__ import annotations
 
@@ -107,6 +108,32 @@ def prepare_process() -> None:
     # Receivers that still map a segment keep their mapping.
     atexit.register(_ddlf.release_shared_memory)
     _prepared = True
+
+
+_returning = threading.Lock()
+
+
+def return_free_memory(wait: bool = True) -> None:
+    """Hand the memory the allocator keeps free back to the system: a process running ddlf keeps up to 256 MiB of
+    freed heap for its next transfer (the allocator policy of :func:`prepare_process`), which a daemon that serves
+    runs for days should not hold while idle. A worker daemon calls this when its last run is torn down (``wait``
+    False: on a thread of its own, milliseconds, the interpreter lock released, so the teardown's reply does not
+    wait for it; one at a time) and on a reset (waiting). A no-op where the allocator is not glibc's."""
+    from . import _ddlf
+
+    if wait:
+        _ddlf.return_free_memory()
+        return
+    if not _returning.acquire(blocking=False):
+        return  # one is under way: it returns what this one would
+
+    def run() -> None:
+        try:
+            _ddlf.return_free_memory()
+        finally:
+            _returning.release()
+
+    threading.Thread(target=run, name="ddlf-return-memory", daemon=True).start()
 
 
 # -- the cyclic garbage collector ----------------------------------------------------------------------------

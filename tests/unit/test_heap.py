@@ -92,3 +92,23 @@ def test_a_run_sets_its_objects_aside_after_its_first_round_and_gives_them_back_
     worker = types.SimpleNamespace(vars={"ddlf.run.r1.weights": [np.zeros(1)]})
     sessions.teardown(worker, "r1")
     assert gc.get_freeze_count() == 0 and "r1" not in sessions.by_id
+
+
+def test_free_memory_is_returned_on_a_thread_of_its_own_one_at_a_time() -> None:
+    import threading
+
+    from ddlf import process
+
+    process.prepare_process()
+    held = [bytearray(1 << 20) for _ in range(32)]  # freed into the heap the allocator policy keeps
+    del held
+    process.return_free_memory()  # waiting
+    with process._returning:  # one under way: a second is not started
+        process.return_free_memory(wait=False)
+        assert not any(t.name == "ddlf-return-memory" for t in threading.enumerate())
+    process.return_free_memory(wait=False)
+    for t in threading.enumerate():
+        if t.name == "ddlf-return-memory":
+            t.join(timeout=30)
+    assert process._returning.acquire(blocking=False)  # released when done
+    process._returning.release()

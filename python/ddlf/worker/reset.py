@@ -7,7 +7,8 @@ maps it), forgets every uploaded module, clears Keras' session (and JAX's compil
 generators from fresh entropy, drops the variables, functions and ``exec`` namespace and what TensorFlow keeps of traced
 graphs (:mod:`ddlf.frameworks.tensorflow_graphs`), and collects the garbage once (Keras' own collection is skipped),
 then freezes what survives, as the daemon's preload did (:func:`ddlf.process.freeze_heap`): the next reset, and the
-collections of the next run, walk only what came after. ``clean()`` drops only the variables, functions and namespace; a
+collections of the next run, walk only what came after. Last, the memory the allocator keeps free goes back to the
+system (:func:`ddlf.process.return_free_memory`). ``clean()`` drops only the variables, functions and namespace; a
 reset is for a daemon that serves many scripts for days.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 from ..errors import ResetRefused
 from ..frameworks.keras_backend import clear_sessions
 from ..frameworks.tensorflow_graphs import forget_custom_gradients
-from ..process import freeze_heap
+from ..process import freeze_heap, return_free_memory
 from . import services
 
 log = logging.getLogger("ddlf.worker")
@@ -64,5 +65,6 @@ def reset(worker: Any, force: bool = False) -> dict[str, Any]:
     dropped.update(executor._clean("", "", None))
     dropped["collected"] = gc.collect()
     freeze_heap()  # the state this worker starts the next script in: out of the collector's full scans
+    return_free_memory()  # and what the allocator kept free goes back to the system
     log.info("worker reset: %s", {k: v for k, v in dropped.items() if v})
     return dropped

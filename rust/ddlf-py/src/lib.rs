@@ -38,6 +38,13 @@ fn tune_allocator() -> bool {
     })
 }
 
+/// Hand the allocator's free memory back to the kernel (`ddlf_core::memory::return_free_memory`), without the
+/// interpreter lock: a worker daemon does when its last run ends and on a reset. Returns whether any was released.
+#[pyfunction]
+fn return_free_memory(py: Python<'_>) -> bool {
+    py.detach(ddlf_core::memory::return_free_memory)
+}
+
 #[pymodule]
 fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", ddlf_proto::VERSION)?;
@@ -70,6 +77,7 @@ fn _ddlf(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(buffers::release_shared_memory, m)?)?;
     m.add_function(wrap_pyfunction!(buffers::shared_memory_usage, m)?)?;
     m.add_function(wrap_pyfunction!(tune_allocator, m)?)?;
+    m.add_function(wrap_pyfunction!(return_free_memory, m)?)?;
     // Operation and error codes straight from the generated protocol, so Python never re-declares them.
     let ops = PyDict::new(m.py());
     for code in 0..64 {

@@ -25,7 +25,7 @@ from ...frameworks.console import quiet_start
 from ...frameworks.keras_backend import follow_keras_backend, initial_weights_unsampled, keras_backend_default
 from ...frameworks.seeding import set_random_seed
 from ...frameworks.tensorflow_graphs import custom_gradients, forget_custom_gradients
-from ...process import release_heap
+from ...process import release_heap, return_free_memory
 from ..messages import FitData, weights_var
 from . import warm
 from .dataset import check_model_data, first_batch, load, parts_of, training_rows
@@ -211,6 +211,8 @@ class Sessions:
             log.info("training run %s torn down", run_id)
             self.publish()
         worker.vars.pop(weights_var(run_id), None)
+        if session is not None and not self.by_id:
+            return_free_memory(wait=False)  # idle now: what the allocator keeps for transfers goes back
         if not self.by_id and self._gradients_before is not None:
             # no run is tracing: the graphs the runs traced need their gradients' registrations no more
             forgotten = forget_custom_gradients(keep=self._gradients_before)
