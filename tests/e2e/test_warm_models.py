@@ -4,6 +4,10 @@ the new run's)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -11,7 +15,7 @@ import pytest
 
 import ddlf
 
-from ..conftest import pooled
+from ..conftest import POOL, REPO, pool_addresses, pooled
 from .apps import SmallMnist
 
 
@@ -123,3 +127,37 @@ def test_a_kept_model_is_not_lent_to_data_of_another_shape(cluster: ddlf.Cluster
     assert all(np.isfinite(losses))
     assert losses[0] == losses[2] and losses[1] == losses[3]  # warm runs learn what the cold ones did
     assert [len(k) for k in cluster.run(_kept)] == [2, 2]
+
+
+_TORCH_FIRST = textwrap.dedent(
+    """
+    import json, sys
+    import torch  # as a script that also trains PyTorch models does, before Keras is loaded
+    import ddlf
+    from tests.e2e.test_warm_models import DropoutMnist
+
+    addresses, token = json.loads(sys.argv[1])
+    with ddlf.Cluster(addresses, token=token) as cluster:
+        runs = []
+        for _ in range(2):
+            app = DropoutMnist(cluster)
+            h = app.train(epochs=1, batch_size=32, run=ddlf.RunConfig(seed=11), verbose=0)
+            runs.append({"history": h.history, "weights": [float(w.sum()) for w in app.model.get_weights()]})
+    print(json.dumps(runs))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_scripts_first_run_learns_what_the_same_seed_learns_later() -> None:
+    """A script that imported torch leaves Keras unloaded when a run seeds; the Keras model's ``create_model()``
+    then loads it, and Keras' import draws from Python's generator: the first run's initial weights were not the
+    seed's (its histories differed from every later run's with the same seed)."""
+    pytest.importorskip("torch")
+    spec = json.dumps([pool_addresses(2), POOL.token])
+    done = subprocess.run(
+        [sys.executable, "-c", _TORCH_FIRST, spec], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first == second

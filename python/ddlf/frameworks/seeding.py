@@ -13,13 +13,15 @@ from .console import quiet_start
 from .keras_backend import keras_backend_in_use, tensorflow_left_unloaded
 
 
-def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
+def set_random_seed(seed: int, *, torch: bool | None = None) -> bool:
     """Seed Python's, numpy's and Keras's generators, and torch's when torch is loaded (a TorchModel's dropout).
     Keras is left unloaded by a PyTorch run in a process that has not imported it, and TensorFlow by a run on
     another Keras backend in a process that has not loaded it.
 
     ``torch``: whether this process trains with PyTorch (a ``TorchModel``, or Keras on its torch backend); by
-    default, whether the script has imported torch already or Keras runs on torch."""
+    default, whether the script has imported torch already or Keras runs on torch. Returns False where Keras was
+    left unloaded: if what runs next loads it, Keras' import draws from Python's generator after the seeding (see
+    :func:`keras_loaded_since`)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     if torch is None:
@@ -34,9 +36,9 @@ def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
     if torch and "keras" not in sys.modules and keras_backend_in_use() != "torch":
         # A PyTorch run (a TorchModel) in a process without Keras: importing Keras here would load TensorFlow, 4-5
         # CPU-seconds and hundreds of MB, for nothing. Keras imported later still draws its default seeds from
-        # Python's generator, seeded above.
+        # Python's generator, seeded above, but its import draws from it too: the caller seeds again if it loads.
         _seed_torch(seed)
-        return
+        return False
     # Keras imports its backend, and keras.utils.set_random_seed TensorFlow: their start-up notices stay off the
     # console (frameworks.console).
     with quiet_start() if "tensorflow" not in sys.modules or "keras" not in sys.modules else nullcontext():
@@ -47,6 +49,14 @@ def set_random_seed(seed: int, *, torch: bool | None = None) -> None:
         else:
             _seed_keras(keras, seed)
     _seed_torch(seed)
+    return True
+
+
+def keras_loaded_since(seeded: bool) -> bool:
+    """Whether Keras was loaded after a :func:`set_random_seed` that left it unloaded (``seeded``: what it
+    returned): its import drew from Python's generator, so what was drawn after it (a Keras model's initial
+    weights) is not what the seed gives once Keras is loaded; the caller seeds again and draws again."""
+    return not seeded and "keras" in sys.modules
 
 
 def _seed_keras(keras: Any, seed: int) -> None:

@@ -47,7 +47,7 @@ from ..frameworks import model_spec
 from ..frameworks.adapter import adapter_for
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
-from ..frameworks.seeding import set_random_seed
+from ..frameworks.seeding import keras_loaded_since, set_random_seed
 from ..process import frozen_heap
 from ..report.training import check_report_path, write_report
 from . import checkpoint, master_optimizer
@@ -377,9 +377,12 @@ class IApp:
         it (its initial weights drawn from them): one app at a time, so that apps trained from threads at once
         do not interleave their draws (each gets the weights its seed gives alone)."""
         with _SEEDING:
-            set_random_seed(seed)
+            seeded = set_random_seed(seed)
             if self.model is None:
                 model = self.create_model()
+                if keras_loaded_since(seeded):  # its import drew from the seeded generator: built again, as the
+                    set_random_seed(seed)  # next run in this process builds it (the same seed, the same weights)
+                    model = self.create_model()
                 if not (hasattr(model, "get_weights") and hasattr(model, "set_weights")):
                     raise ConfigTypeError(
                         f"{type(self).__name__}.create_model() must return a compiled Keras model or a "
