@@ -177,7 +177,7 @@ def keep(key: str | None, model: Any, stepper: Any) -> bool:
         _close(stepper)
         return False  # nothing traced: nothing to save by keeping it
     try:
-        stepper.end()  # a run torn down mid-round leaves its stepper open: close it (lend overwrites the state)
+        stepper.finish()  # a run torn down mid-round leaves its stepper open: close it (lend overwrites the state)
     except Exception as exc:
         log.debug("model not kept warm: its stepper did not close (%s)", exc)
         _close(stepper)

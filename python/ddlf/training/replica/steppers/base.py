@@ -35,6 +35,12 @@ class Stepper(ABC):
     def end(self) -> dict[str, float]:
         """The round ends: the model's variables hold the result. Returns the running logs."""
 
+    def finish(self) -> None:
+        """Close a round without its logs (a finished run's stepper kept warm, or a run torn down mid-round): the
+        model's variables hold the result, as after :meth:`end`. By default :meth:`end` itself; a stepper whose
+        logs cost a computation overrides it."""
+        self.end()
+
     def close(self) -> None:
         """Let go of what the stepper started (PyTorch's gradient buckets: their thread and hooks), when its run is
         torn down and it is not kept warm. Idempotent."""

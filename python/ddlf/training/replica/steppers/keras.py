@@ -55,6 +55,9 @@ class _KerasStepper(Stepper):
         if not self.model.optimizer.built:
             self.model.optimizer.build(self.trainable)
 
+    def finish(self) -> None:
+        self._flush()  # the metrics' results are not read: on JAX they are small compiled functions of their own
+
     def end(self) -> dict[str, float]:
         self._flush()
         if not all(getattr(m, "built", True) for m in self.model.metrics):

@@ -76,13 +76,20 @@ class _JaxStepper(_KerasStepper):
             return
         self._state[0] = [self._jax.numpy.array(a) for a in values]
 
-    def end(self) -> dict[str, float]:
+    def _write_back(self) -> None:
         if self._state is not None:
             for group, values in zip(self._variables(), self._state):
                 for v, value in zip(group, values):
                     v.assign(value)
             self._state = None
         self._open = False
+
+    def finish(self) -> None:
+        self._write_back()
+        super().finish()
+
+    def end(self) -> dict[str, float]:
+        self._write_back()
         return super().end()
 
     def set_learning_rate_factor(self, factor: float) -> None:
