@@ -7,8 +7,10 @@ A daemon holds one Keras backend for life (and loads PyTorch's compiler before T
 each framework has its own two daemons: Keras on TensorFlow, Keras on JAX, and a ``TorchModel`` (``--preload
 torch``). Runs cycle through model averaging, gradient averaging and asynchronous training, and every other run
 ends with ``Cluster.reset()`` (the others leave their dataset cached and their model kept warm, as a script that
-does not reset does). Growth is measured from the state after the first 20 runs (imports, caches and the
-allocator's arenas settle there) to the end: a leak grows with the runs, a warm-up does not.
+does not reset does). Each worker is sampled once it is idle, as it waits for the next script: a daemon hands the
+memory its allocator keeps free for transfers back to the system ``ddlf.process.RETURN_AFTER_IDLE`` seconds after its
+last run ends. Growth is measured from the state after the first 20 runs (imports, caches and the allocator's arenas
+settle there) to the end: a leak grows with the runs, a warm-up does not.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ddlf.process import RETURN_AFTER_IDLE
 
 from . import report
 
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             if done.returncode != 0:
                 failures.append(f"run {i} ({framework}, {strategy}): {done.stderr.strip().splitlines()[-1:]}")
+            time.sleep(RETURN_AFTER_IDLE + 0.2)  # idle, as between scripts: the daemon's free memory handed back
             procs = [_proc(pid) for pid in pool.pids()]
             samples[framework].append({"run": i, "procs": procs, "shm": _shm_files(store), "reset": reset})
             print(

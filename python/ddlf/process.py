@@ -17,6 +17,8 @@ from types import FrameType
 
 from .errors import ConfigError
 
+log = logging.getLogger("ddlf.process")
+
 _VARIABLES = (
     "OMP_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
@@ -110,30 +112,50 @@ def prepare_process() -> None:
     _prepared = True
 
 
-_returning = threading.Lock()
+RETURN_AFTER_IDLE = 0.5
+"""Seconds a worker daemon stays idle (no training run held) before it returns its free memory: long enough for
+the next ``train()`` or ``evaluate()`` of a script that calls them back to back to come first (its transfers reuse the
+heap), short beside the time between scripts."""
+
+_pending_lock = threading.Lock()
+_pending: threading.Timer | None = None
 
 
 def return_free_memory(wait: bool = True) -> None:
     """Hand the memory the allocator keeps free back to the system: a process running ddlf keeps up to 256 MiB of
     freed heap for its next transfer (the allocator policy of :func:`prepare_process`), which a daemon that serves
-    runs for days should not hold while idle. A worker daemon calls this when its last run is torn down (``wait``
-    False: on a thread of its own, milliseconds, the interpreter lock released, so the teardown's reply does not
-    wait for it; one at a time) and on a reset (waiting). A no-op where the allocator is not glibc's."""
+    runs for days should not hold while idle. ``wait``: now (a reset, after its collection; a refused request).
+    Else (a worker daemon whose last run was torn down) after :data:`RETURN_AFTER_IDLE` seconds, on a timer
+    thread, unless :func:`keep_free_memory` is called first (the next run's set-up: back-to-back runs keep the
+    heap their transfers reuse). What is free by then goes back (a reset collects the garbage first). Milliseconds,
+    without the interpreter lock; best effort; a no-op where the allocator is not glibc's."""
     from . import _ddlf
 
     if wait:
         _ddlf.return_free_memory()
         return
-    if not _returning.acquire(blocking=False):
-        return  # one is under way: it returns what this one would
-
-    def run() -> None:
+    global _pending
+    with _pending_lock:
+        if _pending is not None:
+            _pending.cancel()
+        timer = threading.Timer(RETURN_AFTER_IDLE, _ddlf.return_free_memory)
+        timer.name, timer.daemon = "ddlf-return-memory", True
+        _pending = None
         try:
-            _ddlf.return_free_memory()
-        finally:
-            _returning.release()
+            timer.start()
+        except RuntimeError as exc:  # no thread to be had: the memory stays with the allocator
+            log.debug("free memory not returned: %s", exc)
+            return
+        _pending = timer
 
-    threading.Thread(target=run, name="ddlf-return-memory", daemon=True).start()
+
+def keep_free_memory() -> None:
+    """Cancel a pending :func:`return_free_memory` (``wait=False``): a run starts."""
+    global _pending
+    with _pending_lock:
+        if _pending is not None:
+            _pending.cancel()
+            _pending = None
 
 
 # -- the cyclic garbage collector ----------------------------------------------------------------------------

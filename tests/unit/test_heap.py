@@ -9,6 +9,7 @@ import types
 import weakref
 
 import numpy as np
+import pytest
 
 from ddlf.process import freeze_heap, frozen_heap, release_heap
 from ddlf.training.replica.registry import Sessions
@@ -94,21 +95,26 @@ def test_a_run_sets_its_objects_aside_after_its_first_round_and_gives_them_back_
     assert gc.get_freeze_count() == 0 and "r1" not in sessions.by_id
 
 
-def test_free_memory_is_returned_on_a_thread_of_its_own_one_at_a_time() -> None:
-    import threading
-
+def test_free_memory_goes_back_after_an_idle_while_unless_a_run_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     from ddlf import process
 
     process.prepare_process()
     held = [bytearray(1 << 20) for _ in range(32)]  # freed into the heap the allocator policy keeps
     del held
     process.return_free_memory()  # waiting
-    with process._returning:  # one under way: a second is not started
-        process.return_free_memory(wait=False)
-        assert not any(t.name == "ddlf-return-memory" for t in threading.enumerate())
+    monkeypatch.setattr(process, "RETURN_AFTER_IDLE", 60.0)
     process.return_free_memory(wait=False)
-    for t in threading.enumerate():
-        if t.name == "ddlf-return-memory":
-            t.join(timeout=30)
-    assert process._returning.acquire(blocking=False)  # released when done
-    process._returning.release()
+    first = process._pending
+    process.return_free_memory(wait=False)  # the second replaces the first: one pending
+    second = process._pending
+    assert first is not None and second is not None and second is not first
+    assert first.finished.is_set()  # cancelled
+    process.keep_free_memory()  # a run starts: cancelled
+    second.join(timeout=10)
+    assert not second.is_alive() and process._pending is None
+    monkeypatch.setattr(process, "RETURN_AFTER_IDLE", 0.01)
+    process.return_free_memory(wait=False)
+    timer = process._pending
+    assert timer is not None
+    timer.join(timeout=10)
+    assert timer.finished.is_set() and not timer.is_alive()

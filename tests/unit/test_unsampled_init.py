@@ -36,6 +36,19 @@ with initial_weights_unsampled():
     unsampled, drawn_unsampled, gen_unsampled = build()
 after_unsampled = np.asarray(keras.random.uniform((4,)))
 again, _, _ = build()
+with initial_weights_unsampled() as handle:
+    model, _, _ = build()
+    beside = keras.Variable(keras.initializers.GlorotUniform()((4, 4)))  # drawn by the app's code: sampled
+    kept = keras.layers.Dense(3)  # a layer the app keeps beside the model: its kernel is not the model's
+    kept.build((None, 4))
+    import threading
+
+    other = []
+    thread = threading.Thread(target=lambda: other.append(build()[0]))  # another thread: sampled as usual
+    thread.start()
+    thread.join()
+outside_before = float(np.abs(np.asarray(kept.kernel)).sum())
+sampled_after = handle.sample_outside(model)
 print(json.dumps({
     "kernels_sampled": [float(np.abs(w).sum()) for w in sampled.get_weights()[::2]],
     "kernels_unsampled": [float(np.abs(w).sum()) for w in unsampled.get_weights()],
@@ -43,6 +56,12 @@ print(json.dumps({
     "stream_equal": bool(np.array_equal(after_sampled, after_unsampled)),
     "generator_equal": bool(np.array_equal(gen_sampled, gen_unsampled)),
     "after_block_sampled": float(np.abs(again.get_weights()[0]).sum()),
+    "beside_sampled": float(np.abs(np.asarray(beside)).sum()),
+    "outside_before": outside_before,
+    "outside_sampled_after": sampled_after,
+    "outside_after": float(np.abs(np.asarray(kept.kernel)).sum()),
+    "model_still_unsampled": float(np.abs(model.get_weights()[0]).sum()),
+    "other_thread_sampled": float(np.abs(other[0].get_weights()[0]).sum()),
 }))
 """
 
@@ -60,6 +79,10 @@ def test_a_replica_on_jax_is_built_without_sampling_its_initial_weights() -> Non
     assert got["stream_equal"]  # the global seed stream moved on as sampling would have moved it
     assert got["generator_equal"]  # and so did an initializer's own seed generator
     assert got["after_block_sampled"] > 0  # Keras samples again after the block
+    assert got["beside_sampled"] > 0  # a value the app's code draws itself, even of an initializer
+    assert got["outside_before"] == 0 and got["outside_sampled_after"] == 1 and got["outside_after"] > 0
+    assert got["model_still_unsampled"] == 0  # the model's own weights: the master's overwrite them
+    assert got["other_thread_sampled"] > 0
 
 
 def test_other_backends_sample_as_usual() -> None:

@@ -157,54 +157,100 @@ def clear_sessions() -> None:
 
 
 _unsampled = threading.local()
+"""Per thread: ``depth`` (builds under way), ``build`` (the innermost one's :class:`UnsampledBuild`),
+``initializing`` (a variable's initializer runs) and ``drew`` (it drew, and got zeros)."""
+_install_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def initial_weights_unsampled() -> Iterator[None]:
-    """While a worker builds its replica of the master's model (``create_model()``, and the build on a first
-    batch): on JAX, the random initial values of the variables Keras creates are not sampled, zeros instead. Each
-    run starts every replica from the master's weights, so what is sampled here is overwritten before any use, and
-    on JAX each shape's sampler is a compilation (``jit(_uniform)``, 0.5-1 s on a 2-core machine: most of a small
-    model's set-up). The seed of each draw is still drawn, so every later random draw (dropout, the worker's own
-    seed stream) is what it would have been. Only a variable's initializer is affected: a random tensor the
-    model's code draws for itself is sampled as always. Other backends sample as usual (cheaply)."""
-    keras = sys.modules.get("keras")
-    if keras is None or keras.backend.backend() != "jax":
-        yield
-        return
+class UnsampledBuild:
+    """What :func:`initial_weights_unsampled` left unsampled: the variables whose initializer drew zeros."""
+
+    def __init__(self) -> None:
+        self.zeroed: list[tuple[Any, Any]] = []  # (weak reference to the variable, its initializer)
+
+    def sample_outside(self, model: Any) -> int:
+        """Sample now the variables left unsampled that ``model``'s weights do not include (a variable the app's
+        code keeps beside the model, a frozen network captured by a loss): the master's weights will not overwrite
+        them. Returns how many."""
+        covered = {id(v) for v in getattr(model, "weights", ())}
+        n = 0
+        for ref, initializer in self.zeroed:
+            variable = ref()
+            if variable is not None and id(variable) not in covered:
+                variable.assign(initializer(variable.shape, dtype=variable.dtype))
+                n += 1
+        self.zeroed.clear()
+        return n
+
+
+def _install_unsampling() -> None:
+    """Once per process: wrappers around the JAX backend's random draws and its variables' initialization, which
+    act only in a thread inside :func:`initial_weights_unsampled` (nothing is restored, so an exception anywhere
+    cannot leave them active)."""
     from keras.src.backend.jax import core
     from keras.src.backend.jax import random as jax_random
 
-    originals = {name: getattr(jax_random, name) for name in ("uniform", "normal", "truncated_normal")}
-    initialize = core.Variable._initialize_with_initializer
+    with _install_lock:
+        if getattr(core.Variable, "_ddlf_unsampled", False):
+            return
+        initialize = core.Variable._initialize_with_initializer
 
-    def in_initializer(self: Any, initializer: Any) -> None:
-        _unsampled.active = True
-        try:
-            initialize(self, initializer)
-        finally:
-            _unsampled.active = False
+        def in_initializer(self: Any, initializer: Any) -> None:
+            build = getattr(_unsampled, "build", None)
+            if build is None:
+                initialize(self, initializer)
+                return
+            outer = getattr(_unsampled, "initializing", False), getattr(_unsampled, "drew", False)
+            _unsampled.initializing, _unsampled.drew = True, False
+            try:
+                initialize(self, initializer)
+                if _unsampled.drew:
+                    import weakref
 
-    def unsampled(name: str) -> Callable[..., Any]:
-        sample = originals[name]
+                    build.zeroed.append((weakref.ref(self), initializer))
+            finally:
+                _unsampled.initializing, _unsampled.drew = outer
 
-        def draw(shape: Any, *args: Any, dtype: Any = None, seed: Any = None, **kwargs: Any) -> Any:
-            if not getattr(_unsampled, "active", False) or args:
-                return sample(shape, *args, dtype=dtype, seed=seed, **kwargs)
-            import jax
-            import numpy as np
+        def unsampled(sample: Callable[..., Any]) -> Callable[..., Any]:
+            def draw(shape: Any, *args: Any, dtype: Any = None, seed: Any = None, **kwargs: Any) -> Any:
+                if args or not getattr(_unsampled, "initializing", False):
+                    return sample(shape, *args, dtype=dtype, seed=seed, **kwargs)
+                import jax
+                import keras
+                import numpy as np
 
-            jax_random.jax_draw_seed(seed)  # the seed stream moves on as the sample would have moved it
-            return jax.device_put(np.zeros(tuple(shape), dtype=jax.numpy.dtype(dtype or keras.config.floatx())))
+                jax_random.jax_draw_seed(seed)  # the seed stream moves on as the sample would have moved it
+                _unsampled.drew = True
+                return jax.device_put(np.zeros(tuple(shape), dtype=jax.numpy.dtype(dtype or keras.config.floatx())))
 
-        return draw
+            return draw
 
-    for name in originals:
-        setattr(jax_random, name, unsampled(name))
-    core.Variable._initialize_with_initializer = in_initializer
+        for name in ("uniform", "normal", "truncated_normal"):
+            setattr(jax_random, name, unsampled(getattr(jax_random, name)))
+        core.Variable._initialize_with_initializer = in_initializer
+        core.Variable._ddlf_unsampled = True
+
+
+@contextlib.contextmanager
+def initial_weights_unsampled() -> Iterator[UnsampledBuild]:
+    """While a worker builds its replica of the master's model (``create_model()``, and the build on a first
+    batch): on JAX, the random initial values of the variables Keras creates in this thread are not sampled,
+    zeros instead. Each run starts every replica from the master's weights, so what is sampled here is
+    overwritten before any use, and on JAX each shape's sampler is a compilation (``jit(_uniform)``, 0.5-1 s on a
+    2-core machine: most of a small model's set-up). The seed of each draw is still drawn, so every later random
+    draw (dropout, the worker's own seed stream) is what it would have been. Only a variable's initializer is
+    affected: a random tensor the app's code draws is sampled as always; a variable outside the model's weights
+    is sampled after the build (:meth:`UnsampledBuild.sample_outside`, which the caller calls with the model).
+    Other backends, and other threads, sample as usual."""
+    build = UnsampledBuild()
+    keras = sys.modules.get("keras")
+    if keras is None or keras.backend.backend() != "jax":
+        yield build
+        return
+    _install_unsampling()
+    outer = getattr(_unsampled, "build", None)
+    _unsampled.build = build
     try:
-        yield
+        yield build
     finally:
-        core.Variable._initialize_with_initializer = initialize
-        for name, fn in originals.items():
-            setattr(jax_random, name, fn)
+        _unsampled.build = outer

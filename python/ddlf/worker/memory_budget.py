@@ -20,8 +20,6 @@ The master receives :class:`~ddlf.errors.MemoryBudgetExceeded` (a ``RequestRejec
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import gc
 import os
 import re
@@ -30,6 +28,7 @@ import time
 from typing import Any
 
 from ..errors import ConfigError, MemoryBudgetExceeded
+from ..process import return_free_memory
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
@@ -107,9 +106,7 @@ class MemoryBudget:
         to return its free pages (glibc's ``malloc_trim``; elsewhere a no-op). Without it the freed arrays stay in
         the allocator's heap and resident memory stays near the budget after the refusal."""
         gc.collect()
-        trim = _malloc_trim()
-        if trim is not None:
-            trim(0)
+        return_free_memory()
 
     # -- a call under watch ------------------------------------------------------------------------------------
 
@@ -147,19 +144,6 @@ class MemoryBudget:
                             ctypes.c_ulong(ident), ctypes.py_object(_WatchdogExceeded)
                         )
                 time.sleep(WATCH_INTERVAL)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim``, or ``None`` where the C library has none (musl, macOS)."""
-    try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None)
-    except OSError:
-        return None
-    if fn is not None:
-        fn.argtypes = [ctypes.c_size_t]
-        fn.restype = ctypes.c_int
-    return fn
 
 
 class _WatchdogExceeded(MemoryBudgetExceeded):

@@ -48,7 +48,8 @@ mod glibc {
 pub fn return_free_memory() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        // SAFETY: malloc_trim only releases memory the allocator holds free; it takes the arena locks itself.
+        // SAFETY: compiled for linux-gnu only, where the declaration above is glibc's `int malloc_trim(size_t)`;
+        // it is MT-safe (it takes each arena's lock itself) and releases only memory the allocator holds free.
         unsafe { glibc::malloc_trim(0) == 1 }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

@@ -25,7 +25,7 @@ from ...frameworks.console import quiet_start
 from ...frameworks.keras_backend import follow_keras_backend, initial_weights_unsampled, keras_backend_default
 from ...frameworks.seeding import set_random_seed
 from ...frameworks.tensorflow_graphs import custom_gradients, forget_custom_gradients
-from ...process import release_heap, return_free_memory
+from ...process import keep_free_memory, release_heap, return_free_memory
 from ..messages import FitData, weights_var
 from . import warm
 from .dataset import check_model_data, first_batch, load, parts_of, training_rows
@@ -118,6 +118,7 @@ class Sessions:
             fit = cloudpickle.loads(fit_blob) if fit_blob is not None else FitData()
             spec = cloudpickle.loads(spec_blob) if spec_blob is not None else None
         t0 = time.perf_counter()
+        keep_free_memory()  # a run starts: the heap the last one left stays for this one's transfers
         if not self.by_id and self._gradients_before is None:
             self._gradients_before = custom_gradients()
         worker_seed = seed + 1000 * (worker.id + 1)
@@ -128,17 +129,18 @@ class Sessions:
         parts = parts_of(item.value, fit)
         rows = training_rows(parts.rows, fit)
         # the master's weights overwrite the initial ones before any use: on JAX they are not sampled (compiles)
-        with model_spec.building_as(spec), initial_weights_unsampled():  # under the master's global dtype policy
-            model = app.create_model()
-        if adapter_for(model).seeds_torch:
-            set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
-        sample, first_y = first_batch(parts, app.preprocess)
-        check_model_data(sample, first_y, type(app).preprocess.__qualname__ != "IApp.preprocess")
-        if sample is not None and model_spec.needs_build(model):  # built on its first batch, as fit builds it
-            with initial_weights_unsampled():
+        with initial_weights_unsampled() as unsampled:
+            with model_spec.building_as(spec):  # under the master's global dtype policy
+                model = app.create_model()
+            if adapter_for(model).seeds_torch:
+                set_random_seed(worker_seed, torch=True)  # torch may have been imported by create_model itself
+            sample, first_y = first_batch(parts, app.preprocess)
+            check_model_data(sample, first_y, type(app).preprocess.__qualname__ != "IApp.preprocess")
+            if sample is not None and model_spec.needs_build(model):  # built on its first batch, as fit builds it
                 model_spec.build_from(model, sample)
-        else:
-            sample = None  # the master needs no inputs to build its model from
+            else:
+                sample = None  # the master needs no inputs to build its model from
+        unsampled.sample_outside(model)  # what the master's weights do not overwrite is sampled after all
         # The master's model is the truth: what the user changed on it since create_model() (a recompile, trainable
         # flags, a learning rate, an adapted layer) is made so here too, before a warm model is looked up by it.
         changes = model_spec.apply(model, spec)
@@ -212,7 +214,7 @@ class Sessions:
             self.publish()
         worker.vars.pop(weights_var(run_id), None)
         if session is not None and not self.by_id:
-            return_free_memory(wait=False)  # idle now: what the allocator keeps for transfers goes back
+            return_free_memory(wait=False)  # idle: what the allocator keeps for transfers goes back, unless a run comes
         if not self.by_id and self._gradients_before is not None:
             # no run is tracing: the graphs the runs traced need their gradients' registrations no more
             forgotten = forget_custom_gradients(keep=self._gradients_before)
