@@ -132,6 +132,7 @@ def return_free_memory(wait: bool = True) -> None:
     from . import _ddlf
 
     if wait:
+        keep_free_memory()  # a pending one would only repeat this
         _ddlf.return_free_memory()
         return
     global _pending

@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -157,8 +158,8 @@ def clear_sessions() -> None:
 
 
 _unsampled = threading.local()
-"""Per thread: ``depth`` (builds under way), ``build`` (the innermost one's :class:`UnsampledBuild`),
-``initializing`` (a variable's initializer runs) and ``drew`` (it drew, and got zeros)."""
+"""Per thread: ``build`` (the innermost :func:`initial_weights_unsampled` block's :class:`UnsampledBuild`, None
+outside one), ``initializing`` (a variable's initializer runs) and ``drew`` (it drew, and got zeros)."""
 _install_lock = threading.Lock()
 
 
@@ -205,8 +206,6 @@ def _install_unsampling() -> None:
             try:
                 initialize(self, initializer)
                 if _unsampled.drew:
-                    import weakref
-
                     build.zeroed.append((weakref.ref(self), initializer))
             finally:
                 _unsampled.initializing, _unsampled.drew = outer
