@@ -13,6 +13,7 @@ import numpy as np
 import ddlf
 from ddlf import ops
 from ddlf.training.callbacks import LambdaCallback
+from ddlf.training.plan import whole_batch_sizes
 
 from ..conftest import MNIST_DIR, pooled
 
@@ -135,7 +136,7 @@ def global_batches(n: int, batch: int, epochs: int, seed: int, frequency: int | 
         while lo < ROWS:
             total = min(ROWS - lo, frequency * batch * n) if frequency else ROWS - lo
             parts = []
-            for size in ops.split_sizes(total, [1.0] * n):
+            for size in whole_batch_sizes(total, [1.0] * n, batch):
                 parts.append(perm[lo : lo + int(size)])
                 lo += int(size)
             steps = max(-(-len(p) // batch) for p in parts)

@@ -57,10 +57,28 @@ def assigned_rows(part: Rows) -> int:
     return part.count()
 
 
+def whole_batch_sizes(total: int, shares: list[float], batch_size: int) -> list[int]:
+    """How many of a round's ``total`` rows each worker trains: whole batches, split by ``shares``, and the one
+    partial batch (``total`` not a multiple of ``batch_size``) to the worker with the fewest rows.
+
+    As ``fit`` on one process, at most one batch of the round is partial: a step compiled for a batch's shape
+    (Keras on JAX, ``torch.compile``) is compiled for one partial shape on one worker, not on every worker (an even
+    split of 12,000 rows in batches of 32 on 2 workers gives each a last batch of 16; this gives 6,016 and 5,984
+    rows, all in whole batches)."""
+    if batch_size <= 0:
+        return [int(n) for n in ops.split_sizes(total, shares)]
+    full, rest = divmod(total, batch_size)
+    sizes = [int(n) * batch_size for n in ops.split_sizes(full, shares)]
+    if rest:
+        sizes[sizes.index(min(sizes))] += rest
+    return sizes
+
+
 class SlicePlan:
     """The whole dataset on every worker: one seeded permutation per epoch, consumed round by round by the
     workers live at that round (``indices``: the master sends each its slice; ``seeded``: only the slice's
-    bounds, and the worker regenerates the permutation)."""
+    bounds, and the worker regenerates the permutation). Each worker's part of a round is whole batches but for
+    at most one partial batch in the round (:func:`whole_batch_sizes`)."""
 
     def __init__(self, rows: int, n_workers: int, cfg: TrainConfig, epoch: int) -> None:
         self.cfg, self.epoch = cfg, epoch
@@ -91,7 +109,9 @@ class SlicePlan:
         total = min(left, self.per_worker * len(live)) if self.per_worker else left
         given = self.cfg.data.worker_shares
         shares = list(given) if given and len(given) == self.n_workers else None
-        sizes = ops.split_sizes(total, [shares[w] for w in live] if shares else [1.0] * len(live))
+        sizes = whole_batch_sizes(
+            total, [shares[w] for w in live] if shares else [1.0] * len(live), self.cfg.batch_size
+        )
         out: list[Assignment] = []
         lo = self.offset
         for w, n in zip(live, sizes):
