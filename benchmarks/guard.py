@@ -9,11 +9,21 @@ so drift hits them alike).
 
 Every process runs on one CPU: where the scheduler puts two processes that ping-pong moves a plain round trip about
 3x on a small VM (22 µs on one core, 65 µs across two, where every reply wakes the other core), which would drown a
-2x regression; on one CPU the ratios repeat within a few percent. The limits sit 1.6x above what the 2-core CI
-machine measures that way (``typical``): a path that becomes twice as slow fails, noise does not. A check that
-fails is measured again, up to ``--attempts`` times, and fails the guard only if it failed every time (a burst of
-load from outside passes; a regression fails each time). Nothing is written to BENCHMARKS.md: this is a check,
-the rpc benchmark is the record.
+2x regression; on one CPU the ratios repeat within a few percent from run to run on one machine.
+
+Across machines of the same kind they do not: on two 2-core AMD EPYC VMs of this workplace (kernels fc-v657 and
+fc-v669) the same tree (cadf44d, where the guard was set) measured a call to one worker at 1.11x and 1.75-1.86x the
+echo, a call to all workers at 2.54x and 4.8-5.0x, Rust's ping at 3.5x and 4.6-4.7x: a cheap process pair (the
+echo) gets 1.13x slower from the one VM to the other, ddlf's paths 1.5-2.1x (large processes with many threads,
+switched on one CPU). So each path is checked over the cheaper path it is built on, whose processes are as large:
+a call over Rust's ping (the Python dispatch and the lane over a gRPC round trip of the same daemons), a call to
+all workers over a call to one, a lane without busy-polling over one with it, gRPC calls over the ping; only the
+ping is checked over the echo, and the call over the echo at a margin that holds on both VMs. Those ratios moved
+at most 1.3x between the two VMs; the limits sit 1.5x or more above the higher one (``typical``), and below twice
+the lower one: a path that becomes twice as slow fails on either, noise does not. A check that fails is measured
+again, up to ``--attempts`` times, and fails the guard only if it failed every time (a burst of load from outside
+passes; a regression fails each time). Nothing is written to BENCHMARKS.md: this is a check, the rpc benchmark is
+the record.
 """
 
 from __future__ import annotations
@@ -36,18 +46,24 @@ class Limit:
     most: float
     typical: float
 
+    @property
+    def name(self) -> str:
+        return f"{self.path} over {self.floor}"
+
 
 def limits(n_workers: int) -> list[Limit]:
-    """What is checked, each path over the plain echo, every process on one CPU (``rpc.run(one_cpu=True)``: the
-    same placement in every run, so the ratios move with the code, not with the scheduler)."""
+    """What is checked, each path over the path it builds on, every process on one CPU (``rpc.run(one_cpu=True)``:
+    the same placement in every run, so the ratios move with the code, not with the scheduler). ``typical``: the
+    higher of the two VMs' values (the other's in the comment)."""
     one, every = "ddlf call, 1 worker", f"ddlf call, all {n_workers} workers"
-    floor = "raw socket echo"
+    echo, ping = "raw socket echo", "ddlf ping (Rust only, gRPC)"
     return [
-        Limit(one, floor, 1.8, 1.13),
-        Limit(every, floor, 4.2, 2.6),
-        Limit(f"{one}, lane without busy-polling", floor, 1.8, 1.13),
-        Limit("ddlf ping (Rust only, gRPC)", floor, 5.8, 3.6),
-        Limit(f"{one}, gRPC only", floor, 10.5, 6.5),
+        Limit(ping, echo, 6.2, 4.7),  # 3.53x on the other VM
+        Limit(one, ping, 0.58, 0.38),  # 0.31x
+        Limit(every, one, 3.9, 2.7),  # 2.30x
+        Limit(f"{one}, lane without busy-polling", one, 1.6, 1.04),  # 0.98x
+        Limit(f"{one}, gRPC only", ping, 3.4, 2.34),  # 1.80x
+        Limit(one, echo, 2.9, 1.86),  # 1.11x: the issue's "call over echo", at a margin both VMs pass
     ]
 
 
@@ -63,10 +79,10 @@ def round_ratios(samples: dict[str, list[float]], path: str, floor: str, rounds:
 
 
 def measure(rounds: int, calls: int, n_workers: int, spin_us: int) -> dict[str, float]:
-    """Each checked path's ratio to its floor in one run."""
+    """Each check's ratio (by :attr:`Limit.name`) in one run."""
     samples = run(rounds, calls, n_workers, spin_us, one_cpu=True)
     return {
-        lim.path: statistics.median(round_ratios(samples, lim.path, lim.floor, rounds)) for lim in limits(n_workers)
+        lim.name: statistics.median(round_ratios(samples, lim.path, lim.floor, rounds)) for lim in limits(n_workers)
     }
 
 
@@ -89,26 +105,26 @@ def main(argv: list[str] | None = None) -> None:
     for attempt in range(1, args.attempts + 1):
         ratios = measure(args.rounds, args.calls, args.workers, args.spin_us)
         for lim in checks:
-            best[lim.path] = min(best.get(lim.path, ratios[lim.path]), ratios[lim.path])
-        failing = [lim for lim in checks if best[lim.path] > lim.most]
-        print(f"attempt {attempt}: " + ", ".join(f"{lim.path} {ratios[lim.path]:.2f}x" for lim in checks))
+            best[lim.name] = min(best.get(lim.name, ratios[lim.name]), ratios[lim.name])
+        failing = [lim for lim in checks if best[lim.name] > lim.most]
+        print(f"attempt {attempt}: " + ", ".join(f"{lim.name} {ratios[lim.name]:.2f}x" for lim in checks))
         if not failing:
             break
     rows = [
         [
             lim.path,
             lim.floor,
-            f"{best[lim.path]:.2f}x",
+            f"{best[lim.name]:.2f}x",
             f"{lim.typical:.2f}x",
             f"{lim.most:.2f}x",
-            "ok" if best[lim.path] <= lim.most else "TOO SLOW",
+            "ok" if best[lim.name] <= lim.most else "TOO SLOW",
         ]
         for lim in checks
     ]
     print(report.table(["path", "over", "ratio (best attempt)", "typical", "limit", ""], rows))
     print(f"Machine: {report.machine()}")
     if failing:
-        names = "; ".join(f"{lim.path}: {best[lim.path]:.2f}x its floor (limit {lim.most:.2f}x)" for lim in failing)
+        names = "; ".join(f"{lim.name}: {best[lim.name]:.2f}x (limit {lim.most:.2f}x)" for lim in failing)
         print(f"\nthe call path is slower than its guard allows, in every one of {args.attempts} attempts: {names}")
         sys.exit(1)
 
