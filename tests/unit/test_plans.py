@@ -49,8 +49,8 @@ def test_worker_shares_split_rows_unevenly() -> None:
 
 def test_seeded_plans_send_bounds_not_indices() -> None:
     cfg = TrainConfig(epochs=1, batch_size=10, data=ddlf.DataConfig(send="seed"), run=ddlf.RunConfig(seed=5))
-    [(_, a), (_, b)] = SlicePlan(50, 2, cfg, epoch=2).next_round([0, 1])  # 5 batches of 10: 3 and 2
-    assert a.indices is None and a.seeded == (5, 2, [1.0], 0, 0, 30) and b.seeded[4:] == (30, 50)
+    [(_, a), (_, b)] = SlicePlan(50, 2, cfg, epoch=2).next_round([0, 1])
+    assert a.indices is None and a.seeded == (5, 2, [1.0], 0, 0, 25) and b.seeded[4:] == (25, 50)
 
 
 @pytest.mark.parametrize(
@@ -63,6 +63,7 @@ def test_seeded_plans_send_bounds_not_indices() -> None:
         (40, [1.0, 1.0], 32, [32, 8]),  # fewer rows than a batch per worker: one whole batch and the rest
         (5, [1.0, 1.0, 1.0], 8, [5, 0, 0]),
         (0, [1.0, 1.0], 8, [0, 0]),
+        (1001, [1.0, 1.0, 1.0], 0, [334, 334, 333]),  # 0: no batches, the rows as they are
     ],
 )
 def test_a_round_is_split_in_whole_batches_with_at_most_one_partial(
@@ -70,17 +71,23 @@ def test_a_round_is_split_in_whole_batches_with_at_most_one_partial(
 ) -> None:
     got = whole_batch_sizes(total, shares, batch)
     assert got == sizes and sum(got) == total
-    assert sum(1 for n in got if n % batch) <= 1
+    assert not batch or sum(1 for n in got if n % batch) <= 1
 
 
 @pytest.mark.parametrize("rows", [12000, 12010, 97])
-def test_each_workers_part_of_a_whole_epoch_round_is_whole_batches(rows: int) -> None:
-    """Gradient averaging and model averaging once per epoch: one round, each worker's part a multiple of the
-    batch but for one worker's last batch (a compiled step compiles one partial shape, on one worker)."""
-    cfg = TrainConfig(epochs=1, batch_size=32, run=ddlf.RunConfig(seed=1))
+def test_gradient_averaging_splits_a_round_in_whole_batches(rows: int) -> None:
+    """Gradient averaging, one round per epoch: each worker's part a multiple of the batch but for one worker's
+    last batch (a compiled step compiles one partial shape, on one worker)."""
+    cfg = TrainConfig(epochs=1, batch_size=32, strategy=ddlf.GradientAveraging(), run=ddlf.RunConfig(seed=1))
     parts = SlicePlan(rows, 2, cfg, epoch=0).next_round([0, 1])
     lengths = [len(p.indices) for _, p in parts]
     assert sum(lengths) == rows and sum(1 for n in lengths if n % 32) == (1 if rows % 32 else 0)
+
+
+def test_model_averaging_splits_rows_evenly() -> None:
+    """Each model-averaging worker counts its own optimizer steps: an even split keeps them equal."""
+    cfg = TrainConfig(epochs=1, batch_size=32, strategy=ddlf.ModelAveraging(), run=ddlf.RunConfig(seed=1))
+    assert [len(p.indices) for _, p in SlicePlan(12000, 2, cfg, epoch=0).next_round([0, 1])] == [6000, 6000]
 
 
 def test_shard_layout_rotates_and_seeds_per_shard() -> None:

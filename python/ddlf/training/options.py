@@ -305,10 +305,10 @@ class DataConfig:
 
     ``send``: each epoch the master sends every worker its ``"indices"`` (its partition of the shuffled rows), or
     only the ``"seed"`` (workers regenerate the same partition). ``worker_shares``: relative amount of data per
-    worker, for workers of unequal speed (kept to a whole batch: a round is split in whole batches, with its one
-    partial batch, if any, on one worker). ``rotate_shards_every``: sharded apps: every k epochs each worker moves on
-    to the next worker's shard, so every worker eventually sees all the data. ``prefetch``: batches each worker
-    prepares ahead of its training step."""
+    worker, for workers of unequal speed (with gradient averaging kept to a whole batch: a round is split in whole
+    batches, with its one partial batch, if any, on one worker). ``rotate_shards_every``: sharded apps: every k
+    epochs each worker moves on to the next worker's shard, so every worker eventually sees all the data.
+    ``prefetch``: batches each worker prepares ahead of its training step."""
 
     send: Literal["indices", "seed"] = "indices"
     worker_shares: tuple[float, ...] | None = None

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import ops
 from .messages import Rows
-from .options import TrainConfig
+from .options import GradientAveraging, TrainConfig
 
 SHARD_SEED_STRIDE = 1_000_003
 """Shard ``s`` of a run with seed ``seed`` is shuffled from seed ``seed * SHARD_SEED_STRIDE + s``."""
@@ -59,7 +59,8 @@ def assigned_rows(part: Rows) -> int:
 
 def whole_batch_sizes(total: int, shares: list[float], batch_size: int) -> list[int]:
     """How many of a round's ``total`` rows each worker trains: whole batches, split by ``shares``, and the one
-    partial batch (``total`` not a multiple of ``batch_size``) to the worker with the fewest rows.
+    partial batch (``total`` not a multiple of ``batch_size``) to the worker with the fewest rows; ``batch_size``
+    0: rows split by ``shares`` as they are.
 
     As ``fit`` on one process, at most one batch of the round is partial: a step compiled for a batch's shape
     (Keras on JAX, ``torch.compile``) is compiled for one partial shape on one worker, not on every worker (an even
@@ -77,8 +78,13 @@ def whole_batch_sizes(total: int, shares: list[float], batch_size: int) -> list[
 class SlicePlan:
     """The whole dataset on every worker: one seeded permutation per epoch, consumed round by round by the
     workers live at that round (``indices``: the master sends each its slice; ``seeded``: only the slice's
-    bounds, and the worker regenerates the permutation). Each worker's part of a round is whole batches but for
-    at most one partial batch in the round (:func:`whole_batch_sizes`)."""
+    bounds, and the worker regenerates the permutation).
+
+    With gradient averaging each worker's part of a round is whole batches but for at most one partial batch in
+    the round (:func:`whole_batch_sizes`): its workers step in lockstep (one without a batch at a step adds zeros
+    with weight 0), so every worker still takes every step. Model averaging and its kind split rows evenly: there
+    each worker's optimizer counts its own steps (Adam's bias correction, a backup's step count), which an uneven
+    split would make differ from worker to worker."""
 
     def __init__(self, rows: int, n_workers: int, cfg: TrainConfig, epoch: int) -> None:
         self.cfg, self.epoch = cfg, epoch
@@ -88,6 +94,7 @@ class SlicePlan:
         shuffle = cfg.fit.shuffle
         self.perm = epoch_order(rows, cfg.run.seed, epoch, shuffle) if cfg.data.send == "indices" else None
         self.per_worker = (cfg.round_batches or 0) * cfg.batch_size  # 0: the whole epoch in one round
+        self.whole_batches = cfg.batch_size if isinstance(cfg.strategy, GradientAveraging) else 0
 
     def finished(self) -> bool:
         return self.offset >= self.rows
@@ -109,9 +116,7 @@ class SlicePlan:
         total = min(left, self.per_worker * len(live)) if self.per_worker else left
         given = self.cfg.data.worker_shares
         shares = list(given) if given and len(given) == self.n_workers else None
-        sizes = whole_batch_sizes(
-            total, [shares[w] for w in live] if shares else [1.0] * len(live), self.cfg.batch_size
-        )
+        sizes = whole_batch_sizes(total, [shares[w] for w in live] if shares else [1.0] * len(live), self.whole_batches)
         out: list[Assignment] = []
         lo = self.offset
         for w, n in zip(live, sizes):
