@@ -28,4 +28,8 @@ fi
   "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.29"
 # Build the Rust extension (release) and install the package in editable mode.
 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
+# The editable package's bytecode, written now: where PYTHONDONTWRITEBYTECODE is set (some CI images and sandboxes),
+# Python never caches it, and every process (each worker daemon) compiles ddlf's modules again, 0.1-0.2 CPU-seconds
+# each. A source edited later is compiled afresh (Python checks the cached file against the source).
+.venv/bin/python -m compileall -q python/ddlf >/dev/null
 .venv/bin/python -c "import ddlf; print('ddlf', ddlf.__version__, 'installed in .venv')"

@@ -53,6 +53,9 @@ section "call-path guard"
 .venv/bin/python -m benchmarks guard
 
 section "pytest"
+# The tests' own modules and the benchmarks' precompiled too (see install.sh): the suite starts hundreds of Python
+# processes, daemons and scripts, that import them.
+.venv/bin/python -m compileall -q tests benchmarks examples >/dev/null
 # Two streams at once, so that the two cores stay busy while tests wait (daemons starting, heartbeats, Slurm's
 # scheduler, emulated links). The side stream, one test at a time: the unit tests (no daemons), the model-truth cases
 # again on JAX (a pytest process of its own), then the Slurm and network-namespace modules (they share one slurmctld
