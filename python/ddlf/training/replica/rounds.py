@@ -25,16 +25,22 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
     t0 = time.perf_counter()
     feed = session.feed(spec.rows, spec.batch_size, spec.prefetch)
     weights = spec.weights if spec.weights is not None else worker.vars[weights_var(spec.run_id)]
-    model.set_weights(weights)
-    if spec.optimizer_state is not None:
-        set_optimizer_state(model, spec.optimizer_state)
-    take_round_rates(model, session.stepper, spec)  # after the state: a rate among the optimizer's variables
-    model.reset_metrics()
     logs: dict[str, float] = {}
-    if steps_whole_rounds(model):
-        # The model's state stays in the framework for the whole round; the logs are read once, at its end.
-        stepper = session.steps()
-        stepper.begin()
+    stepper = session.steps() if steps_whole_rounds(model) else None
+    if stepper is not None and spec.optimizer_state is None:
+        # The model's state stays in the framework for the whole round, from the weights to the logs, read once
+        # at its end. The rate first: it is one of the optimizer's variables, which the round's state reads.
+        take_round_rates(model, stepper, spec)
+        stepper.start(weights)
+    else:
+        model.set_weights(weights)
+        if spec.optimizer_state is not None:
+            set_optimizer_state(model, spec.optimizer_state)
+        take_round_rates(model, session.stepper, spec)  # after the state: a rate among the optimizer's variables
+        model.reset_metrics()
+        if stepper is not None:
+            stepper.begin()
+    if stepper is not None:
         try:
             for bx, by, sw, _n in feed:
                 stepper.step(bx, by, sw)
@@ -60,7 +66,8 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
             logs = out
         if total is not None:
             logs = total.results()
-    new = [np.asarray(w) for w in model.get_weights()]  # a 0-d weight may come back as a numpy scalar
+    # (a 0-d weight may come back from get_weights as a numpy scalar)
+    new = stepper.weights() if stepper is not None else [np.asarray(w) for w in model.get_weights()]
     stats = feed.stats()
     result: dict[str, Any] = {
         "samples": int(stats["rows"]),

@@ -43,6 +43,18 @@ class _KerasStepper(Stepper):
         model = self.model
         return model(x, training=True) if getattr(model, "_call_has_training_arg", True) else model(x)
 
+    def start(self, weights: list[np.ndarray]) -> None:
+        """Begin a round from ``weights`` (in ``model.get_weights()`` order) with the model's metrics reset: what
+        ``model.set_weights``, ``model.reset_metrics`` and :meth:`begin` do in turn (a stepper that holds the
+        model's state during a round may do it without writing every variable)."""
+        self.model.set_weights(weights)
+        self.model.reset_metrics()
+        self.begin()
+
+    def weights(self) -> list[np.ndarray]:
+        """After :meth:`end`: the model's weights, as ``model.get_weights()`` gives them (arrays, 0-d included)."""
+        return [np.asarray(w) for w in self.model.get_weights()]
+
     def zeros(self) -> list[np.ndarray]:
         return [np.zeros(tuple(v.shape), dtype=np.dtype(v.dtype)) for v in self.trainable]
 

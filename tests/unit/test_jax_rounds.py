@@ -1,0 +1,105 @@
+"""On JAX, an asynchronous chunk starts its round in the stepper's state, not in the model's variables
+(``_JaxStepper.start``): it must train exactly as ``set_weights``, ``reset_metrics`` and ``begin`` do, round after
+round, whatever changed on the worker in between."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddlf.frameworks.keras_backend import installed_keras_backends
+
+_COMPARE = r"""
+import json
+import numpy as np
+import keras
+from ddlf.frameworks.adapter import adapter_for
+from ddlf.training.replica import steppers
+
+def make():
+    keras.utils.set_random_seed(3)
+    m = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.25), keras.layers.Dense(3),
+    ])
+    m.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"])
+    return m
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 6)).astype(np.float32)
+y = rng.integers(0, 3, 64)
+
+def between(model, rnd):
+    # What may change on a worker between two chunks: the master's learning rate, an optimizer variable.
+    if rnd == 2:
+        adapter_for(model).set_learning_rate(0.003)
+    if rnd == 3:
+        model.optimizer.iterations.assign(100)
+
+def start_weights(model, rnd):
+    w = [np.asarray(a) for a in model.get_weights()]
+    w = [a + np.float32(0.01 * (rnd + 1)) if a.dtype == np.float32 else a for a in w]  # the master's merge
+    return [a.astype(np.float64) for a in w] if rnd == 4 else w  # float64: converted, as set_weights does
+
+def rounds(through_keras):
+    model = make()
+    stepper = steppers.stepper_for(model)
+    out, slow = [], 0
+    keras_set = model.set_weights
+
+    def counted(ws):
+        nonlocal slow
+        slow += 1
+        keras_set(ws)
+
+    model.set_weights = counted
+    for rnd in range(6):
+        between(model, rnd)
+        w = start_weights(model, rnd)
+        if through_keras:
+            model.set_weights(w)
+            model.reset_metrics()
+            stepper.begin()
+        else:
+            stepper.start(w)
+        for a in range(0, 64, 16):
+            stepper.step(x[a:a + 16], y[a:a + 16])
+        logs = stepper.end()
+        weights = stepper.weights() if not through_keras else [np.asarray(a) for a in model.get_weights()]
+        state = [np.asarray(v.numpy()).tolist() for v in model.optimizer.variables + model.metrics_variables]
+        out.append({"logs": logs, "weights": [a.tolist() for a in weights], "state": state,
+                    "variables": [np.asarray(v.numpy()).tolist() for v in model.weights]})
+    try:
+        stepper.start([np.zeros((5, 5), np.float32)] + start_weights(model, 0)[1:])
+        wrong = "accepted"
+    except ValueError as exc:
+        wrong = str(exc)
+    return out, slow, wrong
+
+reference, slow_reference, _ = rounds(True)
+fast, slow_fast, wrong = rounds(False)
+print(json.dumps({"same": reference == fast, "slow": [slow_reference, slow_fast], "wrong": wrong,
+                  "differ": [k for r, f in zip(reference, fast) for k in r if r[k] != f[k]],
+                  "iterations": fast[-1]["state"][0]}))
+"""
+
+
+def test_rounds_started_in_the_state_train_as_through_keras() -> None:
+    if "jax" not in installed_keras_backends():
+        pytest.skip("Keras's JAX backend is not installed")
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    out = subprocess.run([sys.executable, "-c", _COMPARE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # Bit for bit, every round: logs, weights returned, the variables written back, optimizer and metric state.
+    assert result["same"], result["differ"]
+    # Through Keras: 6 rounds and the wrong shape. In the state: only the first round, then the wrong shape
+    # (refused by Keras itself).
+    assert result["slow"] == [7, 2], result
+    assert "shape" in result["wrong"], result["wrong"]
+    assert result["iterations"] == 100 + 3 * 4, result["iterations"]  # rounds 3, 4, 5: the assigned counter was read
