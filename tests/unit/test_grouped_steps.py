@@ -3,17 +3,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from ddlf.frameworks.keras_backend import installed_keras_backends
 from ddlf.training.replica import steppers as gradients
 from ddlf.training.replica.steppers import _Grouped
+
+from .backend_script import run_on_backend
 
 
 class Recorder:
@@ -148,12 +144,7 @@ print(json.dumps({"one_each": diff(one_each), "grouped": diff(grouped),
 
 
 def test_grouped_rounds_train_as_one_call_per_batch_on_tensorflow() -> None:
-    if "tensorflow" not in installed_keras_backends():
-        pytest.skip("Keras's TensorFlow backend is not installed")
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run([sys.executable, "-c", _COMPARE], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_on_backend("tensorflow", _COMPARE)
     assert result["iterations"] == 36
     assert result["one_each"] < 1e-5, result  # the stepper trains as train_on_batch
     assert result["grouped"] < 1e-5, result  # and so it does with its steps grouped

@@ -4,14 +4,7 @@ round, whatever changed on the worker in between."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-import pytest
-
-from ddlf.frameworks.keras_backend import installed_keras_backends
+from .backend_script import run_on_backend
 
 _COMPARE = r"""
 import json
@@ -90,12 +83,7 @@ print(json.dumps({"same": reference == fast, "slow": [slow_reference, slow_fast]
 
 
 def test_rounds_started_in_the_state_train_as_through_keras() -> None:
-    if "jax" not in installed_keras_backends():
-        pytest.skip("Keras's JAX backend is not installed")
-    env = {**os.environ, "KERAS_BACKEND": "jax"}
-    out = subprocess.run([sys.executable, "-c", _COMPARE], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_on_backend("jax", _COMPARE)
     # Bit for bit, every round: logs, weights returned, the variables written back, optimizer and metric state.
     assert result["same"], result["differ"]
     # Through Keras: 6 rounds and the wrong shape. In the state: only the first round, then the wrong shape

@@ -4,14 +4,9 @@ it would have, a random tensor the model's own code draws is sampled, and outsid
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from ddlf.frameworks.keras_backend import installed_keras_backends
+from .backend_script import run_on_backend
 
 _SCRIPT = r"""
 import json
@@ -67,12 +62,7 @@ print(json.dumps({
 
 
 def test_a_replica_on_jax_is_built_without_sampling_its_initial_weights() -> None:
-    if "jax" not in installed_keras_backends():
-        pytest.skip("Keras's JAX backend is not installed")
-    env = {**os.environ, "KERAS_BACKEND": "jax"}
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_on_backend("jax", _SCRIPT)
     assert all(total > 0 for total in got["kernels_sampled"])
     assert got["kernels_unsampled"] == [0.0, 0.0, 0.0, 0.0]  # kernels and biases: zeros, not sampled
     assert got["own_draw_equal"]  # what the model's code draws itself is sampled, from the same seed

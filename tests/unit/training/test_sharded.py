@@ -13,6 +13,8 @@ from ddlf.frameworks.shard_optimizers import KerasShard
 from ddlf.training import checkpoint
 from ddlf.training.replica.sharded import Held, ShardedOptimizer, check_shardable, join, redistribute
 
+from ..backend_script import run_on_backend
+
 
 class OneRank:
     """A ring of one: every collective leaves the data as it is."""
@@ -233,19 +235,7 @@ print(json.dumps({
 @pytest.fixture(scope="module")
 def on_jax() -> dict[str, Any]:
     """What :data:`_ON_JAX` found in a process on Keras's JAX backend."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from ddlf.frameworks.keras_backend import installed_keras_backends
-
-    if "jax" not in installed_keras_backends():
-        pytest.skip("Keras's JAX backend is not installed")
-    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run([sys.executable, "-c", _ON_JAX], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_on_backend("jax", _ON_JAX)
 
 
 def test_on_jax_weights_written_from_a_reused_buffer_do_not_follow_it(on_jax: dict[str, Any]) -> None:
