@@ -13,9 +13,13 @@ import keras
 from ddlf.frameworks.adapter import adapter_for
 from ddlf.training.replica import steppers
 
-def make():
+class OwnStep(keras.Sequential):
+    def train_step(self, state, data):  # a user's train_step (Keras's guide): its logs are not read as metrics
+        return super().train_step(state, data)
+
+def make(own_step=False):
     keras.utils.set_random_seed(3)
-    m = keras.Sequential([
+    m = (OwnStep if own_step else keras.Sequential)([
         keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.BatchNormalization(),
         keras.layers.Dropout(0.25), keras.layers.Dense(3),
     ])
@@ -39,8 +43,8 @@ def start_weights(model, rnd):
     w = [a + np.float32(0.01 * (rnd + 1)) if a.dtype == np.float32 else a for a in w]  # the master's merge
     return [a.astype(np.float64) for a in w] if rnd == 4 else w  # float64: converted, as set_weights does
 
-def rounds(through_keras):
-    model = make()
+def rounds(through_keras, own_step=False):
+    model = make(own_step)
     stepper = steppers.stepper_for(model)
     out, slow = [], 0
     keras_set = model.set_weights
@@ -76,8 +80,11 @@ def rounds(through_keras):
 
 reference, slow_reference, _ = rounds(True)
 fast, slow_fast, wrong = rounds(False)
-print(json.dumps({"same": reference == fast, "slow": [slow_reference, slow_fast], "wrong": wrong,
+own_reference, _, _ = rounds(True, own_step=True)
+own_fast, slow_own, _ = rounds(False, own_step=True)
+print(json.dumps({"same": reference == fast, "slow": [slow_reference, slow_fast, slow_own], "wrong": wrong,
                   "differ": [k for r, f in zip(reference, fast) for k in r if r[k] != f[k]],
+                  "own_same": own_reference == own_fast, "own_logs": own_fast[-1]["logs"],
                   "iterations": fast[-1]["state"][0]}))
 """
 
@@ -88,6 +95,9 @@ def test_rounds_started_in_the_state_train_as_through_keras() -> None:
     assert result["same"], result["differ"]
     # Through Keras: 6 rounds and the wrong shape. In the state: only the first round, then the wrong shape
     # (refused by Keras itself).
-    assert result["slow"] == [7, 2], result
+    assert result["slow"] == [7, 2, 2], result
+    # A model with its own train_step starts in the state too; its logs are the metrics' results, as before.
+    assert result["own_same"], result
+    assert set(result["own_logs"]) == {"loss", "accuracy"}, result
     assert "shape" in result["wrong"], result["wrong"]
     assert result["iterations"] == 100 + 3 * 4, result["iterations"]  # rounds 3, 4, 5: the assigned counter was read

@@ -63,7 +63,6 @@ def test_seeded_plans_send_bounds_not_indices() -> None:
         (40, [1.0, 1.0], 32, [32, 8]),  # fewer rows than a batch per worker: one whole batch and the rest
         (5, [1.0, 1.0, 1.0], 8, [5, 0, 0]),
         (0, [1.0, 1.0], 8, [0, 0]),
-        (1001, [1.0, 1.0, 1.0], 0, [334, 334, 333]),  # 0: no batches, the rows as they are
     ],
 )
 def test_a_round_is_split_in_whole_batches_with_at_most_one_partial(
@@ -71,7 +70,18 @@ def test_a_round_is_split_in_whole_batches_with_at_most_one_partial(
 ) -> None:
     got = whole_batch_sizes(total, shares, batch)
     assert got == sizes and sum(got) == total
-    assert not batch or sum(1 for n in got if n % batch) <= 1
+    assert sum(1 for n in got if n % batch) <= 1
+
+
+def test_whole_batches_need_a_batch_size() -> None:
+    with pytest.raises(ValueError, match="batch size of at least 1"):
+        whole_batch_sizes(100, [1.0, 1.0], 0)
+
+
+def test_only_gradient_averaging_steps_in_lockstep() -> None:
+    """What decides whole-batch rounds: a strategy's ``lockstep`` (its workers take every step together)."""
+    assert ddlf.GradientAveraging.lockstep
+    assert not ddlf.ModelAveraging.lockstep and not ddlf.Asynchronous.lockstep
 
 
 @pytest.mark.parametrize("rows", [12000, 12010, 97])

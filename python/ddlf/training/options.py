@@ -32,7 +32,7 @@ import math
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ..errors import ConfigError, ConfigTypeError, OutOfRangeError
 from .messages import FitData
@@ -165,6 +165,9 @@ class ModelAveraging:
     round's averaged change through :class:`Nesterov` instead of taking the average. ``exchange``: how the round's
     workers agree on the average (:class:`ThroughMaster`, :class:`Ring` or :class:`AutoExchange`)."""
 
+    lockstep: ClassVar[bool] = False
+    """Each worker takes its own optimizer steps on its rows (its step count is its own)."""
+
     every: int | None = None
     optimizer_state: bool = False
     outer: Nesterov | None = None
@@ -206,6 +209,9 @@ class GradientAveraging:
     Adadelta, Adamax, NAdam, RAdam with one parameter group; anything else is refused with the reason before training
     starts. ``bucket_cap_mb`` does not apply (the gradients go in one buffer after backward). Checkpoints hold the
     whole state and resume on any number of workers; a lost worker's shard restarts from zeros (History notes it)."""
+
+    lockstep: ClassVar[bool] = True
+    """Every worker takes every step, whatever its rows (one without a batch adds zeros with weight 0)."""
 
     scale_learning_rate: bool = False
     warmup_epochs: float = 0.0
@@ -267,6 +273,9 @@ class Asynchronous:
     ``staleness``: :class:`DynSGD` scales stale changes down; ``None`` merges them as they are. ``max_staleness``:
     a change computed from weights more than this many versions old is dropped (the worker pulls fresh weights).
     ``compression``: workers send their change at half precision, or its top-k (:class:`TopK`)."""
+
+    lockstep: ClassVar[bool] = False
+    """Each worker steps at its own pace."""
 
     chunk: int | None = None
     staleness: DynSGD | None = None

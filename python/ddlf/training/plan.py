@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import ops
 from .messages import Rows
-from .options import GradientAveraging, TrainConfig
+from .options import TrainConfig
 
 SHARD_SEED_STRIDE = 1_000_003
 """Shard ``s`` of a run with seed ``seed`` is shuffled from seed ``seed * SHARD_SEED_STRIDE + s``."""
@@ -59,15 +59,14 @@ def assigned_rows(part: Rows) -> int:
 
 def whole_batch_sizes(total: int, shares: list[float], batch_size: int) -> list[int]:
     """How many of a round's ``total`` rows each worker trains: whole batches, split by ``shares``, and the one
-    partial batch (``total`` not a multiple of ``batch_size``) to the worker with the fewest rows; ``batch_size``
-    0: rows split by ``shares`` as they are.
+    partial batch (``total`` not a multiple of ``batch_size``) to the worker with the fewest rows.
 
     As ``fit`` on one process, at most one batch of the round is partial: a step compiled for a batch's shape
     (Keras on JAX, ``torch.compile``) is compiled for one partial shape on one worker, not on every worker (an even
     split of 12,000 rows in batches of 32 on 2 workers gives each a last batch of 16; this gives 6,016 and 5,984
     rows, all in whole batches)."""
-    if batch_size <= 0:
-        return [int(n) for n in ops.split_sizes(total, shares)]
+    if batch_size < 1:
+        raise ValueError(f"whole_batch_sizes needs a batch size of at least 1, got {batch_size}")
     full, rest = divmod(total, batch_size)
     sizes = [int(n) * batch_size for n in ops.split_sizes(full, shares)]
     if rest:
@@ -80,11 +79,11 @@ class SlicePlan:
     workers live at that round (``indices``: the master sends each its slice; ``seeded``: only the slice's
     bounds, and the worker regenerates the permutation).
 
-    With gradient averaging each worker's part of a round is whole batches but for at most one partial batch in
-    the round (:func:`whole_batch_sizes`): its workers step in lockstep (one without a batch at a step adds zeros
-    with weight 0), so every worker still takes every step. Model averaging and its kind split rows evenly: there
-    each worker's optimizer counts its own steps (Adam's bias correction, a backup's step count), which an uneven
-    split would make differ from worker to worker."""
+    Where the strategy's workers step in lockstep (``lockstep``: gradient averaging), each worker's part of a round
+    is whole batches but for at most one partial batch in the round (:func:`whole_batch_sizes`): every worker
+    takes every step anyway. Otherwise (model averaging) rows split evenly: there each worker's optimizer counts
+    its own steps (Adam's bias correction, a backup's step count), which an uneven split would make differ from
+    worker to worker."""
 
     def __init__(self, rows: int, n_workers: int, cfg: TrainConfig, epoch: int) -> None:
         self.cfg, self.epoch = cfg, epoch
@@ -94,7 +93,7 @@ class SlicePlan:
         shuffle = cfg.fit.shuffle
         self.perm = epoch_order(rows, cfg.run.seed, epoch, shuffle) if cfg.data.send == "indices" else None
         self.per_worker = (cfg.round_batches or 0) * cfg.batch_size  # 0: the whole epoch in one round
-        self.whole_batches = cfg.batch_size if isinstance(cfg.strategy, GradientAveraging) else 0
+        self.lockstep = bool(getattr(cfg.strategy, "lockstep", False))
 
     def finished(self) -> bool:
         return self.offset >= self.rows
@@ -116,7 +115,11 @@ class SlicePlan:
         total = min(left, self.per_worker * len(live)) if self.per_worker else left
         given = self.cfg.data.worker_shares
         shares = list(given) if given and len(given) == self.n_workers else None
-        sizes = whole_batch_sizes(total, [shares[w] for w in live] if shares else [1.0] * len(live), self.whole_batches)
+        split = [shares[w] for w in live] if shares else [1.0] * len(live)
+        if self.lockstep:
+            sizes = whole_batch_sizes(total, split, self.cfg.batch_size)
+        else:
+            sizes = [int(n) for n in ops.split_sizes(total, split)]
         out: list[Assignment] = []
         lo = self.offset
         for w, n in zip(live, sizes):

@@ -56,9 +56,12 @@ class _JaxStepper(_KerasStepper):
         def apply(ov: Any, grads: Any, tv: Any) -> Any:
             return model.optimizer.stateless_apply(ov, grads, tv)
 
+        logs_are_metrics = _logs_are_metrics(model)
+
         def step(tv: Any, ntv: Any, mv: Any, ov: Any, x: Any, y: Any, sw: Any) -> Any:
             logs, (tv, ntv, ov, mv) = model.train_step((tv, ntv, ov, mv), (x, y) if sw is None else (x, y, sw))
-            return tv, ntv, mv, ov, logs
+            # A user's train_step's logs stay inside (the round's logs are then read with get_metrics_result).
+            return tv, ntv, mv, ov, logs if logs_are_metrics else None
 
         self._gradients = jax.jit(gradients)
         self._apply = jax.jit(apply)
@@ -67,7 +70,7 @@ class _JaxStepper(_KerasStepper):
         self._open = False
         self._logs: Any = None
         """The last whole step's logs (Keras's ``train_step`` returns the metric results), None after gradients."""
-        self._logs_are_metrics = _logs_are_metrics(model)
+        self._logs_are_metrics = logs_are_metrics
         self._layout: _Layout | None = None
         self._capture = False
 
