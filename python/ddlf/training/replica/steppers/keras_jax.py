@@ -18,22 +18,32 @@ class _Layout:
     JAX arrays are immutable, so every round can start from the same ones). ``held``: those variables, kept alive
     so that no new variable takes one of their ids."""
 
-    key: tuple[int, ...]
+    key: tuple[tuple[int, ...], ...]
     slots: tuple[tuple[int, int], ...]
     metric_zeros: tuple[Any, ...]
     held: tuple[Any, ...]
 
 
-def _logs_are_metrics(model: Any) -> bool:
-    """Whether the logs of Keras's own ``train_step`` are the model's metric results (``get_metrics_result``):
-    neither ``train_step`` nor ``compute_metrics`` is the user's."""
-    for name in ("train_step", "compute_metrics"):
-        for cls in type(model).__mro__:
+def _keras_own(obj: Any, names: tuple[str, ...]) -> bool:
+    """Whether each of ``names`` is Keras's own method on ``obj`` (not one a user's subclass defines)."""
+    for name in names:
+        for cls in type(obj).__mro__:
             if name in vars(cls):
                 if not cls.__module__.startswith("keras."):
                     return False
                 break
     return True
+
+
+def _logs_are_metrics(model: Any) -> bool:
+    """Whether the logs of Keras's own ``train_step`` are the model's metric results (``get_metrics_result``):
+    neither ``train_step`` nor ``compute_metrics`` is the user's."""
+    return _keras_own(model, ("train_step", "compute_metrics"))
+
+
+def _key(groups: list[list[Any]], weights: list[Any]) -> tuple[tuple[int, ...], ...]:
+    """What identifies a state's layout: the ids of each group's variables, then of ``model.weights``."""
+    return (*(tuple(map(id, group)) for group in groups), tuple(map(id, weights)))
 
 
 class _JaxStepper(_KerasStepper):
@@ -73,6 +83,9 @@ class _JaxStepper(_KerasStepper):
         self._logs_are_metrics = logs_are_metrics
         self._layout: _Layout | None = None
         self._capture = False
+        # A model that brings its own set_weights, reset_metrics or get_weights has them called: every round
+        # goes through Keras.
+        self._in_state = _keras_own(model, ("set_weights", "reset_metrics", "get_weights"))
 
     def _variables(self) -> list[list[Any]]:
         m = self.model
@@ -88,12 +101,14 @@ class _JaxStepper(_KerasStepper):
         (a learning rate or a state set since the last round counts), put ``weights`` and the metrics' reset state
         in their places. Writing each weight and resetting each metric through Keras cost 0.5 ms of a 2-batch
         asynchronous chunk of a 100k-parameter MLP (a batch's step: 0.3 ms). The first round (or one after the
-        model's variables changed: a recompile, a new layer) goes through Keras and learns the layout."""
+        model's variables changed: a recompile, a new layer, a layer frozen) goes through Keras and learns the
+        layout; so does every round of a model with its own ``set_weights``, ``reset_metrics`` or ``get_weights``,
+        or a metric with its own ``reset_state``."""
         layout = self._layout
         if layout is None or self._state is not None or len(weights) != len(layout.slots):
             return self._start_through_keras(weights)
         groups = self._variables()
-        if layout.key != (*(id(v) for group in groups for v in group), *(id(w) for w in self.model.weights)):
+        if layout.key != _key(groups, self.model.weights):
             return self._start_through_keras(weights)
         state = [[v.value for v in group] for group in groups]
         values = []
@@ -101,18 +116,21 @@ class _JaxStepper(_KerasStepper):
             held = state[g][i]
             if np.shape(w) != held.shape:
                 return self._start_through_keras(weights)  # Keras's own error names the weight
-            values.append(w if getattr(w, "dtype", None) == held.dtype else np.asarray(w, dtype=held.dtype))
-        # Copies (may_alias=False): the caller's buffer may be reused, and JAX could take its memory as is.
-        for (g, i), value in zip(layout.slots, self._jax.device_put(values, may_alias=False)):
+            # A copy: the caller's buffer may be reused, and JAX on CPU takes an aligned numpy array's memory as
+            # its own (device_put's may_alias=False does not copy one).
+            values.append(np.array(w, dtype=held.dtype))
+        for (g, i), value in zip(layout.slots, self._jax.device_put(values)):
             state[g][i] = value
         state[2] = list(layout.metric_zeros)
         self.begin()
         self._state = state
 
     def _start_through_keras(self, weights: list[np.ndarray]) -> None:
+        self._write_back()  # a round left open (none should be: end() runs in a finally) ends first
         self._layout = None
-        super().start(weights)
-        self._capture = True  # the first batch reads the state: learn the layout from it
+        # Copies, as in start(): Keras's set_weights hands JAX an aligned array's memory as the variable's.
+        super().start([np.array(w) for w in weights])
+        self._capture = self._in_state  # the first batch reads the state: learn the layout from it
 
     def _ready(self, x: Any, y: Any, sw: Any = None) -> list[list[Any]]:
         if self._state is None:
@@ -122,7 +140,7 @@ class _JaxStepper(_KerasStepper):
             self._state = [[v.value for v in group] for group in groups]
             if self._capture:
                 self._capture = False
-                self._layout = _layout(groups, self.model.weights, self._state[2])
+                self._layout = _layout(groups, self.model.weights, self._state[2], self.model.metrics)
         return self._state
 
     def step(self, x: Any, y: Any, sw: Any = None) -> None:
@@ -173,6 +191,8 @@ class _JaxStepper(_KerasStepper):
         return super().end()
 
     def weights(self) -> list[np.ndarray]:
+        if not self._in_state:
+            return super().weights()
         return [np.asarray(v.value) for v in self.model.weights]  # no copy: a JAX array does not change
 
     def set_learning_rate_factor(self, factor: float) -> None:
@@ -184,11 +204,13 @@ class _JaxStepper(_KerasStepper):
                     self._state[3][i] = v.value
 
 
-def _layout(groups: list[list[Any]], weights: list[Any], metric_state: list[Any]) -> _Layout | None:
-    """The :class:`_Layout` of a state read from ``groups`` (None where a weight is not among them)."""
+def _layout(groups: list[list[Any]], weights: list[Any], metric_state: list[Any], metrics: list[Any]) -> _Layout | None:
+    """The :class:`_Layout` of a state read from ``groups`` (None where it cannot be kept: see below)."""
     where = {id(v): (g, i) for g, group in enumerate(groups) for i, v in enumerate(group)}
     slots = [where.get(id(w)) for w in weights]
     if any(s is None for s in slots) or any(getattr(w, "_layout", None) is not None for w in weights):
         return None  # a weight outside the state, or one laid out across devices (keras.distribution)
+    if not all(_keras_own(m, ("reset_state",)) for m in metrics):
+        return None  # a metric that resets itself its own way: reset through Keras every round
     held = (*(v for group in groups for v in group), *weights)
-    return _Layout(tuple(id(v) for v in held), tuple(s for s in slots if s is not None), tuple(metric_state), held)
+    return _Layout(_key(groups, weights), tuple(s for s in slots if s is not None), tuple(metric_state), held)
