@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ddlf
+from ddlf.errors import ConfigError
 from ddlf.training.options import TrainConfig
 from ddlf.training.plan import SHARD_SEED_STRIDE, ShardPlan, SlicePlan, chunks, shard_layout, whole_batch_sizes
 
@@ -74,7 +75,7 @@ def test_a_round_is_split_in_whole_batches_with_at_most_one_partial(
 
 
 def test_whole_batches_need_a_batch_size() -> None:
-    with pytest.raises(ValueError, match="batch size of at least 1"):
+    with pytest.raises(ConfigError, match="batch size of at least 1"):
         whole_batch_sizes(100, [1.0, 1.0], 0)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops
+from ..errors import ConfigError
 from .messages import Rows
 from .options import TrainConfig
 
@@ -66,7 +67,7 @@ def whole_batch_sizes(total: int, shares: list[float], batch_size: int) -> list[
     split of 12,000 rows in batches of 32 on 2 workers gives each a last batch of 16; this gives 6,016 and 5,984
     rows, all in whole batches)."""
     if batch_size < 1:
-        raise ValueError(f"whole_batch_sizes needs a batch size of at least 1, got {batch_size}")
+        raise ConfigError(f"whole_batch_sizes needs a batch size of at least 1, got {batch_size}")
     full, rest = divmod(total, batch_size)
     sizes = [int(n) * batch_size for n in ops.split_sizes(full, shares)]
     if rest:
