@@ -70,15 +70,18 @@ def rounds(through_keras, kind="plain"):
         keras_set(ws)
 
     model.set_weights = counted
-    for rnd in range(6):
-        between(model, rnd)
-        w = start_weights(model, rnd)
-        if through_keras:
+
+    def begin_round(w):
+        if through_keras:  # what a round did before stepper.start()
             model.set_weights(w)
             model.reset_metrics()
             stepper.begin()
         else:
             stepper.start(w)
+
+    for rnd in range(6):
+        between(model, rnd)
+        begin_round(start_weights(model, rnd))
         for a in range(0, 64, 16):
             stepper.step(x[a:a + 16], y[a:a + 16])
         logs = stepper.end()
@@ -89,12 +92,7 @@ def rounds(through_keras, kind="plain"):
     # A chunk without a batch (fewer rows than workers): the weights it returns and writes are its start weights,
     # copied, even where the caller then reuses the buffer they came in.
     w = [aligned(a) for a in start_weights(model, 6)]
-    if through_keras:
-        model.set_weights(w)
-        model.reset_metrics()
-        stepper.begin()
-    else:
-        stepper.start(w)
+    begin_round(w)
     expected = [a.copy() for a in w]
     for a in w:
         a[...] = 99
