@@ -188,10 +188,7 @@ class KerasAdapter(ModelAdapter):
         return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else None
 
     def overrides_train_step(self) -> bool:
-        for cls in type(self.model).__mro__:
-            if "train_step" in vars(cls):
-                return not cls.__module__.startswith("keras.")
-        return False
+        return user_defines(self.model, "train_step")
 
     def _rng_variables(self) -> list[Any]:
         """Variables that are neither weights nor optimizer state: random-generator states (dropout)."""
@@ -270,6 +267,14 @@ class TorchModelAdapter(ModelAdapter):
 
 
 _ADAPTERS: weakref.WeakKeyDictionary[Any, ModelAdapter] = weakref.WeakKeyDictionary()
+
+
+def user_defines(obj: Any, name: str) -> bool:
+    """Whether ``obj``'s ``name`` is a user's own (the first class in its MRO to define it is not Keras's)."""
+    for cls in type(obj).__mro__:
+        if name in vars(cls):
+            return not cls.__module__.startswith("keras.")
+    return False
 
 
 def adapter_for(model: Any) -> ModelAdapter:

@@ -94,7 +94,7 @@ class SlicePlan:
         shuffle = cfg.fit.shuffle
         self.perm = epoch_order(rows, cfg.run.seed, epoch, shuffle) if cfg.data.send == "indices" else None
         self.per_worker = (cfg.round_batches or 0) * cfg.batch_size  # 0: the whole epoch in one round
-        self.lockstep = bool(getattr(cfg.strategy, "lockstep", False))
+        self.lockstep = cfg.strategy.lockstep
 
     def finished(self) -> bool:
         return self.offset >= self.rows

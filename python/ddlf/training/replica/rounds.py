@@ -27,20 +27,14 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
     weights = spec.weights if spec.weights is not None else worker.vars[weights_var(spec.run_id)]
     logs: dict[str, float] = {}
     stepper = session.steps() if steps_whole_rounds(model) else None
-    if stepper is not None and spec.optimizer_state is None:
-        # The model's state stays in the framework for the whole round, from the weights to the logs, read once
-        # at its end. The rate first: it is one of the optimizer's variables, which the round's state reads.
-        take_round_rates(model, stepper, spec)
-        stepper.start(weights)
-    else:
-        model.set_weights(weights)
-        if spec.optimizer_state is not None:
-            set_optimizer_state(model, spec.optimizer_state)
-        take_round_rates(model, session.stepper, spec)  # after the state: a rate among the optimizer's variables
-        model.reset_metrics()
-        if stepper is not None:
-            stepper.begin()
+    # The optimizer's state, then the rate (one of its variables), then the weights: a stepper's round state reads
+    # every variable as it starts.
+    if spec.optimizer_state is not None:
+        set_optimizer_state(model, spec.optimizer_state)
+    take_round_rates(model, session.stepper, spec)
     if stepper is not None:
+        # The model's state stays in the framework for the whole round, from the weights to the logs (read once).
+        stepper.start(weights)
         try:
             for bx, by, sw, _n in feed:
                 stepper.step(bx, by, sw)
@@ -49,6 +43,8 @@ def train_chunk(session: Session, worker: Any, spec: MasterRound) -> dict[str, A
         finally:
             logs = stepper.end()
     else:
+        model.set_weights(weights)
+        model.reset_metrics()
         # Keras's train_on_batch starts each batch from reset metrics: their states are added up for the
         # round's logs (fit's running values). A TorchModel's logs run from its last reset_metrics.
         total = MetricSum(model) if keras_metrics(model) else None

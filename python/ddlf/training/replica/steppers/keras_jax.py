@@ -7,43 +7,34 @@ from typing import Any
 
 import numpy as np
 
+from ....frameworks.adapter import user_defines
 from .keras import _KerasStepper
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """What :meth:`_JaxStepper.start` needs to begin a round without writing the model's variables: which variables
-    the state holds (``key``: their ids, then those of ``model.weights``), where each of ``model.weights`` sits in
-    the state (``slots``: group and index), and the metrics' state just after ``reset_metrics`` (``metric_zeros``:
-    JAX arrays are immutable, so every round can start from the same ones). ``held``: those variables, kept alive
-    so that no new variable takes one of their ids."""
+    """What :meth:`_JaxStepper.start` needs to begin a round without writing the model's variables: the variables
+    the state was read from (``variables``: each group's, then ``model.weights``; the layout holds while they are
+    the same objects), where each of ``model.weights`` sits in the state (``slots``: group and index), and the
+    metrics' state just after ``reset_metrics`` (``metric_zeros``: JAX arrays are immutable, so every round can
+    start from the same ones)."""
 
-    key: tuple[tuple[int, ...], ...]
+    variables: tuple[tuple[Any, ...], ...]
     slots: tuple[tuple[int, int], ...]
     metric_zeros: tuple[Any, ...]
-    held: tuple[Any, ...]
 
-
-def _keras_own(obj: Any, names: tuple[str, ...]) -> bool:
-    """Whether each of ``names`` is Keras's own method on ``obj`` (not one a user's subclass defines)."""
-    for name in names:
-        for cls in type(obj).__mro__:
-            if name in vars(cls):
-                if not cls.__module__.startswith("keras."):
-                    return False
-                break
-    return True
+    def holds(self, groups: list[list[Any]], weights: list[Any]) -> bool:
+        """Whether ``groups`` and ``weights`` are still the variables this layout was read from."""
+        now = (*groups, weights)
+        return len(now) == len(self.variables) and all(
+            len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(now, self.variables)
+        )
 
 
 def _logs_are_metrics(model: Any) -> bool:
     """Whether the logs of Keras's own ``train_step`` are the model's metric results (``get_metrics_result``):
     neither ``train_step`` nor ``compute_metrics`` is the user's."""
-    return _keras_own(model, ("train_step", "compute_metrics"))
-
-
-def _key(groups: list[list[Any]], weights: list[Any]) -> tuple[tuple[int, ...], ...]:
-    """What identifies a state's layout: the ids of each group's variables, then of ``model.weights``."""
-    return (*(tuple(map(id, group)) for group in groups), tuple(map(id, weights)))
+    return not any(user_defines(model, name) for name in ("train_step", "compute_metrics"))
 
 
 class _JaxStepper(_KerasStepper):
@@ -85,7 +76,7 @@ class _JaxStepper(_KerasStepper):
         self._capture = False
         # A model that brings its own set_weights, reset_metrics or get_weights has them called: every round
         # goes through Keras.
-        self._in_state = _keras_own(model, ("set_weights", "reset_metrics", "get_weights"))
+        self._in_state = not any(user_defines(model, n) for n in ("set_weights", "reset_metrics", "get_weights"))
 
     def _variables(self) -> list[list[Any]]:
         m = self.model
@@ -108,7 +99,7 @@ class _JaxStepper(_KerasStepper):
         if layout is None or self._state is not None or len(weights) != len(layout.slots):
             return self._start_through_keras(weights)
         groups = self._variables()
-        if layout.key != _key(groups, self.model.weights):
+        if not layout.holds(groups, self.model.weights):
             return self._start_through_keras(weights)
         state = [[v.value for v in group] for group in groups]
         values = []
@@ -210,7 +201,7 @@ def _layout(groups: list[list[Any]], weights: list[Any], metric_state: list[Any]
     slots = [where.get(id(w)) for w in weights]
     if any(s is None for s in slots) or any(getattr(w, "_layout", None) is not None for w in weights):
         return None  # a weight outside the state, or one laid out across devices (keras.distribution)
-    if not all(_keras_own(m, ("reset_state",)) for m in metrics):
+    if any(user_defines(m, "reset_state") for m in metrics):
         return None  # a metric that resets itself its own way: reset through Keras every round
-    held = (*(v for group in groups for v in group), *weights)
-    return _Layout(_key(groups, weights), tuple(s for s in slots if s is not None), tuple(metric_state), held)
+    variables = (*(tuple(group) for group in groups), tuple(weights))
+    return _Layout(variables, tuple(s for s in slots if s is not None), tuple(metric_state))
