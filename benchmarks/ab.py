@@ -112,7 +112,7 @@ print(json.dumps(out))
 METRICS = [
     ("noop_us", "no-op call, 1 worker, p50 (µs)"),
     ("noop_all_us", "no-op call, all 2 workers, p50 (µs)"),
-    ("ping_us", "cluster.ping(), 1 worker (Rust only, gRPC), p50 (µs)"),
+    ("ping_us", "cluster.ping(), 1 worker (Rust only; a ping lane where the tree has one), p50 (µs)"),
     ("100MB_tcp_ms", "100 MB round trip over TCP (ms)"),
     ("100MB_shm_ms", "100 MB round trip through shared memory (ms)"),
     ("4MB_tcp_ms", "4 MB round trip over TCP (ms)"),

@@ -47,7 +47,8 @@ def run(
     samples: dict[str, list[float]] = {
         floor: [],
         floor_spin: [],
-        "ddlf ping (Rust only, gRPC)": [],
+        "ddlf ping (Rust only, ping lane)": [],
+        "ddlf ping, gRPC only": [],
         one: [],
         every: [],
         one + no_spin: [],
@@ -84,7 +85,8 @@ def run(
         for _ in range(rounds):  # interleaved blocks, so drift hits every contender alike
             samples[floor] += [echo.round_trip(payload) for _ in range(calls_per_round)]
             samples[floor_spin] += [echo_spin.round_trip(payload) for _ in range(calls_per_round)]
-            samples["ddlf ping (Rust only, gRPC)"] += [client.heartbeat([0])[0][0] for _ in range(calls_per_round)]
+            samples["ddlf ping (Rust only, ping lane)"] += [client.heartbeat([0])[0][0] for _ in range(calls_per_round)]
+            samples["ddlf ping, gRPC only"] += [grpc._client.heartbeat([0])[0][0] for _ in range(calls_per_round)]
             for c, suffix in ((cluster, ""), (quiet, no_spin), (grpc, ", gRPC only")):
                 _timed(samples[one + suffix], calls_per_round, c.run_on, 0, "noop")
                 _timed(samples[every + suffix], calls_per_round, c.run, "noop")

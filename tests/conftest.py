@@ -290,6 +290,16 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped. ``SIGSTOP`` stops each thread as it next runs: until then one may
+    still answer (a ping lane's thread, the network runtime)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(s in ("T", "t") for s in states)
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

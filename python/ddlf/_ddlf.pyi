@@ -89,7 +89,7 @@ class Client:
     def __len__(self) -> int: ...
     def worker_info(self) -> list[dict[str, Any]]:
         """Per worker: its hello (version, protocol_version, name, pid, hostname, instance) and this connection's
-        ``shared_memory`` and ``direct_lane`` (open now)."""
+        ``shared_memory``, ``direct_lane`` and ``ping_lane`` (open now)."""
     def reconnect(self, index: int, timeout: float | None = None) -> dict[str, Any]:
         """A fresh connection to worker ``index``'s address; returns its hello info (with ``instance``)."""
     def add(self, address: str, timeout: float | None = None) -> int:

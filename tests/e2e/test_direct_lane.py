@@ -1,8 +1,10 @@
-"""Direct lanes: calls travel as plain frames read by the worker's interpreter thread; concurrent callers and
-masters that opt out use gRPC. Either way the results, errors and faults are the same."""
+"""Direct lanes: calls travel as plain frames read by the worker's interpreter thread, pings on a lane of their
+own answered by a daemon thread; concurrent callers and masters that opt out use gRPC. Either way the results,
+errors and faults are the same."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -16,7 +18,7 @@ import pytest
 
 import ddlf
 
-from ..conftest import POOL, Daemon, ctrl_c_interrupts, wait_until
+from ..conftest import POOL, Daemon, all_threads_stopped, ctrl_c_interrupts, wait_until
 
 
 def _ident(x):
@@ -46,7 +48,87 @@ def _sleep_then_mark(seconds: float, path: str) -> None:
 def test_a_master_opens_a_lane_unless_told_not_to(both) -> None:
     lane, grpc = both
     assert lane.worker_info()[0]["direct_lane"] is True
+    assert lane.worker_info()[0]["ping_lane"] is True
     assert grpc.worker_info()[0]["direct_lane"] is False
+    assert grpc.worker_info()[0]["ping_lane"] is False
+
+
+def test_pings_ride_their_own_lane_and_are_answered_while_a_job_runs(both, tmp_path) -> None:
+    lane, grpc = both
+    marker = tmp_path / "slept"
+    job = threading.Thread(target=lane.run, args=(_sleep_then_mark, 3.0, str(marker)))
+    job.start()
+    try:
+        assert wait_until(lambda: grpc.status()[0]["running"] is not None, 10)
+        errors: list[BaseException] = []
+
+        def pings(c: ddlf.Cluster) -> None:
+            try:
+                for _ in range(50):
+                    (rtt,) = c.ping(timeout=10)
+                    assert rtt > 0
+            except BaseException as exc:  # reported by the assertion below
+                errors.append(exc)
+
+        # Three threads on the lane master at once (one holds the ping lane, the others fall back to gRPC) and one
+        # on the gRPC master, all while the worker's interpreter sleeps in the job.
+        threads = [threading.Thread(target=pings, args=(c,)) for c in (lane, lane, lane, grpc)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert not marker.exists()  # every ping was answered before the job ended
+        assert lane.worker_info()[0]["ping_lane"] is True
+    finally:
+        job.join(60)
+    assert marker.exists()
+
+
+def test_a_stopped_workers_ping_times_out_then_its_ping_lane_comes_back(daemon: Daemon) -> None:
+    c = ddlf.Cluster([daemon.address], daemon.token)
+    instance = c.worker_info()[0]["instance"]
+    assert c.ping()[0] > 0
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: all_threads_stopped(daemon.proc.pid))  # else a ping may still be answered
+        with pytest.raises(ddlf.DeadlineExceeded):
+            c.ping(timeout=0.3)
+        # An answer may still come on it: the lane is closed, and the next ping goes over gRPC.
+        assert c.worker_info()[0]["ping_lane"] is False
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert c.ping(timeout=10)[0] > 0
+    # That answer showed the worker alive: its ping lane opened again, to the same daemon.
+    assert c.worker_info()[0]["ping_lane"] is True
+    assert c.worker_info()[0]["instance"] == instance
+    assert c.ping(timeout=10)[0] > 0
+    c.close()
+
+
+def test_ctrl_c_ends_a_ping_to_a_stopped_worker(daemon: Daemon) -> None:
+    code = "import contextlib, os, signal, time, ddlf\n" + inspect.getsource(all_threads_stopped)
+    code += textwrap.dedent(
+        f"""
+        c = ddlf.Cluster([{daemon.address!r}], {daemon.token!r})
+        assert c.worker_info()[0]["ping_lane"]
+        c.ping()
+        os.kill({daemon.proc.pid}, signal.SIGSTOP)
+        while not all_threads_stopped({daemon.proc.pid}):  # else a ping may still be answered
+            time.sleep(0.01)
+        print("calling", flush=True)
+        try:
+            c.ping(timeout=None)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    try:
+        assert "interrupted" in ctrl_c_interrupts(code)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    with ddlf.Cluster([daemon.address], daemon.token) as c:
+        assert c.ping()[0] > 0
 
 
 def test_lane_and_grpc_give_the_same_values_small_and_large(both) -> None:

@@ -44,6 +44,8 @@ def test_tls_master_runs_code_on_a_tls_daemon(tls_daemon: Daemon, certs: dict[st
     with ddlf.Cluster([tls_daemon.address], token=tls_daemon.token, tls_ca=certs["ca"]) as c:
         assert c.run(lambda: 6 * 7) == [42]
         assert c.worker_info()[0]["direct_lane"] is False  # TLS daemons speak gRPC only
+        assert c.worker_info()[0]["ping_lane"] is False
+        assert c.ping()[0] > 0  # over gRPC
         marker = c.run(_touch, str(tmp_path / "ran"))[0]
         assert os.path.exists(marker)
 
@@ -133,7 +135,7 @@ def test_garbage_on_the_port_is_refused_logged_and_the_daemon_keeps_serving() ->
 
 @pytest.mark.fresh_daemons("a daemon started with --max-connections")
 def test_connections_over_the_limit_are_refused() -> None:
-    d = Daemon("--max-connections", "4")  # two masters, each with its gRPC connection and its direct lane
+    d = Daemon("--max-connections", "6")  # two masters, each with its gRPC connection, direct lane and ping lane
     try:
         a = ddlf.Cluster([d.address], token=d.token)
         b = ddlf.Cluster([d.address], token=d.token)

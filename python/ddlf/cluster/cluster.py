@@ -58,10 +58,12 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         direct_lane: besides its gRPC connection, open a direct lane to each plaintext daemon: a second TCP
             connection on the same port that carries calls as plain frames, read and answered by the worker's
             interpreter thread itself, with no HTTP/2 and no hand-over between threads: about half the latency
-            of a gRPC call, and large values written and read in place (see BENCHMARKS.md). TLS, heartbeats and
-            calls made while another thread uses the lane go over gRPC. ``False``: everything over gRPC.
+            of a gRPC call, and large values written and read in place (see BENCHMARKS.md); and a ping lane, a
+            third connection whose pings (``ping()``) a daemon thread of their own answers, also while a job runs.
+            TLS, heartbeats while a call waits, and calls (or pings) made while another thread uses the lane go
+            over gRPC. ``False``: everything over gRPC.
         lane_spin_us: microseconds a call on a lane spins (non-blocking reads, yielding the CPU) for its reply
-            before it sleeps, and a call over gRPC (``ping``, ``status``, TLS daemons) polls before its thread
+            before it sleeps, and a call over gRPC (``status``, TLS daemons) polls before its thread
             parks; a reply within it costs no wake-up (default: ``DDLF_LANE_SPIN_US``, else 100; 0 sleeps at
             once). ``Cluster.local`` gives its daemons the same setting.
 
@@ -195,8 +197,8 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
 
     def worker_info(self) -> list[dict[str, Any]]:
         """What each worker reported at connect time (version, protocol_version, pid, hostname, name, instance),
-        with ``shared_memory`` (large buffers go through /dev/shm) and ``direct_lane`` (calls have a direct
-        lane open now) for this master's connection."""
+        with ``shared_memory`` (large buffers go through /dev/shm), ``direct_lane`` (calls have a direct lane
+        open now) and ``ping_lane`` (pings have their lane open now) for this master's connection."""
         return list(self._client.worker_info())
 
     # -- variables ----------------------------------------------------------------------------------------
@@ -422,7 +424,8 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
     # -- health -------------------------------------------------------------------------------------------
 
     def ping(self, *, timeout: float | None = 10.0) -> list[float]:
-        """Round-trip seconds to each worker (answered without the worker's Python thread)."""
+        """Round-trip seconds to each worker, answered without the worker's Python thread (so also while a job
+        runs): over each worker's ping lane, or gRPC where it has none (TLS, ``direct_lane=False``)."""
         beats = raise_for(self._client.heartbeat(list(range(len(self))), timeout))
         return [rtt for rtt, _instance in beats]
 

@@ -113,8 +113,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=int,
         default=None,
-        help="connections open at once, a master's direct lane included (two per master); more are refused and logged "
-        "(default 1024)",
+        help="connections open at once, a master's direct lane and ping lane included (three per master); more are "
+        "refused and logged (default 1024)",
     )
     p.add_argument(
         "--handshake-timeout",

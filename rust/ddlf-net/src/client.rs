@@ -20,7 +20,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Request, Status};
 
 use crate::error::{describe_error, NetError};
-use crate::lane::Lane;
+use crate::lane::{Lane, PingLane};
 use crate::stream::{from_chunks, to_chunks, Expect, Header, StreamError};
 
 /// Chunk size of streamed values. Every gRPC call streams: request and reply of any size travel in chunks with
@@ -116,6 +116,8 @@ pub struct WorkerConn {
     shared_memory: bool,
     /// The direct lane, when one could be opened.
     lane: Option<Arc<Lane>>,
+    /// The ping lane, when one could be opened (opened and used as the direct lane is).
+    ping_lane: Option<Arc<PingLane>>,
 }
 
 impl WorkerConn {
@@ -186,6 +188,7 @@ impl WorkerConn {
             },
             shared_memory: false,
             lane: None,
+            ping_lane: None,
         };
         // Shared memory is used only if the worker can open a file we wrote (same machine *and* same /dev/shm:
         // a container on this kernel has its own).
@@ -241,6 +244,26 @@ impl WorkerConn {
                     tracing::warn!(address, error = %e, "no direct lane: every call goes over gRPC")
                 }
             }
+            // Likewise pings: without a ping lane they go over gRPC.
+            match PingLane::open(
+                address,
+                config.token.as_ref(),
+                config.connect_timeout,
+                config.lane_spin,
+            )
+            .await
+            {
+                Ok(lane) if lane.instance() == hello.instance => {
+                    conn.ping_lane = Some(Arc::new(lane))
+                }
+                Ok(_) => tracing::warn!(
+                    address,
+                    "ping lane reached another daemon instance: not used"
+                ),
+                Err(e) => {
+                    tracing::debug!(address, error = %e, "no ping lane: pings go over gRPC")
+                }
+            }
         }
         conn.hello = hello;
         Ok(conn)
@@ -256,12 +279,27 @@ impl WorkerConn {
         self.lane.as_ref().is_some_and(|l| l.is_open())
     }
 
-    /// Reopen a broken direct lane; call it once the worker has answered over gRPC (so it is alive). A failure
-    /// leaves calls on gRPC.
+    /// The ping lane for one ping, unless there is none or another thread is using it.
+    pub fn ping_lane(&self) -> Option<crate::lane::PingCall<'_>> {
+        self.ping_lane.as_ref()?.begin()
+    }
+
+    /// Whether this connection has a ping lane open (free or busy; not broken).
+    pub fn has_ping_lane(&self) -> bool {
+        self.ping_lane.as_ref().is_some_and(|l| l.is_open())
+    }
+
+    /// Reopen a broken direct lane and ping lane; call it once the worker has answered over gRPC (so it is
+    /// alive). A failure leaves calls (or pings) on gRPC.
     pub async fn revive_lane(&self) {
         if let Some(lane) = &self.lane {
             if let Err(e) = lane.reopen().await {
                 tracing::debug!(address = %self.address, error = %e, "direct lane not reopened");
+            }
+        }
+        if let Some(lane) = &self.ping_lane {
+            if let Err(e) = lane.reopen().await {
+                tracing::debug!(address = %self.address, error = %e, "ping lane not reopened");
             }
         }
     }
@@ -366,7 +404,8 @@ impl WorkerConn {
         self.with_deadline(timeout, exchange).await
     }
 
-    /// Round-trip time of a ping answered by the worker's network runtime (never by its Python thread).
+    /// Round-trip time of a ping over gRPC, answered by the worker's network runtime (never by its Python
+    /// thread). `Pool::heartbeat` uses the ping lane where there is one.
     pub async fn ping(&self, timeout: Option<Duration>) -> Result<Duration, NetError> {
         self.heartbeat(timeout).await.map(|(rtt, _)| rtt)
     }

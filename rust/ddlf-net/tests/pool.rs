@@ -413,3 +413,121 @@ fn membership_changes_and_bad_indices() {
     ));
     drop(w.daemons);
 }
+
+#[test]
+fn pings_ride_their_lane_and_are_answered_while_the_interpreter_is_busy() {
+    let w = start(2);
+    let pool = Pool::connect(&w.addresses, config(false), &never).unwrap();
+    let conns = pool.connections();
+    assert!(conns.iter().all(|c| c.has_ping_lane() && c.has_lane()));
+    let instances: Vec<u64> = conns.iter().map(|c| c.hello().instance).collect();
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // Worker 0's interpreter sleeps in a call on its direct lane; its pings are answered meanwhile.
+        s.spawn(|| {
+            let answers = pool
+                .call(
+                    &[0],
+                    &run("sleep"),
+                    vec![value(b"", vec![])],
+                    &[0],
+                    None,
+                    &never,
+                )
+                .unwrap();
+            assert!(matches!(answers[0].outcome, Outcome::Reply(_)));
+            done.store(true, Ordering::SeqCst);
+        });
+        while w.seen[0].lock().unwrap().is_empty() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for _ in 0..20 {
+            let beats = pool
+                .heartbeat(&[0, 1], Some(Duration::from_secs(5)), &never)
+                .unwrap();
+            let got: Vec<u64> = beats.iter().map(|b| b.as_ref().unwrap().1).collect();
+            assert_eq!(got, instances);
+        }
+        assert!(
+            !done.load(Ordering::SeqCst),
+            "the pings waited for the interpreter's job"
+        );
+    });
+    // Still on their lanes after all those pings (nothing fell back to gRPC and broke them).
+    assert!(pool.connections().iter().all(|c| c.has_ping_lane()));
+}
+
+#[test]
+fn a_stopped_daemon_fails_its_ping_and_a_restarted_one_answers_with_its_new_instance() {
+    let mut w = start(2);
+    let pool = Pool::connect(&w.addresses, config(false), &never).unwrap();
+    let old = pool.connections()[1].hello().instance;
+    let address = w.addresses[1].clone();
+    w.daemons.pop().unwrap().stop(Duration::from_millis(100));
+    let beats = pool
+        .heartbeat(&[0, 1], Some(Duration::from_secs(2)), &never)
+        .unwrap();
+    assert!(beats[0].is_ok());
+    assert!(
+        matches!(beats[1], Err(NetError::Unavailable { .. })),
+        "{:?}",
+        beats[1]
+    );
+    assert!(!pool.connections()[1].has_ping_lane());
+    // A new daemon at the same address: its ping lane is another's, so the answer comes over gRPC.
+    let (daemon, rx) = Daemon::start(DaemonConfig {
+        listen: address,
+        token: Token::new("t"),
+        ..Default::default()
+    })
+    .unwrap();
+    interpreter(rx, Seen::default());
+    let beats = pool
+        .heartbeat(&[1], Some(Duration::from_secs(5)), &never)
+        .unwrap();
+    let instance = beats[0].as_ref().unwrap().1;
+    assert_eq!(instance, daemon.state().instance);
+    assert_ne!(instance, old);
+    assert!(!pool.connections()[1].has_ping_lane());
+}
+
+#[test]
+fn a_daemon_that_serves_no_ping_lanes_gets_its_lane_closed_unused() {
+    use ddlf_net::lane::{handshake_bytes, PingLane};
+    use ddlf_proto::LaneWelcome;
+    use std::io::{Read, Write};
+    // What a daemon from before ping lanes answers: a welcome for a call lane, whatever the hello asked for.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let old = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut preface = [0u8; 24];
+        s.read_exact(&mut preface).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut hello = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut hello).unwrap();
+        let welcome = LaneWelcome {
+            protocol_version: ddlf_proto::PROTOCOL_VERSION,
+            instance: 9,
+            ..Default::default()
+        };
+        s.write_all(&handshake_bytes(&welcome)).unwrap();
+        // The master closes the lane without sending anything on it.
+        let mut rest = vec![];
+        s.read_to_end(&mut rest).unwrap();
+        rest
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let err = rt
+        .block_on(PingLane::open(
+            &address,
+            None,
+            Duration::from_secs(5),
+            Duration::ZERO,
+        ))
+        .unwrap_err();
+    assert!(matches!(err, NetError::Unavailable { .. }), "{err}");
+    assert!(err.to_string().contains("LANE_KIND_PING"), "{err}");
+    assert!(old.join().unwrap().is_empty());
+}

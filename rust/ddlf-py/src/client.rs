@@ -122,6 +122,7 @@ fn info_dict<'py>(py: Python<'py>, c: &WorkerConn) -> PyResult<Bound<'py, PyDict
     d.set_item("shared_memory", c.shared_memory())?;
     d.set_item("instance", h.instance)?;
     d.set_item("direct_lane", c.has_lane())?;
+    d.set_item("ping_lane", c.has_ping_lane())?;
     Ok(d)
 }
 

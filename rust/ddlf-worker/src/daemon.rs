@@ -164,7 +164,14 @@ impl Daemon {
         let handshake = guard.handshake_timeout;
         let lanes = plaintext.then(|| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            (tx, rx, token.clone(), state.clone(), jobs.clone())
+            (
+                tx,
+                rx,
+                token.clone(),
+                state.clone(),
+                jobs.clone(),
+                stop.subscribe(),
+            )
         });
         let peers = {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -187,7 +194,7 @@ impl Daemon {
                     // Every connection passes the admission guard (limit, preface check, handshake deadline)
                     // with Nagle off: HTTP/2 writes small frames (headers, trailers, window updates) after large
                     // ones, and Nagle would hold them for the peer's delayed ACK.
-                    let lanes = lanes.map(|(tx, mut rx, token, state, jobs)| {
+                    let lanes = lanes.map(|(tx, mut rx, token, state, jobs, stopping)| {
                         tokio::spawn(async move {
                             while let Some(arrival) = rx.recv().await {
                                 let (token, state, jobs) =
@@ -198,6 +205,7 @@ impl Daemon {
                                     handshake,
                                     state,
                                     move |lane| jobs.add_lane(lane),
+                                    stopping.clone(),
                                 ));
                             }
                         });

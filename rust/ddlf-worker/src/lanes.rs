@@ -19,7 +19,9 @@ use ddlf_net::lane::{
     configure, handshake_bytes, joined_value, message_value, read_handshake, write_frame,
     FrameReader, LaneError,
 };
-use ddlf_proto::{CallReply, CallRequest, LaneFrame, LaneHello, LaneWelcome, PROTOCOL_VERSION};
+use ddlf_proto::{
+    CallReply, CallRequest, LaneFrame, LaneHello, LaneKind, LaneWelcome, PROTOCOL_VERSION,
+};
 use tokio::io::AsyncWriteExt;
 use tonic::Status;
 
@@ -34,14 +36,15 @@ const STALL: Duration = Duration::from_secs(10);
 /// closed after the refusal (the master opens it again).
 const DRAIN_LIMIT: u64 = 16 << 20;
 
-/// Check a new lane's hello and, if it passes, `deliver` the lane to the interpreter thread (false: it is
-/// shutting down).
+/// Check a new lane's hello and, if it passes, `deliver` a call lane to the interpreter thread (false: it is
+/// shutting down), or serve a ping lane on a thread of its own until `stopped` ([`crate::pings`]).
 pub(crate) async fn welcome(
     arrival: Handover,
     token: Option<Arc<Token>>,
     handshake_timeout: Duration,
     state: Arc<WorkerState>,
     deliver: impl FnOnce(LaneIn) -> bool,
+    stopped: tokio::sync::watch::Receiver<bool>,
 ) {
     let Handover {
         mut stream,
@@ -89,11 +92,22 @@ pub(crate) async fn welcome(
         instance: state.instance,
         refused: refused.clone(),
         refusal: refusal as i32,
+        kind: hello.kind,
     };
     if let Err(e) = stream.write_all(&handshake_bytes(&answer)).await {
         return refuse_silently(&state, peer, &e.to_string());
     }
     if !refused.is_empty() {
+        return;
+    }
+    if hello.kind() == LaneKind::Ping {
+        match stream
+            .into_std()
+            .and_then(|s| s.set_nonblocking(false).map(|()| s))
+        {
+            Ok(s) => crate::pings::serve(s, peer, slot, state, stopped),
+            Err(e) => tracing::warn!(%peer, error = %e, "cannot set up a ping lane"),
+        }
         return;
     }
     let stream = match stream

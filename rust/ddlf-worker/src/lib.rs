@@ -9,6 +9,7 @@
 //! * [`service`]: the gRPC service.
 //! * [`jobs`]: the queue between the service and the interpreter thread, which also reads direct lanes.
 //! * [`lanes`]: the daemon's end of direct lanes (handshake, reading requests, writing replies).
+//! * [`pings`]: the daemon's end of ping lanes, a thread per lane answering pings.
 //! * [`requests`]: what every request goes through, whichever way it came (screening, labels, logging).
 //! * [`state`]: what the daemon knows about itself (uptime, counters, what is running).
 //! * [`stacks`]: every Python thread's stack, taken without the interpreter's lock.
@@ -18,6 +19,7 @@ pub mod daemon;
 pub mod jobs;
 pub mod lanes;
 pub mod logs;
+pub mod pings;
 pub mod requests;
 pub mod service;
 pub mod stacks;

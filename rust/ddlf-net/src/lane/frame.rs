@@ -54,6 +54,9 @@ pub enum LaneError {
     /// A frame's declared parts break the size limits (checked before anything is allocated).
     #[error("{0}")]
     Limits(#[from] FrameError),
+    /// A well-formed frame that is not what the lane carries at this point.
+    #[error("unexpected frame: {0}")]
+    Unexpected(&'static str),
 }
 
 /// Called when a socket read or write times out: `Ok` waits on, `Err` gives up with that error.

@@ -8,10 +8,13 @@
 //!
 //! * `frame`: the framing both ends share.
 //! * [`Lane`], [`LaneCall`]: the master's end, one call at a time.
+//! * `ping`: [`PingLane`], a second lane whose pings a daemon thread of their own answers.
 
 mod frame;
+mod ping;
 
 pub use frame::*;
+pub use ping::{PingCall, PingLane};
 
 use std::io;
 use std::net::TcpStream;
@@ -21,7 +24,7 @@ use std::time::{Duration, Instant};
 use ddlf_core::auth::Token;
 use ddlf_core::frame::FrameLimits;
 use ddlf_proto::{
-    CallReply, CallRequest, LaneFrame, LaneHello, LaneWelcome, Refusal, PROTOCOL_VERSION,
+    CallReply, CallRequest, LaneFrame, LaneHello, LaneKind, LaneWelcome, Refusal, PROTOCOL_VERSION,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -42,13 +45,16 @@ pub struct Lane {
     token: Option<Token>,
     timeout: Duration,
     spin: Duration,
+    kind: LaneKind,
 }
 
-/// Connect to `address`, pass the lane handshake within `timeout`: the connection and the daemon's instance.
+/// Connect to `address`, pass the handshake of a lane of `kind` within `timeout`: the connection and the
+/// daemon's instance.
 async fn connect(
     address: &str,
     token: Option<&Token>,
     timeout: Duration,
+    kind: LaneKind,
 ) -> Result<(LaneIo, u64), NetError> {
     let unavailable = |reason: String| NetError::Unavailable {
         address: address.to_string(),
@@ -59,6 +65,7 @@ async fn connect(
         let hello = LaneHello {
             protocol_version: PROTOCOL_VERSION,
             authorization: token.map(Token::header_value).unwrap_or_default(),
+            kind: kind as i32,
         };
         let mut out = LANE_PREFACE.to_vec();
         out.extend(handshake_bytes(&hello));
@@ -89,6 +96,13 @@ async fn connect(
             refusal,
             format!("direct lane refused: {}", welcome.refused),
         ));
+    }
+    if welcome.kind() != kind {
+        // A daemon that predates this kind of lane took it for a call lane: closing it is all it sees.
+        return Err(unavailable(format!(
+            "the daemon serves no {} lane",
+            kind.as_str_name()
+        )));
     }
     let stream = stream
         .into_std()
@@ -125,7 +139,18 @@ impl Lane {
         limits: FrameLimits,
         spin: Duration,
     ) -> Result<Lane, NetError> {
-        let (io, instance) = connect(address, token, timeout).await?;
+        Self::open_kind(address, token, timeout, limits, spin, LaneKind::Calls).await
+    }
+
+    async fn open_kind(
+        address: &str,
+        token: Option<&Token>,
+        timeout: Duration,
+        limits: FrameLimits,
+        spin: Duration,
+        kind: LaneKind,
+    ) -> Result<Lane, NetError> {
+        let (io, instance) = connect(address, token, timeout, kind).await?;
         Ok(Lane {
             address: address.to_string(),
             io: Mutex::new(Slot::Free(io)),
@@ -134,6 +159,7 @@ impl Lane {
             token: token.cloned(),
             timeout,
             spin,
+            kind,
         })
     }
 
@@ -143,7 +169,8 @@ impl Lane {
         if !matches!(*self.slot(), Slot::Broken) {
             return Ok(());
         }
-        let (io, instance) = connect(&self.address, self.token.as_ref(), self.timeout).await?;
+        let (io, instance) =
+            connect(&self.address, self.token.as_ref(), self.timeout, self.kind).await?;
         if instance != self.instance {
             return Err(NetError::Restarted {
                 address: self.address.clone(),

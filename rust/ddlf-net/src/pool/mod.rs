@@ -10,8 +10,9 @@
 //!   gRPC's chunked stream (`BENCHMARKS.md`, *Tensor data plane*);
 //! * **shared memory**: a large value for workers on this machine is written once into a pooled segment that
 //!   they all map (see [`outgoing`]); a segment a worker may not have taken is retired;
-//! * **liveness** (`liveness.rs`): a wait on a lane pings the worker over gRPC every keepalive interval, so a
-//!   stopped worker is declared lost as the gRPC path's keepalive would;
+//! * **liveness** (`liveness.rs`): pings ride the ping lanes (answered by a daemon thread of their own) when
+//!   every target's is free, else gRPC; a wait on a lane pings the worker over gRPC every keepalive interval, so
+//!   a stopped worker is declared lost as the gRPC path's keepalive would;
 //! * **request ids**, unique in this process, and **lane revival** once a worker answers over gRPC again.
 //!
 //! Waits never hold a lock the caller cares about and poll an [`Interrupt`] (Ctrl-C in the Python bindings)
