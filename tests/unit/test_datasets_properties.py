@@ -207,3 +207,30 @@ def test_npy_refuses_pickled_objects(tmp_path: Path) -> None:
         datasets.npy(path)
     with pytest.raises(DatasetError):
         datasets.npy(path, mmap=False)
+
+
+@SETTINGS
+@given(data=datasets_and_indices(), batch_size=st.integers(1, 7))
+def test_a_small_rounds_inline_batches_equal_the_pipelines(data: tuple[list[np.ndarray], Any], batch_size: int) -> None:
+    """What a replica's small round gathers on its training thread (``InlineBatches``) is what the Rust pipeline
+    would have given: the same batches (one array, or a tuple of one per array), dtypes, shapes and counts."""
+    from ddlf.training.replica.dataset import InlineBatches
+
+    arrays, idx = data
+    try:
+        pipe = ops.BatchPipeline(arrays, idx, batch_size)
+        want = list(pipe)
+    except CLEAR:
+        return  # refused input never reaches a round: the pipeline's own test covers it
+    rows = np.asarray(idx).reshape(-1).astype(np.uint32)  # a round's indices, as the replica has them
+    inline = InlineBatches(arrays, rows, batch_size)
+    got = list(inline)
+    assert len(got) == len(want) == len(inline)
+    for g, w in zip(got, want):
+        assert isinstance(g, tuple) == isinstance(w, tuple)
+        for part, expected in zip(g if isinstance(g, tuple) else (g,), w if isinstance(w, tuple) else (w,)):
+            assert type(part) is np.ndarray
+            assert part.dtype == expected.dtype and part.shape == expected.shape
+            np.testing.assert_array_equal(part, expected)
+    stats, pipe_stats = inline.stats(), pipe.stats()
+    assert (stats["rows"], stats["batches"]) == (pipe_stats["rows"], pipe_stats["batches"])

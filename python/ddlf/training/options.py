@@ -317,7 +317,9 @@ class DataConfig:
     worker, for workers of unequal speed (with gradient averaging kept to a whole batch: a round is split in whole
     batches, with its one partial batch, if any, on one worker). ``rotate_shards_every``: sharded apps: every k
     epochs each worker moves on to the next worker's shard, so every worker eventually sees all the data.
-    ``prefetch``: batches each worker prepares ahead of its training step."""
+    ``prefetch``: batches each worker prepares ahead of its training step, on a thread of its own (a round of at
+    most 1 MiB of rows held in memory, such as an ``Asynchronous()`` chunk of a small dataset, is gathered on the
+    training thread instead: the thread would cost more than the gathering it hides)."""
 
     send: Literal["indices", "seed"] = "indices"
     worker_shares: tuple[float, ...] | None = None
