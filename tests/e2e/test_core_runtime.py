@@ -364,14 +364,16 @@ def test_state_persists_across_separate_connections(daemon: Daemon) -> None:
 
 def test_wrong_or_missing_token_is_refused_and_nothing_runs(daemon: Daemon, tmp_path) -> None:
     marker = tmp_path / "side-effect"
+    good = ddlf.Cluster([daemon.address], daemon.token)
+    # Counted since the daemon started: an earlier test on the shared daemon may have had a request refused.
+    before = good.status()[0]["requests_rejected"]
     with pytest.raises(ddlf.AuthenticationError) as info:
         ddlf.Cluster([daemon.address], "wrong-token", connect_timeout=5)
     assert info.value.address == daemon.address
     with pytest.raises(ddlf.AuthenticationError):
         _connect_without_token(daemon.address)
     # Even a hand-built call with the wrong token: refused before the body is decoded; the file never appears.
-    good = ddlf.Cluster([daemon.address], daemon.token)
-    assert good.status()[0]["requests_rejected"] == 2
+    assert good.status()[0]["requests_rejected"] == before + 2
     bad_client = _raw_client_or_none(daemon.address, "wrong-token")
     assert bad_client is None
     assert not marker.exists()

@@ -53,10 +53,23 @@ def test_a_master_opens_a_lane_unless_told_not_to(both) -> None:
     assert grpc.worker_info()[0]["ping_lane"] is False
 
 
+def _wait_for_then_mark(release: str, marker: str) -> None:
+    """A job that runs until the test creates ``release`` (at most a minute), then leaves ``marker``."""
+    end = time.monotonic() + 60
+    while not os.path.exists(release) and time.monotonic() < end:
+        time.sleep(0.01)
+    with open(marker, "w"):
+        pass
+
+
 def test_pings_ride_their_own_lane_and_are_answered_while_a_job_runs(both, tmp_path) -> None:
     lane, grpc = both
-    marker = tmp_path / "slept"
-    job = threading.Thread(target=lane.run, args=(_sleep_then_mark, 3.0, str(marker)))
+    release, marker = tmp_path / "release", tmp_path / "done"
+    before = grpc.status()[0]["lane_pings"]
+    for _ in range(20):
+        assert lane.ping(timeout=10)[0] > 0
+    assert grpc.status()[0]["lane_pings"] == before + 20  # every one on the lane (status itself is gRPC)
+    job = threading.Thread(target=lane.run, args=(_wait_for_then_mark, str(release), str(marker)))
     job.start()
     try:
         assert wait_until(lambda: grpc.status()[0]["running"] is not None, 10)
@@ -71,18 +84,56 @@ def test_pings_ride_their_own_lane_and_are_answered_while_a_job_runs(both, tmp_p
                 errors.append(exc)
 
         # Three threads on the lane master at once (one holds the ping lane, the others fall back to gRPC) and one
-        # on the gRPC master, all while the worker's interpreter sleeps in the job.
+        # on the gRPC master, all while the worker's interpreter is held in the job.
         threads = [threading.Thread(target=pings, args=(c,)) for c in (lane, lane, lane, grpc)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
         assert not errors, errors
-        assert not marker.exists()  # every ping was answered before the job ended
+        assert not marker.exists() and grpc.status()[0]["running"] is not None
         assert lane.worker_info()[0]["ping_lane"] is True
+        assert grpc.status()[0]["lane_pings"] > before + 20
     finally:
+        release.touch()
         job.join(60)
     assert marker.exists()
+
+
+@pytest.mark.fresh_daemons("one daemon stopped, one killed and restarted on its own address")
+def test_a_stopped_worker_holds_up_no_other_workers_ping() -> None:
+    stopped, other = Daemon("--threads", "1", token=None), Daemon("--threads", "1", token=None)
+    again: Daemon | None = None
+    try:
+        # Two masters, each with its lanes open to both daemons (a deadline closes a lane: each scenario gets one).
+        c, d = (ddlf.Cluster([stopped.address, other.address], token=None) for _ in range(2))
+        old = c.worker_info()[1]["instance"]
+        stopped.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: all_threads_stopped(stopped.proc.pid))
+            beats = c._client.heartbeat([0, 1], 5.0)
+            assert isinstance(beats[0], ddlf.DeadlineExceeded), beats
+            # Worker 1's answer is read when it comes: read after worker 0's deadline, it would be 5 s or more.
+            rtt, instance = beats[1]
+            assert rtt < 5.0 and instance == old
+            # Worker 1 restarts: its ping lane breaks, and the ping is retried over gRPC at once, within the
+            # time left, not after worker 0's deadline: the new daemon's answer comes back.
+            other.proc.kill()
+            other.proc.wait()
+            again = Daemon("--threads", "1", "--listen", other.address, token=None)
+            assert d.worker_info()[0]["ping_lane"] and d.worker_info()[1]["ping_lane"]
+            beats = d._client.heartbeat([0, 1], 5.0)
+            assert isinstance(beats[0], ddlf.DeadlineExceeded), beats
+            assert not isinstance(beats[1], BaseException), beats
+            assert beats[1][1] != old
+        finally:
+            stopped.proc.send_signal(signal.SIGCONT)
+        c.close()
+        d.close()
+    finally:
+        for d in (stopped, other, again):
+            if d is not None:
+                d.stop()
 
 
 def test_a_stopped_workers_ping_times_out_then_its_ping_lane_comes_back(daemon: Daemon) -> None:

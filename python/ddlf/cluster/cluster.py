@@ -47,8 +47,9 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
             this process's shared-memory pool (``/dev/shm``) that they all map, written once, instead of the
             socket. Workers elsewhere, or that cannot see our ``/dev/shm``, use TCP; so does everything when
             ``/dev/shm`` is full. Off by default (see BENCHMARKS.md).
-        heartbeat_interval: every connection sends an HTTP/2 PING each ``heartbeat_interval`` seconds, answered
-            by the daemon's network thread even while its Python is busy.
+        heartbeat_interval: every gRPC connection sends an HTTP/2 PING each ``heartbeat_interval`` seconds,
+            answered by the daemon's network thread even while its Python is busy, and a call waiting on a direct
+            lane pings the worker over gRPC as often.
         heartbeat_timeout: a worker that leaves a PING unanswered for ``heartbeat_timeout`` seconds (process
             stopped, host gone, link down) is declared lost and every call waiting on it fails with
             :class:`~ddlf.errors.WorkerUnavailable`. A killed daemon is noticed at once (its socket closes).
@@ -425,12 +426,15 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
 
     def ping(self, *, timeout: float | None = 10.0) -> list[float]:
         """Round-trip seconds to each worker, answered without the worker's Python thread (so also while a job
-        runs): over each worker's ping lane, or gRPC where it has none (TLS, ``direct_lane=False``)."""
+        runs): over the workers' ping lanes when every one is free, else over gRPC (TLS, ``direct_lane=False``,
+        another thread pinging). ``timeout=None``: a worker that leaves a ping unanswered for
+        ``heartbeat_interval + heartbeat_timeout`` raises :class:`~ddlf.errors.WorkerUnavailable`."""
         beats = raise_for(self._client.heartbeat(list(range(len(self))), timeout))
         return [rtt for rtt, _instance in beats]
 
     def status(self, *, timeout: float | None = 10.0) -> list[dict[str, Any]]:
-        """Each worker's status: version, uptime, memory, what it is running, request counters."""
+        """Each worker's status: version, uptime, memory, what it is running, request counters, connections, and
+        ``lane_pings``: pings answered on ping lanes since the daemon started."""
         return raise_for(self._client.status(list(range(len(self))), timeout))
 
     def logs(self, worker: int, n: int = 100, *, timeout: float | None = 10.0) -> list[str]:

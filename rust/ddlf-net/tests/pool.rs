@@ -110,6 +110,24 @@ fn value(pickle: &[u8], buffers: Vec<Vec<u8>>) -> Outgoing {
     )
 }
 
+/// Run `name` on worker 0 with the pickle `pickle` (no buffers), within `timeout`.
+fn on_worker_0(
+    pool: &Pool,
+    name: &str,
+    pickle: &[u8],
+    timeout: Option<Duration>,
+    interrupt: ddlf_net::pool::Interrupt<'_>,
+) -> Result<Vec<ddlf_net::Answer>, PoolError> {
+    pool.call(
+        &[0],
+        &run(name),
+        vec![value(pickle, vec![])],
+        &[0],
+        timeout,
+        interrupt,
+    )
+}
+
 fn reply(outcome: &Outcome) -> &Value {
     match outcome {
         Outcome::Reply(v) => v,
@@ -308,31 +326,13 @@ fn an_interrupt_ends_the_wait_and_the_lane_comes_back() {
         }
         Ok(())
     };
-    let err = pool
-        .call(
-            &[0],
-            &run("sleep"),
-            vec![value(b"", vec![])],
-            &[0],
-            None,
-            &interrupt,
-        )
-        .unwrap_err();
+    let err = on_worker_0(&pool, "sleep", b"", None, &interrupt).unwrap_err();
     assert!(matches!(err, PoolError::Interrupted), "{err}");
     assert!(fired.load(Ordering::Relaxed) && start.elapsed() < SLEEP - Duration::from_millis(200));
     // The lane's state was unknown, so it closed; the next call goes over gRPC (and waits for the sleeper),
     // and the worker's answer there opens the lane again.
     assert!(!pool.connections()[0].has_lane());
-    let answers = pool
-        .call(
-            &[0],
-            &run("f"),
-            vec![value(b"1", vec![])],
-            &[0],
-            None,
-            &never,
-        )
-        .unwrap();
+    let answers = on_worker_0(&pool, "f", b"1", None, &never).unwrap();
     assert_eq!(&reply(&answers[0].outcome).pickle[..], b"1");
     assert!(pool.connections()[0].has_lane());
 }
@@ -341,16 +341,14 @@ fn an_interrupt_ends_the_wait_and_the_lane_comes_back() {
 fn a_deadline_fails_the_call_not_the_pool() {
     let w = start(1);
     let pool = Pool::connect(&w.addresses, config(false), &never).unwrap();
-    let answers = pool
-        .call(
-            &[0],
-            &run("sleep"),
-            vec![value(b"", vec![])],
-            &[0],
-            Some(Duration::from_millis(100)),
-            &never,
-        )
-        .unwrap();
+    let answers = on_worker_0(
+        &pool,
+        "sleep",
+        b"",
+        Some(Duration::from_millis(100)),
+        &never,
+    )
+    .unwrap();
     assert!(
         matches!(
             answers[0].outcome,
@@ -360,16 +358,7 @@ fn a_deadline_fails_the_call_not_the_pool() {
         answers[0].outcome
     );
     std::thread::sleep(SLEEP);
-    let answers = pool
-        .call(
-            &[0],
-            &run("f"),
-            vec![value(b"2", vec![])],
-            &[0],
-            None,
-            &never,
-        )
-        .unwrap();
+    let answers = on_worker_0(&pool, "f", b"2", None, &never).unwrap();
     assert_eq!(&reply(&answers[0].outcome).pickle[..], b"2");
 }
 
@@ -425,16 +414,7 @@ fn pings_ride_their_lane_and_are_answered_while_the_interpreter_is_busy() {
     std::thread::scope(|s| {
         // Worker 0's interpreter sleeps in a call on its direct lane; its pings are answered meanwhile.
         s.spawn(|| {
-            let answers = pool
-                .call(
-                    &[0],
-                    &run("sleep"),
-                    vec![value(b"", vec![])],
-                    &[0],
-                    None,
-                    &never,
-                )
-                .unwrap();
+            let answers = on_worker_0(&pool, "sleep", b"", None, &never).unwrap();
             assert!(matches!(answers[0].outcome, Outcome::Reply(_)));
             done.store(true, Ordering::SeqCst);
         });
@@ -453,7 +433,10 @@ fn pings_ride_their_lane_and_are_answered_while_the_interpreter_is_busy() {
             "the pings waited for the interpreter's job"
         );
     });
-    // Still on their lanes after all those pings (nothing fell back to gRPC and broke them).
+    // Every one of them answered on its lane, none over gRPC.
+    for d in &w.daemons {
+        assert_eq!(d.state().lane_pings.load(Ordering::Relaxed), 20);
+    }
     assert!(pool.connections().iter().all(|c| c.has_ping_lane()));
 }
 

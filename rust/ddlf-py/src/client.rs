@@ -144,6 +144,7 @@ fn status_dict<'py>(py: Python<'py>, address: &str, s: StatusReply) -> PyResult<
     d.set_item("instance", s.instance)?;
     d.set_item("connections_open", s.connections_open)?;
     d.set_item("connections_refused", s.connections_refused)?;
+    d.set_item("lane_pings", s.lane_pings)?;
     Ok(d.into_any())
 }
 

@@ -68,7 +68,7 @@ impl Default for DaemonConfig {
 /// A running daemon's network side. The interpreter side is the [`JobReceiver`] returned by [`Daemon::start`].
 ///
 /// The network runtime is driven by its own thread (`ddlf-net`). With one network thread (the default) it is a
-/// current-thread runtime: accepting, decoding, answering pings and handing jobs over all happen on that thread
+/// current-thread runtime: accepting, decoding, answering gRPC pings and handing jobs over all happen on that thread
 /// with no cross-thread wake-ups, which measured faster on loopback than a multi-threaded runtime.
 pub struct Daemon {
     local_addr: SocketAddr,

@@ -92,7 +92,8 @@ pub(crate) async fn welcome(
         instance: state.instance,
         refused: refused.clone(),
         refusal: refusal as i32,
-        kind: hello.kind,
+        // A kind this daemon does not know reads as the default (calls): the master then closes the lane.
+        kind: hello.kind() as i32,
     };
     if let Err(e) = stream.write_all(&handshake_bytes(&answer)).await {
         return refuse_silently(&state, peer, &e.to_string());

@@ -91,6 +91,7 @@ fn answer(
             ..Default::default()
         };
         write_frame(&mut &*stream, pong, &[], &[], &mut wait)?;
+        state.lane_pings.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -149,6 +149,7 @@ impl Worker for WorkerService {
             connections_open: self.state.connections.open.load(Ordering::Relaxed),
             connections_refused: self.state.connections.refused.load(Ordering::Relaxed),
             runs: self.state.runs(),
+            lane_pings: self.state.lane_pings.load(Ordering::Relaxed),
         }))
     }
 

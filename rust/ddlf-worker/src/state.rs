@@ -15,6 +15,8 @@ pub struct WorkerState {
     /// Shared with the authentication interceptor.
     pub rejected: Arc<AtomicU64>,
     pub queued: AtomicU64,
+    /// Pings answered on ping lanes ([`crate::pings`]).
+    pub lane_pings: AtomicU64,
     /// Random per daemon start: tells a master that the daemon at an address was restarted.
     pub instance: u64,
     /// Open and refused connections (shared with the admission guard).
@@ -35,6 +37,7 @@ impl WorkerState {
             served: AtomicU64::new(0),
             rejected: Arc::new(AtomicU64::new(0)),
             queued: AtomicU64::new(0),
+            lane_pings: AtomicU64::new(0),
             instance: new_instance(),
             connections: Arc::default(),
             running: Mutex::new(None),

@@ -3,6 +3,7 @@
 //! no hand-over between the client runtime's threads (over gRPC the master's side of a ping cost more CPU than
 //! its wall time), and like the gRPC ping it is answered while the worker's interpreter runs a job.
 
+use std::io;
 use std::time::{Duration, Instant};
 
 use ddlf_core::auth::Token;
@@ -73,6 +74,31 @@ impl PingCall<'_> {
             return Err(call.fail(LaneError::Closed, deadline));
         };
         write_frame(&mut io.stream, frame, &[], &[], on_wait).map_err(|e| call.fail(e, deadline))
+    }
+
+    /// How long a wait for the answer spins before it blocks (the lane's setting).
+    pub fn spin(&self) -> Duration {
+        self.0.lane.spin
+    }
+
+    /// The lane's socket, to wait for its answer with others' (`poll(2)`); None once it failed.
+    pub fn fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.0.io.as_ref().map(|io| io.stream.as_raw_fd())
+    }
+
+    /// Whether bytes of the answer (or the end of the connection) are here, without blocking.
+    pub fn ready(&mut self) -> bool {
+        match self.0.io.as_mut() {
+            Some(io) => io.reader.has_buffered() || io.reader.try_fill(&io.stream),
+            None => true, // failed: `receive` reports it at once
+        }
+    }
+
+    /// Give up on the answer (a deadline passed, the caller was interrupted): the lane closes, since its answer
+    /// may still come, and `why` is the error ([`io::ErrorKind::TimedOut`] reads as the deadline).
+    pub fn abandon(&mut self, why: io::Error, deadline: Option<(Instant, Duration)>) -> NetError {
+        self.0.fail(LaneError::Io(why), deadline)
     }
 
     /// Wait for the answer to the ping sent with `nonce`.

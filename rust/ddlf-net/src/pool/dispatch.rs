@@ -11,7 +11,7 @@ use ddlf_proto::CallRequest;
 use futures_util::future::join_all;
 
 use super::liveness::Beats;
-use super::{Answer, Call, Interrupt, Outcome, Outgoing, Pool, PoolError};
+use super::{AbortOnDrop, Answer, Call, Interrupt, Outcome, Outgoing, Pool, PoolError};
 use crate::client::WorkerConn;
 use crate::error::NetError;
 use crate::lane::{deadline_wait, value_bytes, LaneCall, MASTER_POLL};
@@ -19,17 +19,6 @@ use crate::lane::{deadline_wait, value_bytes, LaneCall, MASTER_POLL};
 /// Lane requests of at least this many bytes (all targets together) go out on a thread per lane, so the copies
 /// overlap; smaller ones are written one after another by the calling thread (a thread costs more than they do).
 pub const LANES_AT_ONCE_BYTES: usize = 1 << 20;
-
-/// Tasks of one call, aborted if the call is dropped before they finish.
-struct AbortOnDrop<T>(Vec<tokio::task::JoinHandle<T>>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        for task in &self.0 {
-            task.abort();
-        }
-    }
-}
 
 /// Request ids, unique within this process: the worker's log lines about a request carry its id, and so does
 /// the error the master raises when the request fails.

@@ -2,7 +2,6 @@
 //! lane, heartbeats over gRPC, answered by a daemon's network runtime even while its Python is busy, so a stopped
 //! worker is declared lost while the master waits on its lane.
 
-use std::cell::Cell;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -10,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 
-use super::{Interrupt, PerWorker, Pool, PoolError};
+use super::{AbortOnDrop, Interrupt, PerWorker, Pool, PoolError};
 use crate::client::WorkerConn;
 use crate::error::NetError;
-use crate::lane::{deadline_wait, PingCall};
+use crate::lane::{deadline_wait, PingCall, MASTER_POLL};
 
 impl Pool {
     /// Heartbeats over gRPC to `conns` at once, each within the keepalive timeout (blocking): why each that failed
@@ -37,9 +36,12 @@ impl Pool {
 
     /// `(round trip, daemon instance)` per target. An instance other than at connect time: the daemon restarted.
     ///
-    /// Over the targets' ping lanes, on this thread, when every one is free (every ping is written, then every
-    /// answer read); otherwise over gRPC. A ping lane that fails other than by the deadline (a reset: the daemon
-    /// may have restarted) is tried again over gRPC within what is left of `timeout`, and that answer counts.
+    /// Over the targets' ping lanes, on this thread, when every one is free: every ping is written, then each
+    /// answer is read as it comes (`poll(2)`), so one slow worker delays no other's answer or round trip. A ping
+    /// lane that fails other than by the deadline (a reset: the daemon may have restarted) is retried over gRPC at
+    /// once, within what is left of `timeout`, and that answer counts. Without a `timeout`, a lane left unanswered
+    /// for the keepalive interval plus its timeout fails as gRPC's keepalive would: the worker is unavailable.
+    /// Otherwise (a lane busy or missing), every ping goes over gRPC.
     pub fn heartbeat(
         &self,
         targets: &[usize],
@@ -50,82 +52,186 @@ impl Pool {
         let pings: Vec<PingCall<'_>> = conns.iter().map_while(|c| c.ping_lane()).collect();
         if pings.len() < conns.len() {
             drop(pings);
-            return self.heartbeat_grpc(&conns, timeout, interrupt);
+            let beats = conns.iter().map(|c| heartbeat_grpc(c.clone(), timeout));
+            return self.wait(join_all(beats), interrupt);
         }
+        let keepalive = self.config.keepalive_interval + self.config.keepalive_timeout;
+        let (limit, lost) = match timeout {
+            Some(t) => (t, false),
+            None => (keepalive, true),
+        };
         let start = Instant::now();
-        let mut beats = over_ping_lanes(pings, timeout, interrupt)?;
-        let again: Vec<usize> = (0..beats.len())
-            .filter(
-                |&i| matches!(&beats[i], Err(e) if !matches!(e, NetError::DeadlineExceeded { .. })),
-            )
-            .collect();
-        if !again.is_empty() {
+        let deadline = (start + limit, limit);
+        // Retries run on the runtime while the other lanes are read; aborted if this call is (Ctrl-C).
+        let (mut which, mut retries) = (vec![], AbortOnDrop(vec![]));
+        let mut retry = |i: usize| {
             let left = timeout.map(|t| t.saturating_sub(start.elapsed()));
-            let retry: Vec<_> = again.iter().map(|&i| conns[i].clone()).collect();
-            for (i, beat) in again
-                .into_iter()
-                .zip(self.heartbeat_grpc(&retry, left, interrupt)?)
-            {
-                beats[i] = beat;
+            which.push(i);
+            retries
+                .0
+                .push(self.rt.spawn(heartbeat_grpc(conns[i].clone(), left)));
+        };
+        let mut beats = over_ping_lanes(pings, deadline, interrupt, &mut retry)?;
+        if lost {
+            for (beat, conn) in beats.iter_mut().zip(&conns) {
+                if let Some(Err(NetError::DeadlineExceeded { .. })) = beat {
+                    *beat = Some(Err(NetError::Unavailable {
+                        address: conn.address().to_string(),
+                        reason: format!(
+                            "no answer to a ping within {:.1} s (the heartbeat interval and timeout)",
+                            keepalive.as_secs_f64()
+                        ),
+                    }));
+                }
             }
         }
-        Ok(beats)
-    }
-
-    /// [`Self::heartbeat`] over gRPC; a worker that answered gets its broken lanes opened again.
-    fn heartbeat_grpc(
-        &self,
-        conns: &[Arc<WorkerConn>],
-        timeout: Option<Duration>,
-        interrupt: Interrupt<'_>,
-    ) -> Result<PerWorker<(Duration, u64)>, PoolError> {
-        let beats = conns.iter().map(|c| async move {
-            let beat = c.heartbeat(timeout).await;
-            if beat.is_ok() {
-                c.revive_lane().await;
-            }
-            beat
+        let joined = self.wait(join_all(retries.0.iter_mut()), interrupt)?;
+        for (i, result) in which.into_iter().zip(joined) {
+            beats[i] = Some(result.unwrap_or_else(|e| {
+                Err(NetError::Unavailable {
+                    address: conns[i].address().to_string(),
+                    reason: format!("the ping's task ended without an answer: {e}"),
+                })
+            }));
+        }
+        let answered = beats.into_iter().zip(&conns).map(|(beat, conn)| {
+            beat.unwrap_or_else(|| {
+                Err(NetError::Unavailable {
+                    address: conn.address().to_string(),
+                    reason: "the ping was neither answered nor retried".into(),
+                })
+            })
         });
-        self.wait(join_all(beats), interrupt)
+        Ok(answered.collect())
     }
 }
+
+/// A ping over gRPC; a worker that answered as the same daemon instance gets its broken lanes opened again
+/// (within what is left of `timeout`: a ping is not held up by a reconnection).
+async fn heartbeat_grpc(conn: Arc<WorkerConn>, timeout: Option<Duration>) -> Beat {
+    let start = Instant::now();
+    let beat = conn.heartbeat(timeout).await;
+    if let Ok((_, instance)) = &beat {
+        if *instance == conn.hello().instance {
+            let revive = conn.revive_lane();
+            match timeout.map(|t| t.saturating_sub(start.elapsed())) {
+                Some(left) => {
+                    let _ = tokio::time::timeout(left, revive).await;
+                }
+                None => revive.await,
+            }
+        }
+    }
+    beat
+}
+
+/// One worker's answer to a ping: `(round trip, daemon instance)`, or why there is none.
+type Beat = Result<(Duration, u64), NetError>;
 
 /// Pings told apart on a lane (a late answer to an abandoned ping is never taken for the next one's).
 static NEXT_NONCE: AtomicU64 = AtomicU64::new(1);
 
-/// One ping on each of `pings`, on this thread, within `timeout`: `(round trip, instance)` per lane. Waits wake
-/// every `MASTER_POLL` to check the deadline and `interrupt`.
+/// One ping on each of `pings` on this thread, each answer read as it arrives (spinning up to the lanes' spin,
+/// then `poll(2)` waking every `MASTER_POLL` for the deadline and `interrupt`): `(round trip, instance)` per lane,
+/// each timed from its send to its answer. A lane that fails other than by the deadline is handed to `retry`
+/// at once (its entry stays None).
 fn over_ping_lanes(
     mut pings: Vec<PingCall<'_>>,
-    timeout: Option<Duration>,
+    deadline: (Instant, Duration),
     interrupt: Interrupt<'_>,
-) -> Result<PerWorker<(Duration, u64)>, PoolError> {
-    let deadline = timeout.map(|t| (Instant::now() + t, t));
-    let interrupted = Cell::new(false);
-    let mut wait = deadline_wait(deadline, || {
-        if interrupted.get() || interrupt().is_err() {
-            interrupted.set(true);
-            return Err(io::ErrorKind::Interrupted.into());
-        }
-        Ok(())
-    });
+    retry: &mut dyn FnMut(usize),
+) -> Result<Vec<Option<Beat>>, PoolError> {
+    let on_time = Some(deadline);
+    // Waits inside one frame (an answer that came in pieces) keep to the deadline and the interrupt too.
+    let mut give_up = deadline_wait(on_time, interrupt);
     let nonce = NEXT_NONCE.fetch_add(1, Ordering::Relaxed);
-    let sent: Vec<_> = pings
-        .iter_mut()
-        .map(|p| (Instant::now(), p.send(nonce, deadline, &mut wait)))
-        .collect();
-    let beats = pings
-        .iter_mut()
-        .zip(sent)
-        .map(|(p, (start, sent))| {
-            let pong = sent.and_then(|()| p.receive(nonce, deadline, &mut wait))?;
-            Ok((start.elapsed(), pong.instance))
-        })
-        .collect();
-    match interrupted.get() {
-        true => Err(PoolError::Interrupted),
-        false => Ok(beats),
+    let mut beats: Vec<Option<Beat>> = Vec::with_capacity(pings.len());
+    let mut sent = Vec::with_capacity(pings.len());
+    for p in pings.iter_mut() {
+        sent.push(Instant::now());
+        // A ping is a few bytes: it fits the socket's buffer, so the write never waits.
+        beats.push(p.send(nonce, on_time, &mut give_up).err().map(Err));
     }
+    let mut finish =
+        |i: usize, beat: Result<(Duration, u64), NetError>, beats: &mut Vec<_>| match beat {
+            Err(e) if !matches!(e, NetError::DeadlineExceeded { .. }) => retry(i),
+            beat => beats[i] = Some(beat),
+        };
+    for i in 0..beats.len() {
+        if let Some(Err(e)) = beats[i].take() {
+            finish(i, Err(e), &mut beats);
+        }
+    }
+    let mut pending: Vec<usize> = (0..pings.len())
+        .filter(|&i| beats[i].is_none() && pings[i].fd().is_some())
+        .collect();
+    let spin_until = Instant::now() + pings.first().map_or(Duration::ZERO, PingCall::spin);
+    while !pending.is_empty() {
+        let mut waiting = Vec::with_capacity(pending.len());
+        for i in pending {
+            if pings[i].ready() {
+                let pong = pings[i].receive(nonce, on_time, &mut give_up);
+                finish(i, pong.map(|p| (sent[i].elapsed(), p.instance)), &mut beats);
+            } else {
+                waiting.push(i);
+            }
+        }
+        pending = waiting;
+        if pending.is_empty() {
+            break;
+        }
+        if Instant::now() < spin_until {
+            std::thread::yield_now();
+            continue;
+        }
+        if interrupt().is_err() {
+            for &i in &pending {
+                pings[i].abandon(io::ErrorKind::Interrupted.into(), on_time);
+            }
+            return Err(PoolError::Interrupted);
+        }
+        let now = Instant::now();
+        if now >= deadline.0 {
+            for &i in &pending {
+                let late = pings[i].abandon(io::ErrorKind::TimedOut.into(), on_time);
+                beats[i] = Some(Err(late));
+            }
+            break;
+        }
+        let wait = (deadline.0 - now).min(MASTER_POLL);
+        let mut fds: Vec<libc::pollfd> = pending
+            .iter()
+            .map(|&i| libc::pollfd {
+                fd: pings[i].fd().unwrap_or(-1),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures for the duration of the call; a
+        // negative fd (a lane that failed: none are pending) is ignored by poll.
+        let rc = unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                wait.as_millis().max(1) as libc::c_int,
+            )
+        };
+        if rc > 0 {
+            // A socket in error or hung up reads as ready below, and `receive` reports why.
+            let broken: Vec<usize> = pending
+                .iter()
+                .zip(&fds)
+                .filter(|(_, f)| f.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0)
+                .map(|(&i, _)| i)
+                .collect();
+            for i in broken {
+                let pong = pings[i].receive(nonce, on_time, &mut give_up);
+                finish(i, pong.map(|p| (sent[i].elapsed(), p.instance)), &mut beats);
+                pending.retain(|&k| k != i);
+            }
+        }
+    }
+    Ok(beats)
 }
 
 /// The heartbeats of one call over lanes: which workers failed one, and when the next is due.

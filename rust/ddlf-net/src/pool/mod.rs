@@ -38,6 +38,17 @@ pub use outgoing::{write_shm, Outgoing, POOL_THRESHOLD, SHM_THRESHOLD};
 use crate::client::{ClientConfig, WorkerConn};
 use crate::error::NetError;
 
+/// Tasks of one call, aborted if the call is dropped before they finish (Ctrl-C).
+struct AbortOnDrop<T>(Vec<tokio::task::JoinHandle<T>>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
 /// How often a waiting call checks its [`Interrupt`].
 pub const INTERRUPT_POLL: Duration = Duration::from_millis(50);
 
