@@ -87,12 +87,19 @@ impl Pool {
         }
         let joined = self.wait(join_all(retries.0.iter_mut()), interrupt)?;
         for (i, result) in which.into_iter().zip(joined) {
-            beats[i] = Some(result.unwrap_or_else(|e| {
+            let beat = result.unwrap_or_else(|e| {
                 Err(NetError::Unavailable {
                     address: conns[i].address().to_string(),
                     reason: format!("the ping's task ended without an answer: {e}"),
                 })
-            }));
+            });
+            // A retry ran within the time left: its deadline is still the caller's.
+            beats[i] = Some(match (beat, timeout) {
+                (Err(NetError::DeadlineExceeded { address, .. }), Some(after)) => {
+                    Err(NetError::DeadlineExceeded { address, after })
+                }
+                (beat, _) => beat,
+            });
         }
         let answered = beats.into_iter().zip(&conns).map(|(beat, conn)| {
             beat.unwrap_or_else(|| {
@@ -132,11 +139,11 @@ type Beat = Result<(Duration, u64), NetError>;
 static NEXT_NONCE: AtomicU64 = AtomicU64::new(1);
 
 /// One ping on each of `pings` on this thread, each answer read as it arrives (spinning up to the lanes' spin,
-/// then `poll(2)` waking every `MASTER_POLL` for the deadline and `interrupt`): `(round trip, instance)` per lane,
-/// each timed from its send to its answer. A lane that fails other than by the deadline is handed to `retry`
-/// at once (its entry stays None).
+/// then `poll(2)`, checking `interrupt` at most every `MASTER_POLL`): `(round trip, instance)` per lane, each
+/// timed from its send to its answer. A lane that fails other than by the deadline is closed and handed to
+/// `retry` at once (its entry stays None): closed first, so that the retry's answer can open it again.
 fn over_ping_lanes(
-    mut pings: Vec<PingCall<'_>>,
+    pings: Vec<PingCall<'_>>,
     deadline: (Instant, Duration),
     interrupt: Interrupt<'_>,
     retry: &mut dyn FnMut(usize),
@@ -145,93 +152,140 @@ fn over_ping_lanes(
     // Waits inside one frame (an answer that came in pieces) keep to the deadline and the interrupt too.
     let mut give_up = deadline_wait(on_time, interrupt);
     let nonce = NEXT_NONCE.fetch_add(1, Ordering::Relaxed);
-    let mut beats: Vec<Option<Beat>> = Vec::with_capacity(pings.len());
+    let spin = pings.first().map_or(Duration::ZERO, PingCall::spin);
+    let mut pings: Vec<Option<PingCall<'_>>> = pings.into_iter().map(Some).collect();
+    let mut beats: Vec<Option<Beat>> = pings.iter().map(|_| None).collect();
     let mut sent = Vec::with_capacity(pings.len());
-    for p in pings.iter_mut() {
+    for i in 0..pings.len() {
         sent.push(Instant::now());
         // A ping is a few bytes: it fits the socket's buffer, so the write never waits.
-        beats.push(p.send(nonce, on_time, &mut give_up).err().map(Err));
-    }
-    let mut finish =
-        |i: usize, beat: Result<(Duration, u64), NetError>, beats: &mut Vec<_>| match beat {
-            Err(e) if !matches!(e, NetError::DeadlineExceeded { .. }) => retry(i),
-            beat => beats[i] = Some(beat),
-        };
-    for i in 0..beats.len() {
-        if let Some(Err(e)) = beats[i].take() {
-            finish(i, Err(e), &mut beats);
+        let failed = pings[i]
+            .as_mut()
+            .and_then(|p| p.send(nonce, on_time, &mut give_up).err());
+        if let Some(e) = failed {
+            settle(i, Err(e), &mut pings, &mut beats, retry)?;
         }
     }
-    let mut pending: Vec<usize> = (0..pings.len())
-        .filter(|&i| beats[i].is_none() && pings[i].fd().is_some())
-        .collect();
-    let spin_until = Instant::now() + pings.first().map_or(Duration::ZERO, PingCall::spin);
-    while !pending.is_empty() {
-        let mut waiting = Vec::with_capacity(pending.len());
-        for i in pending {
-            if pings[i].ready() {
-                let pong = pings[i].receive(nonce, on_time, &mut give_up);
-                finish(i, pong.map(|p| (sent[i].elapsed(), p.instance)), &mut beats);
+    let spin_until = (Instant::now() + spin).min(deadline.0);
+    let mut next_check = Instant::now();
+    loop {
+        let mut pending = false;
+        for i in 0..pings.len() {
+            let Some(p) = pings[i].as_mut() else { continue };
+            if p.ready() {
+                let beat = p.receive(nonce, on_time, &mut give_up);
+                let beat = beat.map(|pong| (sent[i].elapsed(), pong.instance));
+                settle(i, beat, &mut pings, &mut beats, retry)?;
             } else {
-                waiting.push(i);
+                pending = true;
             }
         }
-        pending = waiting;
-        if pending.is_empty() {
-            break;
+        if !pending {
+            return Ok(beats);
         }
-        if Instant::now() < spin_until {
+        let now = Instant::now();
+        if now < spin_until {
             std::thread::yield_now();
             continue;
         }
-        if interrupt().is_err() {
-            for &i in &pending {
-                pings[i].abandon(io::ErrorKind::Interrupted.into(), on_time);
+        if now >= next_check {
+            if interrupt().is_err() {
+                abandon(&mut pings, io::ErrorKind::Interrupted.into(), on_time);
+                return Err(PoolError::Interrupted);
             }
-            return Err(PoolError::Interrupted);
+            next_check = now + MASTER_POLL;
         }
-        let now = Instant::now();
         if now >= deadline.0 {
-            for &i in &pending {
-                let late = pings[i].abandon(io::ErrorKind::TimedOut.into(), on_time);
-                beats[i] = Some(Err(late));
+            for (p, beat) in pings.iter_mut().zip(beats.iter_mut()) {
+                if let Some(mut late) = p.take() {
+                    *beat = Some(Err(late.abandon(io::ErrorKind::TimedOut.into(), on_time)));
+                }
             }
-            break;
+            return Ok(beats);
         }
-        let wait = (deadline.0 - now).min(MASTER_POLL);
-        let mut fds: Vec<libc::pollfd> = pending
+        let wait = deadline.0.min(next_check).saturating_duration_since(now);
+        let waiting: Vec<usize> = (0..pings.len()).filter(|&i| pings[i].is_some()).collect();
+        let mut fds: Vec<libc::pollfd> = waiting
             .iter()
             .map(|&i| libc::pollfd {
-                fd: pings[i].fd().unwrap_or(-1),
+                fd: pings[i].as_ref().and_then(PingCall::fd).unwrap_or(-1),
                 events: libc::POLLIN,
                 revents: 0,
             })
             .collect();
-        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures for the duration of the call; a
-        // negative fd (a lane that failed: none are pending) is ignored by poll.
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures for the duration of the call, and every
+        // fd in it belongs to a lane `pings` holds open (a negative one, which none is, would be ignored).
         let rc = unsafe {
             libc::poll(
                 fds.as_mut_ptr(),
                 fds.len() as libc::nfds_t,
-                wait.as_millis().max(1) as libc::c_int,
+                wait.as_millis().clamp(1, MASTER_POLL.as_millis()) as libc::c_int,
             )
         };
-        if rc > 0 {
-            // A socket in error or hung up reads as ready below, and `receive` reports why.
-            let broken: Vec<usize> = pending
-                .iter()
-                .zip(&fds)
-                .filter(|(_, f)| f.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0)
-                .map(|(&i, _)| i)
-                .collect();
-            for i in broken {
-                let pong = pings[i].receive(nonce, on_time, &mut give_up);
-                finish(i, pong.map(|p| (sent[i].elapsed(), p.instance)), &mut beats);
-                pending.retain(|&k| k != i);
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                // Cannot wait on these sockets: every lane still waiting fails, and is retried over gRPC.
+                for &i in &waiting {
+                    if let Some(p) = pings[i].as_mut() {
+                        let failed = p.abandon(io::Error::new(e.kind(), e.to_string()), on_time);
+                        settle(i, Err(failed), &mut pings, &mut beats, retry)?;
+                    }
+                }
+            }
+            continue;
+        }
+        // A socket in error or hung up: its lane's `receive` reports why.
+        for (&i, fd) in waiting.iter().zip(&fds) {
+            if fd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) == 0 {
+                continue;
+            }
+            if let Some(p) = pings[i].as_mut() {
+                let beat = p.receive(nonce, on_time, &mut give_up);
+                let beat = beat.map(|pong| (sent[i].elapsed(), pong.instance));
+                settle(i, beat, &mut pings, &mut beats, retry)?;
             }
         }
     }
-    Ok(beats)
+}
+
+/// Record lane `i`'s outcome and let its lane go (free after an answer, closed after a failure): an answer or the
+/// deadline is kept; an interrupt ends the call (every other lane closed); any other failure starts a retry.
+fn settle(
+    i: usize,
+    beat: Beat,
+    pings: &mut [Option<PingCall<'_>>],
+    beats: &mut [Option<Beat>],
+    retry: &mut dyn FnMut(usize),
+) -> Result<(), PoolError> {
+    pings[i] = None;
+    match beat {
+        Err(NetError::Interrupted { .. }) => {
+            abandon(pings, io::ErrorKind::Interrupted.into(), None);
+            Err(PoolError::Interrupted)
+        }
+        Err(e) if !matches!(e, NetError::DeadlineExceeded { .. }) => {
+            retry(i);
+            Ok(())
+        }
+        beat => {
+            beats[i] = Some(beat);
+            Ok(())
+        }
+    }
+}
+
+/// Close every lane still waiting for its answer (`why`: the caller's reason, for the log of none).
+fn abandon(
+    pings: &mut [Option<PingCall<'_>>],
+    why: io::Error,
+    deadline: Option<(Instant, Duration)>,
+) {
+    for p in pings.iter_mut() {
+        if let Some(mut p) = p.take() {
+            let _ = p.abandon(io::Error::new(why.kind(), why.to_string()), deadline);
+        }
+    }
 }
 
 /// The heartbeats of one call over lanes: which workers failed one, and when the next is due.
