@@ -170,7 +170,8 @@ class ServingDaemon:
 
 @final
 class BatchPipeline:
-    """Batches of dataset rows gathered by a Rust prefetch thread (see ``ddlf.ops.BatchPipeline``)."""
+    """Batches of dataset rows gathered by a Rust prefetch thread, or for a partition of at most 1 MiB of rows in
+    memory on the iterating thread (see ``ddlf.ops.BatchPipeline``)."""
 
     def __new__(
         cls,
@@ -181,7 +182,11 @@ class BatchPipeline:
         drop_last: bool = False,
         decode_threads: int | None = None,
         seed: int = 0,
+        inline: bool | None = None,
     ) -> Self: ...
+    @property
+    def inline(self) -> bool:
+        """Whether the batches are gathered on the iterating thread (no prefetch thread runs)."""
     def __len__(self) -> int: ...
     def __iter__(self) -> BatchPipeline: ...
     def __next__(self) -> Any: ...

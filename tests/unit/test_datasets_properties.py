@@ -211,19 +211,17 @@ def test_npy_refuses_pickled_objects(tmp_path: Path) -> None:
 
 @SETTINGS
 @given(data=datasets_and_indices(), batch_size=st.integers(1, 7))
-def test_a_small_rounds_inline_batches_equal_the_pipelines(data: tuple[list[np.ndarray], Any], batch_size: int) -> None:
-    """What a replica's small round gathers on its training thread (``InlineBatches``) is what the Rust pipeline
-    would have given: the same batches (one array, or a tuple of one per array), dtypes, shapes and counts."""
-    from ddlf.training.replica.dataset import InlineBatches
-
+def test_inline_batches_equal_the_prefetch_threads(data: tuple[list[np.ndarray], Any], batch_size: int) -> None:
+    """What the pipeline gathers on the iterating thread (a small round's, ``inline``) is what its prefetch thread
+    gives: the same batches (one array, or a tuple of one per array), dtypes, shapes and counts."""
     arrays, idx = data
     try:
-        pipe = ops.BatchPipeline(arrays, idx, batch_size)
+        pipe = ops.BatchPipeline(arrays, idx, batch_size, inline=False)
         want = list(pipe)
     except CLEAR:
-        return  # refused input never reaches a round: the pipeline's own test covers it
-    rows = np.asarray(idx).reshape(-1).astype(np.uint32)  # a round's indices, as the replica has them
-    inline = InlineBatches(arrays, rows, batch_size)
+        return  # refused input: the pipeline's own test covers it
+    inline = ops.BatchPipeline(arrays, idx, batch_size, inline=True)
+    assert inline.inline and not pipe.inline
     got = list(inline)
     assert len(got) == len(want) == len(inline)
     for g, w in zip(got, want):

@@ -198,6 +198,20 @@ def test_batch_pipeline_dropped_early_releases_its_thread() -> None:
     assert _threads() == baseline  # none of the 20 threads leaked
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc to count threads")
+def test_a_small_round_in_memory_is_gathered_without_a_thread() -> None:
+    x, y = np.ones((1000, 16), np.float32), np.arange(1000)
+    order = np.arange(64)[::-1].copy()
+    list(ops.BatchPipeline([x, y], order, 32))  # a first one: whatever pools it starts once stay
+    baseline = _threads()
+    pl = ops.BatchPipeline([x, y], order, 32)
+    assert pl.inline and _threads() == baseline
+    batches = list(pl)
+    assert _threads() == baseline
+    assert [len(bx) for bx, _ in batches] == [32, 32] and batches[0][1].tolist() == list(range(63, 31, -1))
+    assert pl.stats()["rows"] == 64 and next(iter(pl), None) is None
+
+
 def test_topk_and_densify() -> None:
     x = np.array([[0.1, -5.0, 2.0], [0.0, -0.3, 4.0]], dtype=np.float32)
     [(idx, vals)] = ops.topk([x], 0.5)

@@ -1,7 +1,17 @@
 //! The merge kernels of [`crate::kernels`] split across threads for large arrays, with safe disjoint slices
 //! (`chunks_mut`): no pointer arithmetic, so no `unsafe`.
 
+use std::sync::OnceLock;
+
 use crate::kernels::{self, Float, KernelError};
+
+/// The cores this process may use (`std::thread::available_parallelism`, 1 when unknown), read once. Reading it
+/// opens the cgroup's files on Linux: 30 µs a call on a 2-core VM, which every batch pipeline, gather and large
+/// merge paid before it was kept.
+pub fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
 
 /// Arrays with at least this many bytes are split across threads.
 pub const PARALLEL_BYTES: usize = 1 << 20;
@@ -13,10 +23,7 @@ fn threads_for(len: usize, elem_bytes: usize) -> usize {
     if len * elem_bytes < PARALLEL_BYTES {
         return 1;
     }
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .min(MAX_THREADS)
+    cores().min(MAX_THREADS)
 }
 
 /// Run `f(start, chunk)` over `out` cut into one contiguous chunk per thread (one chunk when it is small).

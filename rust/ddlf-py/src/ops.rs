@@ -194,10 +194,7 @@ impl RowSource {
     }
 
     pub(crate) fn gather(&self, idx: &[u32]) -> Result<Vec<u8>, core_gather::GatherError> {
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .min(8);
+        let threads = ddlf_core::parallel::cores().min(8);
         core_gather::gather_rows_to_vec(self.src(), self.row_bytes, idx, threads)
     }
 

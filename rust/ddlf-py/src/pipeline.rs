@@ -2,7 +2,9 @@
 //!
 //! Given the dataset arrays (rows along the first axis), an index partition and a batch size, a prefetch thread
 //! (`ddlf_core::prefetch`) gathers the rows of each batch into fresh contiguous buffers, up to `prefetch` batches
-//! ahead. Python iterates the pipeline and receives numpy arrays built on those buffers without a copy.
+//! ahead; a small partition of rows in memory is gathered when asked, without the thread
+//! (`ddlf_core::prefetch::INLINE_BYTES`). Python iterates the pipeline and receives numpy arrays built on those
+//! buffers without a copy.
 //!
 //! An input that describes itself with `__ddlf_images__()` (`ddlf.datasets.EncodedImages`) is a dataset of
 //! encoded JPEG/PNG files: its batches are decoded, resized and flipped on the prefetch side, on several threads,
@@ -11,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use ddlf_core::images::ImageSpec;
-use ddlf_core::prefetch::{Batch, EncodedRows, Prefetcher, Rows, Source};
+use ddlf_core::prefetch::{Batch, EncodedRows, Gather, Prefetcher, Rows, Source};
 use numpy::PyArray1;
 use pyo3::exceptions::{PyStopIteration, PyValueError};
 use pyo3::prelude::*;
@@ -22,7 +24,7 @@ use crate::ops::{indices_u32, value_error, RowSource};
 /// Threads that decode one batch of images: the process's thread budget when it has one (`DDLF_THREADS`, which a
 /// worker started with `threads=` gets: local workers split the cores), otherwise the machine's cores; at most 8.
 fn default_decode_threads() -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = ddlf_core::parallel::cores();
     let budget = std::env::var("DDLF_THREADS")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
@@ -168,10 +170,13 @@ pub struct BatchPipeline {
 impl BatchPipeline {
     /// `arrays`: dataset arrays (or encoded images) with the same number of rows; `indices`: the rows to visit, in
     /// order; `batch_size`: rows per batch; `prefetch`: batches gathered ahead; `drop_last`: skip a short last
-    /// batch; `decode_threads`: threads decoding a batch of images (default: the worker's thread budget or the cores, at most 8); `seed`: seeds
-    /// the images' random flips.
+    /// batch; `decode_threads`: threads decoding a batch of images (default: the worker's thread budget or the
+    /// cores, at most 8); `seed`: seeds the images' random flips; `inline`: gather on the iterating thread (True),
+    /// on the prefetch thread (False), or on the iterating thread when the partition is at most 1 MiB of rows
+    /// already in memory (None, the default).
     #[new]
-    #[pyo3(signature = (arrays, indices, batch_size, prefetch = 2, drop_last = false, decode_threads = None, seed = 0))]
+    #[pyo3(signature = (arrays, indices, batch_size, prefetch = 2, drop_last = false, decode_threads = None, seed = 0, inline = None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
         arrays: Vec<Bound<'_, PyAny>>,
         indices: Bound<'_, PyAny>,
@@ -180,6 +185,7 @@ impl BatchPipeline {
         drop_last: bool,
         decode_threads: Option<usize>,
         seed: u64,
+        inline: Option<bool>,
     ) -> PyResult<Self> {
         if arrays.is_empty() {
             return Err(PyValueError::new_err("at least one array is needed"));
@@ -209,8 +215,13 @@ impl BatchPipeline {
             .iter()
             .map(|s| s.source(threads, seed))
             .collect::<PyResult<_>>()?;
-        let prefetcher =
-            Prefetcher::start(raw, idx, batch_size, prefetch, drop_last).map_err(value_error)?;
+        let gather = match inline {
+            None => Gather::Auto,
+            Some(true) => Gather::Inline,
+            Some(false) => Gather::Thread,
+        };
+        let prefetcher = Prefetcher::start(raw, idx, batch_size, prefetch, drop_last, gather)
+            .map_err(value_error)?;
         Ok(BatchPipeline {
             prefetcher: Some(prefetcher),
             sources,
@@ -223,6 +234,12 @@ impl BatchPipeline {
 
     fn __len__(&self) -> usize {
         self.prefetcher.as_ref().map_or(0, Prefetcher::len)
+    }
+
+    /// Whether the batches are gathered on the iterating thread (no prefetch thread runs).
+    #[getter]
+    fn inline(&self) -> bool {
+        self.prefetcher.as_ref().is_some_and(Prefetcher::is_inline)
     }
 
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -261,8 +278,8 @@ impl BatchPipeline {
         Ok(PyTuple::new(py, arrays)?.into_any())
     }
 
-    /// Time the consumer spent blocked waiting for a batch, time the thread spent gathering, batches and rows
-    /// served so far.
+    /// Time the consumer spent blocked waiting for a batch (inline: gathering it), time spent gathering, batches
+    /// and rows served so far.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         d.set_item("wait_seconds", self.wait_seconds)?;

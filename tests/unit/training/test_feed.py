@@ -1,5 +1,6 @@
-"""A replica's round of batches (``Feed``): small rounds of in-memory arrays are gathered on the training thread,
-everything else by the Rust pipeline's prefetch thread; either way the same batches."""
+"""A replica's round of batches (``Feed``) and where the pipeline gathers them: a small round of rows in memory on
+the training thread (``BatchPipeline.inline``), everything else on the pipeline's prefetch thread; either way the
+same batches."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import numpy as np
 import pytest
 
 from ddlf import ops
-from ddlf.data.images import EncodedImages
 from ddlf.data.structure import Parts
 from ddlf.training.messages import FitData
-from ddlf.training.replica.dataset import INLINE_BYTES, Feed, InlineBatches, gathers_inline
+from ddlf.training.replica.dataset import Feed
+
+INLINE_BYTES = 1 << 20  # ddlf_core::prefetch::INLINE_BYTES
 
 
 def _x(rows: int, width: int = 784) -> np.ndarray:
@@ -23,37 +25,46 @@ def _x(rows: int, width: int = 784) -> np.ndarray:
 
 def test_a_small_round_of_memory_arrays_is_gathered_inline() -> None:
     x, y = _x(12000), np.arange(12000, dtype=np.int64)
-    two_batches = np.arange(64, dtype=np.uint32)
-    assert gathers_inline([x, y], two_batches)
-    # Past the limit, or without indices, the pipeline gathers.
+    assert ops.BatchPipeline([x, y], np.arange(64, dtype=np.uint32), 32).inline
+    # Past the limit (over every array's bytes), or all 9.5 MB of the dataset, the prefetch thread gathers.
     rows_over = INLINE_BYTES // (784 + 8) + 1
-    assert not gathers_inline([x, y], np.arange(rows_over, dtype=np.uint32))
-    assert gathers_inline([x, y], np.arange(rows_over - 1, dtype=np.uint32))
-    assert not gathers_inline([x, y], None)
+    assert not ops.BatchPipeline([x, y], np.arange(rows_over, dtype=np.uint32), 32).inline
+    assert ops.BatchPipeline([x, y], np.arange(rows_over - 1, dtype=np.uint32), 32).inline
+    assert not ops.BatchPipeline([x, y], np.arange(12000, dtype=np.uint32), 32).inline
+    # Asked for either way, whatever the size.
+    assert not ops.BatchPipeline([x, y], np.arange(64, dtype=np.uint32), 32, inline=False).inline
+    assert ops.BatchPipeline([x, y], np.arange(12000, dtype=np.uint32), 32, inline=True).inline
 
 
-def test_mapped_files_count_as_memory_only_under_dev_shm(tmp_path: Path) -> None:
+def test_a_mapped_file_is_gathered_inline_only_once_its_rows_are_in_memory(tmp_path: Path) -> None:
     on_disk = tmp_path / "x.npy"
-    np.save(on_disk, _x(100))
-    rows = np.arange(10, dtype=np.uint32)
-    assert not gathers_inline([np.load(on_disk, mmap_mode="r")], rows)  # its pages may still be on disk
+    np.save(on_disk, _x(4000))
+    rows = np.arange(0, 4000, 400, dtype=np.uint32)  # 10 rows, 7.8 KB
+    with open(on_disk, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache: on disk only
+    mapped = np.load(on_disk, mmap_mode="r")
+    dropped = not ops.BatchPipeline([mapped], rows, 4).inline
+    batches = list(ops.BatchPipeline([mapped], rows, 4))  # read: now cached
+    assert all(type(b) is np.ndarray for b in batches)  # plain arrays, not memmaps of nothing
+    np.testing.assert_array_equal(np.concatenate(batches), _x(4000)[rows])
+    assert ops.BatchPipeline([mapped], rows, 4).inline
+    if not dropped:
+        pytest.skip(f"the page cache kept {tmp_path}'s pages (tmpfs?): the on-disk case was not shown")
+
+
+def test_the_hosts_copy_under_dev_shm_is_gathered_inline() -> None:
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
     shm = Path("/dev/shm") / f"ddlf-test-{uuid.uuid4().hex}.npy"
     try:
         np.save(shm, _x(100))
         mapped = np.load(shm, mmap_mode="r")
-        assert gathers_inline([mapped], rows)
-        batches = list(InlineBatches([mapped], rows, 4))
-        assert all(type(b) is np.ndarray for b in batches)  # plain arrays, not memmaps of nothing
-        np.testing.assert_array_equal(np.concatenate(batches), _x(100)[:10])
+        pipe = ops.BatchPipeline([mapped], np.arange(10, dtype=np.uint32), 4)
+        assert pipe.inline
+        np.testing.assert_array_equal(np.concatenate(list(pipe)), _x(100)[:10])
     finally:
         shm.unlink(missing_ok=True)
-
-
-def test_encoded_images_go_through_the_pipeline() -> None:
-    images = EncodedImages.__new__(EncodedImages)
-    assert not gathers_inline([images], np.arange(2, dtype=np.uint32))
 
 
 @pytest.mark.parametrize("rows", [64, 2000])
@@ -62,12 +73,16 @@ def test_a_feed_gives_the_same_batches_either_way(rows: int) -> None:
     parts = Parts.loaded((x, y))
     order = np.random.default_rng(0).permutation(3000).astype(np.uint32)[:rows]
     feed = Feed(parts, order, 32, 2, lambda a, b: (a, b), FitData())
-    assert isinstance(feed.pipeline, InlineBatches) == (rows == 64)
+    assert feed.pipeline.inline == (rows == 64)
     got = list(feed)
-    want = list(ops.BatchPipeline([x, y], order, 32))
+    want = list(ops.BatchPipeline([x, y], order, 32, inline=rows != 64))  # the other way
     assert len(got) == len(want) == -(-rows // 32)
     for (gx, gy, sw, n), (wx, wy) in zip(got, want):
         np.testing.assert_array_equal(gx, wx)
         np.testing.assert_array_equal(gy, wy)
         assert sw is None and n == len(wx)
-    assert feed.stats()["rows"] == rows and feed.stats()["batches"] == len(want)
+    stats = feed.stats()
+    assert stats["rows"] == rows and stats["batches"] == len(want)
+    assert stats["gather_seconds"] > 0
+    if rows == 64:  # gathered while the training thread waited
+        assert stats["wait_seconds"] >= stats["gather_seconds"]

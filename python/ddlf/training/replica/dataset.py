@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,71 +64,11 @@ def training_rows(rows: int, fit: FitData) -> int:
 Batch = tuple[Any, Any, Any, int]
 """``(x, y, sample_weight, rows)`` of one batch, ready for the model (after the app's ``preprocess``)."""
 
-INLINE_BYTES = 1 << 20
-"""A round whose rows hold at most this many bytes, all in in-memory arrays, is gathered on the training thread,
-batch by batch (:class:`InlineBatches`). The Rust pipeline's prefetch thread, started per round, cost 140 µs for a
-round of two 32-row MNIST batches on a 2-core VM, where gathering them took 9 µs: it pays for rounds whose gathering
-it hides behind the steps (more rows than this, memory-mapped files, encoded images), not for the 2-batch chunks of
-``Asynchronous()``."""
-
-
-def _in_memory(leaf: Any) -> bool:
-    """An array whose rows are in memory: a plain one, or one mapped from ``/dev/shm`` (the host's copy,
-    :mod:`ddlf.data.node_store`); not a file on disk (its pages may still have to be read), nor encoded images."""
-    if type(leaf) is np.ndarray:
-        return leaf.ndim >= 1
-    if isinstance(leaf, np.memmap) and leaf.ndim >= 1:
-        return str(getattr(leaf, "filename", None) or "").startswith("/dev/shm/")
-    return False
-
-
-def gathers_inline(leaves: list[Any], indices: np.ndarray | None) -> bool:
-    """Whether a round over ``indices`` of ``leaves`` is small enough, and its arrays in memory (not a file on disk
-    nor encoded images), to be gathered on the training thread: see :data:`INLINE_BYTES`."""
-    if indices is None or not all(_in_memory(leaf) for leaf in leaves):
-        return False
-    row_bytes = sum(leaf.itemsize * int(np.prod(leaf.shape[1:], dtype=np.int64)) for leaf in leaves)
-    return len(indices) * row_bytes <= INLINE_BYTES
-
-
-class InlineBatches:
-    """The batches of ``indices`` of ``leaves``, ``batch_size`` rows each, gathered when asked (numpy's ``take``):
-    what :class:`ddlf.ops.BatchPipeline` yields (one array, or a tuple of one per leaf) and counts, without its
-    thread, for the small rounds :func:`gathers_inline` picks."""
-
-    def __init__(self, leaves: list[np.ndarray], indices: np.ndarray, batch_size: int) -> None:
-        # Plain views (a memmap's own class would follow every batch taken from it).
-        self.leaves = [np.asarray(leaf) for leaf in leaves]
-        self.indices, self.batch_size = np.asarray(indices, dtype=np.intp), batch_size
-        self._seconds, self._batches, self._rows = 0.0, 0, 0
-
-    def __len__(self) -> int:
-        return -(-len(self.indices) // self.batch_size)
-
-    def __iter__(self) -> Iterator[Any]:
-        for start in range(0, len(self.indices), self.batch_size):
-            t0 = time.perf_counter()
-            rows = self.indices[start : start + self.batch_size]
-            batch = [np.take(leaf, rows, axis=0) for leaf in self.leaves]
-            self._seconds += time.perf_counter() - t0
-            self._batches += 1
-            self._rows += len(rows)
-            yield batch[0] if len(batch) == 1 else tuple(batch)
-
-    def stats(self) -> dict[str, Any]:
-        """As the pipeline's: the seconds spent gathering (the training thread waited for them), batches, rows."""
-        return {
-            "wait_seconds": self._seconds,
-            "gather_seconds": self._seconds,
-            "batches": self._batches,
-            "rows": self._rows,
-        }
-
 
 class Feed:
-    """A round's batches: the rows gathered by the Rust pipeline (one pass over every array of the dataset; a small
-    round's on the training thread, :func:`gathers_inline`), put
-    back into the dataset's structure, preprocessed by the app, with their sample weights (from the loader, an
+    """A round's batches: the rows gathered by the Rust pipeline (one pass over every array of the dataset, ahead on
+    a thread, or a small round's on the training thread: :class:`ddlf.ops.BatchPipeline`), put back into the
+    dataset's structure, preprocessed by the app, with their sample weights (from the loader, an
     array, ``class_weight`` or a function of the batch)."""
 
     def __init__(
@@ -142,11 +81,7 @@ class Feed:
         fit: FitData,
     ) -> None:
         self.parts = parts
-        self.pipeline: InlineBatches | ops.BatchPipeline
-        if indices is not None and gathers_inline(parts.leaves, indices):
-            self.pipeline = InlineBatches(parts.leaves, indices, batch_size)
-        else:
-            self.pipeline = ops.BatchPipeline(parts.leaves, indices, batch_size, prefetch=prefetch)
+        self.pipeline = ops.BatchPipeline(parts.leaves, indices, batch_size, prefetch=prefetch)
         self.preprocess = preprocess
         self.fit = fit
 

@@ -216,7 +216,7 @@ impl Pool {
         // thread still polls its own call inside `block_on`; calls on the lanes skip this runtime altogether.
         // Calls to several workers run as tasks on it, one per worker: with one runtime thread, sending 100 MB to
         // two workers took twice as long as to one (each byte is framed, written and read back on that thread).
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+        let threads = ddlf_core::parallel::cores().min(4);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("ddlf-client")
