@@ -76,11 +76,6 @@ impl PingCall<'_> {
         write_frame(&mut io.stream, frame, &[], &[], on_wait).map_err(|e| call.fail(e, deadline))
     }
 
-    /// How long a wait for the answer spins before it blocks (the lane's setting).
-    pub fn spin(&self) -> Duration {
-        self.0.lane.spin
-    }
-
     /// The lane's socket, to wait for its answer with others' (`poll(2)`); None once it failed.
     pub fn fd(&self) -> Option<std::os::fd::RawFd> {
         use std::os::fd::AsRawFd;

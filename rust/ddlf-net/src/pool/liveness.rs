@@ -71,7 +71,8 @@ impl Pool {
                 .0
                 .push(self.rt.spawn(heartbeat_grpc(conns[i].clone(), left)));
         };
-        let mut beats = over_ping_lanes(pings, deadline, interrupt, &mut retry)?;
+        let spin = self.config.lane_spin; // every lane's, as they were opened
+        let mut beats = over_ping_lanes(pings, deadline, spin, interrupt, &mut retry)?;
         if lost {
             for (beat, conn) in beats.iter_mut().zip(&conns) {
                 if let Some(Err(NetError::DeadlineExceeded { .. })) = beat {
@@ -138,13 +139,14 @@ type Beat = Result<(Duration, u64), NetError>;
 /// Pings told apart on a lane (a late answer to an abandoned ping is never taken for the next one's).
 static NEXT_NONCE: AtomicU64 = AtomicU64::new(1);
 
-/// One ping on each of `pings` on this thread, each answer read as it arrives (spinning up to the lanes' spin,
-/// then `poll(2)`, checking `interrupt` at most every `MASTER_POLL`): `(round trip, instance)` per lane, each
+/// One ping on each of `pings` on this thread, each answer read as it arrives (spinning up to `spin`, the lanes'
+/// busy-polling, then `poll(2)`, checking `interrupt` at most every `MASTER_POLL`): `(round trip, instance)` per lane, each
 /// timed from its send to its answer. A lane that fails other than by the deadline is closed and handed to
 /// `retry` at once (its entry stays None): closed first, so that the retry's answer can open it again.
 fn over_ping_lanes(
     pings: Vec<PingCall<'_>>,
     deadline: (Instant, Duration),
+    spin: Duration,
     interrupt: Interrupt<'_>,
     retry: &mut dyn FnMut(usize),
 ) -> Result<Vec<Option<Beat>>, PoolError> {
@@ -152,7 +154,6 @@ fn over_ping_lanes(
     // Waits inside one frame (an answer that came in pieces) keep to the deadline and the interrupt too.
     let mut give_up = deadline_wait(on_time, interrupt);
     let nonce = NEXT_NONCE.fetch_add(1, Ordering::Relaxed);
-    let spin = pings.first().map_or(Duration::ZERO, PingCall::spin);
     let mut pings: Vec<Option<PingCall<'_>>> = pings.into_iter().map(Some).collect();
     let mut beats: Vec<Option<Beat>> = pings.iter().map(|_| None).collect();
     let mut sent = Vec::with_capacity(pings.len());
