@@ -66,16 +66,24 @@ def _expected_indices(idx: Any) -> np.ndarray | None:
 
 
 @SETTINGS
-@given(data=datasets_and_indices(), batch_size=st.integers(0, 7), prefetch=st.integers(0, 3), drop_last=st.booleans())
+@given(
+    data=datasets_and_indices(),
+    batch_size=st.integers(0, 7),
+    prefetch=st.integers(0, 3),
+    drop_last=st.booleans(),
+    inline=st.sampled_from([None, False, True]),
+)
 def test_pipeline_equals_numpy_or_refuses(
-    data: tuple[list[np.ndarray], Any], batch_size: int, prefetch: int, drop_last: bool
+    data: tuple[list[np.ndarray], Any], batch_size: int, prefetch: int, drop_last: bool, inline: bool | None
 ) -> None:
+    """Gathered on the prefetch thread or inline (as asked, or as the size decides), the batches are numpy's."""
     arrays, idx = data
     try:
-        pipe = ops.BatchPipeline(arrays, idx, batch_size, prefetch=prefetch, drop_last=drop_last)
+        pipe = ops.BatchPipeline(arrays, idx, batch_size, prefetch=prefetch, drop_last=drop_last, inline=inline)
         got = list(pipe)
     except CLEAR:
         return
+    assert inline is None or pipe.inline == inline
     want_idx = _expected_indices(idx)
     assert want_idx is not None, f"accepted indices of dtype {np.asarray(idx).dtype}"
     rows = len(arrays[0])
@@ -95,6 +103,8 @@ def test_pipeline_equals_numpy_or_refuses(
             want = np.asarray(a)[rows_here]
             assert part.dtype == a.dtype and part.shape == want.shape
             np.testing.assert_array_equal(part, want)
+    stats = pipe.stats()
+    assert (stats["batches"], stats["rows"]) == (len(got), sum(len(b[0] if isinstance(b, tuple) else b) for b in got))
 
 
 @SETTINGS
@@ -207,28 +217,3 @@ def test_npy_refuses_pickled_objects(tmp_path: Path) -> None:
         datasets.npy(path)
     with pytest.raises(DatasetError):
         datasets.npy(path, mmap=False)
-
-
-@SETTINGS
-@given(data=datasets_and_indices(), batch_size=st.integers(1, 7))
-def test_inline_batches_equal_the_prefetch_threads(data: tuple[list[np.ndarray], Any], batch_size: int) -> None:
-    """What the pipeline gathers on the iterating thread (a small round's, ``inline``) is what its prefetch thread
-    gives: the same batches (one array, or a tuple of one per array), dtypes, shapes and counts."""
-    arrays, idx = data
-    try:
-        pipe = ops.BatchPipeline(arrays, idx, batch_size, inline=False)
-        want = list(pipe)
-    except CLEAR:
-        return  # refused input: the pipeline's own test covers it
-    inline = ops.BatchPipeline(arrays, idx, batch_size, inline=True)
-    assert inline.inline and not pipe.inline
-    got = list(inline)
-    assert len(got) == len(want) == len(inline)
-    for g, w in zip(got, want):
-        assert isinstance(g, tuple) == isinstance(w, tuple)
-        for part, expected in zip(g if isinstance(g, tuple) else (g,), w if isinstance(w, tuple) else (w,)):
-            assert type(part) is np.ndarray
-            assert part.dtype == expected.dtype and part.shape == expected.shape
-            np.testing.assert_array_equal(part, expected)
-    stats, pipe_stats = inline.stats(), pipe.stats()
-    assert (stats["rows"], stats["batches"]) == (pipe_stats["rows"], pipe_stats["batches"])

@@ -205,9 +205,9 @@ def test_a_small_round_in_memory_is_gathered_without_a_thread() -> None:
     list(ops.BatchPipeline([x, y], order, 32))  # a first one: whatever pools it starts once stay
     baseline = _threads()
     pl = ops.BatchPipeline([x, y], order, 32)
-    assert pl.inline and _threads() == baseline
+    assert pl.inline and _threads() <= baseline  # none started (one left by another test may end meanwhile)
     batches = list(pl)
-    assert _threads() == baseline
+    assert _threads() <= baseline
     assert [len(bx) for bx, _ in batches] == [32, 32] and batches[0][1].tolist() == list(range(63, 31, -1))
     assert pl.stats()["rows"] == 64 and next(iter(pl), None) is None
 

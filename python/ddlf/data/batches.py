@@ -19,8 +19,8 @@ def batches(
     preprocess: Callable[..., Any] | None = None,
 ) -> Iterator[Any]:
     """Batches of ``arrays`` (one array or a tuple with the same number of rows), gathered in Rust and prefetched
-    by a background thread: usable in a plain loop or as ``model.fit(ddlf.datasets.batches(...),
-    steps_per_epoch=...)``.
+    by a background thread (an epoch of at most 1 MiB of rows in memory: gathered as each batch is asked for):
+    usable in a plain loop or as ``model.fit(ddlf.datasets.batches(...), steps_per_epoch=...)``.
 
     ``indices``: the rows to visit (default: all, in order). ``seed``: reshuffle them each epoch (seeded
     permutation of ``indices``). ``epochs=None`` repeats forever (what Keras expects from a generator).

@@ -74,6 +74,8 @@ def _leaf(value: Any, where: str) -> Any:
             )
         if value.ndim == 0:
             raise DatasetError(f"{where} is a 0-d array (a single value): give it one entry per row")
+        if not value.flags.c_contiguous:  # once here, not every round (the pipeline reads C-ordered rows)
+            value = np.ascontiguousarray(value)
     return value
 
 

@@ -76,8 +76,14 @@ pub fn resident(region: &[u8]) -> bool {
 /// gathering).
 const ONE_CALL_PAGES: usize = 1 << 16;
 
+/// At most this many `mincore` calls, one per run of pages, where the ranges spread over more than
+/// [`ONE_CALL_PAGES`]: telling would otherwise cost more than what the answer saves.
+const MAX_CALLS: usize = 32;
+
 /// Whether every page that the byte ranges `(offset, len)` of `region` cover is in memory now (ranges outside the
-/// region are clipped; false when the kernel cannot tell): [`resident`] for the rows a round reads.
+/// region are clipped): [`resident`] for the rows a round reads. False when the kernel cannot tell, or when
+/// telling would take more than [`MAX_CALLS`] calls (rows scattered over more than [`ONE_CALL_PAGES`]): a caller
+/// then takes the way that does not need the pages in memory.
 pub fn ranges_resident(region: &[u8], ranges: impl Iterator<Item = (usize, usize)>) -> bool {
     let page = page_size();
     let size = region.len();
@@ -96,9 +102,10 @@ pub fn ranges_resident(region: &[u8], ranges: impl Iterator<Item = (usize, usize
                 .all(|&(first, end)| in_memory(&pages[first - lo..end - lo]))
         });
     }
-    spans
-        .iter()
-        .all(|&(first, end)| mincore_pages(first, end, page).is_some_and(|p| in_memory(&p)))
+    spans.len() <= MAX_CALLS
+        && spans
+            .iter()
+            .all(|&(first, end)| mincore_pages(first, end, page).is_some_and(|p| in_memory(&p)))
 }
 
 /// Mark `region` as read in the order `access` says.
@@ -183,16 +190,17 @@ mod tests {
 
     #[test]
     fn touched_heap_memory_is_resident_and_an_untouched_file_page_is_not() {
-        let data = vec![7u8; 3 * 4096 + 5];
+        let page = page_size();
+        let data = vec![7u8; 3 * page + 5];
         assert!(resident(&data));
         assert!(resident(&[]));
         assert!(ranges_resident(
             &data,
-            [(0, 10), (2 * 4096, 4101), (1 << 20, 5)].into_iter()
+            [(0, 10), (2 * page, page + 5), (1 << 30, 5)].into_iter()
         ));
         assert!(ranges_resident(&[], [(0, 10)].into_iter()));
         let path = std::env::temp_dir().join(format!("ddlf-advice-{}", std::process::id()));
-        std::fs::write(&path, vec![1u8; 64 * 4096]).unwrap();
+        std::fs::write(&path, vec![1u8; 64 * page]).unwrap();
         let file = std::fs::File::open(&path).unwrap();
         file.sync_all().unwrap();
         // SAFETY: the file is private to this test and not modified while mapped.
@@ -213,13 +221,24 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         // tmpfs keeps its pages whatever the advice: only a drop that took is checked further.
         if !cached {
-            assert!(resident(&map[..4096]));
+            assert!(resident(&map[..page]));
             assert!(ranges_resident(&map, [(10, 20)].into_iter()));
             assert!(!ranges_resident(
                 &map,
-                [(10, 20), (9 * 4096, 4096)].into_iter()
+                [(10, 20), (9 * page, page)].into_iter()
             ));
         }
+    }
+
+    #[test]
+    fn rows_scattered_over_a_large_region_are_not_told_at_any_cost() {
+        let page = page_size();
+        let span = (ONE_CALL_PAGES + 1) * page; // past one call's reach: a call per run of pages
+        let data = vec![1u8; span + page];
+        let rows = |n: usize| (0..n).map(move |i| (i * (span / (n - 1)).max(1), 8));
+        assert!(ranges_resident(&data, rows(MAX_CALLS))); // spread, but few: told
+        assert!(!ranges_resident(&data, rows(MAX_CALLS + 1))); // too many calls: not known, so not resident
+        assert!(ranges_resident(&data, (0..1000).map(|i| (i * 8, 8)))); // many rows, one run of pages
     }
 
     #[test]

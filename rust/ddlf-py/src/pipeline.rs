@@ -32,9 +32,13 @@ fn default_decode_threads() -> usize {
     budget.unwrap_or(cores).min(cores).min(8)
 }
 
-/// One input of a pipeline: an array whose rows are copied, or encoded images that are decoded.
+/// One input of a pipeline: an array whose rows are copied (`from_disk`: a `numpy.memmap` of a file outside
+/// `/dev/shm`, never gathered inline: `ddlf_core::prefetch::Rows::from_disk`), or encoded images that are decoded.
 pub(crate) enum Input {
-    Array(RowSource),
+    Array {
+        rows: RowSource,
+        from_disk: bool,
+    },
     Images {
         data: RowSource,
         offsets: RowSource,
@@ -45,7 +49,10 @@ pub(crate) enum Input {
 impl Input {
     pub(crate) fn new(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         if !obj.hasattr("__ddlf_images__")? {
-            return Ok(Input::Array(RowSource::new(obj)?));
+            return Ok(Input::Array {
+                rows: RowSource::new(obj)?,
+                from_disk: mapped_from_disk(obj)?,
+            });
         }
         let (data, offsets, (height, width), channels, flip): (
             Bound<'_, PyAny>,
@@ -78,18 +85,19 @@ impl Input {
     /// How many rows (images) there are.
     pub(crate) fn rows(&self) -> usize {
         match self {
-            Input::Array(s) => s.rows(),
+            Input::Array { rows, .. } => rows.rows(),
             Input::Images { offsets, .. } => offsets.rows().saturating_sub(1),
         }
     }
 
-    /// The source the prefetch thread reads.
+    /// The source the prefetcher reads.
     fn source(&self, threads: usize, seed: u64) -> PyResult<Source> {
         Ok(match self {
-            Input::Array(s) => {
+            Input::Array { rows: s, from_disk } => {
                 // SAFETY: `self` holds the array's buffer export, which keeps its memory alive and pinned; every
                 // owner of an `Input` drops the prefetcher (which joins its thread) before the `Input`.
-                Source::Rows(unsafe { Rows::new(s.ptr(), s.bytes(), s.row_bytes()) })
+                let rows = unsafe { Rows::new(s.ptr(), s.bytes(), s.row_bytes()) };
+                Source::Rows(if *from_disk { rows.from_disk() } else { rows })
             }
             Input::Images {
                 data,
@@ -120,12 +128,23 @@ impl Input {
         rows: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
         match self {
-            Input::Array(s) => s.to_numpy(py, data, rows),
+            Input::Array { rows: s, .. } => s.to_numpy(py, data, rows),
             Input::Images { spec, .. } => PyArray1::from_vec(py, data)
                 .into_any()
                 .call_method1("reshape", ((rows, spec.height, spec.width, spec.channels),)),
         }
     }
+}
+
+/// Whether `obj` is a `numpy.memmap` of a file that may be on disk: any but the host's copies under `/dev/shm`
+/// (`ddlf.data.node_store`), a memmap without a file name included.
+fn mapped_from_disk(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let memmap = obj.py().import("numpy")?.getattr("memmap")?;
+    if !obj.is_instance(&memmap)? {
+        return Ok(false);
+    }
+    let name = obj.getattr("filename")?; // a str, a pathlib.Path (np.load of a Path), or None
+    Ok(name.is_none() || !name.str()?.to_str()?.starts_with("/dev/shm/"))
 }
 
 /// Decodes the images at `indices` of an encoded-image dataset (no flips): `uint8`, `(len(indices), height,
@@ -155,7 +174,8 @@ pub fn decode_images<'py>(
     input.to_numpy(py, out, idx.len())
 }
 
-/// An iterator over batches of a dataset partition, prefetched by a Rust thread.
+/// An iterator over batches of a dataset partition, prefetched by a Rust thread (a small partition in memory:
+/// gathered as each batch is asked for).
 #[pyclass(module = "ddlf._ddlf")]
 pub struct BatchPipeline {
     // Declared before `sources`: dropped first, so its thread is joined before the exports are released.
@@ -171,8 +191,8 @@ impl BatchPipeline {
     /// `arrays`: dataset arrays (or encoded images) with the same number of rows; `indices`: the rows to visit, in
     /// order; `batch_size`: rows per batch; `prefetch`: batches gathered ahead; `drop_last`: skip a short last
     /// batch; `decode_threads`: threads decoding a batch of images (default: the worker's thread budget or the
-    /// cores, at most 8); `seed`: seeds the images' random flips; `inline`: gather on the iterating thread (True),
-    /// on the prefetch thread (False), or on the iterating thread when the partition is at most 1 MiB of rows
+    /// cores, at most 8); `seed`: seeds the images' random flips; `inline`: gather on the iterating thread (True;
+    /// `prefetch` is then unused), on the prefetch thread (False), or on the iterating thread when the partition is at most 1 MiB of rows
     /// already in memory (None, the default).
     #[new]
     #[pyo3(signature = (arrays, indices, batch_size, prefetch = 2, drop_last = false, decode_threads = None, seed = 0, inline = None))]

@@ -36,21 +36,45 @@ def test_a_small_round_of_memory_arrays_is_gathered_inline() -> None:
     assert ops.BatchPipeline([x, y], np.arange(12000, dtype=np.uint32), 32, inline=True).inline
 
 
-def test_a_mapped_file_is_gathered_inline_only_once_its_rows_are_in_memory(tmp_path: Path) -> None:
+def test_a_file_mapped_from_disk_goes_through_the_thread_even_when_cached(tmp_path: Path) -> None:
+    """Linux's mincore says "resident" for every page of a file this process may neither write nor own, so a
+    memmap of a file on disk is never taken to be in memory; its batches are the same."""
     on_disk = tmp_path / "x.npy"
     np.save(on_disk, _x(4000))
     rows = np.arange(0, 4000, 400, dtype=np.uint32)  # 10 rows, 7.8 KB
+    mapped = np.load(on_disk, mmap_mode="r")
+    np.asarray(mapped).sum()  # every page read: cached
+    pipe = ops.BatchPipeline([mapped], rows, 4)
+    assert not pipe.inline
+    batches = list(pipe)
+    assert all(type(b) is np.ndarray for b in batches)  # plain arrays, not memmaps of nothing
+    np.testing.assert_array_equal(np.concatenate(batches), _x(4000)[rows])
+
+
+def test_a_mapping_seen_as_a_plain_array_is_told_by_its_pages(tmp_path: Path) -> None:
+    """The same file's memory as a plain array (what ``np.frombuffer`` of an mmap gives): inline only once the
+    round's pages are in memory (this process owns the file, so mincore tells)."""
+    on_disk = tmp_path / "x.npy"
+    np.save(on_disk, _x(4000))
+    rows = np.arange(0, 4000, 400, dtype=np.uint32)
     with open(on_disk, "rb") as f:
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache: on disk only
     mapped = np.load(on_disk, mmap_mode="r")
-    dropped = not ops.BatchPipeline([mapped], rows, 4).inline
-    batches = list(ops.BatchPipeline([mapped], rows, 4))  # read: now cached
-    assert all(type(b) is np.ndarray for b in batches)  # plain arrays, not memmaps of nothing
-    np.testing.assert_array_equal(np.concatenate(batches), _x(4000)[rows])
-    assert ops.BatchPipeline([mapped], rows, 4).inline
+    plain = np.ndarray(mapped.shape, mapped.dtype, buffer=mapped)
+    assert type(plain) is np.ndarray
+    dropped = not ops.BatchPipeline([plain], rows, 4).inline
+    np.testing.assert_array_equal(np.concatenate(list(ops.BatchPipeline([plain], rows, 4))), _x(4000)[rows])
+    assert ops.BatchPipeline([plain], rows, 4).inline  # read: now cached
     if not dropped:
-        pytest.skip(f"the page cache kept {tmp_path}'s pages (tmpfs?): the on-disk case was not shown")
+        pytest.skip(f"the page cache kept {tmp_path}'s pages (tmpfs?): the pages-on-disk case was not shown")
+
+
+def test_a_dataset_not_in_c_order_is_made_so_once_not_every_round() -> None:
+    x = np.asfortranarray(_x(100).astype(np.float32))
+    parts = Parts.loaded((x, np.arange(100)))
+    assert all(leaf.flags.c_contiguous for leaf in parts.leaves)
+    np.testing.assert_array_equal(parts.leaves[0], x)
 
 
 def test_the_hosts_copy_under_dev_shm_is_gathered_inline() -> None:

@@ -25,7 +25,7 @@ pub struct Batch {
     pub buffers: Vec<Vec<u8>>,
     /// Rows in the batch (the last batch may have fewer than the batch size).
     pub rows: usize,
-    /// Seconds the prefetch thread spent gathering it.
+    /// Seconds spent gathering it (on the prefetch thread, or inline on the consumer's).
     pub gather_seconds: f64,
 }
 
@@ -35,8 +35,8 @@ pub enum PrefetchError {
     /// Gathering or decoding the batch failed.
     #[error("{0}")]
     Gather(String),
-    /// The prefetch thread is gone: every batch was served, or it was stopped.
-    #[error("the prefetch thread stopped")]
+    /// No batch is left: every batch was served, or the prefetch thread was stopped.
+    #[error("the prefetcher has no batch left")]
     Stopped,
     /// No batch was ready within the wait.
     #[error("no batch within {0:?}")]
@@ -301,7 +301,7 @@ mod tests {
             gather,
         )
         .unwrap();
-        assert_eq!(p.is_inline(), gather != Gather::Thread); // 15 bytes of heap memory: inline under Auto
+        assert_eq!(p.is_inline(), gather != Gather::Thread); // 25 bytes of heap memory: inline under Auto
         assert_eq!(p.len(), 3);
         let b = p.next(Duration::from_secs(5)).unwrap();
         assert_eq!(b.rows, 2);

@@ -10,10 +10,11 @@ pub struct Rows {
     ptr: *const u8,
     bytes: usize,
     row_bytes: usize,
+    from_disk: bool,
 }
 
 // SAFETY: `Rows` is only read, and the contract of `Rows::new` keeps the memory valid and unchanged for as long
-// as the prefetcher that reads it lives (its `Drop` joins the thread).
+// as the prefetcher that reads it lives (its `Drop` joins the thread; inline, nothing reads after `next`).
 unsafe impl Send for Rows {}
 // SAFETY: as above; reads only.
 unsafe impl Sync for Rows {}
@@ -27,7 +28,16 @@ impl Rows {
             ptr,
             bytes,
             row_bytes,
+            from_disk: false,
         }
+    }
+
+    /// These rows are a mapping of a file that may be on disk (not under `/dev/shm`): never taken to be in memory
+    /// for gathering inline. `mincore` cannot always tell: for a file this process may neither write nor owns,
+    /// Linux (since 5.2) answers that every page is resident.
+    pub fn from_disk(mut self) -> Self {
+        self.from_disk = true;
+        self
     }
 
     fn slice(&self) -> &[u8] {
@@ -168,12 +178,15 @@ impl Source {
     /// Whether the pages of `chunk`'s rows are in memory now (always false for encoded images).
     pub(super) fn holds_in_memory(&self, chunk: &[u32]) -> bool {
         match self {
-            Source::Rows(r) => ranges_resident(
-                r.slice(),
-                chunk
-                    .iter()
-                    .map(|&i| (i as usize * r.row_bytes, r.row_bytes)),
-            ),
+            Source::Rows(r) => {
+                !r.from_disk
+                    && ranges_resident(
+                        r.slice(),
+                        chunk
+                            .iter()
+                            .map(|&i| (i as usize * r.row_bytes, r.row_bytes)),
+                    )
+            }
             Source::Images(_) => false,
         }
     }
