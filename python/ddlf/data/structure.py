@@ -37,8 +37,9 @@ def is_array_like(value: list[Any] | tuple[Any, ...]) -> bool:
 def as_arrays(value: Any) -> Any:
     """What ``load_dataset`` returned, each part's array-likes as numpy arrays, as ``fit`` converts them: pandas
     DataFrames and Series to their values, lists of numbers (``x.tolist()``) through ``np.asarray``; the
-    structure (``(x, y)``, dicts of named inputs, lists of arrays) kept. Converted once, when the worker loads the
-    dataset (so the host's one copy holds arrays)."""
+    structure (``(x, y)``, dicts of named inputs, lists of arrays) kept; arrays not in C order (pandas' values are
+    often in Fortran order) copied into it, as the batch pipeline reads rows. Converted once, when the worker loads
+    the dataset (so the host's one copy holds such arrays, and no round copies them again)."""
     if isinstance(value, dict):
         return {k: _arrayed(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)) and len(value) in (2, 3):
@@ -48,7 +49,9 @@ def as_arrays(value: Any) -> Any:
 
 def _arrayed(part: Any) -> Any:
     if _is_pandas(part):
-        return part.to_numpy()
+        part = part.to_numpy()
+    if isinstance(part, np.ndarray):
+        return part if part.flags.c_contiguous else np.ascontiguousarray(part)
     if isinstance(part, dict):
         return {k: _arrayed(v) for k, v in part.items()}
     if isinstance(part, (tuple, list)):
@@ -59,8 +62,9 @@ def _arrayed(part: Any) -> Any:
 
 
 def _leaf(value: Any, where: str) -> Any:
-    """One array of a part, as the pipeline takes it: numpy arrays as they are, pandas' values as numpy, other
-    array-likes (lists, framework tensors) through ``np.asarray``; Python objects refused with the part named."""
+    """One array of a part, as the pipeline takes it: numpy arrays as they are (in C order: a loaded dataset's
+    already are, :func:`as_arrays`), pandas' values as numpy, other array-likes (lists, framework tensors) through
+    ``np.asarray``; Python objects refused with the part named."""
     if _is_pandas(value):
         value = value.to_numpy()
     elif not isinstance(value, np.ndarray) and not hasattr(value, "row_bytes"):  # EncodedImages pass as they are
@@ -74,7 +78,7 @@ def _leaf(value: Any, where: str) -> Any:
             )
         if value.ndim == 0:
             raise DatasetError(f"{where} is a 0-d array (a single value): give it one entry per row")
-        if not value.flags.c_contiguous:  # once here, not every round (the pipeline reads C-ordered rows)
+        if not value.flags.c_contiguous:  # train(sample_weight=...) (the pipeline reads C-ordered rows)
             value = np.ascontiguousarray(value)
     return value
 

@@ -234,11 +234,20 @@ mod tests {
     fn rows_scattered_over_a_large_region_are_not_told_at_any_cost() {
         let page = page_size();
         let span = (ONE_CALL_PAGES + 1) * page; // past one call's reach: a call per run of pages
-        let data = vec![1u8; span + page];
+        let mut data = vec![0u8; span + page]; // reserved, not touched: only the rows written below are in memory
         let rows = |n: usize| (0..n).map(move |i| (i * (span / (n - 1)).max(1), 8));
+        for (offset, len) in rows(MAX_CALLS).chain(rows(MAX_CALLS + 1)) {
+            data[offset..offset + len].fill(1);
+        }
         assert!(ranges_resident(&data, rows(MAX_CALLS))); // spread, but few: told
         assert!(!ranges_resident(&data, rows(MAX_CALLS + 1))); // too many calls: not known, so not resident
-        assert!(ranges_resident(&data, (0..1000).map(|i| (i * 8, 8)))); // many rows, one run of pages
+        data[..page].fill(1);
+        data[span..].fill(1);
+        // Many rows in two runs of pages, far apart: two calls.
+        let ends = (0..100)
+            .map(|i| (i * 8, 8))
+            .chain((0..100).map(|i| (span + i * 8, 8)));
+        assert!(ranges_resident(&data, ends));
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! * [`shm`]: shared-memory files for large buffers between processes on one machine.
 //! * [`shm_pool`]: shared-memory segments reused from transfer to transfer, released by their readers.
 //! * [`kernels`]: weighted averages, in-place updates, deltas and half-precision conversion of weight lists.
-//! * [`prefetch`]: batches of rows gathered ahead by a background thread.
+//! * [`prefetch`]: batches of rows gathered ahead by a background thread (a small partition in memory: when asked).
 //! * [`images`]: encoded JPEG/PNG images decoded, resized and flipped into fixed-size rows (image datasets).
 //! * [`parallel`]: the merge kernels split across threads for large arrays.
 //! * [`memory`]: the allocator policy that keeps large transfer buffers' pages mapped between transfers.

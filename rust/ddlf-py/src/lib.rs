@@ -8,7 +8,7 @@
 //! * [`buffers`]: `RecvBuffer`, received bytes exposed to Python without a copy; reading Python buffers.
 //! * [`arrays`]: `ddlf.ops` array kernels (merge, precision), dtype-checked.
 //! * [`ops`]: `ddlf.ops` index kernels (shuffle, partitions, gather).
-//! * [`pipeline`]: `BatchPipeline`, batches gathered and prefetched by a Rust thread.
+//! * [`pipeline`]: `BatchPipeline`, batches gathered and prefetched by a Rust thread (or inline, when small).
 //! * [`errors`]: Rust errors to `ddlf.errors` exception classes.
 //! * [`logging`]: `tracing` output, configured from `DDLF_LOG` / `RUST_LOG`.
 

@@ -1,4 +1,5 @@
-//! `BatchPipeline`: batches gathered in Rust by a background thread while Python trains on the previous ones.
+//! `BatchPipeline`: batches gathered in Rust by a background thread while Python trains on the previous ones (or,
+//! for a small partition in memory, gathered as Python asks for each).
 //!
 //! Given the dataset arrays (rows along the first axis), an index partition and a batch size, a prefetch thread
 //! (`ddlf_core::prefetch`) gathers the rows of each batch into fresh contiguous buffers, up to `prefetch` batches
@@ -144,7 +145,7 @@ fn mapped_from_disk(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
         return Ok(false);
     }
     let name = obj.getattr("filename")?; // a str, a pathlib.Path (np.load of a Path), or None
-    Ok(name.is_none() || !name.str()?.to_str()?.starts_with("/dev/shm/"))
+    Ok(name.is_none() || !name.str()?.to_string_lossy().starts_with("/dev/shm/"))
 }
 
 /// Decodes the images at `indices` of an encoded-image dataset (no flips): `uint8`, `(len(indices), height,
@@ -192,8 +193,8 @@ impl BatchPipeline {
     /// order; `batch_size`: rows per batch; `prefetch`: batches gathered ahead; `drop_last`: skip a short last
     /// batch; `decode_threads`: threads decoding a batch of images (default: the worker's thread budget or the
     /// cores, at most 8); `seed`: seeds the images' random flips; `inline`: gather on the iterating thread (True;
-    /// `prefetch` is then unused), on the prefetch thread (False), or on the iterating thread when the partition is at most 1 MiB of rows
-    /// already in memory (None, the default).
+    /// `prefetch` is then unused), on the prefetch thread (False), or on the iterating thread when the partition
+    /// is at most 1 MiB of rows already in memory (None, the default).
     #[new]
     #[pyo3(signature = (arrays, indices, batch_size, prefetch = 2, drop_last = false, decode_threads = None, seed = 0, inline = None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
