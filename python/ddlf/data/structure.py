@@ -51,7 +51,7 @@ def _arrayed(part: Any) -> Any:
     if _is_pandas(part):
         part = part.to_numpy()
     if isinstance(part, np.ndarray):
-        return part if part.flags.c_contiguous else np.ascontiguousarray(part)
+        return _c_ordered(part)
     if isinstance(part, dict):
         return {k: _arrayed(v) for k, v in part.items()}
     if isinstance(part, (tuple, list)):
@@ -78,9 +78,14 @@ def _leaf(value: Any, where: str) -> Any:
             )
         if value.ndim == 0:
             raise DatasetError(f"{where} is a 0-d array (a single value): give it one entry per row")
-        if not value.flags.c_contiguous:  # train(sample_weight=...) (the pipeline reads C-ordered rows)
-            value = np.ascontiguousarray(value)
+        value = _c_ordered(value)  # train(sample_weight=...) arrays (loaded ones already are: as_arrays)
     return value
+
+
+def _c_ordered(a: np.ndarray) -> np.ndarray:
+    """``a`` in C order, as the batch pipeline reads rows (it would copy the whole array every round otherwise):
+    ``a`` itself when it is (a memmap stays one: the pipeline tells files on disk by it), else a C-ordered copy."""
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def _flatten(value: Any, where: str, leaves: list[Any]) -> Spec:

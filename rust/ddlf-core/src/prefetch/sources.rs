@@ -40,6 +40,13 @@ impl Rows {
         self
     }
 
+    /// The byte ranges `(offset, len)` of rows `chunk` in [`Self::slice`].
+    fn ranges<'a>(&'a self, chunk: &'a [u32]) -> impl Iterator<Item = (usize, usize)> + 'a {
+        chunk
+            .iter()
+            .map(|&i| (i as usize * self.row_bytes, self.row_bytes))
+    }
+
     fn slice(&self) -> &[u8] {
         if self.bytes == 0 {
             return &[];
@@ -147,12 +154,7 @@ impl Source {
     /// skipped here; the gather reports them.
     pub(super) fn read_ahead(&self, chunk: &[u32]) {
         match self {
-            Source::Rows(r) => will_need(
-                r.slice(),
-                chunk
-                    .iter()
-                    .map(|&i| (i as usize * r.row_bytes, r.row_bytes)),
-            ),
+            Source::Rows(r) => will_need(r.slice(), r.ranges(chunk)),
             Source::Images(im) => {
                 let offsets = im.offsets();
                 will_need(
@@ -178,15 +180,7 @@ impl Source {
     /// Whether the pages of `chunk`'s rows are in memory now (always false for encoded images).
     pub(super) fn holds_in_memory(&self, chunk: &[u32]) -> bool {
         match self {
-            Source::Rows(r) => {
-                !r.from_disk
-                    && ranges_resident(
-                        r.slice(),
-                        chunk
-                            .iter()
-                            .map(|&i| (i as usize * r.row_bytes, r.row_bytes)),
-                    )
-            }
+            Source::Rows(r) => !r.from_disk && ranges_resident(r.slice(), r.ranges(chunk)),
             Source::Images(_) => false,
         }
     }

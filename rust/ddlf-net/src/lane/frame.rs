@@ -197,7 +197,8 @@ impl std::fmt::Debug for FrameReader {
 }
 
 impl FrameReader {
-    /// Read whatever `src` has without blocking; returns whether anything (or the end of the stream) came.
+    /// Read whatever `src` has without blocking; returns whether anything (or the end of the stream, or an error
+    /// such as a reset) came: the blocking read that follows then reports the end or the error.
     pub fn try_fill(&mut self, src: &TcpStream) -> bool {
         if self.start > 0 {
             self.buf.copy_within(self.start..self.end, 0);
@@ -222,7 +223,10 @@ impl FrameReader {
                 true
             }
             0 => true, // the end of the stream: the blocking read that follows reports it
-            _ => false,
+            _ => !matches!(
+                io::Error::last_os_error().kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            ),
         }
     }
 

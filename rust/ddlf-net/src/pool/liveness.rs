@@ -234,19 +234,8 @@ fn over_ping_lanes(
                     }
                 }
             }
-            continue;
         }
-        // A socket in error or hung up: its lane's `receive` reports why.
-        for (&i, fd) in waiting.iter().zip(&fds) {
-            if fd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) == 0 {
-                continue;
-            }
-            if let Some(p) = pings[i].as_mut() {
-                let beat = p.receive(nonce, on_time, &mut give_up);
-                let beat = beat.map(|pong| (sent[i].elapsed(), pong.instance));
-                settle(i, beat, &mut pings, &mut beats, retry)?;
-            }
-        }
+        // Whatever woke the poll (an answer, the end of the connection, a reset) is `ready` at the loop's top.
     }
 }
 
