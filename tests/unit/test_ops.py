@@ -210,6 +210,9 @@ def test_a_small_round_in_memory_is_gathered_without_a_thread() -> None:
     assert _threads() <= baseline
     assert [len(bx) for bx, _ in batches] == [32, 32] and batches[0][1].tolist() == list(range(63, 31, -1))
     assert pl.stats()["rows"] == 64 and next(iter(pl), None) is None
+    with pytest.raises(TypeError, match="inline"):
+        ops.BatchPipeline([x, y], order, 32, inline="yes")  # type: ignore[arg-type]
+    assert not ops.BatchPipeline([x, y], order, 32, inline=False).inline  # refused, then as asked
 
 
 def test_topk_and_densify() -> None:
