@@ -84,6 +84,9 @@ def test_half_precision_round_trip() -> None:
         ops.to_half([np.ones(3)])
     with pytest.raises(TypeError):
         ops.from_half(x)
+    # what averaging rounds ask of every array: half precision, and nothing else of two bytes
+    assert ops.is_half(h[0]) and ops.is_half(b[0])
+    assert not any(ops.is_half(np.zeros(2, t)) for t in (np.float32, np.float64, np.int16, np.uint16, np.int8))
 
 
 def test_permutation_and_partitions() -> None:

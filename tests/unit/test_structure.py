@@ -143,3 +143,16 @@ def test_contiguous_parts_cover_the_rows_in_order() -> None:
 def test_concatenate_rows_keeps_a_multi_output_structure() -> None:
     out = concatenate_rows([{"a": np.zeros((2, 1)), "b": [np.ones(2)]}, {"a": np.zeros((1, 1)), "b": [np.ones(1)]}])
     assert out["a"].shape == (3, 1) and isinstance(out["b"], list) and out["b"][0].shape == (3,)
+
+
+def test_a_round_with_neither_indices_nor_a_slice_feeds_no_batches() -> None:
+    from ddlf.training.messages import Rows
+    from ddlf.training.replica.session import Session
+
+    x, y = np.arange(12, dtype=np.float32).reshape(6, 2), np.arange(6)
+    session = Session(run_id="r", app=ddlf.IApp.__new__(ddlf.IApp), model=None, parts=Parts.loaded((x, y)), rows=6)
+    assert Rows().count() == 0 and list(session.feed(Rows(), 4, 2)) == []
+    batches = list(session.feed(Rows(indices=np.array([5, 0, 3], dtype=np.uint32)), 2, 2))
+    assert [n for *_, n in batches] == [2, 1]
+    np.testing.assert_array_equal(batches[0][0], x[[5, 0]])
+    np.testing.assert_array_equal(batches[1][1], y[[3]])

@@ -74,7 +74,7 @@ class Feed:
     def __init__(
         self,
         parts: Parts,
-        indices: np.ndarray | None,
+        indices: np.ndarray,
         batch_size: int,
         prefetch: int,
         preprocess: Callable[[Any, Any], tuple[Any, Any]],

@@ -138,6 +138,8 @@ class Session:
                 indices = ops.partition_for(n, seed, epoch, shares, w)[start:stop]
             else:
                 indices = np.arange(start, min(stop, n), dtype=np.uint32)
+        if indices is None:  # neither: no rows this round (Rows.count() is 0)
+            indices = np.empty(0, dtype=np.uint32)
         return Feed(parts, indices, batch_size, prefetch, self.app.preprocess, self.fit)
 
     # -- state for checkpoints --------------------------------------------------------------------------------
