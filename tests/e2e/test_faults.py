@@ -18,6 +18,7 @@ import pytest
 
 import ddlf
 from ddlf.training.callbacks import LambdaCallback
+from ddlf.training.run import SLOW_WORKER_ENV
 
 from ..conftest import MNIST_DIR, POOL, REPO, Daemon, pid_alive, pool_addresses, pooled, wait_until
 from .apps import FaultApp, _kill_at_round
@@ -98,6 +99,34 @@ def test_a_stopped_worker_is_declared_lost_within_the_heartbeat_timeout(mnist_te
         c.close()
     finally:
         os.kill(victim, signal.SIGCONT)  # the pool's member serves the next test
+
+
+@pytest.mark.fresh_daemons("every worker is killed")
+@pytest.mark.parametrize(
+    "strategy",
+    [None, ddlf.ModelAveraging(every=5), ddlf.Asynchronous()],
+    ids=["gradient-averaging", "model-averaging", "async"],
+)
+def test_every_worker_killed_in_the_last_epoch_is_an_error(strategy, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A one-epoch run: the last epoch's rounds have nothing after them that would find every worker gone, and
+    # the run once ended there with an empty History, the master's initial weights and only warnings.
+    monkeypatch.setenv(SLOW_WORKER_ENV, "1:1.0")  # worker 1 takes a second a batch: the epoch outlasts the kill
+    with ddlf.Cluster.local(2, threads=1) as c:
+        pids = [c.run_on(i, os.getpid) for i in range(2)]
+        killed: list[threading.Timer] = []
+
+        def kill_all(logs: dict | None = None) -> None:
+            killed.append(threading.Timer(0.3, lambda: [os.kill(p, signal.SIGKILL) for p in pids]))
+            killed[0].start()
+
+        app = FaultApp(c)
+        with pytest.warns(RuntimeWarning, match="lost"), pytest.raises(ddlf.WorkerUnavailable) as err:
+            app.train(
+                epochs=1, batch_size=32, strategy=strategy, verbose=0,
+                callbacks=[LambdaCallback(on_train_begin=kill_all)], run=ddlf.RunConfig(rejoin_timeout=1.0),
+            )  # fmt: skip
+        killed[0].join()
+        assert "every worker is lost" in str(err.value) and "within 1 s" in str(err.value), err.value
 
 
 def _inc(x: int) -> int:

@@ -285,8 +285,9 @@ def _supervise(
                 t.start()
             if not live and not running:
                 alone_since = alone_since or time.monotonic()
-                if time.monotonic() - alone_since > cfg.run.rejoin_timeout:
-                    members.wait_for_any(0.0)  # raises, naming the workers
+                alone = time.monotonic() - alone_since
+                if alone > cfg.run.rejoin_timeout:
+                    members.wait_for_any(0.0, waited=alone)  # raises, naming the workers
             else:
                 alone_since = None
         # Until a worker thread ends (the epoch may be over: no fixed wait at its end), or the next look at the

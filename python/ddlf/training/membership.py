@@ -172,8 +172,9 @@ class Members:
                 f"worker {i} ({self.cluster.addresses[i]}) loaded {info['rows']} rows; the others {self.rows}"
             )
 
-    def wait_for_any(self, timeout: float) -> list[int]:
-        """Every worker is lost: keep trying to bring one back for up to ``timeout`` seconds."""
+    def wait_for_any(self, timeout: float, *, waited: float = 0.0) -> list[int]:
+        """Every worker is lost: keep trying to bring one back for up to ``timeout`` seconds (``waited``: how
+        long the caller has already waited, counted in the error)."""
         deadline = time.monotonic() + timeout
         while True:
             live = self.live()
@@ -181,5 +182,6 @@ class Members:
                 return live
             if time.monotonic() >= deadline:
                 lost = ", ".join(self.cluster.addresses)
-                raise WorkerUnavailable(f"every worker is lost ({lost}) and none came back within {timeout:.0f} s")
+                within = timeout + waited
+                raise WorkerUnavailable(f"every worker is lost ({lost}) and none came back within {within:.0f} s")
             time.sleep(min(self.rejoin_interval, 0.5))

@@ -102,12 +102,17 @@ def train_sync(run: TrainingRun) -> History:
             else:
                 results, t_sent, send_s, call_s = _round(run, weights, opt_state, assignments, epoch, round_no, t0)
             wall = time.perf_counter() - t0
-            run.members.live()  # copies the loss events into History now, with this round's number
+            live = run.members.live()  # copies the loss events into History now, with this round's number
             live_results = [r for r in results if r.samples > 0]
             if not live_results and run.preempted():
                 # The round was abandoned (the scheduler stops the workers too): stop before it could count as
                 # trained, even as the epoch's last.
                 stop_if_preempted(epoch, merged_at)
+            if not results and not live:
+                # Every worker of the round was lost: as before any round, one must come back within the
+                # rejoin timeout (else WorkerUnavailable), even after the run's last round, which must not end
+                # as trained on no worker at all.
+                run.members.wait_for_any(cfg.run.rejoin_timeout)
             # With the ring the workers averaged among themselves; the master fetches the weights at epoch end.
             if ring is None and live_results:
                 samples = [float(r.samples) for r in live_results]
