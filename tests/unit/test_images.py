@@ -117,6 +117,19 @@ def test_a_file_that_does_not_decode_is_an_error_naming_its_row(tmp_path) -> Non
     with pytest.raises(ValueError, match=r"row 12 .*could not be decoded"):
         list(ops.BatchPipeline([x, y], np.arange(13), 5))
     assert x.decode(np.arange(12)).shape == (12, 12, 16, 3)  # the others still decode
+    # A loop that skips the bad batch gets the others, then the end (the failed batch is spent), in either mode.
+    for inline in (True, False):
+        pl = ops.BatchPipeline([x, y], np.array([12, 0, 1, 2, 3, 4, 5]), 3, inline=inline)
+        got, errors = [], 0
+        for _ in range(10):
+            try:
+                got.append(next(pl))
+            except StopIteration:
+                break
+            except ValueError:
+                errors += 1
+        assert errors == 1 and [len(b[1]) for b in got] == [3, 1], (inline, errors, got)
+        assert next(pl, None) is None
 
 
 def test_malformed_descriptions_are_refused() -> None:

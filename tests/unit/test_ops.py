@@ -176,6 +176,40 @@ def test_batch_pipeline_bad_inputs() -> None:
         ops.BatchPipeline([x], [0], 0)
     with pytest.raises(ValueError):
         ops.BatchPipeline([], [0], 1)
+    with pytest.raises(ValueError, match="batch_size must be at least 1, not -2"):
+        ops.BatchPipeline([x], [0], -2)
+    with pytest.raises(ValueError, match="prefetch must be 0 or more, not -1"):
+        ops.BatchPipeline([x], [0], 2, prefetch=-1)
+    with pytest.raises(TypeError, match=r"pass one array as \[array\]"):
+        ops.BatchPipeline(x, [0], 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="0-d"):
+        ops.BatchPipeline([np.float32(3.0)], [0], 1)
+    with pytest.raises(TypeError, match="integers"):
+        ops.BatchPipeline([x], [0.5], 1)
+    assert list(ops.BatchPipeline([x], [], 2)) == []  # no rows: numpy calls [] float64
+
+
+def test_batch_pipeline_any_prefetch_and_dtypes_the_buffer_protocol_lacks() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    order = np.array([9, 3, 0, 7, 7])
+    # More batches ahead than there are: at most every batch (the channel's slots were allocated up front).
+    for prefetch in (10**9, 2**62):
+        got = list(ops.BatchPipeline([x], order, 2, prefetch=prefetch, inline=False))
+        np.testing.assert_array_equal(np.concatenate(got), x[order])
+    # Dtypes numpy cannot export through the buffer protocol: copied as bytes, returned as themselves.
+    leaves = [
+        x.astype(ml_dtypes.bfloat16),
+        x.astype(ml_dtypes.float8_e4m3fn),
+        np.arange(10).astype("datetime64[s]"),
+        np.arange(20).reshape(10, 2).astype("timedelta64[ms]")[:, ::-1],
+    ]
+    for inline in (True, False):
+        batches = list(ops.BatchPipeline(leaves, order, 2, inline=inline))
+        for i, leaf in enumerate(leaves):
+            part = np.concatenate([b[i] for b in batches])
+            assert part.dtype == leaf.dtype and part.shape == (5, *leaf.shape[1:])
+            np.testing.assert_array_equal(part.view(np.uint8), np.ascontiguousarray(leaf[order]).view(np.uint8))
 
 
 def _threads() -> int:

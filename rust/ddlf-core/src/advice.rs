@@ -84,24 +84,50 @@ const MAX_CALLS: usize = 32;
 /// region are clipped): [`resident`] for the rows a round reads. False when the kernel cannot tell, or when
 /// telling would take more than [`MAX_CALLS`] calls (rows scattered over more than [`ONE_CALL_PAGES`]): a caller
 /// then takes the way that does not need the pages in memory.
-pub fn ranges_resident(region: &[u8], ranges: impl Iterator<Item = (usize, usize)>) -> bool {
+pub fn ranges_resident<I>(region: &[u8], ranges: I) -> bool
+where
+    I: Iterator<Item = (usize, usize)> + Clone,
+{
     let page = page_size();
-    let size = region.len();
-    let clipped = ranges
-        .filter(|&(offset, _)| offset < size)
-        .map(|(offset, len)| (offset, len.min(size - offset)));
-    let spans = page_spans(region.as_ptr() as usize, clipped, page);
-    let (Some(&(lo, _)), Some(&(_, hi))) = (spans.first(), spans.last()) else {
-        return true;
+    let (base, size) = (region.as_ptr() as usize, region.len());
+    let clip = move |(offset, len): (usize, usize)| {
+        (offset < size).then(|| (offset, len.min(size - offset)))
+    };
+    let pages_of = move |r: (usize, usize)| {
+        clip(r)
+            .filter(|&(_, len)| len > 0)
+            .map(|(offset, len)| ((base + offset) / page, (base + offset + len).div_ceil(page)))
     };
     let in_memory = |pages: &[u8]| pages.iter().all(|p| p & 1 == 1);
+    let (region_lo, region_hi) = (base / page, (base + size).div_ceil(page));
+    if region_hi - region_lo <= ONE_CALL_PAGES
+        && mincore_pages(region_lo, region_hi, page).is_some_and(|pages| in_memory(&pages))
+    {
+        return true; // all of a region of at most one call's pages: whatever the rows (a pass over them is slower)
+    }
+    // One pass for the first and last byte, no sort and no division per row: a round of a million one-byte rows
+    // took 33 ms sorting its spans, 25 times the gathering it was to decide on.
+    let (first_byte, end_byte) = ranges
+        .clone()
+        .filter_map(clip)
+        .filter(|&(_, len)| len > 0)
+        .fold((usize::MAX, 0), |(lo, hi), (offset, len)| {
+            (lo.min(offset), hi.max(offset + len))
+        });
+    if first_byte >= end_byte {
+        return true;
+    }
+    let (lo, hi) = ((base + first_byte) / page, (base + end_byte).div_ceil(page));
     if hi - lo <= ONE_CALL_PAGES {
         return mincore_pages(lo, hi, page).is_some_and(|pages| {
-            spans
-                .iter()
-                .all(|&(first, end)| in_memory(&pages[first - lo..end - lo]))
+            // Every page between the first and the last in memory (the usual answer) says it for the rows too.
+            in_memory(&pages)
+                || ranges
+                    .filter_map(pages_of)
+                    .all(|(first, end)| in_memory(&pages[first - lo..end - lo]))
         });
     }
+    let spans = page_spans(base, ranges.filter_map(clip), page);
     spans.len() <= MAX_CALLS
         && spans
             .iter()

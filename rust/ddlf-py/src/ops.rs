@@ -87,24 +87,25 @@ pub fn gather<'py>(
 pub(crate) fn indices_u32(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let np = obj.py().import("numpy")?;
     let arr = np.call_method1("ascontiguousarray", (obj,))?;
+    if arr.getattr("size")?.extract::<usize>()? == 0 {
+        return Ok(Vec::new()); // no rows, whatever the dtype (`[]` is float64 to numpy)
+    }
     let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;
     if kind != "u" && kind != "i" {
         return Err(PyTypeError::new_err("indices must be integers"));
     }
-    if arr.getattr("size")?.extract::<usize>()? > 0 {
-        // Compared as Python ints (exact for every integer dtype): a cast first would wrap silently.
-        let zero = 0i64.into_pyobject(obj.py())?;
-        let min = arr.call_method0("min")?;
-        if min.lt(&zero)? {
-            return Err(PyValueError::new_err(format!("negative index {min}")));
-        }
-        let max = arr.call_method0("max")?;
-        if max.gt(u32::MAX)? {
-            return Err(PyValueError::new_err(format!(
-                "index {max} is out of range: ddlf indexes at most {} rows",
-                u32::MAX
-            )));
-        }
+    // Compared as Python ints (exact for every integer dtype): a cast first would wrap silently.
+    let zero = 0i64.into_pyobject(obj.py())?;
+    let min = arr.call_method0("min")?;
+    if min.lt(&zero)? {
+        return Err(PyValueError::new_err(format!("negative index {min}")));
+    }
+    let max = arr.call_method0("max")?;
+    if max.gt(u32::MAX)? {
+        return Err(PyValueError::new_err(format!(
+            "index {max} is out of range: ddlf indexes at most {} rows",
+            u32::MAX
+        )));
     }
     let arr = arr
         .call_method1("astype", ("uint32",))?
@@ -133,6 +134,12 @@ unsafe impl Sync for RowSource {}
 impl RowSource {
     pub(crate) fn new(array: &Bound<'_, PyAny>) -> PyResult<Self> {
         let np = array.py().import("numpy")?;
+        // Before `ascontiguousarray`, which makes a 0-d array 1-d.
+        if np.call_method1("ndim", (array,))?.extract::<usize>()? == 0 {
+            return Err(PyValueError::new_err(
+                "a dataset array needs at least one dimension (rows), not a 0-d array",
+            ));
+        }
         let arr = np.call_method1("ascontiguousarray", (array,))?;
         if arr
             .getattr("dtype")?
@@ -146,14 +153,21 @@ impl RowSource {
             )));
         }
         let untyped = arr.cast::<numpy::PyUntypedArray>()?;
-        let shape = untyped.shape().to_vec();
-        if shape.is_empty() {
+        let Some((&rows, row_shape)) = untyped.shape().split_first() else {
             return Err(PyValueError::new_err(
                 "a dataset array needs at least one dimension",
             ));
-        }
-        let buf = PyUntypedBuffer::get(&arr)?;
-        let rows = shape[0];
+        };
+        let row_shape = row_shape.to_vec();
+        // A dtype the buffer protocol cannot describe (bfloat16 and float8 of ml_dtypes, datetime64, timedelta64)
+        // is exported as the same memory's bytes: rows are copied as bytes, and viewed as `dtype` after.
+        let buf = match PyUntypedBuffer::get(&arr) {
+            Ok(buf) => buf,
+            Err(_) => PyUntypedBuffer::get(
+                &arr.call_method1("reshape", (-1,))?
+                    .call_method1("view", (np.getattr("uint8")?,))?,
+            )?,
+        };
         let bytes = buf.len_bytes();
         let row_bytes = bytes.checked_div(rows).unwrap_or(0);
         Ok(RowSource {
@@ -161,7 +175,7 @@ impl RowSource {
             bytes,
             rows,
             row_bytes,
-            row_shape: shape[1..].to_vec(),
+            row_shape,
             dtype: arr.getattr("dtype")?.unbind(),
             _buf: buf,
             _owner: arr.unbind(),

@@ -14,9 +14,9 @@
 use std::time::{Duration, Instant};
 
 use ddlf_core::images::ImageSpec;
-use ddlf_core::prefetch::{Batch, EncodedRows, Gather, Prefetcher, Rows, Source};
+use ddlf_core::prefetch::{Batch, EncodedRows, Gather, PrefetchError, Prefetcher, Rows, Source};
 use numpy::PyArray1;
-use pyo3::exceptions::{PyStopIteration, PyValueError};
+use pyo3::exceptions::{PyStopIteration, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -199,21 +199,34 @@ impl BatchPipeline {
     #[pyo3(signature = (arrays, indices, batch_size, prefetch = 2, drop_last = false, decode_threads = None, seed = 0, inline = None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
-        arrays: Vec<Bound<'_, PyAny>>,
+        arrays: Bound<'_, PyAny>,
         indices: Bound<'_, PyAny>,
-        batch_size: usize,
-        prefetch: usize,
+        batch_size: i64,
+        prefetch: i64,
         drop_last: bool,
         decode_threads: Option<usize>,
         seed: u64,
         inline: Option<bool>,
     ) -> PyResult<Self> {
+        if arrays.hasattr("__array_interface__")? || arrays.hasattr("__ddlf_images__")? {
+            return Err(PyTypeError::new_err(
+                "arrays is a list of the dataset's arrays: pass one array as [array]",
+            ));
+        }
+        let arrays: Vec<Bound<'_, PyAny>> = arrays.extract()?;
         if arrays.is_empty() {
             return Err(PyValueError::new_err("at least one array is needed"));
         }
-        if batch_size == 0 {
-            return Err(PyValueError::new_err("batch_size must be at least 1"));
-        }
+        let Ok(batch_size @ 1..) = usize::try_from(batch_size) else {
+            return Err(PyValueError::new_err(format!(
+                "batch_size must be at least 1, not {batch_size}"
+            )));
+        };
+        let Ok(prefetch) = usize::try_from(prefetch) else {
+            return Err(PyValueError::new_err(format!(
+                "prefetch must be 0 or more, not {prefetch}"
+            )));
+        };
         let sources: Vec<Input> = arrays.iter().map(Input::new).collect::<PyResult<_>>()?;
         let rows = sources[0].rows();
         for (i, s) in sources.iter().enumerate() {
@@ -281,7 +294,19 @@ impl BatchPipeline {
             buffers: bufs,
             rows,
             gather_seconds,
-        } = batch.map_err(value_error)?;
+        } = match batch {
+            Ok(batch) => batch,
+            Err(e) => {
+                // A batch that failed is spent: the prefetcher has moved past it, so a loop that skips bad batches
+                // still ends. A stopped stream has none left.
+                self.served = match e {
+                    PrefetchError::Gather(_) => self.served + 1,
+                    PrefetchError::Stopped => prefetcher.len(),
+                    PrefetchError::Timeout(_) => self.served,
+                };
+                return Err(value_error(e));
+            }
+        };
         self.gather_seconds += gather_seconds;
         self.served += 1;
         self.rows_served += rows;

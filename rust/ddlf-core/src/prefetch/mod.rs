@@ -172,14 +172,17 @@ impl Prefetcher {
         ahead: usize,
     ) -> std::io::Result<Feed> {
         let sources = Arc::new(sources);
-        let (tx, rx) = sync_channel(ahead.max(1));
+        // No more slots than batches: the channel allocates every slot up front (a `prefetch` of 10**9 asked for
+        // 48 GB and aborted the process).
+        let ahead = ahead.clamp(1, n_batches.max(1));
+        let (tx, rx) = sync_channel(ahead);
         let thread = std::thread::Builder::new()
             .name("ddlf-prefetch".into())
             .spawn(move || {
                 // Pages of the next `read_ahead` batches are requested before they are gathered: a mapped file
                 // larger than memory is read by queued requests, not one fault at a time. Memory already
                 // resident gets no advice (see `crate::advice`).
-                let read_ahead = ahead.max(1) + 2;
+                let read_ahead = ahead + 2;
                 let advised: Vec<&Source> =
                     sources.iter().filter(|s| !resident(s.region())).collect();
                 for s in &advised {
@@ -314,6 +317,24 @@ mod tests {
             p.next(Duration::from_millis(50)).unwrap_err(),
             PrefetchError::Stopped
         );
+    }
+
+    #[test]
+    fn any_number_ahead_is_at_most_every_batch() {
+        let x: Vec<u8> = (0..10).collect();
+        let p = Prefetcher::start(
+            vec![rows(&x, 1)],
+            (0..10).rev().collect(),
+            4,
+            usize::MAX,
+            false,
+            Gather::Thread,
+        )
+        .unwrap();
+        let got: Vec<Vec<u8>> = (0..3)
+            .map(|_| p.next(Duration::from_secs(5)).unwrap().buffers.remove(0))
+            .collect();
+        assert_eq!(got, vec![vec![9, 8, 7, 6], vec![5, 4, 3, 2], vec![1, 0]]);
     }
 
     #[test]

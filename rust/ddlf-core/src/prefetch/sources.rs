@@ -41,7 +41,7 @@ impl Rows {
     }
 
     /// The byte ranges `(offset, len)` of rows `chunk` in [`Self::slice`].
-    fn ranges<'a>(&'a self, chunk: &'a [u32]) -> impl Iterator<Item = (usize, usize)> + 'a {
+    fn ranges<'a>(&'a self, chunk: &'a [u32]) -> impl Iterator<Item = (usize, usize)> + Clone + 'a {
         chunk
             .iter()
             .map(|&i| (i as usize * self.row_bytes, self.row_bytes))
