@@ -318,6 +318,12 @@ class TooManyRuns(DdlfError, RuntimeError):
     """The daemon holds ``max_runs`` training runs already; none of them is idle long enough to evict."""
 
 
+class RingBusy(TooManyRuns):
+    """Another training run that all-reduces worker to worker (gradient averaging, the ring) holds the daemon: two
+    such runs on the same workers would each wait on a round the other's holds up (a worker runs one call at a
+    time). A master told so tears its set-up down and waits for the other run to end."""
+
+
 class FrameworkClash(DdlfError, RuntimeError):
     """Loading a framework now would abort the process: PyTorch's compiler (``torch._dynamo``, which every
     ``torch.optim`` optimizer loads) after TensorFlow, where ``triton`` is installed (two copies of LLVM). The
@@ -495,6 +501,7 @@ __all__ = [
     "ReplyRefusedWarning",
     "RequestRejected",
     "ResetRefused",
+    "RingBusy",
     "SerializationError",
     "TooManyRuns",
     "WireOverflowWarning",

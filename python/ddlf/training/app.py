@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
+import random
 import threading
 import time
 import uuid
@@ -41,6 +43,7 @@ from ..errors import (
     DatasetError,
     ModelChangeWarning,
     OutOfRangeError,
+    RingBusy,
     WorkerUnavailable,
 )
 from ..frameworks import model_spec
@@ -67,6 +70,8 @@ from .replica.sharded import check_shardable
 from .replica.steppers import check_steppable
 from .run import RunState, TrainingRun
 from .synchronous import train_sync as _train_sync
+
+log = logging.getLogger("ddlf.training")
 
 _SEEDING = threading.Lock()
 """Held while an app seeds the process's random generators and draws its model's initial weights from them."""
@@ -402,6 +407,29 @@ class IApp:
                 set_random_seed(seed)
                 model_spec.build_from(self.model, sample)
 
+    def _start(self, members: Members) -> list[int]:
+        """Set the run up on its workers. While another run that all-reduces worker to worker holds one of them
+        (:class:`~ddlf.RingBusy`: two would deadlock on each other's rounds), tear down, wait and ask again: runs
+        started at once take turns."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return members.live(first=True)
+            except RingBusy as busy:
+                with contextlib.suppress(Exception):
+                    self._abandon(members)
+                members.forget_setups()
+                if attempt == 1:
+                    log.warning("training run %s waits for its workers: %s", members.run_id, busy)
+                # Random, growing waits: two runs refused on each other's workers do not ask again in step.
+                time.sleep(random.uniform(0.1, 0.5) * min(attempt, 10))
+            except Exception:
+                # a worker refused the set-up (its data, its model): the others that set the run up forget it too
+                with contextlib.suppress(Exception):
+                    self._abandon(members)
+                raise
+
     def _abandon(self, members: Members) -> None:
         """Tear the run down on its workers before it trains (refused): nothing of it stays there."""
         self.cluster.call(remote.teardown, (members.run_id,), workers=members.candidates(), return_exceptions=True)
@@ -428,14 +456,10 @@ class IApp:
             checkpoint.check_resumable(resumed, isinstance(cfg.strategy, GradientAveraging), sharded)
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None
-        members = Members(self, state.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit)
-        try:
-            live = members.live(first=True)
-        except Exception:
-            # a worker refused the set-up (its data, its model): the others that set the run up forget it too
-            with contextlib.suppress(Exception):
-                self._abandon(members)
-            raise
+        members = Members(
+            self, state.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit, collective=cfg.ring is not None
+        )
+        live = self._start(members)
         if not live:
             live = members.wait_for_any(cfg.run.rejoin_timeout)
         infos = [members.info[self.cluster.addresses[i]] for i in live]

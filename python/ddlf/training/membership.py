@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import DatasetError, WorkerUnavailable
+from ..errors import DatasetError, RemoteError, RingBusy, WorkerUnavailable
 from ..frameworks import model_spec
 from ..frameworks.keras_backend import keras_backend_in_use
 from ..frameworks.seeding import uses_torch
@@ -36,8 +36,10 @@ class Members:
         rejoin_interval: float = 1.0,
         workers: list[int] | None = None,
         fit: Any = None,
+        collective: bool = False,
     ) -> None:
         self.app = app
+        self.collective = collective  # the run all-reduces worker to worker: a worker may refuse it (RingBusy)
         self.cluster = app.cluster
         self.run_id = run_id
         self.seed = seed
@@ -89,18 +91,18 @@ class Members:
             if need:
                 if self.modules:
                     c._ship(self.modules, None)
-                outcomes = c.call(
-                    remote.setup,
-                    (self.run_id, self.blob, self.seed, self.backend, self.torch, self.fit_blob, self.spec_blob),
-                    workers=need,
-                    return_exceptions=True,
-                )
+                args = (self.run_id, self.blob, self.seed, self.backend, self.torch, self.fit_blob, self.spec_blob)
+                outcomes = c.call(remote.setup, (*args, self.collective), workers=need, return_exceptions=True)
+                busy: list[str] = []
                 for i, out in zip(need, outcomes):
                     if stopping(out):
                         self.stopped(out)  # told to stop (ddlf.worker.drain): not asked again
                         continue
                     if isinstance(out, WorkerUnavailable):
                         continue  # lost while being set up: marked by the cluster, retried later
+                    if isinstance(out, RemoteError) and out.raised("RingBusy"):
+                        busy.append(f"worker {i} ({c.addresses[i]}): {out.remote_message}")
+                        continue  # another run's ring holds it: asked again later
                     if isinstance(out, BaseException):
                         raise out
                     address = c.addresses[i]
@@ -109,9 +111,18 @@ class Members:
                     self.info[address] = out
                     if not first:
                         self.note("joined", worker=i, address=address)
+                if busy and first:
+                    raise RingBusy("; ".join(busy))
             self._sync_events()
             ready = [i for i in self.candidates() if self.ready.get(c.addresses[i]) == c.instance(i)]
             return [i for i in ready if self.stopping.get(c.addresses[i]) != c.instance(i)]
+
+    def forget_setups(self) -> None:
+        """The run was torn down on its workers (its start refused): every worker is set up again."""
+        with self._lock:
+            self.ready.clear()
+            self.info.clear()
+            self.rows = 0
 
     def _probe_lost(self) -> None:
         """Try to reconnect the lost workers, at most every ``rejoin_interval`` seconds, off the round's path: a

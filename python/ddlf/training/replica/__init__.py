@@ -36,10 +36,11 @@ def setup(
     torch: bool | None = None,
     fit_blob: bytes | None = None,
     spec_blob: bytes | None = None,
+    collective: bool = False,
 ) -> dict[str, Any]:
     """Set run ``run_id`` up on this worker (:meth:`.sessions.Sessions.setup`)."""
     refuse_new_work("run")  # a worker told to stop (SIGTERM) takes no new work: ddlf.worker.drain
-    return SESSIONS.setup(worker, run_id, app_blob, seed, backend, torch, fit_blob, spec_blob)
+    return SESSIONS.setup(worker, run_id, app_blob, seed, backend, torch, fit_blob, spec_blob, collective)
 
 
 def teardown(worker: Any, run_id: str) -> None:

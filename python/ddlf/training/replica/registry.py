@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import NotFoundError, TooManyRuns
+from ...errors import NotFoundError, RingBusy, TooManyRuns
 from ...frameworks import model_spec
 from ...frameworks.adapter import adapter_for
 from ...frameworks.console import quiet_start
@@ -96,14 +96,19 @@ class Sessions:
         torch: bool | None = None,
         fit_blob: bytes | None = None,
         spec_blob: bytes | None = None,
+        collective: bool = False,
     ) -> dict[str, Any]:
         """Load (or reuse) the app's dataset and build its model on this worker, on the master's Keras
         ``backend``. ``torch``: the master's model is a ``TorchModel`` or Keras runs on torch (None: as far as this
         worker can tell, :func:`~ddlf.frameworks.seeding.uses_torch`). ``fit_blob``: the run's pickled
         :class:`~..messages.FitData` (``train``'s data arguments; None: ``fit``'s defaults). ``spec_blob``: the master's
         model beyond its weights (:mod:`ddlf.frameworks.model_spec`), which the model built here is made to agree with
-        before anything else uses it (None: nothing to agree with)."""
+        before anything else uses it (None: nothing to agree with). ``collective``: the run all-reduces worker to
+        worker, which one other such run here would deadlock (:meth:`ring_free`)."""
         import cloudpickle
+
+        if collective:
+            self.ring_free(worker, run_id)  # before any loading: a refused master asks again
 
         if torch:
             from ...frameworks.loading import load_torch_compiler_first
@@ -151,7 +156,17 @@ class Sessions:
         # an earlier run's traced model (for data of the same shapes), holding this one's initial state
         model, stepper, key = warm.lend(model, warm.data_signature(app, parts, fit))
         self.by_id[run_id] = Session(
-            run_id, app, model, parts, rows, fit, n_shards, stepper=stepper, warm_key=key, identity=identity
+            run_id,
+            app,
+            model,
+            parts,
+            rows,
+            fit,
+            n_shards,
+            collective=collective,
+            stepper=stepper,
+            warm_key=key,
+            identity=identity,
         )
         self.publish()
         name = type(app).__name__
@@ -188,6 +203,26 @@ class Sessions:
             f"this worker already serves {len(held_runs)} training runs (--max-runs {limits.max_runs}): {held}; "
             f"runs idle for {limits.idle_seconds:.0f} s are evicted"
         )
+
+    def ring_free(self, worker: Any, run_id: str) -> None:
+        """Refuse ``run_id``, which all-reduces worker to worker, while another such run holds this daemon
+        (:class:`~ddlf.RingBusy`): a worker runs one call at a time, so two runs whose rounds wait on each other's
+        workers would each hold up the round the other waits for (worker 0 in run A's, worker 1 in run B's). One
+        idle past the limit is evicted instead."""
+        now = time.monotonic()
+        for other, s in sorted(self.by_id.items()):
+            if other == run_id or not s.collective:
+                continue
+            idle = now - s.last_used
+            if idle >= self.limits.idle_seconds:
+                log.warning("training run %s evicted: idle for %.0f s, and run %s needs the ring", other, idle, run_id)
+                self.teardown(worker, other)
+                continue
+            raise RingBusy(
+                f"training run {other} ({type(s.app).__name__}, idle {idle:.0f} s) all-reduces worker to worker "
+                f"on this worker; run {run_id} would too, and two such runs on the same workers would wait on each "
+                "other: it waits for that one to end"
+            )
 
     def runs(self) -> list[dict[str, Any]]:
         """The training runs this worker serves: id, app class, rows, seconds since start and since last use."""

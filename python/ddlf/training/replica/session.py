@@ -41,6 +41,8 @@ class Session:
     fit: FitData = field(default_factory=FitData)
     n_shards: int = 0
     """0: the whole dataset on every worker."""
+    collective: bool = False
+    """The run all-reduces worker to worker (the ring): one such run at most holds a daemon (``RingBusy``)."""
     identity: bytes = b""
     """Digest of the app as received: names its dataset's copy on the host (node_store)."""
     residual: list[np.ndarray] | None = None
