@@ -17,7 +17,8 @@ import pytest
 import ddlf
 from ddlf import _ddlf
 
-from ..conftest import Daemon, ctrl_c_interrupts, pid_alive, wait_until
+from ..conftest import MNIST_DIR, Daemon, ctrl_c_interrupts, pid_alive, wait_until
+from .apps import SmallMnist
 
 # -- variables -----------------------------------------------------------------------------------------
 
@@ -548,6 +549,18 @@ def test_local_cluster_leaves_no_processes_after_close() -> None:
     with pytest.raises(ddlf.DdlfError, match="closed"):
         c.run(lambda: 1)
     c.close()  # idempotent
+    with pytest.raises(ddlf.DdlfError, match="closed"), c:
+        pass
+    # What needs workers says so at once (train() once waited the rejoin timeout, 60 s, for "every worker is lost")...
+    app = SmallMnist(c)
+    for use in (lambda: app.train(epochs=1, verbose=0), app.evaluate, app.predict):
+        with pytest.raises(ddlf.DdlfError, match="closed"):
+            use()
+    # ...and the master's own data needs none, even before any train(): the model comes from create_model().
+    (x, y), _ = ddlf.datasets.mnist(MNIST_DIR)
+    fresh = SmallMnist(c)
+    assert fresh.predict(x[:10]).shape == (10, 10)
+    assert SmallMnist(c).evaluate(x[:64], y[:64], return_dict=True)["loss"] > 0
 
 
 def test_local_cluster_workers_die_when_the_master_is_killed() -> None:

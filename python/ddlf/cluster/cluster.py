@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
@@ -147,6 +148,8 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
                 self._local.terminate()
 
     def __enter__(self) -> Cluster:
+        if self._closed:
+            raise DdlfError("this cluster is closed")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -311,7 +314,7 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         kw = list(kwargs) if kwargs is not None else [{} for _ in args]
         if len(kw) != len(targets):
             raise ConfigError(f"kwargs has {len(kw)} entries for {len(targets)} workers: give one per worker")
-        name, digest = self._dispatch.ensure_function(fn, timeout, targets=targets)
+        name, digest, timeout = self._pushed(fn, timeout, targets)
         values = [(tuple(a), dict(k)) for a, k in zip(args, kw)]
         return self._call(
             OPS["RUN"], name, digest, values, targets, timeout, fn=fn, return_exceptions=return_exceptions, each=True
@@ -330,9 +333,20 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         """The general form of :meth:`run`: explicit ``args``/``kwargs``, an optional subset of workers, and
         ``return_exceptions`` (see :meth:`run_each`)."""
         targets = self._targets(workers)
-        name, digest = self._dispatch.ensure_function(fn, timeout, targets=targets)
+        name, digest, timeout = self._pushed(fn, timeout, targets)
         value = (tuple(args), dict(kwargs or {}))
         return self._call(OPS["RUN"], name, digest, value, targets, timeout, fn=fn, return_exceptions=return_exceptions)
+
+    def _pushed(self, fn: FunctionRef, timeout: float | None, targets: list[int]) -> tuple[str, str, float | None]:
+        """``fn``'s name and digest, pushed first where needed, and what is left of ``timeout`` (default: the
+        cluster's) for the call after it: one deadline for both, so that a busy worker's call does not wait twice
+        (once for the push, once for the call)."""
+        timeout = self._dispatch.timeout if timeout is None else timeout
+        start = time.monotonic()
+        name, digest = self._dispatch.ensure_function(fn, timeout, targets=targets)
+        if timeout is not None:
+            timeout = max(timeout - (time.monotonic() - start), 0.001)  # spent: the call says DeadlineExceeded
+        return name, digest, timeout
 
     def exec(self, code: str, *, timeout: float | None = None) -> None:
         """Run a code segment on every worker; the names it defines persist in the worker's globals

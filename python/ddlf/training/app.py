@@ -87,7 +87,9 @@ class IApp:
     """
 
     dataset_key: str | None = None
-    """Worker-side cache key of the dataset; defaults to the class's qualified name."""
+    """Worker-side cache key of the dataset; defaults to the class's qualified name. A daemon keeps the dataset
+    under it across runs and scripts without calling :meth:`load_dataset` again: change it when what that loads
+    changes (or ``cluster.drop_dataset(key)``)."""
 
     sharded: bool = False
     """Set by apps whose dataset is larger than one worker: each worker then loads only its shard with
@@ -297,12 +299,14 @@ class IApp:
         if isinstance(x, EncodedImages):
             if sample_weight is not None:
                 raise ConfigError("evaluate() on EncodedImages takes no sample_weight")
+            self._ensure_model()
             batches = datasets.batches([x, y], batch_size=batch_size, preprocess=self.preprocess)
             steps = -(-len(x) // batch_size)
             cap = kwargs.pop("steps", None)  # Keras's: at most this many batches
             if cap is not None:
                 steps = min(steps, int(cap))
             return self.model.evaluate(batches, steps=steps, verbose=verbose, return_dict=return_dict, **kwargs)
+        self._ensure_model()
         x, y = self.preprocess(x, y)
         if sample_weight is not None:
             kwargs["sample_weight"] = sample_weight
@@ -318,20 +322,27 @@ class IApp:
         if x is None:
             return self._on_workers("predict", batch_size)
         if isinstance(x, EncodedImages):
+            self._ensure_model()
             rows = [x, np.zeros(len(x), np.int8)]
             outs = [
                 self.model.predict_on_batch(bx)
                 for bx, _ in datasets.batches(rows, batch_size=batch_size, preprocess=self.preprocess)
             ]
             return concatenate_rows(outs)
+        self._ensure_model()
         x, _ = self.preprocess(x, None)
         return self.model.predict(x, batch_size=batch_size, verbose=verbose, **kwargs)
+
+    def _ensure_model(self) -> None:
+        """An app evaluated or asked to predict before any ``train()``: its model from :meth:`create_model`, as
+        evaluating on the workers does."""
+        if self.model is None:
+            self.model = self.create_model()
 
     def _on_workers(self, what: str, batch_size: int) -> Any:
         """Evaluate or predict (``what``) on the workers over the dataset they hold, with the master's weights: a
         short run is set up (the dataset from each worker's store, the model built there), used and torn down."""
-        if self.model is None:
-            self.model = self.create_model()
+        self._ensure_model()
         run_id = f"{what}-{uuid.uuid4().hex[:8]}"
         members = Members(self, run_id, 0, History(), fit=FitData(shuffle=False))
         live = members.live(first=True)

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import DatasetError, RemoteError, RingBusy, WorkerUnavailable
+from ..errors import DatasetError, DdlfError, RemoteError, RingBusy, WorkerUnavailable
 from ..frameworks import model_spec
 from ..frameworks.keras_backend import keras_backend_in_use
 from ..frameworks.seeding import uses_torch
@@ -84,6 +84,8 @@ class Members:
         ``rejoin_interval`` seconds) and every live worker not yet set up for this run is set up first."""
         with self._lock:
             c = self.cluster
+            if c.closed:  # not "every worker is lost" after the rejoin timeout: nothing will come back
+                raise DdlfError("this cluster is closed")
             self._probe_lost()
             self._sync_events()
             need = [i for i in self.candidates() if self.ready.get(c.addresses[i]) != c.instance(i)]
