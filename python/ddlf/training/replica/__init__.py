@@ -12,6 +12,7 @@ warm between runs.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -82,13 +83,21 @@ def train_chunk(worker: Any, spec: MasterRound) -> dict[str, Any]:
 def train_reduce(worker: Any, spec: RingRound) -> dict[str, Any]:
     """A model-averaging round on the ring."""
     round_started()  # refused while the worker drains; else a stop interrupts it (ddlf.worker.drain)
-    return SESSIONS.get(spec.run_id).train_reduce(worker, spec)
+    session = SESSIONS.get(spec.run_id)
+    try:
+        return session.train_reduce(worker, spec)
+    finally:
+        session.last_used = time.monotonic()  # a ring round may be long: used until its end (Sessions.ring_free)
 
 
 def train_gradients(worker: Any, spec: GradientRound) -> dict[str, Any]:
     """A gradient-averaging round on the ring."""
     round_started()  # refused while the worker drains; else a stop interrupts it (ddlf.worker.drain)
-    return SESSIONS.get(spec.run_id).train_gradients(worker, spec)
+    session = SESSIONS.get(spec.run_id)
+    try:
+        return session.train_gradients(worker, spec)
+    finally:
+        session.last_used = time.monotonic()  # a ring round may be long: used until its end (Sessions.ring_free)
 
 
 def evaluate(

@@ -43,6 +43,13 @@ class Limits:
     idle_seconds: float = 600.0
 
 
+RING_GONE_SECONDS = 60.0
+"""A run that all-reduces worker to worker and has had no request for this long (its rounds count as used until they
+end) is taken as gone by :meth:`Sessions.ring_free`: a master killed mid-run does not hold a hand-started daemon's
+ring for the whole ``--run-idle-timeout``. A live master that works longer than this between two rounds (a long
+validation on the master) may then find another ring run started beside its own."""
+
+
 def _no_report(runs: list[str]) -> None:
     pass
 
@@ -217,6 +224,12 @@ class Sessions:
             if idle >= self.limits.idle_seconds:
                 log.warning("training run %s evicted: idle for %.0f s, and run %s needs the ring", other, idle, run_id)
                 self.teardown(worker, other)
+                continue
+            if idle >= RING_GONE_SECONDS:
+                # Its master sent nothing for this long between rounds (each round counts as used until it ends):
+                # killed, most likely. Kept (evicted at the idle limit), but not waited for.
+                said = "training run %s: no request for %.0f s, taken as gone; run %s may use the ring"
+                log.warning(said, other, idle, run_id)
                 continue
             raise RingBusy(
                 f"training run {other} ({type(s.app).__name__}, idle {idle:.0f} s) all-reduces worker to worker "
