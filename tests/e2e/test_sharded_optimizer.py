@@ -168,6 +168,8 @@ def test_an_optimizer_that_cannot_be_sharded_is_refused_before_training(cluster,
     app = app_class(cluster)
     with pytest.raises(ValueError, match=reason):
         app.train(1, 16, verbose=0, strategy=ddlf.GradientAveraging(shard_optimizer=True))
+    # Refused after the workers set it up: they forgot it (a run left there held their ring for the next one).
+    assert cluster.run(ddlf.training.replica.runs) == [[]] * len(cluster)
     # Unsharded, the same model trains on the same workers.
     h = app.train(1, 16, verbose=0, strategy=ddlf.GradientAveraging())
     assert len(h.history["loss"]) == 1

@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
-import random
 import threading
 import time
 import uuid
@@ -43,7 +41,6 @@ from ..errors import (
     DatasetError,
     ModelChangeWarning,
     OutOfRangeError,
-    RingBusy,
     WorkerUnavailable,
 )
 from ..frameworks import model_spec
@@ -70,8 +67,6 @@ from .replica.sharded import check_shardable
 from .replica.steppers import check_steppable
 from .run import RunState, TrainingRun
 from .synchronous import train_sync as _train_sync
-
-log = logging.getLogger("ddlf.training")
 
 _SEEDING = threading.Lock()
 """Held while an app seeds the process's random generators and draws its model's initial weights from them."""
@@ -418,33 +413,6 @@ class IApp:
                 set_random_seed(seed)
                 model_spec.build_from(self.model, sample)
 
-    def _start(self, members: Members) -> list[int]:
-        """Set the run up on its workers. While another run that all-reduces worker to worker holds one of them
-        (:class:`~ddlf.RingBusy`: two would deadlock on each other's rounds), tear down, wait and ask again: runs
-        started at once take turns."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return members.live(first=True)
-            except RingBusy as busy:
-                with contextlib.suppress(Exception):
-                    self._abandon(members)
-                members.forget_setups()
-                if attempt == 1:
-                    log.warning("training run %s waits for its workers: %s", members.run_id, busy)
-                # Random, growing waits: two runs refused on each other's workers do not ask again in step.
-                time.sleep(random.uniform(0.1, 0.5) * min(attempt, 10))
-            except Exception:
-                # a worker refused the set-up (its data, its model): the others that set the run up forget it too
-                with contextlib.suppress(Exception):
-                    self._abandon(members)
-                raise
-
-    def _abandon(self, members: Members) -> None:
-        """Tear the run down on its workers before it trains (refused): nothing of it stays there."""
-        self.cluster.call(remote.teardown, (members.run_id,), workers=members.candidates(), return_exceptions=True)
-
     def _run(
         self,
         loop: Any,
@@ -470,115 +438,118 @@ class IApp:
         members = Members(
             self, state.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit, collective=cfg.ring is not None
         )
-        live = self._start(members)
-        if not live:
-            live = members.wait_for_any(cfg.run.rejoin_timeout)
-        infos = [members.info[self.cluster.addresses[i]] for i in live]
-        shard_rows = [i["rows"] for i in infos]
-        if self.sharded:
-            rows = sum(shard_rows)
-        else:
-            sizes = set(shard_rows)
-            if len(sizes) != 1:
-                self._abandon(members)
-                raise DatasetError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
-            rows = members.rows = sizes.pop()
-        if rows == 0:  # fit refuses empty data too
-            self._abandon(members)
-            raise DatasetError(
-                f"{type(self).__name__}.load_dataset returned no rows to train on"
-                + (" (after validation_split)" if cfg.fit.validation_split else "")
-            )
-        self._build_from_workers(infos, cfg.run.seed)
-        mismatch = next((i["model_mismatch"] for i in infos if i.get("model_mismatch")), None)
-        if mismatch:
-            warnings.warn(mismatch, ModelChangeWarning, stacklevel=3)
-            members.note("model_mismatch", reason=mismatch)
-        if isinstance(cfg.strategy, GradientAveraging) and cfg.strategy.shard_optimizer:
-            check_shardable(self.model)  # here, before any round: the workers' models are the master's
-        self.stop_training = False
-        history.params = {
-            "epochs": cfg.epochs,
-            "batch_size": cfg.batch_size,
-            "mode": mode,
-            "workers": self._worker_count(cfg.run),
-            "samples": rows,
-            "setup": infos,
-            "compression": cfg.compression,
-            "exchange": "allreduce" if cfg.ring is not None else "master",
-            "averaging": cfg.averaging,
-            "strategy": type(cfg.strategy).__name__,
-            "strategy_reason": state.strategy_reason,
-            "scale_learning_rate": cfg.scale_learning_rate,
-            "bucket_cap_mb": cfg.gradients.bucket_cap_mb if cfg.gradients is not None else None,
-            "shard_optimizer": bool(cfg.gradients is not None and cfg.gradients.shard_optimizer),
-            "outer_optimizer": "nesterov" if cfg.outer() is not None else None,
-            "run_id": state.run_id,  # what the workers' status and logs call this run
-        }
-        if resumed is not None:
-            initial_epoch = max(initial_epoch, int(resumed["epochs_done"]))
-            self.model.set_weights(resumed["weights"])
-            checkpoint.restore_history(history, resumed["history"])
-            checkpoint.restore_rng(resumed)
-            states = dict(resumed["worker_states"])
-            whole = next((s["optimizer_shard"] for s in states.values() if s.get("optimizer_shard")), None)
-            if whole is not None:  # sharded optimizer state: every worker takes it, to cut its shard from
-                states.update({w: {"optimizer_shard": whole} for w in live if w not in states})
-            targets = [w for w in live if w in states]
-            if targets:
-                self.cluster.run_each(
-                    remote.restore_state, [(state.run_id, states[w]) for w in targets], workers=targets
+        live = members.start()
+        try:  # whatever fails before the run trains (a refusal, a callback): the workers forget the run
+            if not live:
+                live = members.wait_for_any(cfg.run.rejoin_timeout)
+            infos = [members.info[self.cluster.addresses[i]] for i in live]
+            shard_rows = [i["rows"] for i in infos]
+            if self.sharded:
+                rows = sum(shard_rows)
+            else:
+                sizes = set(shard_rows)
+                if len(sizes) != 1:
+                    raise DatasetError(f"workers loaded datasets of different sizes: {sorted(sizes)}")
+                rows = members.rows = sizes.pop()
+            if rows == 0:  # fit refuses empty data too
+                raise DatasetError(
+                    f"{type(self).__name__}.load_dataset returned no rows to train on"
+                    + (" (after validation_split)" if cfg.fit.validation_split else "")
                 )
-            where = str(checkpoint.path_in(cfg.run.checkpoint_dir or ""))
-            members.note("resumed", epochs_done=initial_epoch, checkpoint=where)
-        cbs = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
-        if cfg.verbose:
-            # as fit adds its bar only where the callbacks hold no ProgbarLogger, the user's bar replaces ddlf's
-            if not any(is_progbar_logger(cb) for cb in callbacks):
-                cbs.insert(0, ProgressBar(cfg.epochs, rows))
-            cached = sum(bool(i["cached"]) for i in infos)
-            saved = sum(i["first_load_seconds"] for i in infos if i["cached"])
-            print(
-                f"ddlf: {mode} training on {len(live)} workers, {rows} samples per epoch; "
-                f"dataset {self.dataset_key!r} cached on {cached}/{len(infos)} workers"
-                + (f" (saved {saved:.2f} s of loading)" if cached else "")
-                + (f"; resuming after epoch {initial_epoch}" if resumed is not None else "")
-                + f"; ready in {time.perf_counter() - t_start:.2f} s"
+            self._build_from_workers(infos, cfg.run.seed)
+            mismatch = next((i["model_mismatch"] for i in infos if i.get("model_mismatch")), None)
+            if mismatch:
+                warnings.warn(mismatch, ModelChangeWarning, stacklevel=3)
+                members.note("model_mismatch", reason=mismatch)
+            if isinstance(cfg.strategy, GradientAveraging) and cfg.strategy.shard_optimizer:
+                check_shardable(self.model)  # here, before any round: the workers' models are the master's
+            self.stop_training = False
+            history.params = {
+                "epochs": cfg.epochs,
+                "batch_size": cfg.batch_size,
+                "mode": mode,
+                "workers": self._worker_count(cfg.run),
+                "samples": rows,
+                "setup": infos,
+                "compression": cfg.compression,
+                "exchange": "allreduce" if cfg.ring is not None else "master",
+                "averaging": cfg.averaging,
+                "strategy": type(cfg.strategy).__name__,
+                "strategy_reason": state.strategy_reason,
+                "scale_learning_rate": cfg.scale_learning_rate,
+                "bucket_cap_mb": cfg.gradients.bucket_cap_mb if cfg.gradients is not None else None,
+                "shard_optimizer": bool(cfg.gradients is not None and cfg.gradients.shard_optimizer),
+                "outer_optimizer": "nesterov" if cfg.outer() is not None else None,
+                "run_id": state.run_id,  # what the workers' status and logs call this run
+            }
+            if resumed is not None:
+                initial_epoch = max(initial_epoch, int(resumed["epochs_done"]))
+                self.model.set_weights(resumed["weights"])
+                checkpoint.restore_history(history, resumed["history"])
+                checkpoint.restore_rng(resumed)
+                states = dict(resumed["worker_states"])
+                whole = next((s["optimizer_shard"] for s in states.values() if s.get("optimizer_shard")), None)
+                if whole is not None:  # sharded optimizer state: every worker takes it, to cut its shard from
+                    states.update({w: {"optimizer_shard": whole} for w in live if w not in states})
+                targets = [w for w in live if w in states]
+                if targets:
+                    self.cluster.run_each(
+                        remote.restore_state, [(state.run_id, states[w]) for w in targets], workers=targets
+                    )
+                where = str(checkpoint.path_in(cfg.run.checkpoint_dir or ""))
+                members.note("resumed", epochs_done=initial_epoch, checkpoint=where)
+            cbs = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
+            if cfg.verbose:
+                # as fit adds its bar only where the callbacks hold no ProgbarLogger, the user's bar replaces ddlf's
+                if not any(is_progbar_logger(cb) for cb in callbacks):
+                    cbs.insert(0, ProgressBar(cfg.epochs, rows))
+                cached = sum(bool(i["cached"]) for i in infos)
+                saved = sum(i["first_load_seconds"] for i in infos if i["cached"])
+                print(
+                    f"ddlf: {mode} training on {len(live)} workers, {rows} samples per epoch; "
+                    f"dataset {self.dataset_key!r} cached on {cached}/{len(infos)} workers"
+                    + (f" (saved {saved:.2f} s of loading)" if cached else "")
+                    + (f"; resuming after epoch {initial_epoch}" if resumed is not None else "")
+                    + f"; ready in {time.perf_counter() - t_start:.2f} s"
+                )
+            steps = -(-rows // max(1, len(live)) // cfg.batch_size)  # batches a worker trains per epoch
+            for cb in cbs:
+                cb.set_app(self)
+                if isinstance(cb, KerasCallback):
+                    cb.set_params({"epochs": cfg.epochs, "steps": steps, "verbose": cfg.verbose}, rows)
+                cb.history = history
+            adapter = adapter_for(self.model)
+            adapter.forget_restored_epoch()  # as fit starts: a callback may set it (below)
+            for cb in cbs:
+                cb.on_train_begin()
+            # keras.callbacks.BackupAndRestore restored the master's model from its backup and says where to resume,
+            # as fit reads it; the workers start from the master's (restored) weights.
+            restored = adapter.restored_epoch()
+            if restored:
+                initial_epoch = max(initial_epoch, restored)
+                members.note("resumed", epochs_done=initial_epoch, checkpoint="keras.callbacks.BackupAndRestore")
+            # As the next fit goes on from its model's optimizer, the workers start from the master's (the last run's,
+            # or one loaded or restored with the model), unless ddlf's own checkpoint gave each worker its own.
+            adopted = resumed is None and master_optimizer.push(self, cfg, state.run_id, live)
+            run = TrainingRun(
+                app=self,
+                cfg=cfg,
+                state=state,
+                history=history,
+                callbacks=cbs,
+                members=members,
+                rows=rows,
+                shard_rows=shard_rows,
+                initial_epoch=initial_epoch,
+                validation_data=validation_data,
+                resumed=resumed,
+                resume_position=int(resumed.get("epoch_position", 0)) if resumed is not None else 0,
+                optimizer_adopted=adopted,
             )
-        steps = -(-rows // max(1, len(live)) // cfg.batch_size)  # batches a worker trains per epoch
-        for cb in cbs:
-            cb.set_app(self)
-            if isinstance(cb, KerasCallback):
-                cb.set_params({"epochs": cfg.epochs, "steps": steps, "verbose": cfg.verbose}, rows)
-            cb.history = history
-        adapter = adapter_for(self.model)
-        adapter.forget_restored_epoch()  # as fit starts: a callback may set it (below)
-        for cb in cbs:
-            cb.on_train_begin()
-        # keras.callbacks.BackupAndRestore restored the master's model from its backup and says where to resume,
-        # as fit reads it; the workers start from the master's (restored) weights.
-        restored = adapter.restored_epoch()
-        if restored:
-            initial_epoch = max(initial_epoch, restored)
-            members.note("resumed", epochs_done=initial_epoch, checkpoint="keras.callbacks.BackupAndRestore")
-        # As the next fit goes on from its model's optimizer, the workers start from the master's (the last run's,
-        # or one loaded or restored with the model), unless ddlf's own checkpoint gave each worker its own.
-        adopted = resumed is None and master_optimizer.push(self, cfg, state.run_id, live)
-        run = TrainingRun(
-            app=self,
-            cfg=cfg,
-            state=state,
-            history=history,
-            callbacks=cbs,
-            members=members,
-            rows=rows,
-            shard_rows=shard_rows,
-            initial_epoch=initial_epoch,
-            validation_data=validation_data,
-            resumed=resumed,
-            resume_position=int(resumed.get("epoch_position", 0)) if resumed is not None else 0,
-            optimizer_adopted=adopted,
-        )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                members.abandon()
+            raise
         catching = cfg.run.preemption_signals if cfg.run.checkpoint_dir else ()
         try:
             # The master's long-lived objects out of the collector's full scans while the epochs run (process.py)

@@ -8,6 +8,8 @@ built). Set-up is tracked by address and daemon instance, so a restarted daemon 
 from __future__ import annotations
 
 import contextlib
+import logging
+import random
 import threading
 import time
 from typing import Any
@@ -19,6 +21,8 @@ from ..frameworks.seeding import uses_torch
 from ..serialization import dumps_inline
 from . import replica as remote
 from .policy import stopping
+
+log = logging.getLogger("ddlf.training")
 
 PROBE_TIMEOUT = 1.0  # seconds a reconnection attempt to a lost worker waits for it
 PROBE_GRACE = 0.05  # seconds a round waits for that attempt before going on without the worker
@@ -119,12 +123,36 @@ class Members:
             ready = [i for i in self.candidates() if self.ready.get(c.addresses[i]) == c.instance(i)]
             return [i for i in ready if self.stopping.get(c.addresses[i]) != c.instance(i)]
 
-    def forget_setups(self) -> None:
-        """The run was torn down on its workers (its start refused): every worker is set up again."""
+    def start(self) -> list[int]:
+        """Set the run up on its workers (:meth:`live`). While another run that all-reduces worker to worker holds
+        one of them (:class:`~ddlf.RingBusy`: two would deadlock on each other's rounds), tear down, wait and ask
+        again: runs started at once take turns. Any other refusal tears the run down on every worker, and raises."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self.live(first=True)
+            except RingBusy as busy:
+                with contextlib.suppress(Exception):
+                    self.abandon()
+                if attempt == 1:
+                    log.warning("training run %s waits for its workers: %s", self.run_id, busy)
+                # Random, growing waits: two runs refused on each other's workers do not ask again in step.
+                time.sleep(random.uniform(0.1, 0.5) * min(attempt, 10))
+            except Exception:
+                # a worker refused the set-up (its data, its model): the others that set the run up forget it too
+                with contextlib.suppress(Exception):
+                    self.abandon()
+                raise
+
+    def abandon(self) -> None:
+        """Tear the run down on its workers before it trains (refused, or waiting its turn): nothing of it stays
+        there, and every worker is set up again if it is asked for."""
         with self._lock:
             self.ready.clear()
             self.info.clear()
             self.rows = 0
+        self.cluster.call(remote.teardown, (self.run_id,), workers=self.candidates(), return_exceptions=True)
 
     def _probe_lost(self) -> None:
         """Try to reconnect the lost workers, at most every ``rejoin_interval`` seconds, off the round's path: a
