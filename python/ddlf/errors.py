@@ -319,9 +319,9 @@ class TooManyRuns(DdlfError, RuntimeError):
 
 
 class RingBusy(TooManyRuns):
-    """Another training run that all-reduces worker to worker (gradient averaging, the ring) holds the daemon: two
-    such runs on the same workers would each wait on a round the other's holds up (a worker runs one call at a
-    time). A master told so tears its set-up down and waits for the other run to end."""
+    """Another training run that all-reduces worker to worker (gradient averaging; model averaging over a ``Ring``)
+    holds the daemon: two such runs on the same workers would each wait on a round the other's holds up (a worker
+    runs one call at a time). A master told so tears its set-up down and waits for the other run to end."""
 
 
 class FrameworkClash(DdlfError, RuntimeError):

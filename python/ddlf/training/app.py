@@ -436,7 +436,7 @@ class IApp:
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None
         members = Members(
-            self, state.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit, collective=cfg.ring is not None
+            self, state.run_id, cfg.run.seed, history, workers=workers, fit=cfg.fit, collective=_collective(cfg)
         )
         live = members.start()
         try:  # whatever fails before the run trains (a refusal, a callback): the workers forget the run
@@ -573,3 +573,9 @@ class IApp:
         for cb in cbs:
             cb.on_train_end({"history": history.history})
         return history
+
+
+def _collective(cfg: TrainConfig) -> bool:
+    """Whether a run all-reduces worker to worker among several workers (a ring of one named worker waits on no
+    other, so it need not take turns with another run: :class:`~ddlf.RingBusy`)."""
+    return cfg.ring is not None and not (cfg.run.workers is not None and len(cfg.run.workers) == 1)

@@ -24,6 +24,12 @@ from .policy import stopping
 
 log = logging.getLogger("ddlf.training")
 
+KEEPALIVE_SECONDS = 10.0
+"""How often the master of a run that all-reduces worker to worker tells its workers that it is alive (a worker
+takes such a run as gone after ``replica.registry.RING_GONE_SECONDS`` without a word)."""
+
+_BACKOFF = random.SystemRandom()  # not the process's generator, which the run seeds: two masters would wait in step
+
 PROBE_TIMEOUT = 1.0  # seconds a reconnection attempt to a lost worker waits for it
 PROBE_GRACE = 0.05  # seconds a round waits for that attempt before going on without the worker
 
@@ -70,6 +76,8 @@ class Members:
         self._probe: threading.Thread | None = None  # the reconnection attempt in flight, if any
         self._lock = threading.Lock()
         self._seen_events = len(self.cluster.events)
+        self._alive = threading.Event()  # set: the keepalive stops
+        self._keepalive: threading.Thread | None = None
 
     def note(self, event: str, **fields: Any) -> None:
         """Record a training event in History."""
@@ -108,7 +116,9 @@ class Members:
                         continue  # lost while being set up: marked by the cluster, retried later
                     if isinstance(out, RemoteError) and out.raised("RingBusy"):
                         busy.append(f"worker {i} ({c.addresses[i]}): {out.remote_message}")
-                        continue  # another run's ring holds it: asked again later
+                        if not first:  # came back, but another run's ring took it meanwhile: asked again later
+                            self.note("ring_busy", worker=i, address=c.addresses[i], reason=out.remote_message)
+                        continue
                     if isinstance(out, BaseException):
                         raise out
                     address = c.addresses[i]
@@ -131,23 +141,35 @@ class Members:
         while True:
             attempt += 1
             try:
-                return self.live(first=True)
+                live = self.live(first=True)
+                if self.collective and self._keepalive is None:
+                    self._keepalive = threading.Thread(target=self._keep_alive, name="ddlf-keepalive", daemon=True)
+                    self._keepalive.start()
+                return live
             except RingBusy as busy:
                 with contextlib.suppress(Exception):
                     self.abandon()
                 if attempt == 1:
                     log.warning("training run %s waits for its workers: %s", self.run_id, busy)
                 # Random, growing waits: two runs refused on each other's workers do not ask again in step.
-                time.sleep(random.uniform(0.1, 0.5) * min(attempt, 10))
-            except Exception:
+                time.sleep(_BACKOFF.uniform(0.1, 0.5) * min(attempt, 10))
+            except BaseException:  # Ctrl-C during a set-up too: nothing of the run stays on the workers
                 # a worker refused the set-up (its data, its model): the others that set the run up forget it too
                 with contextlib.suppress(Exception):
                     self.abandon()
                 raise
 
+    def _keep_alive(self) -> None:
+        """Tell the run's workers every :data:`KEEPALIVE_SECONDS` that this master is alive, until :meth:`close`."""
+        while not self._alive.wait(KEEPALIVE_SECONDS):
+            with contextlib.suppress(Exception):  # a lost worker is the run's business, not the keepalive's
+                self.cluster.call(remote.touch, (self.run_id,), workers=self.candidates(), return_exceptions=True)
+
     def abandon(self) -> None:
         """Tear the run down on its workers before it trains (refused, or waiting its turn): nothing of it stays
         there, and every worker is set up again if it is asked for."""
+        if self._keepalive is not None:
+            self._alive.set()
         with self._lock:
             self.ready.clear()
             self.info.clear()
@@ -176,6 +198,7 @@ class Members:
     def close(self) -> None:
         """The run is over: wait for a reconnection attempt in flight (at most its timeout), so that what it
         finds is recorded before the run's History is returned and nothing of the run outlives it."""
+        self._alive.set()
         probe = self._probe
         if probe is not None:
             probe.join()

@@ -40,10 +40,19 @@ def test_runs_that_do_not_all_reduce_and_the_run_itself_never_refuse() -> None:
     sessions.ring_free(worker, "newcomer")  # its own session (set up again) does not count
 
 
-def test_a_ring_run_silent_past_the_bound_is_not_waited_for_and_one_past_the_idle_limit_is_evicted() -> None:
-    sessions, worker = _sessions(silent=(True, RING_GONE_SECONDS + 1))
-    sessions.ring_free(worker, "newcomer")  # its master most likely died: not waited for...
-    assert "silent" in sessions.by_id  # ...but kept, should it come back
-    sessions, worker = _sessions(abandoned=(True, sessions.limits.idle_seconds + 1))
-    sessions.ring_free(worker, "newcomer")
-    assert sessions.by_id == {}  # evicted, as the run limit evicts
+def test_a_ring_run_whose_master_went_silent_is_not_waited_for_but_kept() -> None:
+    for idle in (RING_GONE_SECONDS + 1, Sessions().limits.idle_seconds + 1):
+        sessions, worker = _sessions(silent=(True, idle))
+        sessions.ring_free(worker, "newcomer")  # no keepalive for this long: its master most likely died...
+        assert "silent" in sessions.by_id  # ...but kept (only the run limit evicts), should it come back
+
+
+def test_a_keepalive_marks_a_run_used_and_ignores_one_not_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddlf.training import replica
+
+    sessions, worker = _sessions(holder=(True, RING_GONE_SECONDS + 5))
+    monkeypatch.setattr(replica, "SESSIONS", sessions)
+    replica.touch("holder")
+    replica.touch("not-here")  # torn down meanwhile: nothing
+    with pytest.raises(ddlf.RingBusy):
+        sessions.ring_free(worker, "newcomer")  # alive again: waited for

@@ -44,6 +44,14 @@ def setup(
     return SESSIONS.setup(worker, run_id, app_blob, seed, backend, torch, fit_blob, spec_blob, collective)
 
 
+def touch(run_id: str) -> None:
+    """The master of run ``run_id`` is alive (its keepalive, :meth:`~..membership.Members.start`): the run counts
+    as used now. Nothing if the run is not set up here."""
+    session = SESSIONS.by_id.get(run_id)
+    if session is not None:
+        session.last_used = time.monotonic()
+
+
 def teardown(worker: Any, run_id: str) -> None:
     """Forget run ``run_id`` here (its dataset stays cached)."""
     SESSIONS.teardown(worker, run_id)
@@ -105,7 +113,11 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate ``weights`` on rows ``part`` of this worker's dataset (None: those ``validation_split`` holds
     out): :func:`.evaluation.evaluate`."""
-    return evaluation.evaluate(SESSIONS.get(run_id), weights, part, batch_size)
+    session = SESSIONS.get(run_id)
+    try:
+        return evaluation.evaluate(session, weights, part, batch_size)
+    finally:
+        session.last_used = time.monotonic()  # may be long: used until its end (Sessions.ring_free)
 
 
 def metric_results(run_id: str, state: list[np.ndarray]) -> dict[str, float]:
@@ -115,7 +127,11 @@ def metric_results(run_id: str, state: list[np.ndarray]) -> dict[str, float]:
 
 def predict(run_id: str, weights: list[np.ndarray] | None, part: tuple[int, int], batch_size: int) -> Any:
     """Predictions for rows ``part`` of this worker's dataset (:func:`.evaluation.predict`)."""
-    return evaluation.predict(SESSIONS.get(run_id), weights, part, batch_size)
+    session = SESSIONS.get(run_id)
+    try:
+        return evaluation.predict(session, weights, part, batch_size)
+    finally:
+        session.last_used = time.monotonic()
 
 
 def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray]:

@@ -44,10 +44,11 @@ class Limits:
 
 
 RING_GONE_SECONDS = 60.0
-"""A run that all-reduces worker to worker and has had no request for this long (its rounds count as used until they
-end) is taken as gone by :meth:`Sessions.ring_free`: a master killed mid-run does not hold a hand-started daemon's
-ring for the whole ``--run-idle-timeout``. A live master that works longer than this between two rounds (a long
-validation on the master) may then find another ring run started beside its own."""
+"""A run that all-reduces worker to worker and has had no request for this long is taken as gone by
+:meth:`Sessions.ring_free`: a master killed mid-run does not hold a hand-started daemon's ring until the run limit
+evicts it. A live master says it is alive every ``KEEPALIVE_SECONDS`` (:func:`~.touch`, from a thread of its own,
+also while it validates or checkpoints), and a worker counts each request as used until it ends; a master frozen
+for longer (a debugger) may find another ring run started beside its own."""
 
 
 def _no_report(runs: list[str]) -> None:
@@ -215,19 +216,15 @@ class Sessions:
         """Refuse ``run_id``, which all-reduces worker to worker, while another such run holds this daemon
         (:class:`~ddlf.RingBusy`): a worker runs one call at a time, so two runs whose rounds wait on each other's
         workers would each hold up the round the other waits for (worker 0 in run A's, worker 1 in run B's). One
-        idle past the limit is evicted instead."""
+        whose master is gone (:data:`RING_GONE_SECONDS`) is not waited for."""
         now = time.monotonic()
         for other, s in sorted(self.by_id.items()):
             if other == run_id or not s.collective:
                 continue
             idle = now - s.last_used
-            if idle >= self.limits.idle_seconds:
-                log.warning("training run %s evicted: idle for %.0f s, and run %s needs the ring", other, idle, run_id)
-                self.teardown(worker, other)
-                continue
             if idle >= RING_GONE_SECONDS:
-                # Its master sent nothing for this long between rounds (each round counts as used until it ends):
-                # killed, most likely. Kept (evicted at the idle limit), but not waited for.
+                # Its master's keepalive has not come for this long (nor any request, each counted as used until it
+                # ends): the master is gone, killed most likely. Kept (the run limit may evict it), not waited for.
                 said = "training run %s: no request for %.0f s, taken as gone; run %s may use the ring"
                 log.warning(said, other, idle, run_id)
                 continue
