@@ -37,7 +37,10 @@ def test_a_ring_run_in_use_refuses_another_naming_itself() -> None:
 
 def test_runs_that_do_not_all_reduce_and_the_run_itself_never_refuse() -> None:
     sessions, worker = _sessions(through_master=(False, 0.0), newcomer=(True, 0.0))
-    sessions.ring_free(worker, "newcomer")  # its own session (set up again) does not count
+    # Raises RingBusy (failing the test) if a run through the master, or the newcomer's own session (set up again),
+    # counted as another ring run.
+    sessions.ring_free(worker, "newcomer")
+    assert set(sessions.by_id) == {"through_master", "newcomer"}  # admitted beside them, nothing evicted
 
 
 def test_a_ring_run_whose_master_went_silent_is_not_waited_for_but_kept() -> None:
