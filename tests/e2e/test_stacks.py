@@ -173,18 +173,22 @@ def test_stacks_say_on_whom_a_waiting_collective_waits(cluster: ddlf.Cluster, hi
     result: dict[str, object] = {}
     first = threading.Thread(target=lambda: result.setdefault("0", cluster.run_on(0, _reduce_ones, ring.spec(0))))
     first.start()
-    # Answered while worker 0 waits in the ring: read until it is there (the call cannot end before worker 1 joins).
-    while not (waiting := cluster.stacks([0])[0])["collectives"]:
-        assert first.is_alive(), (result, waiting)
-        time.sleep(0.05)
-    (call,) = waiting["collectives"]
-    assert call.startswith("all-reduce of 1000 float32 on ring"), call
-    who = "member 1" if hierarchical else "rank 1"
-    assert "waiting on" in call and who in call and cluster.addresses[1] in call, call
-    assert "_reduce_ones" in waiting["python"]
-    assert "collective: all-reduce of 1000 float32" in format_stacks(waiting)
-    assert cluster.run_on(1, _reduce_ones, ring.spec(1)) == 2.0
-    first.join(60)
+    try:
+        # Answered while worker 0 waits in the ring: read until it is there (it cannot end before worker 1 joins).
+        while not (waiting := cluster.stacks([0])[0])["collectives"]:
+            assert first.is_alive(), (result, waiting)
+            time.sleep(0.05)
+        (call,) = waiting["collectives"]
+        assert call.startswith("all-reduce of 1000 float32 on ring"), call
+        who = "member 1" if hierarchical else "rank 1"
+        assert "waiting on" in call and who in call and cluster.addresses[1] in call, call
+        assert "_reduce_ones" in waiting["python"], waiting["python"]
+        assert "collective: all-reduce of 1000 float32" in format_stacks(waiting)
+    finally:
+        # Pass or fail, worker 1 joins: worker 0 must not wait out the barrier into the next test.
+        joined = cluster.run_on(1, _reduce_ones, ring.spec(1)) if first.is_alive() else None
+        first.join(60)
+    assert joined == 2.0
     assert result["0"] == 2.0
     assert not cluster.stacks([0])[0]["collectives"]
     cluster.retire_ring(ring)

@@ -173,6 +173,10 @@ impl Worker for WorkerService {
     }
 
     async fn stacks(&self, _: Request<StacksRequest>) -> Result<Response<StacksReply>, Status> {
+        // The collectives first, then the frames: a collective listed was running before the stacks were taken,
+        // so while it still runs its caller is in them (taken after the dump, one that began meanwhile was listed
+        // beside stacks from before its call).
+        let collectives = ddlf_collective::activity::snapshot();
         let state = self.state.clone();
         // Off the runtime's threads: the dump is file I/O and a signal handler walking every Python frame.
         let dumped = tokio::task::spawn_blocking(move || state.stacks.dump())
@@ -194,7 +198,7 @@ impl Worker for WorkerService {
             runs: self.state.runs(),
             connections_open: self.state.connections.open.load(Ordering::Relaxed),
             name: self.state.name.clone(),
-            collectives: ddlf_collective::activity::snapshot(),
+            collectives,
         }))
     }
 
