@@ -194,3 +194,42 @@ def test_the_layout_table_names_every_module() -> None:
         if not package and path.name != "__main__.py" and f"{path.name}`" not in table
     )
     assert unnamed == [], "docs/ARCHITECTURE.md's layout table is where a contributor looks for a module"
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """The names a module binds at its top level (definitions, assignments, imports), ``if`` and ``try`` blocks
+    included."""
+    names: set[str] = set()
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            todo.extend(node.body)
+            todo.extend(getattr(node, "orelse", []))
+            todo.extend(getattr(node, "finalbody", []))
+            for handler in getattr(node, "handlers", []):
+                todo.extend(handler.body)
+    return names
+
+
+def test_every_name_in_a_modules_all_is_defined_there() -> None:
+    """``__all__`` names only what the module defines or imports: ``from module import *`` would fail on a name
+    it lacks (``replica`` once listed a ``configure`` that had moved away)."""
+    missing = []
+    for module, (path, _) in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            if isinstance(node, ast.Assign) and names == ["__all__"]:
+                listed = ast.literal_eval(node.value)
+                defined = _top_level_names(tree)
+                missing += [f"{module}: {name}" for name in listed if name not in defined]
+    assert not missing, missing

@@ -3,6 +3,7 @@ on the worker's registry, no daemons."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -59,3 +60,19 @@ def test_a_keepalive_marks_a_run_used_and_ignores_one_not_here(monkeypatch: pyte
     replica.touch("not-here")  # torn down meanwhile: nothing
     with pytest.raises(ddlf.RingBusy):
         sessions.ring_free(worker, "newcomer")  # alive again: waited for
+
+
+def test_a_long_call_counts_as_use_until_it_ends_however_it_ends() -> None:
+    """A ring round, an evaluation or a prediction that outlasts ``RING_GONE_SECONDS`` keeps its run waited for:
+    ``Sessions.using`` marks the run used when the call begins and again when it ends, raising or not."""
+    sessions, worker = _sessions(holder=(True, 0.0))
+    for fails in (False, True):
+        with pytest.raises(RuntimeError) if fails else contextlib.nullcontext(), sessions.using("holder") as session:
+            assert session is sessions.by_id["holder"]
+            session.last_used -= RING_GONE_SECONDS + 1  # as if the call had run that long
+            if fails:
+                raise RuntimeError("the round failed")
+        with pytest.raises(ddlf.RingBusy):
+            sessions.ring_free(worker, "newcomer")  # used just now: waited for
+    with pytest.raises(ddlf.errors.NotFoundError, match="not set up on this worker"), sessions.using("gone"):
+        pass

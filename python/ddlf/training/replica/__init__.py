@@ -91,21 +91,15 @@ def train_chunk(worker: Any, spec: MasterRound) -> dict[str, Any]:
 def train_reduce(worker: Any, spec: RingRound) -> dict[str, Any]:
     """A model-averaging round on the ring."""
     round_started()  # refused while the worker drains; else a stop interrupts it (ddlf.worker.drain)
-    session = SESSIONS.get(spec.run_id)
-    try:
+    with SESSIONS.using(spec.run_id) as session:
         return session.train_reduce(worker, spec)
-    finally:
-        session.last_used = time.monotonic()  # a ring round may be long: used until its end (Sessions.ring_free)
 
 
 def train_gradients(worker: Any, spec: GradientRound) -> dict[str, Any]:
     """A gradient-averaging round on the ring."""
     round_started()  # refused while the worker drains; else a stop interrupts it (ddlf.worker.drain)
-    session = SESSIONS.get(spec.run_id)
-    try:
+    with SESSIONS.using(spec.run_id) as session:
         return session.train_gradients(worker, spec)
-    finally:
-        session.last_used = time.monotonic()  # a ring round may be long: used until its end (Sessions.ring_free)
 
 
 def evaluate(
@@ -113,11 +107,8 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate ``weights`` on rows ``part`` of this worker's dataset (None: those ``validation_split`` holds
     out): :func:`.evaluation.evaluate`."""
-    session = SESSIONS.get(run_id)
-    try:
+    with SESSIONS.using(run_id) as session:
         return evaluation.evaluate(session, weights, part, batch_size)
-    finally:
-        session.last_used = time.monotonic()  # may be long: used until its end (Sessions.ring_free)
 
 
 def metric_results(run_id: str, state: list[np.ndarray]) -> dict[str, float]:
@@ -127,11 +118,8 @@ def metric_results(run_id: str, state: list[np.ndarray]) -> dict[str, float]:
 
 def predict(run_id: str, weights: list[np.ndarray] | None, part: tuple[int, int], batch_size: int) -> Any:
     """Predictions for rows ``part`` of this worker's dataset (:func:`.evaluation.predict`)."""
-    session = SESSIONS.get(run_id)
-    try:
+    with SESSIONS.using(run_id) as session:
         return evaluation.predict(session, weights, part, batch_size)
-    finally:
-        session.last_used = time.monotonic()
 
 
 def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray]:
@@ -140,9 +128,10 @@ def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray
 
 
 __all__ = [
-    "configure",
+    "adopt_optimizer_state",
     "evaluate",
     "metric_results",
+    "optimizer_state",
     "predict",
     "reduced_weights",
     "restore_state",
@@ -150,6 +139,7 @@ __all__ = [
     "session_state",
     "setup",
     "teardown",
+    "touch",
     "train_chunk",
     "train_gradients",
     "train_reduce",

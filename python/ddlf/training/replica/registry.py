@@ -11,10 +11,11 @@ is evicted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,17 @@ class Sessions:
             )
         session.last_used = time.monotonic()
         return session
+
+    @contextlib.contextmanager
+    def using(self, run_id: str) -> Iterator[Session]:
+        """The session of ``run_id`` (:meth:`get`) for a call that may be long (a ring round, an evaluation, a
+        prediction): used until the call ends too, however it ends, so that :meth:`ring_free` never takes a run
+        busy in one for a run whose master is gone."""
+        session = self.get(run_id)
+        try:
+            yield session
+        finally:
+            session.last_used = time.monotonic()
 
     def setup(
         self,
