@@ -159,9 +159,19 @@ def dump_function(fn: Callable[..., Any], modules: set[str] | None = None) -> tu
     return blob, hashlib.sha256(blob).hexdigest()
 
 
+INTERNAL_PREFIX = "ddlf."
+"""The names of ddlf's own functions on the workers start with this (a user's never do: a function's name has no
+dot); they are left out of a worker's list of functions and of what a clean reports dropped."""
+
+
 def function_name(fn: Callable[..., Any]) -> str:
-    """The name a pushed function is registered under on the workers."""
+    """The name a pushed function is registered under on the workers: its ``__name__``, as the user calls it by;
+    ddlf's own functions by their module and qualified name (``ddlf.data.store.describe``), so that they never take
+    the place of a user's function of the same name."""
     name = getattr(fn, "__name__", None) or type(fn).__name__
+    module = getattr(fn, "__module__", None) or ""
+    if module == "ddlf" or module.startswith(INTERNAL_PREFIX):
+        return f"{module}.{getattr(fn, '__qualname__', name)}"
     return name
 
 
@@ -184,7 +194,7 @@ class PickledFunctions:
             modules: set[str] = set()
             blob, digest = dump_function(fn, modules)
             fname = name or function_name(fn)
-            if fname == "<lambda>":
+            if fname.endswith("<lambda>"):
                 fname = f"<lambda>#{digest[:12]}"
             cached = (fname, digest, blob, frozenset(modules))
             with contextlib.suppress(TypeError):

@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +91,64 @@ def test_ddlf_up_without_a_token_says_so(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DDLF_TOKEN"}
     out = _ddlf("up", str(config), env=env)
     assert out.returncode == 1 and "ddlf up needs a token" in out.stderr
+
+
+def _busy_until(started: str, stop: str) -> str:
+    """Busy in the worker's Python until ``stop`` exists (at most 120 s)."""
+    import os
+    import time
+
+    open(started, "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(stop) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return "done"
+
+
+def test_status_and_stacks_answer_for_a_worker_busy_with_another_master(daemon: Daemon, tmp_path: Path) -> None:
+    """``ddlf status`` and ``ddlf stacks`` connect to a worker whose Python is busy with another master's call and
+    answer at once: connecting asks nothing of the worker's Python (it was told its index first, and the commands
+    showed a busy worker as DOWN)."""
+    started, stop = tmp_path / "started", tmp_path / "stop"
+    env = {**os.environ, "DDLF_TOKEN": daemon.token or ""}
+    with ddlf.Cluster([daemon.address], token=daemon.token) as other:
+        result: dict[str, object] = {}
+        runner = threading.Thread(
+            target=lambda: result.setdefault("v", other.run_on(0, _busy_until, str(started), str(stop)))
+        )
+        runner.start()
+        try:
+            while not started.exists():
+                assert runner.is_alive(), result
+                time.sleep(0.02)
+            status = _ddlf("status", daemon.address, "--timeout", "10", env=env)
+            assert status.returncode == 0, status.stdout + status.stderr
+            line = next(line for line in status.stdout.splitlines() if daemon.address in line)
+            assert "DOWN" not in line and "run:_busy_until" in line, status.stdout
+            stacks = _ddlf("stacks", daemon.address, "--timeout", "10", env=env)
+            assert stacks.returncode == 0 and "_busy_until" in stacks.stdout, stacks.stdout + stacks.stderr
+            with ddlf.Cluster([daemon.address], token=daemon.token, timeout=10) as watcher:  # a script that watches
+                assert watcher.status()[0]["running"] == "run:_busy_until"
+            assert runner.is_alive()  # all of it answered while the call still ran
+        finally:
+            stop.touch()
+            runner.join(120)
+    assert result["v"] == "done"
+
+
+def test_ddlfs_own_functions_never_take_the_place_of_a_users(daemon: Daemon) -> None:
+    """ddlf's own functions (``ddlf status`` pushes a ``describe`` of its own) live under their module's name: a
+    user's function of the same name stays, and the list of functions and a reset count only the user's."""
+
+    def describe() -> str:
+        return "my own describe"
+
+    with ddlf.Cluster([daemon.address], token=daemon.token) as c:
+        c.add_function(describe)
+        status = _ddlf("status", daemon.address, env={**os.environ, "DDLF_TOKEN": daemon.token or ""})
+        assert status.returncode == 0 and "0 vars, 1 fns" in status.stdout, status.stdout + status.stderr
+        assert c.run("describe") == ["my own describe"]
+        assert c.functions() == [["describe"]]
+        c.datasets()  # a ddlf function pushed from this master too
+        assert c.functions() == [["describe"]]
+        assert [d["functions"] for d in c.reset()] == [1]  # what ddlf status reports dropped: the user's

@@ -127,7 +127,8 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
         self._dispatch = Dispatch(client, timeout, connect_timeout)
         self._recovery = self._dispatch.recovery
         self._replay = self._dispatch.replay
-        self._dispatch.set_context()
+        # No request to the workers' Python here: each learns its index with its first request (Dispatch.send), so
+        # that connecting to a busy or stuck worker (ddlf status, ddlf stacks) answers at once.
 
     # -- lifetime (the constructors beyond __init__: .launchers) ------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,6 +41,11 @@ class Dispatch:
         """Local module -> digest shipped to the workers (``"uploaded"``: by ``upload_module``, which wins)."""
         self.closures: dict[frozenset[str], list[str]] = {}
         """Each set of modules sent code referred to, with the local modules they import in turn."""
+        self.context_due: set[int] = set(range(len(client)))
+        """Workers not yet told their index and the number of workers (:meth:`context_changed`): told with the first
+        request that reaches their Python, so that connecting needs no answer from it (``ddlf status`` and
+        ``ddlf stacks`` connect to a worker that is busy, or stuck, and must answer at once)."""
+        self._context_lock = threading.Lock()
 
     def close(self) -> Any:
         """Stop sending; returns the client that was open (for the caller to shut daemons down through)."""
@@ -73,7 +79,23 @@ class Dispatch:
         timeout: float | None,
     ) -> list[Any]:
         """One request per target, without recovery (see :mod:`ddlf.cluster.calls`)."""
-        return self.calls.send(op, name, digest, targets, encoded, self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        if self.context_due:
+            self._tell_context(targets, timeout)
+        return self.calls.send(op, name, digest, targets, encoded, timeout)
+
+    def _tell_context(self, targets: list[int], timeout: float | None) -> None:
+        """Send the targets whose context is due their index and the number of workers, before the request that
+        needs it. A worker that cannot be told stays due; the request that follows meets the same fault."""
+        with self._context_lock:
+            due = [t for t in targets if t in self.context_due]
+            if not due:
+                return
+            n = len(self)
+            contexts = [serialization.dumps({"worker_id": t, "n_workers": n}) for t in due]
+            for t, out in zip(due, self.calls.send(OPS["CONTEXT"], "", "", due, contexts, timeout)):
+                if not isinstance(out, BaseException):
+                    self.context_due.discard(t)
 
     def call(
         self,
@@ -153,12 +175,11 @@ class Dispatch:
         encoded = serialization.dumps(payload)
         return raise_for(self.recovery.invoke(OPS["UPLOAD_MODULE"], name, digest, targets, [encoded], timeout))
 
-    def set_context(self) -> None:
-        """Tell every live worker its index and the number of workers."""
-        n = len(self)
-        targets = self.live_workers
-        contexts = [{"worker_id": i, "n_workers": n} for i in targets]
-        self.call(OPS["CONTEXT"], "", "", contexts, targets, None, each=True)
+    def context_changed(self, workers: list[int] | None = None) -> None:
+        """The index and the number of workers that ``workers`` (None: every worker) know are out of date (a worker
+        added or removed, a daemon restarted): each is told with its next request (:meth:`send`)."""
+        with self._context_lock:
+            self.context_due.update(range(len(self)) if workers is None else workers)
 
     def push(self, name: str, digest: str, blob: bytes, targets: list[int], timeout: float | None) -> None:
         """Add function ``name`` (this version) on the targets, and record it for replay."""

@@ -119,7 +119,7 @@ class Host(Protocol):
     def ensure_function(
         self, fn: FunctionRef, timeout: float | None, name: str | None = None, targets: list[int] | None = None
     ) -> tuple[str, str]: ...
-    def set_context(self) -> None: ...
+    def context_changed(self, workers: list[int] | None = None) -> None: ...
 
 
 class Recovery:
@@ -242,8 +242,7 @@ class Recovery:
         c = self.dispatch
         send = c.send  # the cluster's default deadline, no recovery inside recovery
         if context:
-            ctx = serialization.dumps({"worker_id": i, "n_workers": len(c)})
-            raise_for(send(OPS["CONTEXT"], "", "", [i], [ctx], None))
+            c.context_changed([i])  # told with the first request below (or the next call)
         address = c.addresses[i]
         for (kind, name), payload in list(self.replay.entries.items()):
             if kind == "var":
@@ -276,7 +275,7 @@ class Recovery:
             self.known.append({})
             self.instances.append(int(c.client.worker_info()[i]["instance"]))
             self.event("added", i, "")
-            c.set_context()
+            c.context_changed()  # the number of workers changed for every worker
             self.provision(i, context=False)
             return i
 
@@ -292,9 +291,7 @@ class Recovery:
             del self.instances[i]
             self.lost.pop(address, None)
             self.event("removed", i, "", address=address)
-            if len(c):
-                with contextlib.suppress(DdlfError):
-                    c.set_context()
+            c.context_changed()  # the workers after it moved down, and every worker's count changed
             return address
 
     def check(self, timeout: float) -> list[dict[str, Any]]:

@@ -136,7 +136,7 @@ class Executor:
             OPS["LIST_VARS"]: lambda name, digest, value: sorted(self.variables),
             OPS["ADD_FUNCTION"]: self._add_function,
             OPS["REMOVE_FUNCTION"]: self._remove_function,
-            OPS["LIST_FUNCTIONS"]: lambda name, digest, value: sorted(self.functions),
+            OPS["LIST_FUNCTIONS"]: lambda name, digest, value: sorted(self._user_functions()),
             OPS["RUN"]: self._run,
             OPS["EXEC"]: self._exec,
             OPS["CLEAN"]: self._clean,
@@ -144,7 +144,7 @@ class Executor:
             OPS["CONTEXT"]: self._set_context,
         }
         # Operations that import nothing (the others wait for the preload: _wait_for_preload). CONTEXT's value is
-        # the master's plain dict of numbers, sent as it connects.
+        # the master's plain dict of numbers, sent before its first request.
         self._import_free = {
             OPS[op]
             for op in ("LIST_VARS", "LIST_FUNCTIONS", "GET_VAR", "DEL_VAR", "REMOVE_FUNCTION", "CLEAN", "CONTEXT")
@@ -352,6 +352,10 @@ class Executor:
             return entry.fn(self.context, *args, **kwargs)
         return entry.fn(*args, **kwargs)
 
+    def _user_functions(self) -> list[str]:
+        """The functions pushed by users (ddlf's own, pushed by its master side, are left out)."""
+        return [n for n in self.functions if not n.startswith(serialization.INTERNAL_PREFIX)]
+
     def _exec(self, name: str, digest: str, code: Any) -> None:
         if not isinstance(code, str):
             raise _Failure("BAD_REQUEST", "TypeError", "exec expects source code as a string")
@@ -359,7 +363,7 @@ class Executor:
         exec(compiled, self.namespace)
 
     def _clean(self, name: str, digest: str, value: Any) -> dict[str, int]:
-        dropped = {"variables": len(self.variables), "functions": len(self.functions)}
+        dropped = {"variables": len(self.variables), "functions": len(self._user_functions())}
         self.variables.clear()
         self.functions.clear()
         self.namespace.clear()
