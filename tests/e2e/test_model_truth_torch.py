@@ -108,3 +108,53 @@ def test_runs_one_after_another_leave_no_threads_behind(cluster: ddlf.Cluster) -
     for _ in range(3):
         _train(TorchBinary(cluster), "gradient averaging")
     assert cluster.run(_threads) == before
+
+
+class TorchAdamBinary(TorchBinary):
+    def create_model(self) -> Any:
+        import torch
+
+        from ddlf.models import TorchModel
+
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        return TorchModel(net, lambda p: torch.optim.Adam(p, lr=0.01), torch.nn.CrossEntropyLoss())
+
+
+def _adam_steps(app: ddlf.IApp) -> float:
+    """The master's Adam step count (the same for every parameter)."""
+    steps = {float(s["step"]) for s in app.model.optimizer.state.values()}
+    assert len(steps) == 1, steps
+    return steps.pop()
+
+
+@pytest.mark.parametrize("strategy", ["model averaging", "gradient averaging", "asynchronous"])
+def test_a_second_train_goes_on_from_the_torch_optimizers_state(cluster: ddlf.Cluster, strategy: str) -> None:
+    """As a second ``fit`` would: the master's ``TorchModel`` holds the run's Adam state when ``train`` ends (the
+    workers' mean), and the next ``train`` starts every worker from it. The workers' optimizers started afresh
+    each run before (Adam's step back at 0, its moments lost)."""
+    app = TorchAdamBinary(cluster)
+    _train(app, strategy, shuffle=False)
+    first = _adam_steps(app)
+    assert first > 0
+    _train(app, strategy, epochs=2, initial_epoch=1, shuffle=False)
+    assert _adam_steps(app) == pytest.approx(2 * first, abs=2)  # async workers differ by a few chunks
+    if strategy == "gradient averaging":  # one state everywhere: two calls are one run of two epochs, exactly
+        whole = TorchAdamBinary(cluster)
+        _train(whole, strategy, epochs=2, shuffle=False)
+        np.testing.assert_array_equal(flat(whole.model.get_weights()), flat(app.model.get_weights()))
+
+
+def test_a_resumed_torch_run_goes_on_from_its_checkpointed_optimizer_state(cluster: ddlf.Cluster, tmp_path) -> None:
+    """A run resumed from its checkpoint (a fresh model from ``create_model`` on every worker, its optimizer not
+    stepped yet) adopts the checkpoint's Adam state and ends as the uninterrupted run does; it was dropped before."""
+    whole = TorchAdamBinary(cluster)
+    _train(whole, "gradient averaging", epochs=3, shuffle=False)
+    app = TorchAdamBinary(cluster)
+    run = ddlf.RunConfig(seed=3, checkpoint_dir=str(tmp_path))
+    strategy = ddlf.GradientAveraging(scale_learning_rate=False)
+    app.train(epochs=2, batch_size=BATCH, strategy=strategy, run=run, verbose=0, shuffle=False)
+    again = TorchAdamBinary(cluster)
+    resume = ddlf.RunConfig(seed=3, checkpoint_dir=str(tmp_path), resume=True)
+    h = again.train(epochs=3, batch_size=BATCH, strategy=strategy, run=resume, verbose=0, shuffle=False)
+    assert any(e["event"] == "resumed" for e in h.events)
+    np.testing.assert_array_equal(flat(whole.model.get_weights()), flat(again.model.get_weights()))

@@ -83,11 +83,17 @@ def test_train_on_batch_evaluate_and_optimizer_state(tmp_path) -> None:
     state = m.get_optimizer_state()
     assert m.optimizer_built and len(state) == 3 * 4  # Adam: exp_avg, exp_avg_sq, step for each of 4 tensors
     other = _mlp()
-    assert other.set_optimizer_state(state) is False  # has not stepped yet: nothing to take it into
-    other.train_on_batch(x, y)
+    before = other.get_weights()
+    assert other.set_optimizer_state(state[:-1]) is False  # another layout: refused, and no state left behind
+    assert not other.optimizer_built
+    # Not stepped yet: it gets its state as a first step would, takes this one, and its parameters stay as they were.
     assert other.set_optimizer_state(state) is True
+    for a, b in zip(before, other.get_weights()):
+        np.testing.assert_array_equal(a, b)
     for a, b in zip(state, other.get_optimizer_state()):
         np.testing.assert_array_equal(a, b)
+    other.train_on_batch(x, y)
+    assert float(other.get_optimizer_state()[2]) == float(state[2]) + 1  # Adam's step goes on from it
     m.save(tmp_path / "m.pt")
     fresh = _mlp()
     fresh.load_weights(tmp_path / "m.pt")

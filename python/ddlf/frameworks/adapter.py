@@ -10,6 +10,7 @@ framework, or Keras on a new backend, is one class here.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from ..errors import ConfigError, InvalidStateError
+from ..errors import ConfigError, InvalidStateError, OptimizerStateWarning
 
 Kind = Literal["keras-tensorflow", "keras-jax", "keras-torch", "torch"]
 """Which framework a model trains with: Keras and its backend, or a ``TorchModel``."""
@@ -257,7 +258,15 @@ class TorchModelAdapter(ModelAdapter):
         return sum(int(t.nbytes) for t in self.model._optimizer_tensors() or [])
 
     def set_optimizer_state(self, state: list[np.ndarray], *, keep_learning_rate: bool = False) -> None:
-        self.model.set_optimizer_state(state)  # its parameter groups' rates are not among the state's arrays
+        # its parameter groups' rates are not among the state's arrays
+        if not self.model.set_optimizer_state(state) and len(state):
+            optimizer = type(self.model.optimizer).__name__
+            warnings.warn(
+                f"the optimizer's state ({len(state)} arrays) does not fit this model's {optimizer}: it starts "
+                "afresh (create_model must build the same model and optimizer everywhere)",
+                OptimizerStateWarning,
+                stacklevel=3,
+            )
 
     def rng_state(self) -> list[np.ndarray]:
         return self.model.get_rng_state()

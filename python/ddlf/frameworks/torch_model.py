@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, ConfigTypeError, ModelMismatchError
+from . import torch_optimizer
 from .torch_batches import (
     count_rows,
     detached,
@@ -521,20 +522,8 @@ class TorchModel:
     # -- state beyond the weights -----------------------------------------------------------------------------
 
     def _optimizer_tensors(self) -> list[Any] | None:
-        """The optimizer's per-parameter state tensors in a fixed order, then (``"16-mixed"``) the gradient scaler's
-        scale and growth tracker, which every replica must share to take the same step; None before the first
-        step."""
-        out: list[Any] = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p)
-                if not state:
-                    return None
-                out.extend(state[k] for k in sorted(state) if self._torch.is_tensor(state[k]))
-        scaler = self.scaler
-        if scaler is not None and getattr(scaler, "_scale", None) is not None:
-            out += [scaler._scale, scaler._growth_tracker]
-        return out
+        """The optimizer's state tensors (:func:`.torch_optimizer.state_tensors`); None before the first step."""
+        return torch_optimizer.state_tensors(self.optimizer, self.scaler, self._torch)
 
     @property
     def optimizer_built(self) -> bool:
@@ -547,17 +536,11 @@ class TorchModel:
         return _arrays(self._optimizer_tensors() or [])
 
     def set_optimizer_state(self, state: Sequence[np.ndarray]) -> bool:
-        """Adopt ``state`` (from :meth:`get_optimizer_state`); False, and nothing changed, if it does not fit (this
-        optimizer has not stepped yet, or another layout)."""
-        tensors = self._optimizer_tensors()
-        if tensors is None or len(tensors) != len(state):
-            return False
-        if any(tuple(t.shape) != tuple(np.shape(s)) for t, s in zip(tensors, state)):
-            return False
-        with self._torch.no_grad():
-            for t, s in zip(tensors, state):
-                t.copy_(self._tensor(s))
-        return True
+        """Adopt ``state`` (from :meth:`get_optimizer_state`); False, and nothing changed, if it does not fit
+        (another optimizer or layout). An optimizer that has not stepped yet gets its state first, as its first
+        step would make it: a model fresh from ``create_model`` takes a checkpoint's or another process's state
+        (:func:`.torch_optimizer.set_state`)."""
+        return torch_optimizer.set_state(self.optimizer, self.scaler, self._torch, [self._tensor(s) for s in state])
 
     def get_rng_state(self) -> list[np.ndarray]:
         """torch's random generator states (dropout masks): the CPU's, and the GPU's when the model is on one, so a

@@ -13,8 +13,9 @@ them (a learning-rate schedule too, which reads the step count). ddlf's optimize
   its optimizer, a backup restored), every worker starts from that state instead of a fresh one.
 
 The learning rate stays out of both: it is the run's (compiled, scaled by ``scale_learning_rate``, set by a
-callback). Keras models only: a :class:`ddlf.models.TorchModel` keeps its ``torch.optim`` state on the workers
-(and in ddlf's checkpoints).
+callback). A :class:`ddlf.models.TorchModel`'s ``torch.optim`` state goes both ways the same (its parameter groups'
+hyperparameters are not part of it), except with sharded optimizer state, whose shards stay on the workers (and in
+ddlf's checkpoints).
 """
 
 from __future__ import annotations
@@ -60,10 +61,18 @@ def pull(run: TrainingRun) -> bool:
         return False
 
 
+def _torch(model: Any) -> bool:
+    """Whether ``model`` is a :class:`ddlf.models.TorchModel` (its ``torch.optim`` state travels as arrays)."""
+    return model is not None and adapter_for(model).kind == "torch"
+
+
 def _pull(run: TrainingRun) -> bool:
     model = run.app.model
-    if keras_optimizer(model) is None:
+    torch = _torch(model)
+    if keras_optimizer(model) is None and not torch:
         return False
+    if torch and sharded(run.cfg):
+        return False  # the shards of a torch optimizer are not joined on the master (kept in checkpoints)
     live = run.members.live()
     if not live:
         return False
@@ -80,13 +89,22 @@ def _pull(run: TrainingRun) -> bool:
     if shards:
         held = [s["optimizer_shard"] for s in states if s.get("optimizer_shard") is not None]
         return bool(held) and set_whole(model, join(held))
-    return set_mean(model, [s["optimizer"] for s in states if s.get("optimizer") is not None])
+    held = [s["optimizer"] for s in states if s.get("optimizer")]
+    if torch:
+        return set_mean_torch(model, held)
+    return set_mean(model, held)
 
 
 def push(app: Any, cfg: TrainConfig, run_id: str, live: list[int]) -> bool:
     """Every live worker starts run ``run_id`` from the master's optimizer state, when it has one (its
     optimizer built); whether they do."""
     model = app.model
+    if _torch(model):
+        if sharded(cfg) or not live or not model.optimizer_built:
+            return False
+        torch_state = {"optimizer": model.get_optimizer_state()}
+        app.cluster.call(remote.adopt_optimizer_state, (run_id, torch_state), workers=live)
+        return True
     optimizer = keras_optimizer(model)
     if optimizer is None or not optimizer.built or not live:
         return False
@@ -117,6 +135,17 @@ def set_mean(model: Any, states: list[list[np.ndarray]]) -> bool:
     means = [_mean([np.asarray(s[i]) for s in fitting]) for i in range(len(variables))]
     set_optimizer_state(model, means, keep_learning_rate=True)
     return True
+
+
+def set_mean_torch(model: Any, states: list[list[np.ndarray]]) -> bool:
+    """A ``TorchModel``'s optimizer takes the mean of ``states`` (each :meth:`~ddlf.models.TorchModel.
+    get_optimizer_state`'s arrays; its parameter groups' rates are not among them); whether any fitted."""
+    if not states:
+        return False
+    shapes = [np.shape(a) for a in states[0]]
+    fitting = [s for s in states if [np.shape(a) for a in s] == shapes]
+    means = [_mean([np.asarray(s[i]) for s in fitting]) for i in range(len(shapes))]
+    return bool(model.set_optimizer_state(means))
 
 
 def _mean(arrays: list[np.ndarray]) -> np.ndarray:

@@ -190,8 +190,13 @@ class Session:
         values = state.get("optimizer")
         model = self.model
         adapter = adapter_for(model)
-        if values is None or adapter.keras_optimizer() is None:
-            return  # no Keras optimizer to take it (a TorchModel's state is not adopted this way)
+        if values is None:
+            return
+        if adapter.kind == "torch":
+            set_optimizer_state(model, values)  # a fresh torch optimizer gets its state first (TorchModel)
+            return
+        if adapter.keras_optimizer() is None:
+            return  # no optimizer to take it
         adapter.build_optimizer()
         variables = model.optimizer.variables
         if len(variables) != len(values) or any(tuple(v.shape) != np.shape(a) for v, a in zip(variables, values)):
