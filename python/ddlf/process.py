@@ -93,6 +93,21 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="ddlf-parent-watch", daemon=True).start()
 
 
+_worker_daemon = False
+
+
+def mark_worker_daemon() -> None:
+    """This process is a worker daemon (``ddlf-worker``): it starts no daemons of its own (:func:`in_worker_daemon`)."""
+    global _worker_daemon
+    _worker_daemon = True
+
+
+def in_worker_daemon() -> bool:
+    """Whether this process is a worker daemon (code the master sent runs here, modules beside its script import
+    here)."""
+    return _worker_daemon
+
+
 _prepared = False
 
 

@@ -242,3 +242,40 @@ def test_a_module_over_the_shipping_limit_is_refused_by_name_and_upload_module_s
     assert "'bighelper'" in out["error"] and "upload_module('bighelper')" in out["error"]
     assert out["still_serving"] == ["ok"]
     assert out["after_upload"] == [5]
+
+
+def test_a_helper_module_that_trains_at_import_fails_clearly_instead_of_spawning_workers(tmp_path) -> None:
+    """A module beside the script that trains at its top level (no ``__main__`` guard) is imported by the workers
+    too: each one's ``Cluster.local`` started workers of its own, and those theirs, until the machine ran out of
+    memory. A worker refuses to start workers, so the script fails at once, saying why."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "side.py").write_text(
+        textwrap.dedent(
+            """
+            import numpy as np
+            import ddlf
+
+            class App(ddlf.IApp):
+                dataset_key = "script-code-side"
+                def load_dataset(self):
+                    rng = np.random.default_rng(0)
+                    return rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 2, 64)
+                def create_model(self):
+                    import keras
+                    model = keras.Sequential([keras.Input(shape=(4,)), keras.layers.Dense(2, "softmax")])
+                    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+                    return model
+
+            with ddlf.Cluster.local(2) as cluster:  # at import: no __main__ guard
+                App(cluster).train(epochs=1, batch_size=16, verbose=0)
+            """
+        )
+    )
+    (project / "main.py").write_text("import side\n")
+    out = subprocess.run(
+        [sys.executable, str(project / "main.py")], cwd=project, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode != 0
+    assert "Cluster.local() was called inside a ddlf worker" in out.stderr, out.stderr[-4000:]
+    assert 'if __name__ == "__main__":' in out.stderr, out.stderr[-4000:]

@@ -11,7 +11,7 @@ from ddlf.data.structure import Parts, class_weights, concatenate_rows, rows_of
 from ddlf.training.messages import FitData
 from ddlf.training.options import TrainConfig
 from ddlf.training.plan import epoch_order
-from ddlf.training.remote_evaluation import contiguous_parts
+from ddlf.training.remote_evaluation import contiguous_parts, merge_evaluations
 from ddlf.training.replica.dataset import parts_of, training_rows
 
 
@@ -156,3 +156,16 @@ def test_a_round_with_neither_indices_nor_a_slice_feeds_no_batches() -> None:
     assert [n for *_, n in batches] == [2, 1]
     np.testing.assert_array_equal(batches[0][0], x[[5, 0]])
     np.testing.assert_array_equal(batches[1][1], y[[3]])
+
+
+def test_a_torch_models_merged_logs_keep_its_order_and_weigh_by_rows() -> None:
+    """``app.evaluate()`` without arrays lists a TorchModel's results in its own order (loss first, as
+    ``evaluate(x, y)`` does), not sorted by name: ``loss, acc = app.evaluate()`` unpacked them swapped."""
+    outs = [
+        {"rows": 30, "logs": {"loss": 0.5, "accuracy": 0.9, "b_loss": 1.0}},
+        {"rows": 10, "logs": {"loss": 0.1, "accuracy": 0.5, "b_loss": 3.0}},
+        {"rows": 0},
+    ]
+    merged = merge_evaluations(None, "run", [0, 1, 2], outs)
+    assert list(merged) == ["loss", "accuracy", "b_loss"]
+    assert merged == pytest.approx({"loss": 0.4, "accuracy": 0.8, "b_loss": 1.5})

@@ -20,9 +20,9 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import ConfigError, WorkerStartError
+from ..errors import ConfigError, LaunchError, WorkerStartError
 from ..frameworks.keras_backend import keras_backend_in_use
-from ..process import PARENT_ENV, thread_env
+from ..process import PARENT_ENV, in_worker_daemon, thread_env
 from ..settings import check_lane_spin_us, module_list
 
 
@@ -188,6 +188,13 @@ def start_local(
     gpus: str | Sequence[int | str] | None,
 ) -> LocalWorkers:
     """The daemons of ``Cluster.local`` (its arguments, documented there), started and ready."""
+    if in_worker_daemon():
+        # Each worker would start workers of its own, and each of those its own, until the machine runs out.
+        raise LaunchError(
+            f"Cluster.local() was called inside a ddlf worker (pid {os.getpid()}): a worker starts no workers of its "
+            "own. Most likely a module that the master's code refers to trains when it is imported (workers import "
+            'the modules beside the script): put that code under `if __name__ == "__main__":`'
+        )
     per_worker: list[list[str]] | None = None
     if gpus is not None:
         from ..devices import choose_gpus

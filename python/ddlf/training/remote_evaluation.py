@@ -42,7 +42,8 @@ def merge_evaluations(cluster: Any, run_id: str, workers: list[int], outs: list[
         summed = [np.sum([s[i] for s in states], axis=0) for i in range(len(states[0]))]
         return dict(cluster.call(remote.metric_results, (run_id, summed), workers=[replied[0][0]])[0])
     total = sum(o["rows"] for _, o in replied)
-    keys = sorted({k for _, o in replied for k in o["logs"]})
+    # In the model's order (loss first, as evaluate lists them): `loss, acc = app.evaluate()` unpacks them.
+    keys = list(dict.fromkeys(k for _, o in replied for k in o["logs"]))
     return {k: sum(o["logs"].get(k, 0.0) * o["rows"] for _, o in replied) / total for k in keys}
 
 

@@ -23,7 +23,7 @@ from .. import _ddlf
 from ..errors import ConfigError, WorkerStartError
 from ..frameworks.keras_backend import keras_backend_default
 from ..frameworks.loading import guard_torch_compiler
-from ..process import die_with_parent, in_effect, prepare_process, thread_env
+from ..process import die_with_parent, in_effect, mark_worker_daemon, prepare_process, thread_env
 from ..settings import MAX_LANE_SPIN_US, check_lane_spin_us, module_list
 from .drain import DEFAULT_SECONDS as DEFAULT_DRAIN_SECONDS
 from .drain import Drain, Draining
@@ -219,6 +219,7 @@ def _raise_system_exit(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ddlf-worker``."""
     die_with_parent()  # local workers (Cluster.local) never outlive their master
+    mark_worker_daemon()  # it starts no daemons of its own (Cluster.local refuses here)
     args = _parser().parse_args(argv)
     if args.gpu is not None:
         from ..devices import check_gpu_ids
