@@ -152,3 +152,24 @@ def test_ddlfs_own_functions_never_take_the_place_of_a_users(daemon: Daemon) -> 
         c.datasets()  # a ddlf function pushed from this master too
         assert c.functions() == [["describe"]]
         assert [d["functions"] for d in c.reset()] == [1]  # what ddlf status reports dropped: the user's
+
+
+def test_ddlf_demo_passes_every_option_to_the_example() -> None:
+    """``ddlf demo --epochs 1`` as the README writes it: argparse had refused every option after the subcommand."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "ddlf.cli", "demo"]
+    shown = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert shown.returncode == 0 and "--epochs" in shown.stdout and "--mode" in shown.stdout, shown.stderr
+    bad = subprocess.run([*command, "--epochs", "one"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert bad.returncode == 2 and "mnist_sync.py: error: argument --epochs" in bad.stderr, bad.stderr
+
+
+def test_status_without_the_token_says_the_worker_refused_it_and_where_the_token_comes_from(daemon: Daemon) -> None:
+    """A worker that refuses the token is up: REFUSED, not DOWN, and the reason whole (it was cut at 70
+    characters, before the part that says what to do)."""
+    env = {k: v for k, v in os.environ.items() if k != "DDLF_TOKEN"}
+    out = _ddlf("status", daemon.address, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    row, why = (line for line in out.stdout.splitlines() if daemon.address in line)
+    assert "REFUSED" in row and "DOWN" not in row, out.stdout
+    assert "refused authentication" in why and "DDLF_TOKEN" in why, out.stdout

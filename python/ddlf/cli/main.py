@@ -126,12 +126,12 @@ def _cmd_reset(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(rest: list[str]) -> int:
     script = os.path.join(os.getcwd(), "examples", "mnist_sync.py")
     if not os.path.exists(script):
         print("ddlf demo: run it from the ddlf repository (it needs examples/ and examples/data)", file=sys.stderr)
         return 2
-    return subprocess.call([sys.executable, script, *args.rest])
+    return subprocess.call([sys.executable, script, *(rest[1:] if rest[:1] == ["--"] else rest)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,28 +141,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..worker.main import run as run_worker
 
         run_worker(argv[1:])
+    if argv[:1] == ["demo"]:  # every option is the example's (argparse's REMAINDER drops those after a subcommand)
+        return _cmd_demo(argv[1:])
     p = argparse.ArgumentParser(prog="ddlf", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("worker", help="run a worker daemon (same as ddlf-worker; see ddlf worker --help)")
     st = sub.add_parser("status", help="a table of workers: version, uptime, memory, what they hold and run")
-    st.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    st.add_argument("addresses", nargs="*", help="HOST:PORT of each worker (the token: DDLF_TOKEN)")
     st.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     st.add_argument("--timeout", type=float, default=3.0, help="seconds allowed per worker (default 3)")
     lg = sub.add_parser("logs", help="a worker daemon's recent log lines (requests with their ids, errors)")
-    lg.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    lg.add_argument("addresses", nargs="*", help="HOST:PORT of each worker (the token: DDLF_TOKEN)")
     lg.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     lg.add_argument("-n", "--lines", type=int, default=100, help="how many of the last lines (0: all kept)")
     lg.add_argument("--timeout", type=float, default=3.0, help="seconds allowed per worker (default 3)")
     sk = sub.add_parser(
         "stacks", help="every worker's Python stacks (all threads) and what it serves, even when it is stuck"
     )
-    sk.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    sk.add_argument("addresses", nargs="*", help="HOST:PORT of each worker (the token: DDLF_TOKEN)")
     sk.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     sk.add_argument("--timeout", type=float, default=2.0, help="seconds allowed per worker (default 2)")
     rs = sub.add_parser(
         "reset", help="every worker back to the state it started in (runs, datasets, modules, variables), no restart"
     )
-    rs.add_argument("addresses", nargs="*", help="HOST:PORT of each worker")
+    rs.add_argument("addresses", nargs="*", help="HOST:PORT of each worker (the token: DDLF_TOKEN)")
     rs.add_argument("--config", help="a cluster.toml listing the workers (and token file, TLS)")
     rs.add_argument("--force", action="store_true", help="tear down the training runs they serve too")
     rs.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per worker (default 60)")
@@ -207,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except launch.LaunchError as exc:
                 print(f"ddlf {args.command}: {exc}", file=sys.stderr)
                 return 1
-        return _cmd_demo(args)
+        return _cmd_demo(args.rest)
     except cluster_config.ConfigError as exc:
         print(f"ddlf: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DdlfError
+from ..errors import AuthenticationError, DdlfError
+
+TOKEN_HINT = "the token comes from DDLF_TOKEN, or from --config cluster.toml's token_file"
 
 
 def _size(n: float) -> str:
@@ -29,6 +31,9 @@ def status_rows(addresses: list[str], kw: dict[str, Any], timeout: float) -> lis
             c = Cluster([address], connect_timeout=timeout, timeout=timeout, **kw)
         except DdlfError as exc:
             row["error"] = getattr(exc, "reason", None) or str(exc)
+            if isinstance(exc, AuthenticationError):
+                row["state"] = "REFUSED"  # it is up: it refused this token
+                row["error"] += f" ({TOKEN_HINT})"
             rows.append(row)
             continue
         try:
@@ -57,7 +62,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([str(r["id"]), r["address"], "-", "-", "-", "-", "DOWN", r["error"][:70]])
+            state = r.get("state", "DOWN")
+            lines.append([str(r["id"]), r["address"], "-", "-", "-", "-", state, "see below"])
             continue
         up = r["uptime_s"]
         lines.append(
@@ -74,4 +80,6 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
     widths = [max(len(h), *(len(line[k]) for line in lines)) for k, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines)])
+    # Why a worker could not be asked, whole, under the table (a cut message hides the part that says what to do).
+    why = [f"{r['id']} {r['address']}: {r['error']}" for r in rows if "error" in r]
+    return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines), *why])

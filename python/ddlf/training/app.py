@@ -60,7 +60,7 @@ from .history import History
 from .keras_callbacks import KerasCallback, is_keras_callback, is_progbar_logger
 from .membership import Members
 from .messages import FitData
-from .options import DataConfig, GradientAveraging, ModelAveraging, RunConfig, Strategy, TrainConfig
+from .options import DataConfig, GradientAveraging, ModelAveraging, RunConfig, Strategy, TrainConfig, _positive_int
 from .preemption import Preemption
 from .remote_evaluation import contiguous_parts, evaluate_on_workers, predict_on_workers
 from .replica.sharded import check_shardable
@@ -280,6 +280,7 @@ class IApp:
         the rows; a sharded app: each its own shard), with the master's weights: the results are ``evaluate``'s
         over all the rows (metric states added up across the workers). Returns the loss, or a list of loss and
         metrics, or with ``return_dict`` a dict, as Keras does."""
+        _positive_int(batch_size, "evaluate()'s batch_size")
         if x is None:
             if y is not None or sample_weight is not None or kwargs:
                 given = ", ".join(["y"] * (y is not None) + ["sample_weight"] * (sample_weight is not None) + [*kwargs])
@@ -311,6 +312,7 @@ class IApp:
         """The master's model's predictions, as Keras' ``model.predict``: for ``x`` (after :meth:`preprocess`,
         on the master, batch by batch), or without ``x`` for every row of the workers' dataset, computed on the
         workers with the master's weights and returned in row order (a sharded app: shard after shard)."""
+        _positive_int(batch_size, "predict()'s batch_size")
         if (x is None or isinstance(x, EncodedImages)) and kwargs:
             where = "every row of the workers' dataset" if x is None else "EncodedImages batch by batch"
             raise ConfigError(f"predict() of {where} takes no {', '.join(kwargs)}")

@@ -4,10 +4,12 @@ cannot work cannot be written, and ``TrainConfig`` resolves what the loops read.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
 import ddlf
+from ddlf.errors import ConfigError
 from ddlf.training.options import TrainConfig
 from ddlf.training.run import SLOW_WORKER_ENV, RunState
 
@@ -152,3 +154,28 @@ def test_the_default_async_chunk_follows_the_worker_count() -> None:
     assert a.chunk is None
     assert [a.chunk_batches(n) for n in (1, 2, 3, 4, 8)] == [10, 2, 1, 1, 1]
     assert ddlf.Asynchronous(chunk=7).chunk_batches(4) == 7
+
+
+class _NoCluster:
+    """Any use of the cluster fails the test: the argument check comes first."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the cluster was used ({name}) before the arguments were checked")
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, "32", 2.5, True, None])
+@pytest.mark.parametrize("what", ["evaluate", "predict"])
+def test_evaluate_and_predict_refuse_a_batch_size_that_is_not_a_positive_integer(what: str, batch_size: Any) -> None:
+    """``evaluate(batch_size=-1)`` returned 0.0 and ``predict(batch_size=-1)`` an empty array; 0 gave a bare
+    ``range()`` error or a ZeroDivisionError from a worker. Refused on the master now, before anything is sent."""
+
+    class App(ddlf.IApp):
+        def load_dataset(self) -> Any:
+            raise AssertionError("not reached")
+
+        def create_model(self) -> Any:
+            raise AssertionError("not reached")
+
+    app = App(_NoCluster())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=rf"{what}\(\)'s batch_size must be an integer >= 1"):
+        getattr(app, what)(batch_size=batch_size)
