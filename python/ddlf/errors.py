@@ -19,7 +19,9 @@ code expects a built-in exception, ddlf's class derives from both, so ``except V
 Not :class:`DdlfError`\ s, by design: ``NotImplementedError`` from :class:`~ddlf.IApp`'s methods an app
 overrides, ``ImportError`` when ``ddlf.callbacks.TensorBoard`` finds no event writer installed, and the worker
 daemon's own exits (``SystemExit``). What user code raises on a worker comes back as a :class:`RemoteError`,
-whatever its type. The compiled extension (``ddlf._ddlf``) checks the arrays handed to its kernels itself, with
+whatever its type; one of ddlf's own errors raised on a worker is its class too (a ``RemoteDatasetError`` is a
+``RemoteError`` and a :class:`DatasetError`, so ``except ddlf.DatasetError`` and ``except ValueError`` catch a
+dataset a worker refused). The compiled extension (``ddlf._ddlf``) checks the arrays handed to its kernels itself, with
 plain ``ValueError`` and ``TypeError``.
 
 Errors about one worker carry its ``worker_id`` (its
@@ -180,6 +182,11 @@ class RemoteError(DdlfError):
         self.request_id = request_id
         """The request's id: the worker's log lines about it (``cluster.logs(worker)``) carry ``id=<request_id>``."""
 
+    def __new__(cls, message: str = "", *args: Any, remote_type: str = "", **kwargs: Any) -> RemoteError:
+        # One of ddlf's own errors, raised on a worker: also an instance of its class (:func:`_remote_class`).
+        chosen = (_remote_class(remote_type) or cls) if cls is RemoteError else cls
+        return super().__new__(chosen, message)
+
     def raised(self, type_name: str) -> bool:
         """Whether the remote exception's type is ``type_name`` (its qualified name's last part: ``"WorkerStopping"``
         matches ``"WorkerStopping"`` and ``"ddlf.errors.CollectiveError"`` matches ``"CollectiveError"``)."""
@@ -190,6 +197,35 @@ class RemoteError(DdlfError):
         if self.remote_traceback:
             text += "\n\nRemote traceback:\n" + self.remote_traceback.rstrip()
         return text
+
+
+_REMOTE_PREFIX = "Remote"
+
+
+@functools.cache
+def _remote_class(remote_type: str) -> type[RemoteError] | None:
+    """For ``remote_type`` naming one of ddlf's errors (``ddlf.errors.DatasetError``): ``RemoteDatasetError``, a
+    :class:`RemoteError` and a ``DatasetError``. None for other types, for ddlf's errors with a constructor of their
+    own, and for ``OSError`` subclasses (whose instances are laid out otherwise)."""
+    module, _, name = remote_type.rpartition(".")
+    base = globals().get(name) if module == __name__ else None
+    if not isinstance(base, type) or base is DdlfError or not issubclass(base, DdlfError):
+        return None
+    if issubclass(base, RemoteError | OSError):
+        return None
+    if base.__init__ is not DdlfError.__init__:
+        return None
+    cls = type(f"{_REMOTE_PREFIX}{name}", (RemoteError, base), {"__module__": __name__, "__doc__": base.__doc__})
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    """``RemoteDatasetError`` and its kind (made on first use), by name: pickle finds them so."""
+    if name.startswith(_REMOTE_PREFIX):
+        cls = _remote_class(f"{__name__}.{name.removeprefix(_REMOTE_PREFIX)}")
+        if cls is not None:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class NotFoundError(DdlfError, KeyError):

@@ -17,6 +17,14 @@ MAX_LANE_SPIN_US = 1_000_000
 """The longest busy-poll a lane may do before it sleeps: one second."""
 
 
+def is_address(value: Any) -> bool:
+    """Whether ``value`` is a worker address, ``"host:port"`` (port 1-65535)."""
+    if not isinstance(value, str):
+        return False
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def check_lane_spin_us(value: Any) -> int:
     """Check a ``lane_spin_us`` setting: whole microseconds from 0 (sleep at once) to 1 s."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LANE_SPIN_US:

@@ -83,6 +83,7 @@ def test_status_lists_live_workers_and_says_which_is_down(daemon: Daemon, tmp_pa
 def test_worker_subcommand_is_the_daemon() -> None:
     out = _ddlf("worker", "--help")
     assert out.returncode == 0 and "--tls-cert" in out.stdout
+    assert out.stdout.startswith("usage: ddlf worker "), out.stdout  # its own name, not ddlf-worker's
 
 
 def test_ddlf_up_without_a_token_says_so(tmp_path: Path) -> None:

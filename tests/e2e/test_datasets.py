@@ -146,10 +146,16 @@ def test_worker_store_loads_once_and_lists_and_drops(cluster: ddlf.Cluster, tmp_
 
 
 def test_store_rejects_bad_loader_results(cluster: ddlf.Cluster) -> None:
-    with pytest.raises(ddlf.RemoteError, match="not numpy arrays"):
+    """Refused by the workers with ddlf's own classes, as documented: ``except ddlf.DatasetError`` (a
+    ``ValueError``) and ``except ddlf.ConfigTypeError`` (a ``TypeError``) catch them; they are remote errors
+    (``RemoteError``) too, with the worker's traceback."""
+    with pytest.raises(ddlf.ConfigTypeError, match="not numpy arrays") as wrong_type:
         cluster.load_dataset("bad1", lambda: "text")
-    with pytest.raises(ddlf.RemoteError, match="different numbers of rows"):
+    assert isinstance(wrong_type.value, ddlf.RemoteError) and isinstance(wrong_type.value, TypeError)
+    with pytest.raises(ddlf.DatasetError, match="different numbers of rows") as info:
         cluster.load_dataset("bad2", lambda: (np.zeros(3), np.zeros(4)))
+    assert isinstance(info.value, ddlf.RemoteError) and isinstance(info.value, ValueError)
+    assert all(e.raised("DatasetError") and e.remote_traceback for e in info.value.exceptions)  # both workers
     assert cluster.datasets() == [[], []]
 
 

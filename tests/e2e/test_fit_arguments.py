@@ -142,6 +142,14 @@ class Empty(Plain):
         return x[:0], y[:0]
 
 
+class RaggedRows(Plain):
+    dataset_key = "fit-arguments-ragged"
+
+    def load_dataset(self) -> Any:
+        x, y = _data()
+        return x[:100], y[:90]
+
+
 class NotAModel(Plain):
     def create_model(self) -> Any:
         return "a model"
@@ -155,6 +163,10 @@ def test_no_rows_and_no_model_are_refused_clearly_and_batch_size_none_is_32(
     with pytest.raises(ddlf.DatasetError, match=r"Empty\.load_dataset returned no rows"):
         Empty(cluster).train(epochs=1, verbose=0, strategy=ddlf.ModelAveraging())
     assert cluster.run(replica.runs) == [[], []]  # the refused run does not stay on the workers
+    # Refused by the workers at set-up: ddlf.DatasetError as documented (it came as a bare RemoteError).
+    with pytest.raises(ddlf.DatasetError, match="different numbers of rows"):
+        RaggedRows(cluster).train(epochs=1, verbose=0, strategy=ddlf.ModelAveraging())
+    assert cluster.run(replica.runs) == [[], []]
     with pytest.raises(TypeError, match=r"create_model\(\) must return a compiled Keras model .* not str"):
         NotAModel(cluster).train(epochs=1, verbose=0)
     h = Plain(cluster).train(epochs=1, batch_size=None, verbose=0, strategy=ddlf.ModelAveraging())

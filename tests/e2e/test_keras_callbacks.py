@@ -233,3 +233,19 @@ def test_tensorboard_and_progbar_logger_behave_as_in_fit(
     ends = [line for line in out.replace("\r", "\n").splitlines() if "val_loss" in line]
     assert len(ends) == 2 and all(f"{steps}/{steps}" in line for line in ends), out
     assert "Epoch 1/2 - " not in out and out.count("Epoch 1/2") == 1, out  # ddlf's own per-epoch line stepped aside
+
+
+def test_callbacks_watching_a_metric_without_a_mode_decide_as_in_fit(cluster: ddlf.Cluster, tmp_path: Path) -> None:
+    """``EarlyStopping(monitor="val_accuracy")`` and ``ModelCheckpoint`` without ``mode``: ``fit`` reads the
+    direction off the model's built metrics; the master's never ran a step, so ``train`` raised Keras' "isn't able
+    to automatically determine" at the first epoch's end. The workers' metrics decide now: accuracy is better
+    higher, so nothing improves on it by 1.0 and training stops after the second epoch."""
+    es = keras.callbacks.EarlyStopping(monitor="val_accuracy", patience=0, min_delta=1.0)
+    best = tmp_path / "best.weights.h5"
+    ckpt = keras.callbacks.ModelCheckpoint(
+        str(best), monitor="val_accuracy", save_weights_only=True, save_best_only=True
+    )
+    h = SmallMnist(cluster).train(epochs=6, batch_size=64, validation_split=0.2, callbacks=[es, ckpt], verbose=0)
+    assert len(h.history["val_accuracy"]) == 2 and es.stopped_epoch == 1
+    assert es.monitor_op is keras.ops.greater and es.min_delta == 1.0  # as Keras sets them for a metric going up
+    assert ckpt.monitor_op is keras.ops.greater and best.exists()

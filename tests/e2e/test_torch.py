@@ -62,6 +62,10 @@ def test_weights_round_trip_and_bad_weights_are_refused() -> None:
         TorchModel(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.MSELoss(), metrics=["auc"])
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         TorchModel(lambda x: x, lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.MSELoss())
+    with pytest.raises(
+        ddlf.ConfigTypeError, match=r"torch\.optim\.Optimizer or a function returning one .* not 'adam'"
+    ):
+        TorchModel(torch.nn.Linear(2, 2), "adam", torch.nn.MSELoss())  # Keras's spelling: 'str' was not callable
 
 
 def test_train_on_batch_evaluate_and_optimizer_state(tmp_path) -> None:

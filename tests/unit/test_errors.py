@@ -91,3 +91,35 @@ def test_a_remote_traceback_gets_the_source_lines_its_worker_lacked(tmp_path) ->
         "ZeroDivisionError: division by zero\n"
     )
     assert "return 1 / worker.zero" in str(err)
+
+
+def test_ddlfs_own_errors_raised_on_a_worker_come_back_as_their_class_too() -> None:
+    """A ``DatasetError`` a worker raised is a ``RemoteError`` and a ``DatasetError`` (so a ``ValueError``):
+    ``except ddlf.DatasetError`` catches it as the docs say. Other types, ddlf's errors with constructors of their
+    own and ``OSError``-based ones stay plain ``RemoteError``\\ s; all pickle and group as before."""
+    import pickle
+
+    from ddlf.errors import RemoteError, group
+
+    def remote(remote_type: str) -> RemoteError:
+        return RemoteError(
+            f"worker 0 (a:1) raised {remote_type}: bad",
+            address="a:1",
+            worker_id=0,
+            remote_type=remote_type,
+            remote_message="bad",
+            remote_traceback="",
+            request_id=7,
+            kind="user",
+        )
+
+    e = remote("ddlf.errors.DatasetError")
+    assert isinstance(e, ddlf.DatasetError) and isinstance(e, ValueError) and isinstance(e, RemoteError)
+    assert type(e).__name__ == "RemoteDatasetError" and e.raised("DatasetError") and e.request_id == 7
+    again = pickle.loads(pickle.dumps(e))
+    assert type(again) is type(e) and again.remote_message == "bad" and again.worker_id == 0
+    both = group([e, again])
+    assert isinstance(both, ddlf.DatasetError) and isinstance(both, RemoteError) and len(both.exceptions) == 2
+    assert isinstance(remote("ddlf.errors.RingBusy"), ddlf.TooManyRuns)
+    for plain in ("builtins.ValueError", "ddlf.errors.CheckpointError", "ddlf.errors.DdlfError", "other.DatasetError"):
+        assert type(remote(plain)) is RemoteError, plain

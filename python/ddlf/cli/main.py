@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["worker"]:
         from ..worker.main import run as run_worker
 
-        run_worker(argv[1:])
+        run_worker(argv[1:], prog="ddlf worker")
     if argv[:1] == ["demo"]:  # every option is the example's (argparse's REMAINDER drops those after a subcommand)
         return _cmd_demo(argv[1:])
     p = argparse.ArgumentParser(prog="ddlf", description=__doc__)

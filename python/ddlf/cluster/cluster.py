@@ -19,7 +19,7 @@ from .. import _ddlf
 from ..data import store
 from ..errors import ConfigError, ConfigTypeError, DdlfError, OutOfRangeError, ResetRefused, raise_for
 from ..process import prepare_process
-from ..settings import check_lane_spin_us, read_pem
+from ..settings import check_lane_spin_us, is_address, read_pem
 from ..shipping import files_digest, module_files
 from .aio import AsyncVerbs
 from .calls import FunctionRef
@@ -97,6 +97,9 @@ class Cluster(Launchers, Collectives, AsyncVerbs):
     ) -> None:
         if isinstance(addresses, str):
             addresses = [addresses]
+        bad = [a for a in addresses if not is_address(a)]
+        if bad:
+            raise ConfigError(f'worker addresses must be "host:port" (the port the daemon listens on), not {bad}')
         if token is None:
             token = os.environ.get("DDLF_TOKEN") or None
         if lane_spin_us is not None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DdlfError
+from ..settings import is_address
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -120,8 +121,7 @@ def load(path: str | os.PathLike[str]) -> ClusterConfig:
     if not isinstance(workers, list) or not workers or not all(isinstance(w, str) for w in workers):
         raise bad("workers", 'expected a non-empty list of "host:port" strings')
     for w in workers:
-        host, sep, port = w.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not is_address(w):
             raise bad("workers", f'{w!r} is not "host:port"')
     options: dict[str, float] = {}
     for key in _NUMBERS:

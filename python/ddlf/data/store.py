@@ -56,6 +56,17 @@ def _arrays(value: Any) -> list[Any]:
     return []
 
 
+def _describe(value: Any) -> str:
+    """What a dataset value holds, by type: ``tuple of Tensor, Tensor`` (a few leaves named at most)."""
+    if isinstance(value, (tuple, list)) and value:
+        inner = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"{type(value).__name__} of {inner}"
+    if isinstance(value, Mapping) and value:
+        inner = ", ".join(f"{k!r}: {type(v).__name__}" for k, v in list(value.items())[:4])
+        return f"{type(value).__name__} of {{{inner}}}"
+    return type(value).__name__
+
+
 class DatasetStore:
     """The datasets a worker process holds, by key. One per process (:data:`STORE`)."""
 
@@ -87,7 +98,10 @@ class DatasetStore:
             try:
                 arrays = _arrays(value)
                 if not arrays:
-                    raise ConfigTypeError(f"load_dataset for {key!r} returned {type(value).__name__}, not numpy arrays")
+                    raise ConfigTypeError(
+                        f"load_dataset for {key!r} returned {_describe(value)}, not numpy arrays (a torch tensor: "
+                        "tensor.numpy(); a list of rows: np.asarray)"
+                    )
                 rows = {len(a) for a in arrays}
                 if len(rows) != 1:
                     raise DatasetError(f"dataset {key!r}: arrays have different numbers of rows {sorted(rows)}")

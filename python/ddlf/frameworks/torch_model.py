@@ -153,6 +153,11 @@ class TorchModel:
         """The ``torch.amp.GradScaler`` of ``"16-mixed"`` (None otherwise)."""
         self.precision = precision
         self.clip_grad_norm = clip_grad_norm
+        if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+            raise ConfigTypeError(
+                f"optimizer must be a torch.optim.Optimizer or a function returning one (lambda p: "
+                f"torch.optim.Adam(p)), not {optimizer!r}"
+            )
         self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(module.parameters())
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ConfigTypeError("optimizer must be a torch.optim.Optimizer or a function returning one")

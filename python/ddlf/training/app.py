@@ -105,12 +105,12 @@ class IApp:
 
     def load_dataset(self) -> Any:
         """Return the training data as ``(x, y)`` (or ``{"x": ..., "y": ...}``) numpy arrays. Runs on workers."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement load_dataset() (or be sharded: load_shard)")
 
     def create_model(self) -> Any:
         """Return a compiled Keras model (any backend), or a ``ddlf.models.TorchModel`` wrapping a torch module.
         Runs on the master and on every worker."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement create_model()")
 
     def load_shard(self, shard: int, n_shards: int) -> Any:
         """For ``sharded = True`` apps: return shard ``shard`` of ``n_shards`` as ``(x, y)``. Runs on workers;

@@ -90,6 +90,37 @@ class KerasCallback(Callback):
         self.callback.on_train_batch_end(max(0, batch), logs)
         self._after()
 
+    def undecided_metric(self) -> str | None:
+        """The metric this callback watches (``EarlyStopping``, ``ModelCheckpoint`` with ``mode="auto"``) whose
+        direction Keras reads off the model's built metrics, which the master's model lacks: its steps ran on the
+        workers (``fit`` builds them at its first step). None when there is nothing to decide."""
+        import keras
+
+        cb = self.callback
+        if (
+            not isinstance(cb, keras.callbacks.EarlyStopping | keras.callbacks.ModelCheckpoint)
+            or cb.monitor_op is not None
+        ):
+            return None
+        if getattr(cb, "mode", "auto") in ("min", "max"):
+            return None
+        name = str(getattr(cb, "monitor", "")).removeprefix("val_")
+        return None if name == "loss" else name
+
+    def decide(self, directions: dict[str, str]) -> None:
+        """Set the callback's comparison as Keras would from the model's metrics (``directions``: the workers'
+        metrics, name -> ``"up"``/``"down"``). A metric not among them is left to Keras, whose error says to pass
+        ``mode``."""
+        name = self.undecided_metric()
+        if name is None or name not in directions:
+            return
+        from keras import ops
+
+        cb = self.callback
+        cb.monitor_op = ops.greater if directions[name] == "up" else ops.less
+        if cb.monitor_op == ops.less:
+            cb.min_delta *= -1  # as Keras' _set_monitor_op
+
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         # the run's own dict, as fit hands it on: LearningRateScheduler and ReduceLROnPlateau add learning_rate
         self.callback.on_epoch_end(epoch, logs if logs is not None else {})

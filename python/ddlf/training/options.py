@@ -48,7 +48,11 @@ def _positive_int(value: Any, what: str, *, none: bool = False) -> None:
     if value is None and none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{what} must be an integer >= 1{' or None' if none else ''}, not {value!r}")
+        wrong_type = isinstance(value, bool) or not isinstance(value, int)
+        # a wrong type is a ConfigTypeError (a TypeError too), as the error contract says; a bad number a ConfigError
+        raise (ConfigTypeError if wrong_type else ConfigError)(
+            f"{what} must be an integer >= 1{' or None' if none else ''}, not {value!r}"
+        )
 
 
 def _number(value: Any, what: str, *, low: float, high: float = math.inf, open_low: bool = False) -> None:
@@ -61,9 +65,10 @@ def _number(value: Any, what: str, *, low: float, high: float = math.inf, open_l
         )
 
 
-def _half(value: Any, what: str) -> None:
+def _half(value: Any, what: str, *, topk: bool = False) -> None:
     if value not in (None, "float16", "bfloat16"):
-        raise ConfigError(f"{what} must be None, 'float16' or 'bfloat16', not {value!r}")
+        choices = "None, 'float16', 'bfloat16' or a ddlf.TopK" if topk else "None, 'float16' or 'bfloat16'"
+        raise ConfigError(f"{what} must be {choices}, not {value!r}")
 
 
 # -- compression and exchanges --------------------------------------------------------------------------------
@@ -78,7 +83,10 @@ class TopK:
     ratio: float = 0.01
 
     def __post_init__(self) -> None:
-        _number(self.ratio, "TopK.ratio", low=0.0, high=1.0 + 1e-12, open_low=True)
+        if not (isinstance(self.ratio, (int, float)) and not isinstance(self.ratio, bool) and 0 < self.ratio <= 1):
+            raise ConfigError(
+                f"TopK.ratio must be a number > 0 and <= 1 (the share of entries sent), not {self.ratio!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,7 @@ class ThroughMaster:
 
     def __post_init__(self) -> None:
         if not isinstance(self.compression, TopK):
-            _half(self.compression, "ThroughMaster.compression")
+            _half(self.compression, "ThroughMaster.compression", topk=True)
 
 
 @dataclass(frozen=True)
@@ -290,7 +298,7 @@ class Asynchronous:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise ConfigError(f"Asynchronous.max_staleness must be an integer >= 0 or None, not {m!r}")
         if not isinstance(self.compression, TopK):
-            _half(self.compression, "Asynchronous.compression")
+            _half(self.compression, "Asynchronous.compression", topk=True)
 
     def chunk_batches(self, workers: int) -> int:
         """Batches per chunk with ``workers`` training: ``chunk`` if set; else 10 alone, and otherwise the most

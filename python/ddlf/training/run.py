@@ -270,12 +270,28 @@ class TrainingRun:
             # Keras' callbacks see the model as fit shows it, its optimizer too (BackupAndRestore and
             # ModelCheckpoint save it with the weights)
             self.optimizer_pulled = master_optimizer.pull(self)
+            self.decide_monitors()
         for cb in self.callbacks:
             cb.on_epoch_end(epoch, logs)  # one dict for all, as in fit: what a callback adds, the next ones see
         self.history.record_added(logs, recorded)  # History is fit's last callback
         self.check_model_changes(epoch)
         app.epochs_done = epoch + 1
         return bool(app.stop_training)
+
+    def decide_monitors(self) -> None:
+        """Keras callbacks that watch a metric with ``mode="auto"`` learn from a worker whether it is better higher
+        or lower (the master's model never built its metrics: :meth:`KerasCallback.undecided_metric`)."""
+        undecided = [cb for cb in self.callbacks if isinstance(cb, KerasCallback) and cb.undecided_metric()]
+        live = self.members.live() if undecided else []
+        if not live:
+            return
+        (directions,) = self.cluster.call(
+            remote.metric_directions, (self.state.run_id,), workers=live[:1], return_exceptions=True
+        )
+        if isinstance(directions, BaseException):
+            return  # (a worker lost just now) Keras decides, or says to pass mode
+        for cb in undecided:
+            cb.decide(directions)
 
     def validation_logs(self, weights: list[np.ndarray]) -> dict[str, float]:
         """``val_*`` logs of the epoch's weights: on ``validation_data`` (the master's model), or on the rows

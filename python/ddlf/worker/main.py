@@ -78,9 +78,9 @@ def _spin_us(text: str) -> int:
         raise argparse.ArgumentTypeError(f"whole microseconds from 0 to {MAX_LANE_SPIN_US}, got {text!r}") from exc
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "ddlf-worker") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ddlf-worker",
+        prog=prog,
         description="Run a ddlf worker daemon. Logs go to stderr; set DDLF_LOG=debug for one line per request.",
     )
     p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"address to serve on (default {DEFAULT_LISTEN})")
@@ -216,11 +216,11 @@ def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``ddlf-worker``."""
+def main(argv: Sequence[str] | None = None, prog: str = "ddlf-worker") -> int:
+    """Entry point of ``ddlf-worker`` (``prog``: the command's name in its help, ``ddlf worker`` from ``ddlf``)."""
     die_with_parent()  # local workers (Cluster.local) never outlive their master
     mark_worker_daemon()  # it starts no daemons of its own (Cluster.local refuses here)
-    args = _parser().parse_args(argv)
+    args = _parser(prog).parse_args(argv)
     if args.gpu is not None:
         from ..devices import check_gpu_ids
 
@@ -319,9 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run(argv: Sequence[str] | None = None) -> NoReturn:
+def run(argv: Sequence[str] | None = None, prog: str = "ddlf-worker") -> NoReturn:
     """The ``ddlf-worker`` command and ``python -m ddlf.worker``: :func:`main`, then :func:`exit_quickly`."""
-    exit_quickly(main(argv))
+    exit_quickly(main(argv, prog))
 
 
 def exit_quickly(code: int) -> NoReturn:

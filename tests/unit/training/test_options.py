@@ -79,10 +79,16 @@ def test_learning_rate_scaling_with_warm_up() -> None:
         (lambda: ddlf.Asynchronous(staleness="dynsgd"), TypeError, "staleness"),
         (lambda: ddlf.Asynchronous(compression="int8"), ValueError, "compression"),
         (lambda: ddlf.TopK(0), ValueError, r"TopK\.ratio"),
-        (lambda: ddlf.TopK(1.5), ValueError, r"TopK\.ratio"),
+        (
+            lambda: ddlf.TopK(1.5),
+            ValueError,
+            r"TopK\.ratio must be a number > 0 and <= 1 \(the share of entries sent\), not 1\.5",
+        ),
+        (lambda: ddlf.TopK(float("nan")), ValueError, r"TopK\.ratio"),
         (lambda: ddlf.Ring(compression=ddlf.TopK()), ValueError, r"Ring\.compression"),
         (lambda: ddlf.Ring(hierarchical="yes"), ValueError, r"Ring\.hierarchical"),
-        (lambda: ddlf.ThroughMaster(compression="float8"), ValueError, "compression"),
+        (lambda: ddlf.ThroughMaster(compression="float8"), ValueError, r"'bfloat16' or a ddlf\.TopK, not 'float8'"),
+        (lambda: ddlf.Ring(compression="float8"), ValueError, r"None, 'float16' or 'bfloat16', not 'float8'"),
         (lambda: ddlf.DataConfig(send="seeded"), ValueError, r"DataConfig\.send"),
         (lambda: ddlf.DataConfig(worker_shares=(1.0, 0.0)), ValueError, "worker_shares"),
         (lambda: ddlf.DataConfig(rotate_shards_every=0), ValueError, "rotate_shards_every"),
@@ -179,3 +185,14 @@ def test_evaluate_and_predict_refuse_a_batch_size_that_is_not_a_positive_integer
     app = App(_NoCluster())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=rf"{what}\(\)'s batch_size must be an integer >= 1"):
         getattr(app, what)(batch_size=batch_size)
+
+
+def test_a_count_of_the_wrong_type_is_a_config_type_error_and_a_bad_count_a_config_error() -> None:
+    """As the error contract says: ``every="5"`` is of the wrong type (``ConfigTypeError``, a ``TypeError`` too),
+    ``every=0`` a value ddlf cannot use (``ConfigError``, a ``ValueError``, not a ``TypeError``)."""
+    for wrong in ("5", 2.5, True):
+        with pytest.raises(ddlf.ConfigTypeError, match="must be an integer >= 1"):
+            ddlf.ModelAveraging(every=wrong)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="must be an integer >= 1") as info:
+        ddlf.ModelAveraging(every=0)
+    assert not isinstance(info.value, TypeError)

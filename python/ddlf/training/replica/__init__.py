@@ -116,6 +116,11 @@ def metric_results(run_id: str, state: list[np.ndarray]) -> dict[str, float]:
     return evaluation.metric_results(SESSIONS.get(run_id), state)
 
 
+def metric_directions(run_id: str) -> dict[str, str]:
+    """Whether each compiled metric is better higher or lower (:func:`.evaluation.metric_directions`)."""
+    return evaluation.metric_directions(SESSIONS.get(run_id))
+
+
 def predict(run_id: str, weights: list[np.ndarray] | None, part: tuple[int, int], batch_size: int) -> Any:
     """Predictions for rows ``part`` of this worker's dataset (:func:`.evaluation.predict`)."""
     with SESSIONS.using(run_id) as session:
@@ -130,6 +135,7 @@ def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray
 __all__ = [
     "adopt_optimizer_state",
     "evaluate",
+    "metric_directions",
     "metric_results",
     "optimizer_state",
     "predict",

@@ -86,6 +86,18 @@ def metric_results(session: Session, state: list[np.ndarray]) -> dict[str, float
     return out
 
 
+def metric_directions(session: Session) -> dict[str, str]:
+    """Each compiled metric's name and whether higher is better (``"up"``/``"down"``: Keras' ``_direction``), read
+    off this worker's model, whose metrics its steps built (the master's never ran a step)."""
+    out: dict[str, str] = {}
+    for holder in getattr(session.model, "metrics", None) or []:
+        for m in getattr(holder, "metrics", None) or []:  # CompileMetrics and MetricsList hold the metrics
+            direction = getattr(m, "_direction", None)
+            if direction in ("up", "down"):
+                out[m.name] = direction
+    return out
+
+
 def predict(
     session: Session, weights: list[np.ndarray] | None, part: tuple[int, int], batch_size: int
 ) -> list[np.ndarray] | Any:
