@@ -195,7 +195,7 @@ class PickledFunctions:
             blob, digest = dump_function(fn, modules)
             fname = name or function_name(fn)
             if fname.endswith("<lambda>"):
-                fname = f"<lambda>#{digest[:12]}"
+                fname = f"{fname}#{digest[:12]}"  # (ddlf's own keep their module: left out of the user's list)
             cached = (fname, digest, blob, frozenset(modules))
             with contextlib.suppress(TypeError):
                 self._cache[fn] = cached

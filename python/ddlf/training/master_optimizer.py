@@ -127,12 +127,9 @@ def set_mean(model: Any, states: list[list[np.ndarray]]) -> bool:
         if not model.trainable_variables:
             return False
         optimizer.build(model.trainable_variables)
-    variables = optimizer.variables
-    shapes = [tuple(v.shape) for v in variables]
-    fitting = [s for s in states if [np.shape(a) for a in s] == shapes]
-    if not fitting:
+    means = _means(states, [tuple(v.shape) for v in optimizer.variables])
+    if means is None:
         return False
-    means = [_mean([np.asarray(s[i]) for s in fitting]) for i in range(len(variables))]
     set_optimizer_state(model, means, keep_learning_rate=True)
     return True
 
@@ -140,12 +137,16 @@ def set_mean(model: Any, states: list[list[np.ndarray]]) -> bool:
 def set_mean_torch(model: Any, states: list[list[np.ndarray]]) -> bool:
     """A ``TorchModel``'s optimizer takes the mean of ``states`` (each :meth:`~ddlf.models.TorchModel.
     get_optimizer_state`'s arrays; its parameter groups' rates are not among them); whether any fitted."""
-    if not states:
-        return False
-    shapes = [np.shape(a) for a in states[0]]
+    means = _means(states, [np.shape(a) for a in states[0]]) if states else None
+    return means is not None and bool(model.set_optimizer_state(means))
+
+
+def _means(states: list[list[np.ndarray]], shapes: list[tuple[int, ...]]) -> list[np.ndarray] | None:
+    """The element-wise mean of the ``states`` whose arrays have ``shapes`` (None: none has)."""
     fitting = [s for s in states if [np.shape(a) for a in s] == shapes]
-    means = [_mean([np.asarray(s[i]) for s in fitting]) for i in range(len(shapes))]
-    return bool(model.set_optimizer_state(means))
+    if not fitting:
+        return None
+    return [_mean([np.asarray(s[i]) for s in fitting]) for i in range(len(shapes))]
 
 
 def _mean(arrays: list[np.ndarray]) -> np.ndarray:

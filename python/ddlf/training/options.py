@@ -47,22 +47,23 @@ overflows past 65504 (such an update is skipped on every worker and reported).""
 def _positive_int(value: Any, what: str, *, none: bool = False) -> None:
     if value is None and none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        wrong_type = isinstance(value, bool) or not isinstance(value, int)
+    wrong_type = isinstance(value, bool) or not isinstance(value, int)
+    if wrong_type or value < 1:
         # a wrong type is a ConfigTypeError (a TypeError too), as the error contract says; a bad number a ConfigError
         raise (ConfigTypeError if wrong_type else ConfigError)(
             f"{what} must be an integer >= 1{' or None' if none else ''}, not {value!r}"
         )
 
 
-def _number(value: Any, what: str, *, low: float, high: float = math.inf, open_low: bool = False) -> None:
+def _number(
+    value: Any, what: str, *, low: float, high: float = math.inf, open_low: bool = False, closed_high: bool = False
+) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if open_low else value >= low) and value < high
+    ok = ok and (value > low if open_low else value >= low) and (value <= high if closed_high else value < high)
     if not ok:
         bound = f"> {low}" if open_low else f">= {low}"
-        raise ConfigError(
-            f"{what} must be a finite number {bound}{'' if high == math.inf else f' and < {high}'}, not {value!r}"
-        )
+        upper = "" if high == math.inf else f" and {'<=' if closed_high else '<'} {high}"
+        raise ConfigError(f"{what} must be a finite number {bound}{upper}, not {value!r}")
 
 
 def _half(value: Any, what: str, *, topk: bool = False) -> None:
@@ -83,10 +84,7 @@ class TopK:
     ratio: float = 0.01
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.ratio, (int, float)) and not isinstance(self.ratio, bool) and 0 < self.ratio <= 1):
-            raise ConfigError(
-                f"TopK.ratio must be a number > 0 and <= 1 (the share of entries sent), not {self.ratio!r}"
-            )
+        _number(self.ratio, "TopK.ratio (the share sent)", low=0.0, high=1.0, open_low=True, closed_high=True)
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def test_learning_rate_scaling_with_warm_up() -> None:
         (
             lambda: ddlf.TopK(1.5),
             ValueError,
-            r"TopK\.ratio must be a number > 0 and <= 1 \(the share of entries sent\), not 1\.5",
+            r"TopK\.ratio \(the share sent\) must be a finite number > 0\.0 and <= 1\.0, not 1\.5",
         ),
         (lambda: ddlf.TopK(float("nan")), ValueError, r"TopK\.ratio"),
         (lambda: ddlf.Ring(compression=ddlf.TopK()), ValueError, r"Ring\.compression"),
