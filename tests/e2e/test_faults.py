@@ -264,6 +264,34 @@ def test_sync_resume_from_checkpoint_reaches_the_same_weights(cluster: ddlf.Clus
     assert not list((tmp_path / "b").glob(".*tmp"))  # no partial files left
 
 
+def test_resuming_with_the_default_strategy_keeps_the_rate_a_callback_left(cluster: ddlf.Cluster, tmp_path) -> None:
+    """The default strategy scales the rate by the workers on the workers: a resumed run must not take the saved,
+    already scaled rate as its base (it doubled at every resume), and trains on at the rate a callback left on
+    the master, as ``BackupAndRestore`` restores it."""
+    import keras
+
+    def lower_rate(app: FaultApp) -> keras.callbacks.LambdaCallback:
+        def at_end(epoch: int, logs: dict) -> None:
+            if epoch == 0:
+                app.model.optimizer.learning_rate.assign(2e-4)
+
+        return keras.callbacks.LambdaCallback(on_epoch_end=at_end)
+
+    straight = FaultApp(cluster)
+    whole = straight.train(epochs=4, batch_size=32, verbose=0, callbacks=[lower_rate(straight)])
+    run = ddlf.RunConfig(checkpoint_dir=tmp_path, resume=True)
+    first = FaultApp(cluster)
+    first.train(epochs=2, batch_size=32, verbose=0, run=run, callbacks=[lower_rate(first)])
+    for epochs in (3, 4):  # resumed twice, in new apps (as new scripts would), without the callback
+        resumed = FaultApp(cluster)
+        h = resumed.train(epochs=epochs, batch_size=32, verbose=0, run=run)
+        assert "resumed" in [e["event"] for e in h.events]
+        assert float(resumed.model.optimizer.learning_rate) == pytest.approx(2e-4)
+    np.testing.assert_array_equal(h.history["loss"], whole.history["loss"])
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 MASTER_SCRIPT = """
 import sys, ddlf
 sys.path.insert(0, {repo!r})

@@ -435,6 +435,8 @@ class IApp:
         if resumed is not None:
             sharded = isinstance(cfg.strategy, GradientAveraging) and cfg.strategy.shard_optimizer
             checkpoint.check_resumable(resumed, isinstance(cfg.strategy, GradientAveraging), sharded)
+            if resumed.get("learning_rate") is not None:  # before the workers set up: they take the master's rate
+                adapter_for(self.model).set_learning_rate(float(resumed["learning_rate"]))
         history = History()
         workers = list(cfg.run.workers) if cfg.run.workers is not None else None
         members = Members(

@@ -51,12 +51,14 @@ def save(
     position: int = 0,
     strategy: str | None = None,
     scale_learning_rate: bool | None = None,
+    learning_rate: float | None = None,
 ) -> Path:
     """Write the checkpoint atomically; returns its path. ``position``: how far into epoch ``epochs_done`` the
     run got (the epoch plan's :meth:`position`, 0 at an epoch's end): a preempted run resumes there.
     ``strategy``: the run's strategy class name (:func:`check_resumable` reads it), and with gradient averaging
     ``scale_learning_rate``: whether it scaled the rate by the workers (a resumed run with no strategy given goes on
-    as it was)."""
+    as it was). ``learning_rate``: the master's plain (Keras) rate, as a callback may have left it (a resumed run
+    trains on from it, as ``BackupAndRestore`` restores it)."""
     final = path_in(directory)
     state = {
         "format": FORMAT,
@@ -65,6 +67,7 @@ def save(
         "mode": mode,
         "strategy": strategy,
         "scale_learning_rate": scale_learning_rate,
+        "learning_rate": learning_rate,
         "seed": seed,
         "weights": weights,
         "optimizer_state": optimizer_state,

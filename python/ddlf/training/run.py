@@ -403,6 +403,7 @@ class TrainingRun:
             position=position,
             strategy=type(cfg.strategy).__name__,
             scale_learning_rate=cfg.scale_learning_rate,
+            learning_rate=learning_rate(self.app.model),
         )
         return str(checkpoint.path_in(cfg.run.checkpoint_dir))
 

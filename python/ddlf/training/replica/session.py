@@ -211,7 +211,9 @@ class Session:
         model = self.model
         if state.get("optimizer") is not None:
             adapter_for(model).build_optimizer()
-            set_optimizer_state(model, state["optimizer"])
+            # the rate is the run's, as in adopt_optimizer_state: the saved one is scaled by the workers of the run
+            # that saved it (taken as this run's base, it was scaled again at each resume)
+            set_optimizer_state(model, state["optimizer"], keep_learning_rate=True)
         set_rng_state(model, state.get("rng", []))
         if state.get("optimizer_shard") is not None:
             from .sharded import Held
