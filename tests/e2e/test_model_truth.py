@@ -426,3 +426,39 @@ def test_a_run_refused_by_one_worker_is_forgotten_by_the_others(cluster: ddlf.Cl
         cluster.run_on(1, _half_text, False)
         cluster.drop_dataset(HalfText.dataset_key)
     assert cluster.run(_runs) == [[], []]  # worker 0 had set it up: torn down with the refusal
+
+
+class Still(Binary):
+    """Trained with ``SGD(0)``: the weights stay where they are put."""
+
+    def create_model(self) -> Any:
+        import keras
+
+        model = super().create_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="binary_crossentropy")
+        return model
+
+
+@pytest.mark.parametrize("hook", ["on_epoch_end", "on_epoch_begin"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_weights_a_callback_sets_during_train_are_what_the_workers_train_on(
+    cluster: ddlf.Cluster, strategy: str, hook: str
+) -> None:
+    """A callback that sets the master's weights during ``train()`` (a reset, an average swapped in) changes the
+    model that trains, as in ``fit``: with a rate of 0 the run ends with exactly those weights (they were lost to
+    the workers' copy at the next epoch's end)."""
+    import keras
+
+    app = Still(cluster)
+    app.model = app.create_model()
+    target = [np.full_like(w, 0.25) for w in app.model.get_weights()]
+    at = 0 if hook == "on_epoch_end" else 1
+
+    def set_weights(epoch: int, logs: Any = None) -> None:
+        if epoch == at:
+            app.model.set_weights(target)
+
+    history = _train(app, strategy, epochs=3, callbacks=[keras.callbacks.LambdaCallback(**{hook: set_weights})])
+    for got, want in zip(app.model.get_weights(), target):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert [e["epoch"] for e in history.events if e["event"] == "weights_set"] == [at]

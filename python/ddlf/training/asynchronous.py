@@ -101,6 +101,7 @@ def train_async(run: TrainingRun) -> History:
     state: dict[str, Any] = {"version": 0, "round": 0, "error": None}
     for epoch in range(run.initial_epoch, cfg.epochs):
         t_epoch = run.begin_epoch(epoch)
+        take_edits(run, weights)
         chunk_rows = strategy.chunk_batches(len(members.live())) * cfg.batch_size
         if app.sharded:
             # Each worker works through the shard it holds (rotating every k epochs if asked).
@@ -218,10 +219,19 @@ def train_async(run: TrainingRun) -> History:
         run.stop_if_preempted(epoch, ep.position(), weights, None, "async")
         members.live()  # record this epoch's events in History
         stop = run.end_epoch(weights, ep.results, epoch, t_epoch)
+        take_edits(run, weights)
         run.save_checkpoint(epoch + 1, weights, None, "async")
         if stop:
             break
     return history
+
+
+def take_edits(run: TrainingRun, weights: list[np.ndarray]) -> None:
+    """A callback set the master's weights (:meth:`.run.TrainingRun.edited_weights`): the chunks train on from
+    them (in ``weights``, the list the worker threads read)."""
+    edited = run.edited_weights(weights)
+    if edited is not None:
+        weights[:] = edited
 
 
 def _supervise(

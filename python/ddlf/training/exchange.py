@@ -113,6 +113,12 @@ class RingExchange:
             )
         return got
 
+    def restart_from(self, weights: list[np.ndarray]) -> None:
+        """The master's model was given ``weights`` (a callback set them): every worker starts the next round
+        from them, as a new member does (its optimizer state, or shard, stays)."""
+        self.fallback, self.fallback_round = weights, self.round
+        self.synced = {}
+
     def forget(self, worker: int) -> None:
         """``worker`` was lost: it no longer holds the current weights."""
         self.synced.pop(worker, None)

@@ -22,6 +22,7 @@ from ..errors import (
     BadWorkerReply,
     ConfigError,
     ModelChangeWarning,
+    ModelMismatchError,
     NonFiniteGradientsWarning,
     NonFiniteUpdate,
     Preempted,
@@ -34,6 +35,7 @@ from ..errors import (
 from ..frameworks import model_spec
 from . import checkpoint, master_optimizer
 from . import replica as remote
+from .callbacks import ProgressBar
 from .history import History, RoundStats
 from .keras_callbacks import KerasCallback, learning_rate
 from .membership import Members
@@ -125,11 +127,14 @@ class TrainingRun:
     """Whether the workers started from the master's optimizer state (:func:`.master_optimizer.push`)."""
     optimizer_pulled: bool = False
     """Whether the master's optimizer holds the workers' state as of now (:func:`.master_optimizer.pull`)."""
+    watch_weights: bool = False
+    """Whether the user's callbacks may set the master's weights during the run (:meth:`edited_weights`)."""
 
     def __post_init__(self) -> None:
         self.start_learning_rate = learning_rate(self.app.model)
         self.start_optimizer_groups = model_spec.optimizer_groups(self.app.model)
         self.start_signature = model_spec.signature(self.app.model)
+        self.watch_weights = any(not isinstance(cb, ProgressBar) for cb in self.callbacks)
 
     @property
     def cluster(self) -> Any:
@@ -278,6 +283,25 @@ class TrainingRun:
         app.epochs_done = epoch + 1
         return bool(app.stop_training)
 
+    def edited_weights(self, weights: list[np.ndarray]) -> list[np.ndarray] | None:
+        """The master's model's weights where a callback set them (``on_epoch_begin``, ``on_epoch_end``: a reset,
+        an average swapped in, ``set_weights``), against ``weights``, what the run gave the model last; None where
+        they are unchanged (or no callback of the user's runs). As in ``fit``, where callbacks change the model
+        that trains, the workers train on from them: the loops send them with the next round."""
+        if not self.watch_weights:
+            return None
+        now = self.app.model.get_weights()
+        if len(now) == len(weights) and all(_same(a, b) for a, b in zip(now, weights)):
+            return None
+        shapes = [np.shape(w) for w in weights]
+        if [np.shape(w) for w in now] != shapes:
+            raise ModelMismatchError(
+                f"a callback changed the master's model's weights to {len(now)} arrays of other shapes than the "
+                f"{len(weights)} the workers train ({shapes[:4]}...): a run trains create_model()'s architecture"
+            )
+        self.members.note("weights_set", epoch=self.members.epoch)
+        return [np.require(w, requirements="C") for w in now]
+
     def decide_monitors(self) -> None:
         """Keras callbacks that watch a metric with ``mode="auto"`` learn from a worker whether it is better higher
         or lower (the master's model never built its metrics: :meth:`KerasCallback.undecided_metric`)."""
@@ -406,6 +430,12 @@ class TrainingRun:
             learning_rate=learning_rate(self.app.model),
         )
         return str(checkpoint.path_in(cfg.run.checkpoint_dir))
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two weights hold the same values (NaN equal to NaN: a diverged run's are not changed by reading)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc")
 
 
 def _going_away(exc: BaseException) -> bool:

@@ -71,8 +71,19 @@ def train_sync(run: TrainingRun) -> History:
             outer.state() if outer is not None else None,
         )
 
+    def take_edits() -> None:
+        """A callback set the master's weights (:meth:`.run.TrainingRun.edited_weights`): the next round starts
+        from them."""
+        nonlocal weights
+        edited = run.edited_weights(weights)
+        if edited is not None:
+            weights = edited
+            if ring is not None:
+                ring.restart_from(weights)
+
     for epoch in range(run.initial_epoch, cfg.epochs):
         t_epoch = run.begin_epoch(epoch)
+        take_edits()
         plan = ShardPlan(run.shard_rows, cfg, epoch) if app.sharded else SlicePlan(run.rows, len(cluster), cfg, epoch)
         if epoch == run.initial_epoch and run.resume_position:
             plan.seek(run.resume_position)  # a preempted run goes on at the round after its last merged one
@@ -165,6 +176,7 @@ def train_sync(run: TrainingRun) -> History:
         if ring is not None:
             weights = ring.weights()
         stop = run.end_epoch(weights, epoch_results, epoch, t_epoch)
+        take_edits()
         run.save_checkpoint(epoch + 1, weights, opt_state, "sync", outer.state() if outer is not None else None)
         if stop:
             break
