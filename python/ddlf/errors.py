@@ -530,6 +530,7 @@ __all__ = [
     "NonFiniteGradientsWarning",
     "NonFiniteUpdate",
     "NotFoundError",
+    "OptimizerStateWarning",
     "OutOfRangeError",
     "Preempted",
     "ProtocolError",

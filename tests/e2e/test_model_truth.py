@@ -371,6 +371,38 @@ def test_a_master_model_of_another_architecture_warns(cluster: ddlf.Cluster) -> 
     assert any(e["event"] == "model_mismatch" for e in history.events)
 
 
+def test_a_master_model_whose_weights_do_not_fit_is_refused_naming_the_weight(cluster: ddlf.Cluster) -> None:
+    """The master's model replaced by hand with wider layers: the workers build ``create_model()``'s, which cannot
+    take its weights. Refused before any round, naming the first weight that differs; the workers still train."""
+    import keras
+
+    app = Binary(cluster)
+    app.model = keras.Sequential(
+        [keras.Input(shape=(8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1, "sigmoid")]
+    )
+    app.model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
+    with pytest.raises(ddlf.ModelMismatchError, match=r"weight 0 is \(8, 32\) on the master, \(8, 16\) here"):
+        _train(app, "gradient averaging")
+    app.model = app.create_model()
+    assert len(_train(app, "gradient averaging").history["loss"]) == 1
+
+
+def test_a_layer_frozen_without_a_recompile_says_to_recompile(cluster: ddlf.Cluster) -> None:
+    """A layer frozen after a run without compiling again: the master's optimizer holds state for every weight,
+    the workers' trains fewer. The error says what to do (it blamed create_model), and doing it trains."""
+    import keras
+
+    app = Binary(cluster)
+    _train(app, "gradient averaging")
+    app.model.get_layer("base").trainable = False
+    with pytest.raises(ddlf.ModelMismatchError, match="compile the model again with a new optimizer"):
+        _train(app, "gradient averaging")
+    app.model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
+    base = [np.array(w) for w in app.model.get_layer("base").get_weights()]
+    _train(app, "gradient averaging")
+    assert _moved(base, app.model.get_layer("base").get_weights()) == 0.0
+
+
 def test_a_recompile_during_train_is_warned_of_and_taken_by_the_next_train(cluster: ddlf.Cluster) -> None:
     """A callback that recompiles the master's model (``SGD(1e-9)``) after the first epoch: the workers keep the
     model they set up with until this ``train()`` ends (ddlf says so), and the next ``train()`` takes it."""

@@ -5,6 +5,7 @@ before anything loads TensorFlow (:mod:`ddlf.frameworks.loading`)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -158,3 +159,61 @@ def test_a_resumed_torch_run_goes_on_from_its_checkpointed_optimizer_state(clust
     h = again.train(epochs=3, batch_size=BATCH, strategy=strategy, run=resume, verbose=0, shuffle=False)
     assert any(e["event"] == "resumed" for e in h.events)
     np.testing.assert_array_equal(flat(whole.model.get_weights()), flat(again.model.get_weights()))
+
+
+class TorchAdamParts(TorchAdamBinary):
+    """Its base frozen by ``create_model`` where ``frozen_base``."""
+
+    frozen_base = False
+
+    def create_model(self) -> Any:
+        model = super().create_model()
+        model.module[0].requires_grad_(not self.frozen_base)
+        return model
+
+
+def _steps(model: Any) -> list[int | None]:
+    """Adam's step count of each parameter (None: it holds no state)."""
+    state = model.optimizer.state
+    return [int(state[p]["step"]) if p in state else None for p in model.module.parameters()]
+
+
+@pytest.mark.parametrize("strategy", ["model averaging", "gradient averaging", "asynchronous"])
+def test_what_the_user_replaces_on_a_torch_model_is_what_the_workers_train(cluster: ddlf.Cluster, strategy) -> None:
+    """Between runs, as in a torch loop: a base frozen from the start holds no optimizer state and the head's goes
+    on across runs (it was lost when any parameter held none); the head's state survives freezing; an optimizer
+    over the head alone (fine-tuning) leaves the base where it is; a new ``loss_fn`` is the loss trained and
+    reported; a module that prints otherwise (a ``Dropout``'s p) is warned of."""
+    app = TorchAdamParts(cluster)
+    app.frozen_base = True
+    _train(app, strategy)
+    first = _steps(app.model)
+    assert first[:2] == [None, None] and first[2] is not None and first[2] > 0
+    _train(app, strategy)
+    assert _steps(app.model)[2:] == [2 * first[2]] * 2  # went on from the first run's state
+    app = TorchAdamParts(cluster)
+    _train(app, strategy)
+    app.model.module[0].requires_grad_(False)  # frozen after training: its state is kept, as torch keeps it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ddlf.OptimizerStateWarning)  # it fits: no "starts afresh"
+        _train(app, strategy)
+    steps = _steps(app.model)
+    assert steps[2] == steps[3] == 2 * steps[0] and steps[0] == steps[1]
+    base = [p.detach().clone() for p in app.model.module[0].parameters()]
+    app.model.module[0].requires_grad_(True)  # trainable, but the new optimizer holds only the head
+    app.model.optimizer = torch.optim.Adam(app.model.module[2].parameters(), lr=1e-2)
+    history = _train(app, strategy)
+    assert all(torch.equal(a, b) for a, b in zip(base, app.model.module[0].parameters()))
+    assert history.history["loss"][0] < 1.0
+    app.model.loss_fn = lambda out, target: 100.0 * torch.nn.functional.cross_entropy(out, target)
+    history = _train(app, strategy)
+    assert history.history["loss"][0] > 1.0  # the loss, a hundred times the small one it was
+
+
+def test_a_torch_module_that_prints_otherwise_is_warned_of(cluster: ddlf.Cluster) -> None:
+    app = TorchBinary(cluster)
+    app.model = app.create_model()
+    app.model.module[1] = torch.nn.Tanh()  # not create_model()'s ReLU: the workers cannot take it
+    with pytest.warns(ddlf.ModelChangeWarning, match="prints otherwise than the master's"):
+        history = _train(app, "gradient averaging")
+    assert any(e["event"] == "model_mismatch" for e in history.events)

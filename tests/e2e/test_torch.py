@@ -85,7 +85,8 @@ def test_train_on_batch_evaluate_and_optimizer_state(tmp_path) -> None:
         m.evaluate(x, y, sample_weight=np.ones(64))
     assert m.predict(x).shape == (64, 10)
     state = m.get_optimizer_state()
-    assert m.optimizer_built and len(state) == 3 * 4  # Adam: exp_avg, exp_avg_sq, step for each of 4 tensors
+    # which of the 4 tensors hold a state (all), then Adam's exp_avg, exp_avg_sq and step for each
+    assert m.optimizer_built and state[0].tolist() == [True] * 4 and len(state) == 1 + 3 * 4
     other = _mlp()
     before = other.get_weights()
     assert other.set_optimizer_state(state[:-1]) is False  # another layout: refused, and no state left behind
@@ -97,7 +98,7 @@ def test_train_on_batch_evaluate_and_optimizer_state(tmp_path) -> None:
     for a, b in zip(state, other.get_optimizer_state()):
         np.testing.assert_array_equal(a, b)
     other.train_on_batch(x, y)
-    assert float(other.get_optimizer_state()[2]) == float(state[2]) + 1  # Adam's step goes on from it
+    assert float(other.get_optimizer_state()[3]) == float(state[3]) + 1  # Adam's step goes on from it
     m.save(tmp_path / "m.pt")
     fresh = _mlp()
     fresh.load_weights(tmp_path / "m.pt")

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from ..errors import ConfigError, InvalidStateError, OptimizerStateWarning
+from . import torch_optimizer
 
 Kind = Literal["keras-tensorflow", "keras-jax", "keras-torch", "torch"]
 """Which framework a model trains with: Keras and its backend, or a ``TorchModel``."""
@@ -255,7 +256,11 @@ class TorchModelAdapter(ModelAdapter):
         return self.model.get_optimizer_state()
 
     def optimizer_state_bytes(self) -> int:
-        return sum(int(t.nbytes) for t in self.model._optimizer_tensors() or [])
+        tensors = self.model._optimizer_tensors()
+        if tensors is None:
+            return 0
+        held = len(torch_optimizer.params(self.model.optimizer))  # a bool each: which hold a state
+        return held + sum(int(t.nbytes) for t in tensors)
 
     def set_optimizer_state(self, state: list[np.ndarray], *, keep_learning_rate: bool = False) -> None:
         # its parameter groups' rates are not among the state's arrays

@@ -31,7 +31,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelMismatchError
+from . import torch_spec
 from .keras_backend import keeps_tensorflow_unloaded
+from .torch_spec import is_torch_model, training_options
 
 log = logging.getLogger("ddlf.training")
 
@@ -79,10 +81,20 @@ class ModelSpec:
     architecture: str | None = None
     """Keras: a digest of the master's built model's configuration (layer names aside); None: not built, or its
     configuration cannot be read. A worker whose model differs says so (the master warns)."""
+    weight_shapes: list[tuple[int, ...]] | None = None
+    """Keras: the shapes of the master's model's weights (empty: not built)."""
     optimizer_class: str | None = None
-    """torch: the optimizer's class."""
+    """torch: the optimizer's class, by name..."""
+    optimizer_type: Any = None
+    """...and itself (a worker whose optimizer is of another class, or holds other parameters, builds the
+    master's)."""
     optimizer_groups: list[dict[str, Any]] | None = None
     """torch: each parameter group's hyperparameters (all but its ``params``)."""
+    optimizer_params: list[list[int]] | None = None
+    """torch: each parameter group's parameters, as indices into ``module.parameters()`` (None: one is not the
+    module's)."""
+    loss: Any = None
+    """torch: the master's ``loss_fn`` where it was set after the model was made (None: ``create_model``'s)."""
     training_options: dict[str, Any] | None = None
     """torch: the ``TorchModel``'s ``precision`` and ``clip_grad_norm`` (not its device: each worker has its own)."""
 
@@ -99,10 +111,6 @@ def _keras() -> Any:
 def is_keras_model(model: Any) -> bool:
     keras = _keras()
     return keras is not None and isinstance(model, keras.Model)
-
-
-def is_torch_model(model: Any) -> bool:
-    return hasattr(model, "get_optimizer_state") and hasattr(model, "module")
 
 
 def layers(model: Any) -> list[Any]:
@@ -255,6 +263,23 @@ def architecture(model: Any) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _check_shapes(mine: list[tuple[int, ...]], masters: list[tuple[int, ...]] | None) -> None:
+    """Refuse a model whose weights cannot take the master's (both built)."""
+    if not mine or not masters or [tuple(s) for s in masters] == mine:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(masters, mine)) if tuple(a) != b), min(len(mine), len(masters)))
+    what = (
+        f"weight {at} is {tuple(masters[at])} on the master, {mine[at]} here"
+        if at < min(len(mine), len(masters))
+        else f"{len(masters)} weights on the master, {len(mine)} here"
+    )
+    raise ModelMismatchError(
+        f"the master's model and the one create_model() built on this worker differ ({what}): the workers build "
+        "create_model()'s model and take the master's weights, so the master's model (app.model) must be of its "
+        "architecture; to train another, change create_model"
+    )
+
+
 def _describe_keras(model: Any) -> ModelSpec:
     every = layers(model)
     keras = _keras()
@@ -265,6 +290,7 @@ def _describe_keras(model: Any) -> ModelSpec:
         architecture=architecture(model),
         trainable=[bool(layer.trainable) for layer in every],
         variable_trainable=[bool(v.trainable) for v in model.weights],
+        weight_shapes=[tuple(v.shape) for v in model.weights],
         compile_key=compile_key(model),
         compile_args=_compile_args(model),
         learning_rate=plain_learning_rate(getattr(model, "optimizer", None)),
@@ -274,6 +300,7 @@ def _describe_keras(model: Any) -> ModelSpec:
 
 def _apply_keras(model: Any, spec: ModelSpec) -> list[str]:
     changed: list[str] = []
+    _check_shapes([tuple(v.shape) for v in model.weights], spec.weight_shapes)
     every = layers(model)
     if spec.trainable is not None:
         if len(spec.trainable) != len(every):
@@ -340,106 +367,19 @@ def build_from(model: Any, x: Any) -> None:
     model(x, training=False)
 
 
-# -- PyTorch --------------------------------------------------------------------------------------------------------
-
-
-def _plain(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (tuple, list)):
-        return all(_plain(v) for v in value)
-    return False
-
-
-def optimizer_groups(model: Any) -> list[dict[str, Any]] | None:
-    """A ``TorchModel`` optimizer's hyperparameters, group by group (what a torch scheduler or the user changes:
-    ``lr``, ``momentum``, ``weight_decay``, ``betas``...); None for another model."""
-    if not is_torch_model(model):
-        return None
-    out = []
-    for group in model.optimizer.param_groups:
-        hyper = {}
-        for k, v in group.items():
-            if k == "params":
-                continue
-            if hasattr(v, "item") and getattr(v, "numel", lambda: 0)() == 1:  # a tensor rate (capturable)
-                v = v.item()
-            if _plain(v):
-                hyper[k] = v
-        out.append(hyper)
-    return out
-
-
-def set_optimizer_groups(model: Any, groups: list[dict[str, Any]]) -> bool:
-    """Give a ``TorchModel`` optimizer the master's hyperparameters (:func:`optimizer_groups`); whether any
-    changed."""
-    own = model.optimizer.param_groups
-    if len(own) != len(groups):
-        raise ModelMismatchError(
-            f"the master's optimizer has {len(groups)} parameter groups, this worker's {len(own)}: "
-            "create_model must build the same optimizer everywhere"
-        )
-    changed = False
-    for group, hyper in zip(own, groups):
-        for k, v in hyper.items():
-            now = group.get(k)
-            if hasattr(now, "fill_") and hasattr(now, "numel"):  # a tensor hyperparameter: in place
-                if float(now.item()) != v:
-                    now.fill_(v)
-                    changed = True
-            elif now != v:
-                group[k] = tuple(v) if isinstance(now, tuple) and isinstance(v, list) else v
-                changed = True
-    return changed
-
-
-def _describe_torch(model: Any) -> ModelSpec:
-    return ModelSpec(
-        framework="torch",
-        trainable=[bool(p.requires_grad) for p in model.module.parameters()],
-        optimizer_class=f"{type(model.optimizer).__module__}.{type(model.optimizer).__qualname__}",
-        optimizer_groups=optimizer_groups(model),
-        training_options=_torch_options(model),
-    )
-
-
-def _torch_options(model: Any) -> dict[str, Any]:
-    return {name: getattr(model, name) for name in ("precision", "clip_grad_norm") if hasattr(model, name)}
-
-
-def _apply_torch(model: Any, spec: ModelSpec) -> list[str]:
-    changed: list[str] = []
-    mine = f"{type(model.optimizer).__module__}.{type(model.optimizer).__qualname__}"
-    if spec.optimizer_class is not None and mine != spec.optimizer_class:
-        raise ModelMismatchError(
-            f"the master's TorchModel trains with {spec.optimizer_class}, the one create_model() built here with "
-            f"{mine}: create_model must build the same optimizer everywhere"
-        )
-    params = list(model.module.parameters())
-    if spec.trainable is not None:
-        if len(params) != len(spec.trainable):
-            raise ModelMismatchError(
-                f"the master's module has {len(spec.trainable)} parameters, the one create_model() built here "
-                f"{len(params)}: create_model must build the same module everywhere"
-            )
-        flips = [(p, t) for p, t in zip(params, spec.trainable) if p.requires_grad != t]
-        for p, t in flips:
-            p.requires_grad_(t)
-        if flips:
-            changed.append("requires_grad")
-    if spec.optimizer_groups is not None and set_optimizer_groups(model, spec.optimizer_groups):
-        changed.append("optimizer")
-    for name, value in (spec.training_options or {}).items():
-        if hasattr(model, name) and getattr(model, name) != value:
-            setattr(model, name, value)
-            changed.append(name)
-    return changed
-
-
 def differs(model: Any, spec: ModelSpec | None) -> str | None:
     """What still differs between ``model`` (after :func:`apply`) and the master's ``spec`` that cannot be carried
     (its architecture: layer types, sizes, activations, dtypes); None: nothing found."""
-    if spec is None or spec.framework != "keras" or spec.architecture is None:
+    if spec is None or spec.architecture is None:
+        return None
+    if spec.framework == "torch" and is_torch_model(model):
+        if torch_spec.architecture(model) == spec.architecture:
+            return None
+        return (
+            "the module create_model() built on this worker prints otherwise than the master's (its layers, sizes "
+            "or settings, such as a Dropout's p): the workers train create_model()'s"
+        )
+    if spec.framework != "keras":
         return None
     mine = architecture(model)
     if mine is None or mine == spec.architecture:
@@ -478,8 +418,8 @@ def signature(model: Any) -> dict[str, Any]:
     if is_torch_model(model):
         return {
             "requires_grad": [bool(p.requires_grad) for p in model.module.parameters()],
-            "optimizer": type(model.optimizer).__qualname__,
-            "training_options": _torch_options(model),
+            "optimizer": (type(model.optimizer).__qualname__, torch_spec.optimizer_params(model)),
+            "training_options": training_options(model),
         }
     if not is_keras_model(model):
         return {}
@@ -504,7 +444,7 @@ def describe(model: Any) -> ModelSpec | None:
     if model is None:
         return None
     if is_torch_model(model):
-        return _describe_torch(model)
+        return ModelSpec(framework="torch", **torch_spec.describe(model))
     if is_keras_model(model):
         return _describe_keras(model)
     return None
@@ -517,7 +457,7 @@ def apply(model: Any, spec: ModelSpec | None) -> list[str]:
     if spec is None:
         return []
     if spec.framework == "torch" and is_torch_model(model):
-        return _apply_torch(model, spec)
+        return torch_spec.apply(model, spec)
     if spec.framework == "keras" and is_keras_model(model):
         return _apply_keras(model, spec)
     raise ModelMismatchError(

@@ -124,12 +124,9 @@ class TorchModel:
             raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self._torch = torch
         self.module = module
+        self._loss_weights = loss_weights
         self.loss_fn = loss_fn
-        if isinstance(loss_fn, torch.nn.ModuleDict):  # losses that are modules, by output
-            loss_fn = dict(loss_fn.items())
-        elif isinstance(loss_fn, torch.nn.ModuleList):
-            loss_fn = list(loss_fn)
-        self._losses = self._per_output_losses(loss_fn, loss_weights)
+        self.loss_changed = False  # set after the model was made: the workers take it (model_spec)
         self.metrics = tuple(metrics)
         by_output = target_dtype is not None and not isinstance(target_dtype, str)
         self._target_dtype = "auto" if by_output else self._dtype(target_dtype)
@@ -222,6 +219,21 @@ class TorchModel:
         if not isinstance(name, str) or not isinstance(getattr(self._torch, name, None), self._torch.dtype):
             raise ConfigError(f"target_dtype: {name!r} is not a torch dtype (e.g. 'long', 'float32')")
         return getattr(self._torch, name)
+
+    @property
+    def loss_fn(self) -> Any:
+        """The loss (see the class docs); set anew, it trains from then on, on the workers from the next
+        ``train()``."""
+        return self._loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, loss_fn: Any) -> None:
+        self._loss_fn, self.loss_changed = loss_fn, True
+        if isinstance(loss_fn, self._torch.nn.ModuleDict):  # losses that are modules, by output
+            loss_fn = dict(loss_fn.items())
+        elif isinstance(loss_fn, self._torch.nn.ModuleList):
+            loss_fn = list(loss_fn)
+        self._losses = self._per_output_losses(loss_fn, self._loss_weights)
 
     @staticmethod
     def _per_output_losses(loss_fn: Any, loss_weights: Any) -> list[tuple[str | int, Any, float]] | None:
@@ -341,7 +353,7 @@ class TorchModel:
     def _loss(self, out: Any, target: Any) -> tuple[Any, dict[str, Any]]:
         """The loss to minimise, and each output's (per-output losses only), by log name."""
         if self._losses is None:
-            return self.loss_fn(out, target), {}  # type: ignore[operator]
+            return self.loss_fn(out, target), {}
         total: Any = None
         parts: dict[str, Any] = {}
         for key, fn, weight in self._losses:
@@ -421,7 +433,7 @@ class TorchModel:
             self.optimizer.zero_grad(set_to_none=True)
             with self._autocast():
                 out = self.module(inputs)
-                loss = self.loss_fn(out, target)  # type: ignore[operator]
+                loss = self.loss_fn(out, target)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             n = len(target)
             self._seen += n
@@ -536,9 +548,13 @@ class TorchModel:
         return self._optimizer_tensors() is not None
 
     def get_optimizer_state(self) -> list[np.ndarray]:
-        """Copies of the optimizer's state tensors (Adam's moments and step; the gradient scaler's scale and growth
-        tracker under ``"16-mixed"``), empty before the first step."""
-        return _arrays(self._optimizer_tensors() or [])
+        """Which parameters hold a state (a bool per parameter: one frozen from the start holds none), then copies
+        of their state tensors (Adam's moments and step; the gradient scaler's scale and growth tracker under
+        ``"16-mixed"``); empty before the first step."""
+        tensors = self._optimizer_tensors()
+        if tensors is None:
+            return []
+        return [np.array(torch_optimizer.held(self.optimizer), dtype=bool), *_arrays(tensors)]
 
     def set_optimizer_state(self, state: Sequence[np.ndarray]) -> bool:
         """Adopt ``state`` (from :meth:`get_optimizer_state`); False, and nothing changed, if it does not fit

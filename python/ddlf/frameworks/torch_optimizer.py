@@ -1,6 +1,10 @@
 """A ``torch.optim`` optimizer's state as a flat list of tensors, for :class:`~.torch_model.TorchModel`: read in a
 fixed order, and set, also on an optimizer that has not stepped yet (torch creates its state at the first step),
-so that a model fresh from ``create_model`` takes a checkpoint's or the master's state."""
+so that a model fresh from ``create_model`` takes a checkpoint's or the master's state.
+
+torch keeps a state only for the parameters that have stepped: a layer frozen from the start has none, one frozen
+after training keeps the one it had (and goes on from it when unfrozen). The list carries which parameters hold a
+state (:func:`held`, first), and setting it gives exactly those one, so that both cases travel as they are."""
 
 from __future__ import annotations
 
@@ -8,20 +12,38 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def params(optimizer: Any) -> list[Any]:
+    """The optimizer's parameters, group by group, in order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def held(optimizer: Any) -> list[bool]:
+    """For each of :func:`params`, whether it holds a state (it has stepped, or was given one)."""
+    return [bool(optimizer.state.get(p)) for p in params(optimizer)]
+
+
 def state_tensors(optimizer: Any, scaler: Any, torch: Any) -> list[Any] | None:
-    """The optimizer's per-parameter state tensors in a fixed order (each parameter's by key), then (``"16-mixed"``)
-    the gradient scaler's scale and growth tracker, which every replica must share to take the same step; None
-    before the first step (a parameter without state)."""
+    """The state tensors of the parameters that hold one (:func:`held`), in a fixed order (each parameter's by
+    key), then (``"16-mixed"``) the gradient scaler's scale and growth tracker, which every replica must share to
+    take the same step; None before the first step (no parameter holds a state)."""
     out: list[Any] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if not state:
-                return None
+    for p in params(optimizer):
+        state = optimizer.state.get(p)
+        if state:
             out.extend(state[k] for k in sorted(state) if torch.is_tensor(state[k]))
+    if not out:
+        return None
     if scaler is not None and getattr(scaler, "_scale", None) is not None:
         out += [scaler._scale, scaler._growth_tracker]
     return out
+
+
+def split(state: Sequence[Any], n_params: int) -> tuple[list[bool], Sequence[Any]]:
+    """:meth:`~.torch_model.TorchModel.get_optimizer_state`'s arrays as (which parameters hold a state, their
+    tensors). A state without the first (saved before it was carried) is every parameter's."""
+    if len(state) and getattr(state[0], "dtype", None) is not None and str(state[0].dtype) in ("bool", "torch.bool"):
+        return [bool(b) for b in state[0].tolist()], state[1:]
+    return [True] * n_params, state
 
 
 def fits(tensors: list[Any] | None, state: Sequence[Any]) -> bool:
@@ -33,15 +55,17 @@ def fits(tensors: list[Any] | None, state: Sequence[Any]) -> bool:
     )
 
 
-def prime(optimizer: Any, torch: Any) -> None:
-    """Create the optimizer's per-parameter state as its first step does: one step with zero gradients, the
-    parameters and their gradients put back as they were. Its values are to be overwritten at once; parameters
-    that do not train (``requires_grad=False``) get none, as in a real step."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+def prime(optimizer: Any, torch: Any, which: list[Any] | None = None) -> None:
+    """Create the state of parameters ``which`` (default: those that train, as a real step would) as their first
+    step does: one step with zero gradients, the parameters and their gradients put back as they were. Its values
+    are to be overwritten at once."""
+    every = params(optimizer)
+    which = [p for p in every if p.requires_grad] if which is None else which
+    chosen = {id(p) for p in which}
     with torch.no_grad():
-        saved = [(p, p.detach().clone(), p.grad) for p in params]
-        for p in params:
-            p.grad = torch.zeros_like(p)
+        saved = [(p, p.detach().clone(), p.grad) for p in every]
+        for p in every:  # the others are left out of the step
+            p.grad = torch.zeros_like(p) if id(p) in chosen else None
         try:
             optimizer.step()
         finally:
@@ -51,18 +75,26 @@ def prime(optimizer: Any, torch: Any) -> None:
 
 
 def set_state(optimizer: Any, scaler: Any, torch: Any, state: Sequence[Any]) -> bool:
-    """Copy ``state`` (tensors in :func:`state_tensors`' order) into the optimizer, priming one that has not stepped
-    yet; False, and the optimizer as it was, if it does not fit (another optimizer or layout)."""
+    """Copy ``state`` (:func:`held`'s flags, then tensors in :func:`state_tensors`' order) into the optimizer: the
+    parameters that held a state get it (primed first where they have none yet), the others none; False, and the
+    optimizer as it was, if it does not fit (another optimizer or layout)."""
+    every = params(optimizer)
+    flags, tensors_in = split(state, len(every))
+    if len(flags) != len(every):
+        return False
+    if not len(tensors_in):
+        return True  # nothing held anywhere: as it is
+    missing = [p for p, f in zip(every, flags) if f and not optimizer.state.get(p)]
+    if missing:
+        prime(optimizer, torch, missing)
+    dropped = {p: optimizer.state.pop(p) for p, f in zip(every, flags) if not f and optimizer.state.get(p)}
     tensors = state_tensors(optimizer, scaler, torch)
-    if tensors is None and len(state):
-        prime(optimizer, torch)
-        tensors = state_tensors(optimizer, scaler, torch)
-        if not fits(tensors, state):
-            optimizer.state.clear()  # as it was: no state
-            return False
-    if tensors is None or not fits(tensors, state):
+    if not fits(tensors, tensors_in):
+        for p in missing:  # as it was
+            optimizer.state.pop(p, None)
+        optimizer.state.update(dropped)
         return False
     with torch.no_grad():
-        for t, s in zip(tensors, state):
+        for t, s in zip(tensors or [], tensors_in):
             t.copy_(s)
     return True

@@ -32,7 +32,7 @@ from ..errors import (
     WorkerLostWarning,
     WorkerUnavailable,
 )
-from ..frameworks import model_spec
+from ..frameworks import model_spec, torch_spec
 from . import checkpoint, master_optimizer
 from . import replica as remote
 from .callbacks import ProgressBar
@@ -132,7 +132,7 @@ class TrainingRun:
 
     def __post_init__(self) -> None:
         self.start_learning_rate = learning_rate(self.app.model)
-        self.start_optimizer_groups = model_spec.optimizer_groups(self.app.model)
+        self.start_optimizer_groups = torch_spec.optimizer_groups(self.app.model)
         self.start_signature = model_spec.signature(self.app.model)
         self.watch_weights = any(not isinstance(cb, ProgressBar) for cb in self.callbacks)
 
@@ -246,11 +246,15 @@ class TrainingRun:
         until then (the workers hold what the master's optimizer held when the run set up)."""
         if self.start_optimizer_groups is None:
             return None
-        now = model_spec.optimizer_groups(self.app.model)
+        now = torch_spec.optimizer_groups(self.app.model)
         if now is not None and (self.optimizer_groups_changed or now != self.start_optimizer_groups):
             self.optimizer_groups_changed = True
             return tuple(now)
         return None
+
+    def round_begin(self, round_no: int) -> None:
+        for cb in self.callbacks:
+            cb.on_round_begin(round_no, {})
 
     def round_end(self, round_no: int, logs: dict[str, Any]) -> None:
         for cb in self.callbacks:

@@ -11,7 +11,7 @@ import pytest
 
 import ddlf
 from ddlf.data.structure import Parts, as_arrays
-from ddlf.frameworks import model_spec
+from ddlf.frameworks import model_spec, torch_spec
 from ddlf.training.replica.dataset import check_model_data, first_batch
 
 
@@ -92,7 +92,8 @@ def test_another_architecture_is_reported_and_another_layer_count_refused() -> N
     assert "another configuration" in (model_spec.differs(other, model_spec.describe(master)) or "")
     smaller = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     smaller.compile(optimizer="adam", loss="mse")
-    with pytest.raises(ddlf.ModelMismatchError, match="create_model must build the same architecture"):
+    differ = r"create_model\(\) built on this worker differ \(weight 0 is \(3,\) on the master"
+    with pytest.raises(ddlf.ModelMismatchError, match=differ):
         model_spec.apply(smaller, model_spec.describe(master))
 
 
@@ -136,10 +137,44 @@ def test_torch_groups_and_frozen_parameters_reach_the_replica() -> None:
     assert worker.optimizer.param_groups[0]["lr"] == 0.0
     assert worker.optimizer.param_groups[0]["weight_decay"] == 0.01
     assert not worker.module[0].weight.requires_grad
-    adam = TorchModel(torch.nn.Linear(3, 1), lambda p: torch.optim.Adam(p), torch.nn.MSELoss(), metrics=())
-    with pytest.raises(ddlf.ModelMismatchError, match=r"trains with torch\.optim\.sgd\.SGD"):
-        model_spec.apply(adam, model_spec.describe(master))
-    assert model_spec.optimizer_groups(_model()) is None
+    other = TorchModel(torch.nn.Linear(3, 1), lambda p: torch.optim.Adam(p), torch.nn.MSELoss(), metrics=())
+    with pytest.raises(
+        ddlf.ModelMismatchError, match=r"module has 4 parameters, the one create_model\(\) built here 2"
+    ):
+        model_spec.apply(other, model_spec.describe(master))
+    assert torch_spec.optimizer_groups(_model()) is None
+
+
+def test_the_masters_own_torch_optimizer_and_loss_are_built_on_the_replica() -> None:
+    """What the user replaced on the master's TorchModel: an optimizer of another class, or over a part of the
+    module (fine-tuning its head), and the loss; a module printing otherwise is named."""
+    torch = pytest.importorskip("torch")
+    from ddlf.models import TorchModel
+
+    def build(p: float = 0.0) -> Any:
+        net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(p), torch.nn.Linear(4, 1))
+        return TorchModel(net, lambda ps: torch.optim.Adam(ps, lr=0.1), torch.nn.MSELoss(), metrics=())
+
+    master, worker = build(), build()
+    master.optimizer = torch.optim.SGD(master.module[2].parameters(), lr=0.5, momentum=0.9)
+    master.loss_fn = torch.nn.L1Loss()
+    spec = model_spec.describe(master)
+    assert model_spec.apply(worker, spec) == ["optimizer", "loss"]
+    assert isinstance(worker.optimizer, torch.optim.SGD)
+    assert [p for g in worker.optimizer.param_groups for p in g["params"]] == list(worker.module[2].parameters())
+    assert worker.optimizer.param_groups[0]["lr"] == 0.5 and worker.optimizer.param_groups[0]["momentum"] == 0.9
+    assert isinstance(worker.loss_fn, torch.nn.L1Loss)
+    assert model_spec.apply(worker, spec) == []  # as the master's now
+    assert model_spec.differs(worker, spec) is None
+    assert "Dropout's p" in (model_spec.differs(build(0.5), spec) or "")
+
+    class Odd(torch.optim.SGD):  # takes another first argument
+        def __init__(self, module: Any) -> None:
+            super().__init__(module.parameters(), lr=0.1)
+
+    master.optimizer = Odd(master.module)
+    with pytest.raises(ddlf.ModelMismatchError, match="could not build from its parameter groups"):
+        model_spec.apply(build(), model_spec.describe(master))
 
 
 def test_lists_and_pandas_become_arrays_and_structure_is_kept() -> None:

@@ -202,7 +202,10 @@ class Session:
         if len(variables) != len(values) or any(tuple(v.shape) != np.shape(a) for v, a in zip(variables, values)):
             raise ModelMismatchError(
                 f"the master's optimizer state ({len(values)} arrays) does not fit this worker's optimizer "
-                f"({len(variables)} variables): create_model must build the same model and optimizer everywhere"
+                f"({len(variables)} variables, for the {len(model.trainable_variables)} weights the model trains): "
+                "where a layer's trainable flag changed after the master's optimizer was built, compile the model "
+                "again with a new optimizer (as Keras needs for the change to take effect); else create_model must "
+                "build the same model and optimizer everywhere"
             )
         set_optimizer_state(model, values, keep_learning_rate=True)
 

@@ -70,7 +70,7 @@ def take_round_rates(model: Any, stepper: Any, spec: Any) -> None:
             stepper.base_lr = spec.learning_rate  # the rate the linear scaling multiplies
     groups = getattr(spec, "optimizer_groups", None)
     if groups is not None:
-        from ...frameworks.model_spec import set_optimizer_groups
+        from ...frameworks.torch_spec import set_optimizer_groups
 
         set_optimizer_groups(model, list(groups))
         if stepper is not None and stepper.base_lr is not None:
