@@ -43,6 +43,9 @@ class Probe(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.calls.append(("epoch_begin", epoch, dict(logs or {})))
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self.calls.append(("batch_begin", batch, dict(logs or {})))
+
     def on_train_batch_end(self, batch, logs=None):
         self.calls.append(("batch_end", batch, dict(logs or {})))
 
@@ -59,7 +62,7 @@ class Probe(keras.callbacks.Callback):
 def test_a_keras_callback_gets_fits_hooks_logs_and_model(cluster: ddlf.Cluster, strategy, mnist_test_split) -> None:
     app = SmallMnist(cluster)
     probe = Probe()
-    app.train(
+    history = app.train(
         epochs=2, batch_size=32, strategy=strategy, validation_data=mnist_test_split, callbacks=[probe], verbose=0
     )
     kinds = [c[0] for c in probe.calls]
@@ -80,6 +83,13 @@ def test_a_keras_callback_gets_fits_hooks_logs_and_model(cluster: ddlf.Cluster, 
             per_epoch[-1].append(index)
     for indices in per_epoch:
         assert indices == sorted(indices) and indices[0] >= 0 and indices[-1] == probe.params["steps"] - 1, indices
+    # a round (chunk) opens as a batch does: TensorBoard counts its steps at the begin, and times them to the end
+    begins = [c[1] for c in probe.calls if c[0] == "batch_begin"]
+    assert len(begins) == len(batches) and begins[0] == 0 and max(begins) < probe.params["steps"]
+    if isinstance(strategy, ddlf.ModelAveraging):  # one round at a time: each begin just before its end
+        pairs = [c[0] for c in probe.calls if c[0].startswith("batch")]
+        assert pairs == ["batch_begin", "batch_end"] * len(batches)
+    assert {k: history.params[k] for k in ("epochs", "steps", "verbose")} == probe.params  # as fit's History
 
 
 def test_early_stopping_stops_training_on_every_worker(cluster: ddlf.Cluster) -> None:

@@ -517,6 +517,7 @@ class IApp:
                     + f"; ready in {time.perf_counter() - t_start:.2f} s"
                 )
             steps = -(-rows // max(1, len(live)) // cfg.batch_size)  # batches a worker trains per epoch
+            history.params.update(steps=steps, verbose=cfg.verbose)  # as fit's
             for cb in cbs:
                 cb.set_app(self)
                 if isinstance(cb, KerasCallback):

@@ -136,6 +136,8 @@ def train_async(run: TrainingRun) -> History:
                     ep.in_flight += 1
                     start_weights = [a.copy() for a in weights]
                     version = state["version"]
+                    round_no = state["round"]
+                run.round_begin(round_no)
                 t0 = time.perf_counter()
                 spec = MasterRound(
                     run_id=run.state.run_id,

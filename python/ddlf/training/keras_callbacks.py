@@ -53,6 +53,8 @@ class KerasCallback(Callback):
         self.params: dict[str, Any] = {}
         self.rows = 0
         """Rows an epoch trains (all workers): a round's ``samples_done`` over it gives fit's batch index."""
+        self.done = 0
+        """Rows the epoch's rounds trained so far."""
 
     def set_app(self, app: Any) -> None:
         super().set_app(app)
@@ -74,7 +76,15 @@ class KerasCallback(Callback):
         self._after()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.done = 0
         self.callback.on_epoch_begin(epoch, dict(logs or {}))
+        self._after()
+
+    def on_round_begin(self, round: int, logs: dict[str, Any] | None = None) -> None:
+        # fit's index of the round's first batch (TensorBoard counts its steps here, and times them to the end)
+        steps = int(self.params.get("steps") or 0)
+        batch = min(steps - 1, steps * self.done // self.rows) if self.rows and steps else round
+        self.callback.on_train_batch_begin(max(0, batch), dict(logs or {}))
         self._after()
 
     def on_round_end(self, round: int, logs: dict[str, Any] | None = None) -> None:
@@ -84,6 +94,7 @@ class KerasCallback(Callback):
         if done is not None and self.rows and steps:
             # fit's index of the last batch run, counted from the epoch's start (as with steps_per_execution):
             # the share of the epoch's rows done, in a worker's batches (so ProgbarLogger ends at `steps`)
+            self.done = int(done)
             batch = min(steps, math.ceil(steps * float(done) / self.rows)) - 1
         else:
             batch = round

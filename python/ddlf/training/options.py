@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sized
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -451,6 +451,11 @@ class TrainConfig:
     """How model averaging exchanges, resolved for the cluster (``train`` sets it); gradient averaging's ring."""
 
     def __post_init__(self) -> None:
+        if any(isinstance(v, Sized) and not isinstance(v, str) for v in (self.epochs, self.batch_size)):  # fit(x, y)
+            raise ConfigTypeError(
+                "train() takes no data: each worker trains on the rows its load_dataset() returns (see IApp); its "
+                "first arguments are epochs and batch_size, e.g. app.train(epochs=5, batch_size=64)"
+            )
         _positive_int(self.batch_size, "batch_size")
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 0:
             raise ConfigError(f"epochs must be an integer >= 0, not {self.epochs!r}")

@@ -101,6 +101,7 @@ def train_sync(run: TrainingRun) -> History:
             assignments = plan.next_round(live)
             if not assignments:
                 continue
+            run.round_begin(round_no)
             t0 = time.perf_counter()
             if ring is not None:
                 factors = None

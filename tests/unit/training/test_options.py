@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 
 import ddlf
@@ -103,6 +104,7 @@ def test_learning_rate_scaling_with_warm_up() -> None:
         (lambda: ddlf.RunConfig(failure_policy="raise"), TypeError, "FailurePolicy"),
         (lambda: TrainConfig(1, 0), ValueError, "batch_size"),
         (lambda: TrainConfig(-1, 8), ValueError, "epochs"),
+        (lambda: TrainConfig(np.zeros((4, 2)), np.zeros(4)), TypeError, r"train\(\) takes no data"),  # as fit(x, y)
         (lambda: TrainConfig(1, 8, strategy=ddlf.Ring()), TypeError, "strategy must be"),
         (lambda: TrainConfig(1, 8, data=ddlf.RunConfig()), TypeError, "data must be"),
     ],
