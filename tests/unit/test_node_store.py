@@ -219,6 +219,6 @@ def test_the_worker_store_shares_loads_drops_and_closes() -> None:
     assert not os.path.exists(path)
     put = store.put("pushed", (np.zeros((4, 2)), np.ones(4)))
     assert not put.describe()["node_shared"]  # values sent by the master stay in the worker
-    with pytest.raises(ValueError, match="different numbers of rows"):
+    with pytest.raises(ValueError, match=r"different numbers of rows \(x: 3, y: 4\)"):
         store.get_or_load("ragged", lambda: (np.zeros(3), np.zeros(4)))
     assert not [n for n in os.listdir(os.path.dirname(path)) if not n.endswith(".lock")]  # let go after the error

@@ -56,6 +56,17 @@ def _arrays(value: Any) -> list[Any]:
     return []
 
 
+def _row_counts(value: Any) -> str:
+    """Each part's rows, by the name ``fit`` gives it: ``x: 1500, y: 2000``."""
+    if isinstance(value, Mapping):
+        parts = list(value.items())
+    elif isinstance(value, (tuple, list)) and 2 <= len(value) <= 3:
+        parts = list(zip(("x", "y", "sample_weight"), value))
+    else:
+        return ", ".join(str(n) for n in sorted({len(a) for a in _arrays(value)}))
+    return ", ".join(f"{name}: {'/'.join(str(n) for n in sorted({len(a) for a in _arrays(v)}))}" for name, v in parts)
+
+
 def _describe(value: Any) -> str:
     """What a dataset value holds, by type: ``tuple of Tensor, Tensor`` (a few leaves named at most)."""
     if isinstance(value, (tuple, list)) and value:
@@ -104,7 +115,10 @@ class DatasetStore:
                     )
                 rows = {len(a) for a in arrays}
                 if len(rows) != 1:
-                    raise DatasetError(f"dataset {key!r}: arrays have different numbers of rows {sorted(rows)}")
+                    raise DatasetError(
+                        f"dataset {key!r}: arrays have different numbers of rows ({_row_counts(value)}): give each "
+                        "one per row"
+                    )
             except BaseException:
                 if hold is not None:
                     hold.release(remove=True)
