@@ -259,3 +259,27 @@ def test_callbacks_watching_a_metric_without_a_mode_decide_as_in_fit(cluster: dd
     assert len(h.history["val_accuracy"]) == 2 and es.stopped_epoch == 1
     assert es.monitor_op is keras.ops.greater and es.min_delta == 1.0  # as Keras sets them for a metric going up
     assert ckpt.monitor_op is keras.ops.greater and best.exists()
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_begin", "on_train_batch_end"])
+@pytest.mark.parametrize(
+    "strategy", [ddlf.ModelAveraging(every=20), ddlf.Asynchronous(chunk=20)], ids=["sync", "async"]
+)
+def test_a_callback_that_raises_in_a_round_ends_train_with_its_error(cluster: ddlf.Cluster, strategy, hook) -> None:
+    """As in ``fit``: the error is ``train()``'s (asynchronous training lost the chunk and waited for ever when a
+    round's begin raised, and printed an error at its end without stopping), and the workers train on after it."""
+
+    def fail(batch: int, logs: dict | None = None) -> None:
+        if batch > 0:
+            raise RuntimeError("a user's callback failed")
+
+    app = SmallMnist(cluster)
+    with pytest.raises(RuntimeError, match="a user's callback failed"):
+        app.train(
+            epochs=2,
+            batch_size=32,
+            strategy=strategy,
+            verbose=0,
+            callbacks=[keras.callbacks.LambdaCallback(**{hook: fail})],
+        )
+    assert len(app.train(epochs=1, batch_size=32, strategy=strategy, verbose=0).history["loss"]) == 1

@@ -494,3 +494,41 @@ def test_weights_a_callback_sets_during_train_are_what_the_workers_train_on(
     for got, want in zip(app.model.get_weights(), target):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     assert [e["epoch"] for e in history.events if e["event"] == "weights_set"] == [at]
+
+
+def _replicas(run_id: str) -> list[list[np.ndarray]]:
+    """The weights each set-up worker's replica of run ``run_id`` holds after its last round."""
+    from ddlf.training.replica.registry import SESSIONS
+
+    session = SESSIONS.by_id.get(run_id)
+    return [] if session is None or session.reduced is None else [session.reduced[2]]
+
+
+def test_weights_set_while_a_worker_joins_leave_every_replica_the_same() -> None:
+    """Gradient averaging, a callback setting the weights at an epoch's end as a worker joins: the members go on
+    from the set weights with their optimizer state, the new one adopts it (it trained with a fresh one, and the
+    replicas drifted apart, silently, when every member restarted as a new one), so all hold the same weights."""
+    from ddlf.training.callbacks import Callback
+
+    from ..conftest import POOL, pool_addresses
+
+    first, second, extra = pool_addresses(3, spare=True)
+    held: list[list[np.ndarray]] = []
+
+    class SetAndAdd(Callback):
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if epoch == 0:
+                self.app.model.set_weights([w * 0.5 for w in self.app.model.get_weights()])
+                cluster.add_worker(extra)
+            else:
+                held.extend(r for per in cluster.run(_replicas, self.history.params["run_id"]) for r in per)
+
+    with ddlf.Cluster([first, second], token=POOL.token) as cluster:
+        app = Binary(cluster)
+        strategy = ddlf.GradientAveraging(scale_learning_rate=False)
+        history = app.train(epochs=2, batch_size=BATCH, strategy=strategy, verbose=0, callbacks=[SetAndAdd()])
+    assert [e["event"] for e in history.events if e["event"] in ("added", "weights_set")] == ["weights_set", "added"]
+    assert len(held) == 3
+    for replica in held[1:]:
+        for a, b in zip(held[0], replica):
+            np.testing.assert_array_equal(a, b)

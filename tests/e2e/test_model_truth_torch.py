@@ -217,3 +217,36 @@ def test_a_torch_module_that_prints_otherwise_is_warned_of(cluster: ddlf.Cluster
     with pytest.warns(ddlf.ModelChangeWarning, match="prints otherwise than the master's"):
         history = _train(app, "gradient averaging")
     assert any(e["event"] == "model_mismatch" for e in history.events)
+
+
+def test_a_worker_joining_a_torch_run_after_a_freeze_adopts_the_whole_state() -> None:
+    """Gradient averaging on a ``TorchModel`` whose base was frozen after a first run: the members hold an Adam
+    state for every parameter, a worker that joins primes only those that train. It takes the others' layout
+    first, then their state (the all-reduce of states of two shapes failed), and every replica ends the same."""
+    from ddlf.training.callbacks import Callback
+
+    from ..conftest import POOL, pool_addresses
+    from .test_model_truth import _replicas
+
+    first, second, extra = pool_addresses(3, spare=True)
+    held: list[list[np.ndarray]] = []
+
+    class Add(Callback):
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if epoch == 0:
+                cluster.add_worker(extra)
+            else:
+                held.extend(r for per in cluster.run(_replicas, self.history.params["run_id"]) for r in per)
+
+    with ddlf.Cluster([first, second], token=POOL.token) as cluster:
+        app = TorchAdamParts(cluster)
+        _train(app, "gradient averaging")
+        app.model.module[0].requires_grad_(False)
+        history = _train(app, "gradient averaging", epochs=2, callbacks=[Add()])
+    assert "added" in [e["event"] for e in history.events]
+    steps = _steps(app.model)
+    assert steps[0] == steps[1] and steps[2] == steps[3] > steps[0]  # the base's state kept, the head's gone on
+    assert len(held) == 3
+    for replica in held[1:]:
+        for a, b in zip(held[0], replica):
+            np.testing.assert_array_equal(a, b)

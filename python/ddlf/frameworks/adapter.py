@@ -76,6 +76,15 @@ class ModelAdapter(ABC):
     def optimizer_state(self) -> list[np.ndarray]:
         """The optimizer's state arrays, in a fixed order."""
 
+    def optimizer_layout(self) -> np.ndarray | None:
+        """Which parameters hold an optimizer state, where that varies (torch: one that never stepped holds none);
+        None where it does not (Keras builds every trainable weight's)."""
+        return None
+
+    def conform_optimizer(self, layout: np.ndarray) -> None:  # noqa: B027 - only where a layout varies
+        """Give an optimizer state to exactly the parameters ``layout`` (:meth:`optimizer_layout`) names, so that
+        this replica's state has another's shape."""
+
     @abstractmethod
     def optimizer_state_bytes(self) -> int:
         """The bytes of :meth:`optimizer_state`, read off the optimizer's tensors without copying them."""
@@ -254,6 +263,12 @@ class TorchModelAdapter(ModelAdapter):
 
     def optimizer_state(self) -> list[np.ndarray]:
         return self.model.get_optimizer_state()
+
+    def optimizer_layout(self) -> np.ndarray | None:
+        return np.array(torch_optimizer.held(self.model.optimizer), dtype=bool)
+
+    def conform_optimizer(self, layout: np.ndarray) -> None:
+        torch_optimizer.conform(self.model.optimizer, self.model._torch, [bool(b) for b in layout])
 
     def optimizer_state_bytes(self) -> int:
         tensors = self.model._optimizer_tensors()

@@ -91,8 +91,7 @@ class ModelSpec:
     optimizer_groups: list[dict[str, Any]] | None = None
     """torch: each parameter group's hyperparameters (all but its ``params``)."""
     optimizer_params: list[list[int]] | None = None
-    """torch: each parameter group's parameters, as indices into ``module.parameters()`` (None: one is not the
-    module's)."""
+    """torch: each parameter group's parameters, as indices into ``module.parameters()`` (-1: not the module's)."""
     loss: Any = None
     """torch: the master's ``loss_fn`` where it was set after the model was made (None: ``create_model``'s)."""
     training_options: dict[str, Any] | None = None

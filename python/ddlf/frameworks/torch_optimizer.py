@@ -74,6 +74,18 @@ def prime(optimizer: Any, torch: Any, which: list[Any] | None = None) -> None:
                 p.grad = grad
 
 
+def conform(optimizer: Any, torch: Any, flags: list[bool]) -> None:
+    """Give a state to exactly the parameters ``flags`` names (:func:`held`'s of another replica): primed where
+    one has none, dropped where one has but should not."""
+    every = params(optimizer)
+    missing = [p for p, f in zip(every, flags) if f and not optimizer.state.get(p)]
+    if missing:
+        prime(optimizer, torch, missing)
+    for p, f in zip(every, flags):
+        if not f:
+            optimizer.state.pop(p, None)
+
+
 def set_state(optimizer: Any, scaler: Any, torch: Any, state: Sequence[Any]) -> bool:
     """Copy ``state`` (:func:`held`'s flags, then tensors in :func:`state_tensors`' order) into the optimizer: the
     parameters that held a state get it (primed first where they have none yet), the others none; False, and the

@@ -86,12 +86,11 @@ def _class_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def optimizer_params(model: Any) -> list[list[int]] | None:
-    """A ``TorchModel`` optimizer's parameter groups as indices into ``module.parameters()`` (None: a parameter
-    is not the module's)."""
+def optimizer_params(model: Any) -> list[list[int]]:
+    """A ``TorchModel`` optimizer's parameter groups as indices into ``module.parameters()`` (-1: a parameter
+    that is not the module's, which cannot be rebuilt elsewhere)."""
     index = {id(p): i for i, p in enumerate(model.module.parameters())}
-    groups = [[index.get(id(p), -1) for p in group["params"]] for group in model.optimizer.param_groups]
-    return None if any(-1 in g for g in groups) else groups
+    return [[index.get(id(p), -1) for p in group["params"]] for group in model.optimizer.param_groups]
 
 
 def architecture(model: Any) -> str:
@@ -104,16 +103,14 @@ def architecture(model: Any) -> str:
 def _build_optimizer(model: Any, spec: ModelSpec, params: list[Any]) -> None:
     """Give ``model`` the master's optimizer: its class over the same parameter groups, with their
     hyperparameters (its state comes after, as for any worker: :func:`ddlf.training.master_optimizer.push`)."""
-    if spec.optimizer_type is None or spec.optimizer_params is None or spec.optimizer_groups is None:
+    members = spec.optimizer_params or [[-1]]
+    if spec.optimizer_type is None or spec.optimizer_groups is None or any(-1 in g for g in members):
         raise ModelMismatchError(
             f"the master's TorchModel trains with {spec.optimizer_class} over other parameter groups than the one "
             "create_model() built here, and not all of its parameters are the module's: create_model must build "
             "the same optimizer everywhere"
         )
-    groups = [
-        {**hyper, "params": [params[i] for i in idx]}
-        for idx, hyper in zip(spec.optimizer_params, spec.optimizer_groups)
-    ]
+    groups = [{**hyper, "params": [params[i] for i in idx]} for idx, hyper in zip(members, spec.optimizer_groups)]
     try:
         model.optimizer = spec.optimizer_type(groups)
     except Exception as exc:  # a user's optimizer class that takes other arguments

@@ -496,9 +496,14 @@ class IApp:
                 if whole is not None:  # sharded optimizer state: every worker takes it, to cut its shard from
                     states.update({w: {"optimizer_shard": whole} for w in live if w not in states})
                 targets = [w for w in live if w in states]
+                # the run's rate, not the saved one (scaled): one written before checkpoints held the master's
+                # rate keeps the saved one unless it was scaled
+                keep = "learning_rate" in resumed or bool(resumed.get("scale_learning_rate"))
                 if targets:
                     self.cluster.run_each(
-                        remote.restore_state, [(state.run_id, states[w]) for w in targets], workers=targets
+                        remote.restore_state,
+                        [(state.run_id, {**states[w], "keep_learning_rate": keep}) for w in targets],
+                        workers=targets,
                     )
                 where = str(checkpoint.path_in(cfg.run.checkpoint_dir or ""))
                 members.note("resumed", epochs_done=initial_epoch, checkpoint=where)

@@ -98,7 +98,7 @@ def train_async(run: TrainingRun) -> History:
     assert isinstance(strategy, Asynchronous)
     weights = [np.require(w, requirements="C") for w in app.model.get_weights()]
     lock = threading.Lock()
-    state: dict[str, Any] = {"version": 0, "round": 0, "error": None}
+    state: dict[str, Any] = {"version": 0, "round": 0, "begun": 0, "error": None}
     for epoch in range(run.initial_epoch, cfg.epochs):
         t_epoch = run.begin_epoch(epoch)
         take_edits(run, weights)
@@ -136,8 +136,16 @@ def train_async(run: TrainingRun) -> History:
                     ep.in_flight += 1
                     start_weights = [a.copy() for a in weights]
                     version = state["version"]
-                    round_no = state["round"]
-                run.round_begin(round_no)
+                    begun = state["begun"]  # chunks in flight at once each open a round of their own
+                    state["begun"] += 1
+                try:
+                    run.round_begin(begun)
+                except BaseException as exc:  # a callback's error ends the run, as in the sync loop
+                    with lock:
+                        ep.in_flight -= 1
+                        queue.appendleft((chunk, shard))  # not trained
+                        state["error"] = exc
+                    return False
                 t0 = time.perf_counter()
                 spec = MasterRound(
                     run_id=run.state.run_id,
@@ -211,7 +219,12 @@ def train_async(run: TrainingRun) -> History:
                     state["round"] += 1
                     round_no = state["round"]
                     logs = dict(res.logs, samples_done=ep.done)
-                run.round_end(round_no, logs)
+                try:
+                    run.round_end(round_no, logs)
+                except BaseException as exc:  # surfaced by the master thread (a thread's error was only printed)
+                    with lock:
+                        state["error"] = exc
+                    return False
 
         _supervise(cluster, members, ep, work, lock, state, cfg, lambda: run.preempted() or bool(app.stop_training))
         if state["error"] is not None:

@@ -114,10 +114,22 @@ class RingExchange:
         return got
 
     def restart_from(self, weights: list[np.ndarray]) -> None:
-        """The master's model was given ``weights`` (a callback set them): every worker starts the next round
-        from them, as a new member does (its optimizer state, or shard, stays)."""
+        """The master's model was given ``weights`` (a callback set them): the workers holding the last round's
+        take them as its result, and start the next round from them (still members: their optimizer state, or
+        shard, goes on, and a redo rewinds as ever); one that does not answer is sent them as a new member, as is
+        any other."""
         self.fallback, self.fallback_round = weights, self.round
-        self.synced = {}
+        holders = list(self.synced)
+        if self.round is None or not holders:
+            self.synced = {}
+            return
+        cluster, run_id = self.run.cluster, self.run.state.run_id
+        done = cluster.call(
+            remote.replace_reduced_weights, (run_id, self.round, weights), workers=holders, return_exceptions=True
+        )
+        for w, ok in zip(holders, done):
+            if isinstance(ok, BaseException):
+                self.synced.pop(w, None)
 
     def forget(self, worker: int) -> None:
         """``worker`` was lost: it no longer holds the current weights."""

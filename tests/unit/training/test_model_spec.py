@@ -175,6 +175,10 @@ def test_the_masters_own_torch_optimizer_and_loss_are_built_on_the_replica() -> 
     master.optimizer = Odd(master.module)
     with pytest.raises(ddlf.ModelMismatchError, match="could not build from its parameter groups"):
         model_spec.apply(build(), model_spec.describe(master))
+    outside = torch.nn.Parameter(torch.zeros(1))  # a temperature, say: not the module's, not rebuilt elsewhere
+    master.optimizer = torch.optim.Adam([*master.module[2].parameters(), outside])
+    with pytest.raises(ddlf.ModelMismatchError, match="not all of its parameters are the module's"):
+        model_spec.apply(build(), model_spec.describe(master))
 
 
 def test_lists_and_pandas_become_arrays_and_structure_is_kept() -> None:

@@ -132,6 +132,11 @@ def reduced_weights(run_id: str, round_no: int | None = None) -> list[np.ndarray
     return SESSIONS.get(run_id).reduced_weights(round_no)
 
 
+def replace_reduced_weights(run_id: str, round_no: int, weights: list[np.ndarray]) -> None:
+    """The next round starts here from ``weights`` (:meth:`.session.Session.replace_reduced_weights`)."""
+    SESSIONS.get(run_id).replace_reduced_weights(round_no, weights)
+
+
 __all__ = [
     "adopt_optimizer_state",
     "evaluate",
@@ -140,6 +145,7 @@ __all__ = [
     "optimizer_state",
     "predict",
     "reduced_weights",
+    "replace_reduced_weights",
     "restore_state",
     "runs",
     "session_state",

@@ -11,6 +11,7 @@ import numpy as np
 
 from ... import ops
 from ...errors import NotFoundError
+from ...frameworks.adapter import adapter_for
 from ...ring_spec import RingSpec
 from ...worker import drain, reduction
 from ...worker.reduction import BucketRing, reduce_scratch
@@ -277,6 +278,10 @@ def train_gradients(session: Session, worker: Any, spec: GradientRound) -> dict[
         set_optimizer_state(model, session.optimizer_start)
     if spec.adopt:
         stepper.build_optimizer()
+        adapter = adapter_for(model)
+        layout = adapter.optimizer_layout()
+        if layout is not None:  # torch: first hold a state for the parameters the others do (the same shape)
+            adapter.conform_optimizer(_adopt([layout], not fresh, ring)[0])
         set_optimizer_state(model, _adopt(optimizer_state(model), not fresh, ring))
     session.optimizer_start = optimizer_state(model) if optimizer_built(model) else None
     session.rng_start = rng_state(model)

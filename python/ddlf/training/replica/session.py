@@ -107,6 +107,14 @@ class Session:
             raise NotFoundError(f"run {self.run_id}: no reduced weights for round {round_no} here")
         return reduced[2]
 
+    def replace_reduced_weights(self, round_no: int, weights: list[np.ndarray]) -> None:
+        """The master's model was given ``weights`` after round ``round_no`` (a callback set them): the next round
+        starts here from them, as from that round's result (its optimizer state, or shard, goes on)."""
+        reduced = self.reduced
+        if reduced is None or reduced[0] != round_no:
+            raise NotFoundError(f"run {self.run_id}: no reduced weights for round {round_no} here")
+        self.reduced = (round_no, reduced[1], [np.array(w) for w in weights])
+
     # -- what rounds share ------------------------------------------------------------------------------------
 
     def steps(self) -> Any:
@@ -216,7 +224,8 @@ class Session:
             adapter_for(model).build_optimizer()
             # the rate is the run's, as in adopt_optimizer_state: the saved one is scaled by the workers of the run
             # that saved it (taken as this run's base, it was scaled again at each resume)
-            set_optimizer_state(model, state["optimizer"], keep_learning_rate=True)
+            keep = bool(state.get("keep_learning_rate", True))
+            set_optimizer_state(model, state["optimizer"], keep_learning_rate=keep)
         set_rng_state(model, state.get("rng", []))
         if state.get("optimizer_shard") is not None:
             from .sharded import Held
