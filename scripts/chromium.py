@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
-__all__ = ["find_chromium", "screenshot"]
+__all__ = ["dump_dom", "find_chromium", "screenshot"]
 
 
 def find_chromium() -> str | None:
@@ -47,7 +48,31 @@ def screenshot(
         f"--screenshot={png}",
         url,
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    done = _run(cmd, timeout)
     if done.returncode != 0 or not png.exists():
         raise RuntimeError(f"chromium could not render {url}: {done.stderr.strip()[-500:]}")
     return png
+
+
+def dump_dom(html_path: str | os.PathLike[str], *, timeout: float = 60.0) -> str:
+    """The DOM of an HTML file as headless Chromium parsed it (``--dump-dom``). Raises FileNotFoundError when no
+    Chromium is installed, RuntimeError when it gives nothing."""
+    browser = find_chromium()
+    if browser is None:
+        raise FileNotFoundError("no chromium on PATH (Debian: apt-get install chromium)")
+    url = Path(html_path).resolve().as_uri()
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--dump-dom", url]
+    for _ in range(2):  # a browser that starts and gives nothing at all (once, in a loaded CI run) is asked again
+        done = _run(cmd, timeout)
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout
+    raise RuntimeError(f"chromium gave no DOM for {url} (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run Chromium with a profile of its own: two at once on one profile hand the page to the first, and the
+    second exits with nothing (tests in parallel processes, a screenshot beside them)."""
+    with tempfile.TemporaryDirectory(prefix="ddlf-chromium-") as profile:
+        return subprocess.run(
+            [cmd[0], f"--user-data-dir={profile}", *cmd[1:]], capture_output=True, text=True, timeout=timeout
+        )

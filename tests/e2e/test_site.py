@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from scripts.chromium import find_chromium, screenshot
+from scripts.chromium import dump_dom, find_chromium, screenshot
 
 import ddlf
 
@@ -128,12 +128,7 @@ def test_the_front_page_and_an_api_page_render_in_chromium(site: Path) -> None:
     _required("chromium", browser is not None)
     assert browser is not None
     api = site / "reference" / "strategies" / "index.html"
-    dom = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", api.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
+    dom = dump_dom(api)
     # The page as the browser parsed it holds the entry and its description.
     assert 'id="ddlf.GradientAveraging"' in dom and "Synchronous gradient averaging" in dom
     from PIL import Image
