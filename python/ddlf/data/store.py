@@ -56,15 +56,18 @@ def _arrays(value: Any) -> list[Any]:
     return []
 
 
-def _row_counts(value: Any) -> str:
-    """Each part's rows, by the name ``fit`` gives it: ``x: 1500, y: 2000``."""
-    if isinstance(value, Mapping):
-        parts = list(value.items())
-    elif isinstance(value, (tuple, list)) and 2 <= len(value) <= 3:
-        parts = list(zip(("x", "y", "sample_weight"), value))
-    else:
-        return ", ".join(str(n) for n in sorted({len(a) for a in _arrays(value)}))
-    return ", ".join(f"{name}: {'/'.join(str(n) for n in sorted({len(a) for a in _arrays(v)}))}" for name, v in parts)
+def _refuse_rows(key: str, value: Any, rows: set[int]) -> None:
+    """Refuse a dataset whose arrays differ in rows, each part named as ``fit`` names it where the value has
+    ``fit``'s shape (:meth:`.structure.Parts.of` says so: ``x: 1500, y: 2000``)."""
+    from .structure import Parts
+
+    split = Parts.split(value)
+    if split is not None:
+        try:
+            Parts.of(*split)
+        except DatasetError as exc:
+            raise DatasetError(f"dataset {key!r}: {exc}") from None
+    raise DatasetError(f"dataset {key!r}: arrays have different numbers of rows {sorted(rows)}")
 
 
 def _describe(value: Any) -> str:
@@ -115,10 +118,7 @@ class DatasetStore:
                     )
                 rows = {len(a) for a in arrays}
                 if len(rows) != 1:
-                    raise DatasetError(
-                        f"dataset {key!r}: arrays have different numbers of rows ({_row_counts(value)}): give each "
-                        "one per row"
-                    )
+                    _refuse_rows(key, value, rows)
             except BaseException:
                 if hold is not None:
                     hold.release(remove=True)

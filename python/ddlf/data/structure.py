@@ -160,13 +160,23 @@ class Parts:
                     f"load_dataset returned a dict with keys {sorted(value)}; it takes 'x', 'y' and optionally "
                     "'sample_weight' (a dict of a model's named inputs goes under 'x')"
                 )
-            return cls.of(value["x"], value.get("y"), value.get("sample_weight"))
-        if isinstance(value, (tuple, list)) and len(value) in (2, 3):
-            return cls.of(*value)
+        split = cls.split(value)
+        if split is not None:
+            return cls.of(*split)
         raise DatasetError(
             "load_dataset must return (x, y), (x, y, sample_weight) or {'x': ..., 'y': ..., 'sample_weight': ...}, "
             f"not {type(value).__name__}"
         )
+
+    @staticmethod
+    def split(value: Any) -> tuple[Any, Any, Any] | None:
+        """``(x, y, sample_weight)`` of a value in ``fit``'s shape (a 2- or 3-tuple or list, a dict with ``x``);
+        None for another."""
+        if isinstance(value, dict) and "x" in value:
+            return value["x"], value.get("y"), value.get("sample_weight")
+        if isinstance(value, (tuple, list)) and len(value) in (2, 3):
+            return (*value, None) if len(value) == 2 else tuple(value)
+        return None
 
     def names(self) -> list[str]:
         """Each leaf's place, as ``x['image']`` or ``y[1]``."""

@@ -88,23 +88,20 @@ def conform(optimizer: Any, torch: Any, flags: list[bool]) -> None:
 
 def set_state(optimizer: Any, scaler: Any, torch: Any, state: Sequence[Any]) -> bool:
     """Copy ``state`` (:func:`held`'s flags, then tensors in :func:`state_tensors`' order) into the optimizer: the
-    parameters that held a state get it (primed first where they have none yet), the others none; False, and the
-    optimizer as it was, if it does not fit (another optimizer or layout)."""
+    parameters that held a state get it (:func:`conform`), the others none; False, and the optimizer as it was,
+    if it does not fit (another optimizer or layout)."""
     every = params(optimizer)
     flags, tensors_in = split(state, len(every))
     if len(flags) != len(every):
         return False
     if not len(tensors_in):
         return True  # nothing held anywhere: as it is
-    missing = [p for p, f in zip(every, flags) if f and not optimizer.state.get(p)]
-    if missing:
-        prime(optimizer, torch, missing)
-    dropped = {p: optimizer.state.pop(p) for p, f in zip(every, flags) if not f and optimizer.state.get(p)}
+    before = {p: optimizer.state[p] for p in every if optimizer.state.get(p)}
+    conform(optimizer, torch, flags)
     tensors = state_tensors(optimizer, scaler, torch)
     if not fits(tensors, tensors_in):
-        for p in missing:  # as it was
-            optimizer.state.pop(p, None)
-        optimizer.state.update(dropped)
+        optimizer.state.clear()  # as it was
+        optimizer.state.update(before)
         return False
     with torch.no_grad():
         for t, s in zip(tensors or [], tensors_in):
